@@ -1,0 +1,81 @@
+"""The draft-length policy interface: what decides γ at every step.
+
+The engine asks a policy twice per step:
+
+* ``gamma(ctx)`` before drafting. ``ctx`` carries what a predictor such as the LDLP needs: the last
+  accepted token, its embedding, the target feature at the position that produced it (the pair the
+  drafter reads next), the step index and the history of accepted lengths.
+* ``keep_drafting(ctx, i, token, probs)`` after drafted token ``i`` (1-based) with the drafter's
+  distribution ``probs`` over that token; returning False stops the chain early. Threshold methods
+  (confidence, entropy, cumulative log-probability) live here.
+
+After verification ``observe(ctx, drafted, accepted)`` lets stateful schedules (transformers'
+heuristic) update. ``begin(prompt_ids)`` is called once per generation before the clock starts.
+γ = 0 is legal: the engine then takes a plain target step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class DraftContext:
+    step: int  # 0-based decoding step (one target forward each)
+    last_token: int  # the last accepted token, not yet seen by the target
+    feature: torch.Tensor  # (d,) target feature at the position that produced last_token
+    accepted_history: list[int] = field(default_factory=list)  # accepted drafts per past step
+    drafted_history: list[int] = field(default_factory=list)  # drafted tokens per past step
+    position: int = 0  # number of tokens generated so far (last_token included)
+    max_gamma: int = 0  # what the context and max_new_tokens still allow
+    _embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+    _embedding: torch.Tensor | None = None
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """(d,) target input embedding of ``last_token`` (computed on first use)."""
+        if self._embedding is None:
+            ids = torch.tensor([self.last_token], device=self.feature.device)
+            self._embedding = self._embed(ids)[0]
+        return self._embedding
+
+
+class DraftLengthPolicy:
+    """Base class: subclasses set ``name`` and override ``gamma`` (and optionally the hooks)."""
+
+    name = "base"
+    adaptive = True  # False for a fixed γ (results report gamma then)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Called once per generation, before timing starts."""
+
+    def gamma(self, ctx: DraftContext) -> int:
+        raise NotImplementedError
+
+    def keep_drafting(self, ctx: DraftContext, i: int, token: int, probs: torch.Tensor) -> bool:
+        return True
+
+    def observe(self, ctx: DraftContext, drafted: int, accepted: int) -> None:
+        """Called after each verification."""
+
+
+class StaticPolicy(DraftLengthPolicy):
+    """A fixed γ every step: EAGLE's and most papers' default."""
+
+    name = "static"
+    adaptive = False
+
+    def __init__(self, gamma: int = 4):
+        if not isinstance(gamma, int) or gamma < 0:
+            raise ValueError(f"static policy: gamma must be an integer >= 0, got {gamma!r}")
+        self._gamma = gamma
+
+    @property
+    def fixed_gamma(self) -> int:
+        return self._gamma
+
+    def gamma(self, ctx: DraftContext) -> int:
+        return self._gamma

@@ -1,0 +1,88 @@
+"""The target model: any Hugging Face causal LM, plus the feature EAGLE drafts from.
+
+One forward returns next-token logits *and* the feature EAGLE uses: the decoder's last hidden state
+after the final norm, i.e. exactly what the LM head sees. The KV cache is a transformers
+``DynamicCache`` that :func:`rollback` shortens after rejected drafts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def rollback(cache, length: int) -> None:
+    """Shorten a transformers cache to its first ``length`` positions (drop rejected drafts)."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"cannot roll a cache of {cache.get_seq_length()} positions forward to {length}")
+    if extra == 0:
+        return
+    # transformers 5.x: crop(-n) removes n positions; earlier releases took the length to keep.
+    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
+        cache.crop(-extra)
+    else:
+        cache.crop(length)
+
+
+def new_cache(model: nn.Module):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+class TargetModel(nn.Module):
+    """A causal LM that returns ``(logits, feature)`` and knows its context length and special ids."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model.eval()
+        cfg = model.config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.max_length = getattr(cfg, "max_position_embeddings", None) or 2048
+        eos = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+        eos = eos if eos is not None else cfg.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+                        trust_remote_code: bool = False, attn_implementation: str | None = "sdpa") -> "TargetModel":
+        """Load a local Hugging Face folder (safetensors or ``pytorch_model.bin``, never remote code by default)."""
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise ValueError(f"target folder {path} has no config.json (is the path right?)")
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     attn_implementation=attn_implementation)
+        return cls(model.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self):
+        return new_cache(self.model)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` (B, T) continuing ``cache`` -> logits (B, T, V) and features (B, T, d)."""
+        out = self.decoder(input_ids=input_ids, cache=cache, use_cache=cache is not None)
+        feature = out.last_hidden_state
+        return self.lm_head(feature), feature
+
+    @torch.no_grad()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)

@@ -1,0 +1,142 @@
+"""Causal-LM pretraining with Lightning: the embedded target and the standalone draft LM.
+
+Conversations are rendered with the tokenizer's chat template, tokenised with ``datasets.map`` and
+packed into fixed blocks (the usual ``group_texts`` recipe), then a ``LlamaForCausalLM`` learns them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import torch
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from eagle_backbone.data.conversations import render, to_messages
+
+
+def packed_blocks(tokenizer, conversations: list[dict], block_size: int, num_proc: int | None = None) -> Dataset:
+    """Render, tokenise and pack conversations into ``block_size`` token blocks (tail dropped)."""
+    ds = Dataset.from_dict({"text": [render(tokenizer, to_messages(c["conversations"])) for c in conversations]})
+    ds = ds.map(lambda b: tokenizer(b["text"], add_special_tokens=False), batched=True,
+                remove_columns=["text"], num_proc=num_proc)
+
+    def group(batch):
+        ids = [t for seq in batch["input_ids"] for t in seq]
+        n = len(ids) // block_size * block_size
+        return {"input_ids": [ids[i:i + block_size] for i in range(0, n, block_size)]}
+
+    ds = ds.map(group, batched=True, batch_size=2000, remove_columns=ds.column_names)
+    return ds.with_format("torch")
+
+
+class LMDataModule(L.LightningDataModule):
+    def __init__(self, tokenizer, corpus_dir: str, block_size: int, batch_size: int, seed: int = 0,
+                 max_conversations: int | None = None):
+        super().__init__()
+        self.tokenizer, self.corpus_dir, self.block_size = tokenizer, Path(corpus_dir), block_size
+        self.batch_size, self.seed, self.max_conversations = batch_size, seed, max_conversations
+
+    def _split(self, name: str) -> Dataset:
+        convs = json.loads((self.corpus_dir / f"{name}.json").read_text())[: self.max_conversations]
+        return packed_blocks(self.tokenizer, convs, self.block_size)
+
+    def setup(self, stage=None):
+        if not hasattr(self, "train"):
+            self.train, self.val = self._split("train"), self._split("validation")
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=self.batch_size)
+
+
+class CausalLMModule(L.LightningModule):
+    """Wraps a ``LlamaForCausalLM``; logs loss and perplexity; cosine schedule with warmup."""
+
+    def __init__(self, model_config: dict, lr: float = 1e-3, weight_decay: float = 0.1,
+                 warmup_steps: int = 100, max_steps: int = 1000):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.save_hyperparameters()
+        self.model = LlamaForCausalLM(LlamaConfig(**model_config))
+
+    def training_step(self, batch, _):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, _):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
+
+    def configure_optimizers(self):
+        from transformers import get_cosine_schedule_with_warmup
+
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr, betas=(0.9, 0.95))
+        sched = get_cosine_schedule_with_warmup(opt, self.hparams.warmup_steps, self.hparams.max_steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "bfloat16") -> None:
+    """Save a Hugging Face folder (safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    model.to(torch.float32)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss)
+
+
+def run_lm_training(cfg) -> dict:
+    """Train ``cfg.lm`` on the corpus, resuming from ``cfg.ckpt_dir/last.ckpt``; export a HF folder."""
+    import time
+
+    import hydra
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg.threads)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    if len(tokenizer) != cfg.lm.config.vocab_size:
+        raise ValueError(f"tokenizer at {cfg.tokenizer} has {len(tokenizer)} tokens but lm.config.vocab_size "
+                         f"is {cfg.lm.config.vocab_size}; set vocab_size={len(tokenizer)}")
+    dm = LMDataModule(tokenizer, cfg.corpus_dir, cfg.block_size, cfg.batch_size, cfg.seed, cfg.max_conversations)
+    module = CausalLMModule(OmegaConf.to_container(cfg.lm.config, resolve=True), lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                            max_steps=cfg.trainer.max_steps)
+    ckpt_dir = Path(cfg.ckpt_dir)
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=50, save_top_k=0)
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=hydra.utils.instantiate(cfg.logger),
+                                      callbacks=[ckpt, LearningRateMonitor("step")])
+    last = ckpt_dir / "last.ckpt"
+    start = time.time()
+    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if cfg.resume and last.exists() else None)
+    val = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    summary = {"name": cfg.lm.name, "params": sum(p.numel() for p in module.model.parameters()),
+               "steps": trainer.global_step, "tokens_seen": trainer.global_step * cfg.batch_size * cfg.block_size,
+               "val_loss": val["val/loss"], "val_ppl": math.exp(val["val/loss"]),
+               "train_seconds_this_run": time.time() - start, "seed": cfg.seed,
+               "config": OmegaConf.to_container(cfg.lm.config, resolve=True)}
+    if trainer.is_global_zero:
+        export_hf(module.model, tokenizer, cfg.lm.out_dir, cfg.export_dtype)
+        (Path(cfg.lm.out_dir) / "training_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,17 @@
+"""Build the embedded conversation corpus from the running Python's standard library."""
+
+import hydra
+from omegaconf import DictConfig
+
+import eagle_backbone.paths  # noqa: F401
+from eagle_backbone.data.corpus import CorpusConfig, write_corpus
+
+
+@hydra.main(config_path="../conf", config_name="build_corpus", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    manifest = write_corpus(cfg.out_dir, CorpusConfig(seed=cfg.seed, max_modules=cfg.max_modules))
+    print(manifest)
+
+
+if __name__ == "__main__":
+    main()

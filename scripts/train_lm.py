@@ -1,0 +1,16 @@
+"""Pretrain the embedded target (or the standalone draft LM): compose a config, call the library."""
+
+import hydra
+from omegaconf import DictConfig
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from eagle_backbone.train.lm import run_lm_training
+
+
+@hydra.main(config_path="../conf", config_name="train_lm", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_lm_training(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Tiny randomly initialised Llama targets and EAGLE drafters, built in float64 so that greedy ties
+between one-token and many-token forwards cannot flip an argmax."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle_backbone.drafter import EagleDrafter
+from eagle_backbone.target import TargetModel
+
+
+def tiny_llama_config(vocab=64, d=32, layers=2, max_pos=256, eos=2, **kw):
+    return LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                       bos_token_id=1, eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False, **kw)
+
+
+def make_target(seed=0, dtype=torch.float64, **kw) -> TargetModel:
+    torch.manual_seed(seed)
+    cfg = tiny_llama_config(**kw)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).to(dtype)
+    # sharpen the output distribution so greedy paths are not near-ties and drafts get accepted sometimes
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return TargetModel(model)
+
+
+def make_drafter(target: TargetModel, seed=1, dtype=torch.float64) -> EagleDrafter:
+    torch.manual_seed(seed)
+    d = EagleDrafter.from_target_config(target.model.config)
+    d.embed_tokens.weight.data.copy_(target.embed_tokens.weight.data.float())
+    return d.to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="session")
+def drafter(target):
+    return make_drafter(target)
