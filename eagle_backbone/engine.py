@@ -163,6 +163,10 @@ class SpeculativeDecoder:
                 break
 
         out = _finish(new, eos, max_new_tokens)
+        cut_drafts = max(0, len(new) - len(out) - 1)  # kept drafts after EOS are never emitted: waste
+        if cut_drafts:
+            stats.accepted_tokens -= cut_drafts
+            stats.accept_lengths[-1] -= cut_drafts
         stats.new_tokens = len(out)
         stats.wall_s = clock() - t_start
         return GenerationOutput(out, stats)

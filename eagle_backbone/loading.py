@@ -1,0 +1,54 @@
+"""Build target, candidate generator and tokenizer from a ``model`` config (``conf/model/*.yaml``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle_backbone.candidates import CandidateGenerator, DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.drafter import EagleDrafter
+from eagle_backbone.target import TargetModel
+
+
+@dataclass
+class ModelPair:
+    target: TargetModel
+    candidates: CandidateGenerator
+    tokenizer: object
+    drafter: torch.nn.Module  # EagleDrafter or a causal LM
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def load_drafter(kind: str, path: str | Path, dtype: str = "float32", device: str = "cpu",
+                 trust_remote_code: bool = False):
+    if kind == "eagle":
+        return EagleDrafter.from_pretrained(path, dtype=dtype, device=device)
+    if kind == "draft_lm":
+        return TargetModel.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code).model
+    raise ValueError(f"model.drafter_kind must be 'eagle' or 'draft_lm', got {kind!r}")
+
+
+def make_candidates(kind: str, drafter, target: TargetModel) -> CandidateGenerator:
+    if kind == "eagle":
+        return EagleCandidateGenerator(drafter, target)
+    return DraftModelCandidateGenerator(drafter, target)
+
+
+def load_pair(cfg) -> ModelPair:
+    """``cfg`` has target, tokenizer, drafter, drafter_kind, dtype, device, trust_remote_code."""
+    for key in ("target", "drafter"):
+        if not (Path(cfg[key]) / "config.json").exists():
+            raise ValueError(f"model.{key}={cfg[key]} has no config.json: train or download it first "
+                             "(nothing is fetched at run time)")
+    remote = bool(cfg.get("trust_remote_code", False))
+    target = TargetModel.from_pretrained(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=remote)
+    drafter = load_drafter(cfg.drafter_kind, cfg.drafter, cfg.dtype, cfg.device, remote)
+    tokenizer = load_tokenizer(cfg.get("tokenizer") or cfg.target, remote)
+    return ModelPair(target, make_candidates(cfg.drafter_kind, drafter, target), tokenizer, drafter)

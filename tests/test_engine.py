@@ -1,0 +1,157 @@
+"""Greedy speculative decoding equals plain greedy decoding, token for token."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from eagle_backbone.candidates import CandidateGenerator, DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
+
+
+class ScriptedCandidates(CandidateGenerator):
+    """Proposes the target's own greedy continuation, corrupted at random: controlled acceptance
+    lengths (including whole drafts accepted and drafts running past EOS) for a random target."""
+
+    kind = "scripted"
+
+    def __init__(self, prompt, reference, corrupt=0.3, vocab=64, seed=0):
+        self.full, self.corrupt, self.vocab = list(prompt) + list(reference), corrupt, vocab
+        self.rng = random.Random(seed)
+
+    def start(self, prompt_ids, features):
+        pass
+
+    def propose(self, tokens, gamma, keep, sampling, rng):
+        draft = []
+        for i in range(gamma):
+            pos = len(tokens) + i
+            tok = self.full[pos] if pos < len(self.full) else self.rng.randrange(self.vocab)
+            if self.rng.random() < self.corrupt:
+                tok = self.rng.randrange(self.vocab)
+            draft.append(tok)
+            probs = torch.zeros(self.vocab)
+            probs[tok] = 1.0
+            if not keep(i + 1, tok, probs):
+                break
+        return draft, [torch.nn.functional.one_hot(torch.tensor(t), self.vocab).double() for t in draft]
+
+    def commit(self, valid_len, new_features):
+        pass
+
+
+def random_prompts(n, vocab=64, seed=0, max_len=12):
+    g = random.Random(seed)
+    return [[g.randrange(3, vocab) for _ in range(g.randint(1, max_len))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_eagle_greedy_identity(target, drafter, gamma):
+    dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(gamma))
+    for prompt in random_prompts(4, seed=gamma):
+        ref = autoregressive_generate(target, prompt, 24).tokens
+        out = dec.generate(prompt, 24)
+        assert out.tokens == ref
+        assert out.stats.new_tokens == len(ref)
+        assert out.stats.target_forwards == 1 + len(out.stats.draft_lengths)
+
+
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_scripted_drafts_greedy_identity_and_accounting(target, gamma):
+    for k, prompt in enumerate(random_prompts(5, seed=100 + gamma)):
+        ref = autoregressive_generate(target, prompt, 30).tokens
+        cand = ScriptedCandidates(prompt, ref, corrupt=0.25, seed=k)
+        out = SpeculativeDecoder(target, cand, StaticPolicy(gamma)).generate(prompt, 30)
+        assert out.tokens == ref
+        s = out.stats
+        assert s.drafted_tokens == s.accepted_tokens + s.wasted_tokens
+        assert s.new_tokens == len(ref) and s.tau >= 1.0
+        assert sum(s.accept_lengths) == s.accepted_tokens
+
+
+def test_self_drafting_accepts_everything():
+    """The target as its own draft model: every draft is kept, τ = γ + 1."""
+    target = make_target()
+    target.eos_token_ids = set()
+    dec = SpeculativeDecoder(target, DraftModelCandidateGenerator(target.model, target), StaticPolicy(4))
+    prompt = [5, 9, 11]
+    out = dec.generate(prompt, 25)
+    assert out.tokens == autoregressive_generate(target, prompt, 25).tokens
+    assert out.stats.wasted_tokens == 0 and out.stats.target_forwards == 1 + -(-24 // 5)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5, 8])
+def test_eos_inside_a_draft(gamma):
+    target = make_target(seed=3)
+    prompt = [4, 8, 15, 16]
+    ref = autoregressive_generate(target, prompt, 20).tokens
+    target.eos_token_ids = {ref[6]}  # a token the target really emits becomes EOS
+    stop = ref.index(ref[6]) + 1
+    # drafts run past EOS: the scripted drafter proposes the whole reference continuation
+    cand = ScriptedCandidates(prompt, ref, corrupt=0.0)
+    out = SpeculativeDecoder(target, cand, StaticPolicy(gamma)).generate(prompt, 20)
+    assert out.tokens == autoregressive_generate(target, prompt, 20).tokens == ref[:stop]
+    assert out.tokens[-1] in target.eos_token_ids
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 7, 11])
+def test_max_new_tokens_mid_draft(target, max_new):
+    dec = SpeculativeDecoder(target, DraftModelCandidateGenerator(target.model, target), StaticPolicy(5))
+    out = dec.generate([7, 7, 3], max_new)
+    assert len(out.tokens) == max_new
+    assert out.tokens == autoregressive_generate(target, [7, 7, 3], max_new).tokens
+    assert out.stats.drafted_tokens + out.stats.target_forwards <= max_new + out.stats.target_forwards
+
+
+def test_one_token_prompt_and_zero_budget(target, drafter):
+    dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(3))
+    assert dec.generate([1], 16).tokens == autoregressive_generate(target, [1], 16).tokens
+    assert dec.generate([1], 0).tokens == []
+
+
+def test_context_end(target):
+    small = make_target(max_pos=24)
+    prompt = list(range(3, 20))
+    ref = autoregressive_generate(small, prompt, 50).tokens
+    assert len(ref) == 24 - len(prompt) + 1 or small.eos_token_ids & set(ref)
+    dec = SpeculativeDecoder(small, DraftModelCandidateGenerator(small.model, small), StaticPolicy(6))
+    assert dec.generate(prompt, 50).tokens == ref
+
+
+class ZeroThenFour(DraftLengthPolicy):
+    name = "alternating"
+
+    def gamma(self, ctx):
+        return 0 if ctx.step % 2 == 0 else 4
+
+
+class StopAfterTwo(DraftLengthPolicy):
+    name = "stop2"
+
+    def gamma(self, ctx):
+        assert ctx.embedding.shape == ctx.feature.shape
+        return 6
+
+    def keep_drafting(self, ctx, i, token, probs):
+        assert abs(float(probs.sum()) - 1) < 1e-6
+        return i < 2
+
+
+def test_gamma_zero_steps_and_early_stop(target, drafter):
+    prompt = [3, 14, 15, 9, 26]
+    ref = autoregressive_generate(target, prompt, 30).tokens
+    for policy in (ZeroThenFour(), StopAfterTwo()):
+        for cand in (EagleCandidateGenerator(drafter, target), DraftModelCandidateGenerator(target.model, target)):
+            out = SpeculativeDecoder(target, cand, policy).generate(prompt, 30)
+            assert out.tokens == ref
+    assert max(out.stats.draft_lengths) == 2
+
+
+def test_fp32_engine_matches_ar():
+    target = make_target(seed=5, dtype=torch.float32)
+    drafter = make_drafter(target, dtype=torch.float32)
+    dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(4))
+    for prompt in random_prompts(4, seed=9):
+        assert dec.generate(prompt, 20).tokens == autoregressive_generate(target, prompt, 20).tokens
