@@ -32,7 +32,9 @@ class SamplingConfig:
 
 def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus), then softmax; applied alike to target and drafter."""
-    logits = logits.float() / (cfg.temperature if cfg.temperature > 0 else 1.0)
+    # at least float32 (half-precision softmax is too coarse for acceptance ratios), float64 stays
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits / (cfg.temperature if cfg.temperature > 0 else 1.0)
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
