@@ -116,11 +116,15 @@ class EagleDrafter(nn.Module):
         state = load_state_dict(path)
         cfg.bias = "fc.bias" in state
         model = cls(cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k != "embed_tokens.weight"]  # may be tied to the target later
-        if missing or unexpected:
-            raise ValueError(f"{path}: checkpoint does not match an EAGLE-1 drafter; "
-                             f"missing keys {missing}, unexpected keys {unexpected}")
+        expected = model.state_dict()
+        missing = [k for k in expected if k not in state and k != "embed_tokens.weight"]  # embedding may be tied later
+        unexpected = [k for k in state if k not in expected]
+        wrong = [f"{k} {tuple(state[k].shape)} (config says {tuple(expected[k].shape)})"
+                 for k in state if k in expected and state[k].shape != expected[k].shape]
+        if missing or unexpected or wrong:
+            raise ValueError(f"{path}: checkpoint does not match an EAGLE-1 drafter for {path / 'config.json'}; "
+                             f"missing keys {missing}, unexpected keys {unexpected}, wrong shapes {wrong}")
+        model.load_state_dict(state, strict=False)
         model.has_own_embedding = "embed_tokens.weight" in state
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         return model.to(device=device, dtype=dtype).eval()
