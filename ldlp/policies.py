@@ -1,0 +1,247 @@
+"""Draft-length policies: static γ and the adaptive rules compared against it.
+
+Each policy is one class here and one YAML file under ``conf/policy/`` (built with
+``hydra.utils.instantiate``). The engine asks ``gamma(ctx)`` before drafting and
+``keep_drafting(ctx, i, token, probs)`` after each drafted token (see :mod:`eagle_backbone.policy`);
+threshold rules therefore return their cap ``max_gamma`` from ``gamma`` and decide in ``keep_drafting``.
+
+* :class:`StaticPolicy`      a fixed γ (EAGLE's default).
+* :class:`LDLPPolicy`        the trained Lightweight Draft Length Predictor (AdaEAGLE).
+* :class:`DDDPolicy`         stop when the draft's cumulative log-probability falls below a threshold
+                             (Dynamic Depth Decoding).
+* :class:`LDLPDDDPolicy`     AdaEAGLE-DDD: stop only once the LDLP length is passed *and* the DDD rule fires.
+* :class:`ConfidencePolicy`  stop when the drafter's top probability falls below a threshold
+                             (transformers' ``assistant_confidence_threshold``, DISCO-like).
+* :class:`EntropyPolicy`     stop when the drafter's entropy exceeds a threshold (AdaEDL / SVIP-like).
+* :class:`HeuristicPolicy`   transformers' schedule: γ += 2 after a fully accepted draft, else γ = max(1, γ - 1).
+* :class:`OraclePolicy`      the upper bound: knows how many drafts the target will accept and drafts
+                             exactly that many (zero waste). Greedy only.
+
+Policies that need the models (the oracle) get them through ``bind(target, candidates, max_new_tokens,
+sampling)``, which the evaluation calls once before generating; the others ignore it.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
+
+__all__ = ["StaticPolicy", "LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy",
+           "HeuristicPolicy", "OraclePolicy", "POLICY_CLASSES", "DraftLengthPolicy"]
+
+
+def _check_cap(name: str, max_gamma) -> int:
+    if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 1:
+        raise ValueError(f"{name} policy: max_gamma must be an integer >= 1, got {max_gamma!r}")
+    return max_gamma
+
+
+def _token_logprob(probs: torch.Tensor, token: int) -> float:
+    p = float(probs[token])
+    return math.log(p) if p > 0 else float("-inf")
+
+
+@lru_cache(maxsize=8)
+def _load_ldlp(path: str):
+    """One predictor per checkpoint folder per process (a multirun evaluates many policies in one process)."""
+    from ldlp.predictor import LDLP
+
+    return LDLP.from_pretrained(path)
+
+
+class LDLPPolicy(DraftLengthPolicy):
+    """γ = the LDLP's prediction from the last accepted token's embedding and its target feature."""
+
+    name = "ldlp"
+
+    def __init__(self, path: str, max_gamma: int | None = None, offset: int = 0):
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"ldlp policy: policy.path={path} has no config.json; train the predictor first "
+                             "(`python scripts/collect_oracle.py` then `python scripts/train_ldlp.py +experiment=tiny`)")
+        self.path = str(path)
+        self.model = _load_ldlp(self.path)
+        self.max_gamma = None if max_gamma is None else _check_cap(self.name, max_gamma)
+        if not isinstance(offset, int):
+            raise ValueError(f"ldlp policy: offset must be an integer, got {offset!r}")
+        self.offset = offset  # added to the prediction (AdaEAGLE drafts the predicted length; +1 hedges)
+
+    def predict(self, ctx: DraftContext) -> int:
+        n = max(0, int(self.model.predict_length(ctx.embedding, ctx.feature)) + self.offset)
+        return n if self.max_gamma is None else min(n, self.max_gamma)
+
+    def gamma(self, ctx: DraftContext) -> int:
+        return self.predict(ctx)
+
+
+class DDDPolicy(DraftLengthPolicy):
+    """Draft while the cumulative log-probability of the draft stays at or above ``threshold``."""
+
+    name = "ddd"
+
+    def __init__(self, threshold: float = -1.0, max_gamma: int = 8):
+        if not threshold <= 0:
+            raise ValueError(f"ddd policy: threshold is a log-probability and must be <= 0, got {threshold!r}")
+        self.threshold = float(threshold)
+        self.max_gamma = _check_cap(self.name, max_gamma)
+        self._logp = 0.0
+
+    def gamma(self, ctx: DraftContext) -> int:
+        self._logp = 0.0
+        return self.max_gamma
+
+    def keep_drafting(self, ctx, i, token, probs) -> bool:
+        self._logp += _token_logprob(probs, token)
+        return self._logp >= self.threshold
+
+
+class LDLPDDDPolicy(DraftLengthPolicy):
+    """AdaEAGLE-DDD: keep drafting until both the LDLP length is reached and the DDD rule says stop."""
+
+    name = "ldlp_ddd"
+
+    def __init__(self, path: str, threshold: float = -1.0, max_gamma: int = 8, offset: int = 0):
+        self.ldlp = LDLPPolicy(path, max_gamma=max_gamma, offset=offset)
+        self.ddd = DDDPolicy(threshold, max_gamma)
+        self.max_gamma = max_gamma
+        self._length = 0
+
+    def gamma(self, ctx: DraftContext) -> int:
+        self._length = self.ldlp.predict(ctx)
+        self.ddd.gamma(ctx)
+        return self.max_gamma
+
+    def keep_drafting(self, ctx, i, token, probs) -> bool:
+        confident = self.ddd.keep_drafting(ctx, i, token, probs)  # always update the running log-probability
+        return i < self._length or confident
+
+
+class ConfidencePolicy(DraftLengthPolicy):
+    """Draft while the drafter's top probability is at or above ``threshold``."""
+
+    name = "confidence"
+
+    def __init__(self, threshold: float = 0.4, max_gamma: int = 8):
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"confidence policy: threshold is a probability in [0, 1], got {threshold!r}")
+        self.threshold = float(threshold)
+        self.max_gamma = _check_cap(self.name, max_gamma)
+
+    def gamma(self, ctx: DraftContext) -> int:
+        return self.max_gamma
+
+    def keep_drafting(self, ctx, i, token, probs) -> bool:
+        return float(probs.max()) >= self.threshold
+
+
+class EntropyPolicy(DraftLengthPolicy):
+    """Draft while the entropy (nats) of the drafter's distribution is at or below ``threshold``."""
+
+    name = "entropy"
+
+    def __init__(self, threshold: float = 1.0, max_gamma: int = 8):
+        if not threshold >= 0:
+            raise ValueError(f"entropy policy: threshold is an entropy in nats and must be >= 0, got {threshold!r}")
+        self.threshold = float(threshold)
+        self.max_gamma = _check_cap(self.name, max_gamma)
+
+    def gamma(self, ctx: DraftContext) -> int:
+        return self.max_gamma
+
+    @staticmethod
+    def entropy(probs: torch.Tensor) -> float:
+        p = probs.double()
+        return float(-(p * torch.log(p.clamp_min(1e-300))).sum())  # 0·log 0 = 0
+
+    def keep_drafting(self, ctx, i, token, probs) -> bool:
+        return self.entropy(probs) <= self.threshold
+
+
+class HeuristicPolicy(DraftLengthPolicy):
+    """transformers' ``num_assistant_tokens_schedule="heuristic"``, reset at every generation
+    (``"heuristic_transient"``) so that results do not depend on the order of the prompts."""
+
+    name = "heuristic"
+
+    def __init__(self, initial_gamma: int = 5, max_gamma: int | None = None):
+        if not isinstance(initial_gamma, int) or initial_gamma < 1:
+            raise ValueError(f"heuristic policy: initial_gamma must be an integer >= 1, got {initial_gamma!r}")
+        self.initial_gamma = initial_gamma
+        self.max_gamma = None if max_gamma is None else _check_cap(self.name, max_gamma)
+        self._gamma = initial_gamma
+
+    def begin(self, prompt_ids) -> None:
+        self._gamma = self.initial_gamma
+
+    def gamma(self, ctx: DraftContext) -> int:
+        return self._gamma
+
+    def observe(self, ctx, drafted, accepted) -> None:
+        if drafted > 0 and accepted == drafted:
+            self._gamma += 2
+        else:
+            self._gamma = max(1, self._gamma - 1)
+        if self.max_gamma is not None:
+            self._gamma = min(self._gamma, self.max_gamma)
+
+
+class OraclePolicy(DraftLengthPolicy):
+    """Drafts exactly as many tokens as the target will accept (at most ``k_max``): zero waste.
+
+    ``begin`` replays the generation with the same target and candidate generator at a static γ = k_max
+    and records, at each decoding position, how many drafts the target accepted. Under greedy decoding the
+    replay visits the same positions as the oracle itself (drafting a tokens that are all accepted and
+    adding the target's bonus token emits exactly what drafting k_max and keeping a emits), and the
+    drafter's state at each of those positions holds the same true features, so the recorded count is
+    exactly what will be accepted. ``begin`` runs before the clock starts: the replay is not timed,
+    as befits an upper bound.
+    """
+
+    name = "oracle"
+
+    def __init__(self, k_max: int = 8):
+        self.k_max = _check_cap(self.name, k_max)
+        self._accepted: dict[int, int] = {}
+        self._bound = None
+
+    def bind(self, target, candidates, max_new_tokens: int, sampling) -> None:
+        if not sampling.greedy:
+            raise ValueError("oracle policy: it is defined for greedy decoding only (generation.temperature=0); "
+                             f"got temperature={sampling.temperature}")
+        self._bound = (target, candidates, max_new_tokens)
+
+    def begin(self, prompt_ids) -> None:
+        if self._bound is None:
+            raise ValueError("oracle policy: call bind(target, candidates, max_new_tokens, sampling) before "
+                             "generating; it needs the models to know what the target will accept")
+        from eagle_backbone.engine import SpeculativeDecoder
+
+        target, candidates, max_new_tokens = self._bound
+        recorder = _Recorder(self.k_max)
+        out = SpeculativeDecoder(target, candidates, recorder).generate(prompt_ids, max_new_tokens).tokens
+        # drafts past an EOS are accepted by the target but never emitted: draft up to the EOS only
+        eos = [i for i, t in enumerate(out) if t in target.eos_token_ids]
+        stop = eos[0] if eos else len(out)
+        self._accepted = {pos: min(a, max(0, stop - pos)) for pos, a in recorder.accepted_at.items()}
+
+    def gamma(self, ctx: DraftContext) -> int:
+        return self._accepted.get(ctx.position, 0)
+
+
+class _Recorder(StaticPolicy):
+    """Static γ that remembers how many drafts were accepted at each position."""
+
+    def __init__(self, gamma: int):
+        super().__init__(gamma)
+        self.accepted_at: dict[int, int] = {}
+
+    def observe(self, ctx, drafted, accepted) -> None:
+        self.accepted_at[ctx.position] = accepted
+
+
+POLICY_CLASSES = {cls.name: cls for cls in (StaticPolicy, LDLPPolicy, DDDPolicy, LDLPDDDPolicy, ConfidencePolicy,
+                                            EntropyPolicy, HeuristicPolicy, OraclePolicy)}

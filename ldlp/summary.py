@@ -1,0 +1,293 @@
+"""Turn evaluation runs (``results.json`` files, e.g. Hydra multirun folders) into a table and a plot.
+
+Rows are grouped by what was run (model, prompt set, generation settings, policy and its settings);
+a row's timings are the medians over all its runs (repeated sweeps and in-process rounds), its counters
+come from the first run (they are deterministic). Per model, the summary also reports the best static
+γ, the best adaptive policy, the oracle, and the fraction of the oracle's headroom over the best static
+γ that the best adaptive policy captures:
+
+    headroom captured = (best adaptive - best static) / (oracle - best static)   in tokens/s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+STATIC, ORACLE = "static", "oracle"
+POLICY_ORDER = ["static", "ldlp", "ldlp_ddd", "ddd", "confidence", "entropy", "heuristic", "hf_heuristic",
+                "hf_confidence", "oracle"]
+MEDIAN_KEYS = ("wall_s", "tokens_per_s", "ar_tokens_per_s", "speedup", "draft_s", "target_s", "policy_s")
+COUNTER_KEYS = ("n_prompts", "new_tokens", "tau", "target_forwards", "drafted_tokens", "wasted_tokens",
+                "acceptance_rate", "mean_drafted_per_step")
+COLUMNS = [  # (key, header, format)
+    ("policy", "Policy", "{}"), ("gamma", "γ", "{}"), ("tau", "τ", "{:.2f}"), ("tokens_per_s", "tokens/s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"), ("draft_s", "draft s", "{:.2f}"), ("target_s", "target s", "{:.2f}"),
+    ("policy_s", "policy s", "{:.3f}"), ("target_forwards", "target forwards", "{}"),
+    ("wasted_tokens", "wasted tokens", "{}"), ("lossless", "lossless", "{}"), ("runs", "runs", "{}"),
+]
+MODEL_TITLES = {"eagle": "EAGLE drafter", "draft_lm": "standalone draft LM"}
+
+
+def find_results(paths) -> list[dict]:
+    """Every ``results.json`` under ``paths`` (folders searched recursively, or the files themselves)."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    files = []
+    for p in map(Path, paths):
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            files.extend(sorted(p.rglob("results.json")))
+        else:
+            raise ValueError(f"summary: {p} does not exist")
+    if not files:
+        raise ValueError(f"summary: no results.json under {', '.join(map(str, paths))} (did the evaluation run?)")
+    out = []
+    for f in files:
+        try:
+            r = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not valid JSON ({e})") from None
+        missing = [k for k in ("policy", "tokens_per_s", "model") if k not in r]
+        if missing:
+            raise ValueError(f"{f}: not an evaluation result (missing {missing})")
+        r["_file"] = str(f)
+        out.append(r)
+    return out
+
+
+def _group_key(r: dict) -> str:
+    settings = {k: v for k, v in (r.get("policy_config") or {}).items() if k != "_target_"}
+    return json.dumps([r.get("model"), r.get("drafter_kind"), r.get("dataset"), r.get("n_prompts"),
+                       r.get("temperature"), r.get("max_new_tokens"), r["policy"], r.get("gamma"), settings],
+                      sort_keys=True, default=str)
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return float(statistics.median(values)) if values else None
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """One row per configuration: medians of timings over its runs, counters of its first run."""
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(_group_key(r), []).append(r)
+    rows = []
+    for runs in groups.values():
+        first = runs[0]
+        row = {k: first.get(k) for k in ("policy", "gamma", "model", "drafter_kind", "dataset", "temperature",
+                                          "max_new_tokens", "engine", "ar_impl")}
+        row.update({k: first.get(k) for k in COUNTER_KEYS})
+        row.update({k: _median([r.get(k) for r in runs]) for k in MEDIAN_KEYS})
+        flags = [r.get("lossless") for r in runs]
+        row["lossless"] = False if False in flags else (True if flags and all(f is True for f in flags) else None)
+        row["runs"] = len(runs)
+        row["repeats"] = sum(int(r.get("repeats", 1)) for r in runs)
+        row["settings"] = {k: v for k, v in (first.get("policy_config") or {}).items() if k != "_target_"}
+        row["machine"] = first.get("machine")
+        rows.append(row)
+    rows.sort(key=_row_order)
+    return rows
+
+
+def _row_order(row: dict):
+    p = row["policy"]
+    rank = POLICY_ORDER.index(p) if p in POLICY_ORDER else len(POLICY_ORDER) - 1
+    return (row.get("drafter_kind") != "eagle", str(row.get("model")), rank, row.get("gamma") or 0, p)
+
+
+def headline(rows: list[dict]) -> dict:
+    """Per model: best static γ, best adaptive policy, oracle, headroom captured, best speedup, lossless."""
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        static = [r for r in mine if r["policy"] == STATIC]
+        oracle = [r for r in mine if r["policy"] == ORACLE]
+        adaptive = [r for r in mine if r["policy"] not in (STATIC, ORACLE)]
+        h = {"model": model, "drafter_kind": mine[0].get("drafter_kind")}
+        best_static = max(static, key=lambda r: r["tokens_per_s"], default=None)
+        best_adaptive = max(adaptive, key=lambda r: r["tokens_per_s"], default=None)
+        if best_static:
+            h["best_static"] = {"gamma": best_static["gamma"], "tokens_per_s": best_static["tokens_per_s"],
+                                "speedup": best_static["speedup"]}
+        if best_adaptive:
+            h["best_adaptive"] = {"policy": best_adaptive["policy"], "tokens_per_s": best_adaptive["tokens_per_s"],
+                                  "speedup": best_adaptive["speedup"]}
+        if oracle:
+            h["oracle"] = {"tokens_per_s": oracle[0]["tokens_per_s"], "speedup": oracle[0]["speedup"]}
+        if best_static and best_adaptive:
+            h["adaptive_gain"] = best_adaptive["tokens_per_s"] / best_static["tokens_per_s"] - 1
+            h["adaptive_beats_static"] = best_adaptive["tokens_per_s"] > best_static["tokens_per_s"]
+        if best_static and best_adaptive and oracle:
+            room = oracle[0]["tokens_per_s"] - best_static["tokens_per_s"]
+            h["headroom_captured"] = ((best_adaptive["tokens_per_s"] - best_static["tokens_per_s"]) / room
+                                      if room > 0 else None)
+        speedups = [r["speedup"] for r in mine if r["speedup"] is not None and r["policy"] != ORACLE]
+        h["best_speedup"] = max(speedups, default=None)
+        greedy = [r for r in mine if r.get("temperature") == 0]
+        h["all_greedy_lossless"] = all(r["lossless"] is True for r in greedy) if greedy else None
+        out[model] = h
+    return out
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "–"
+    if key == "lossless":
+        return "yes" if v else "**NO**"
+    if key == "policy":
+        return _policy_label(row)
+    return fmt.format(v)
+
+
+def _policy_label(row: dict) -> str:
+    p = row["policy"]
+    if p == STATIC:
+        return "static"
+    settings = row.get("settings") or {}
+    if "threshold" in settings and settings.get("threshold") is not None:
+        return f"{p} (threshold {settings['threshold']:g})"
+    if p == "hf_confidence" and settings.get("confidence_threshold") is not None:
+        return f"{p} (threshold {settings['confidence_threshold']:g}, self-tuning)"
+    return p
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def markdown(rows: list[dict], heads: dict, title: str = "Static vs adaptive draft length") -> str:
+    lines = [f"## {title}", ""]
+    first = rows[0]
+    lines.append(f"Prompt set **{first['dataset']}**, {first['n_prompts']} prompts, "
+                 f"{first['max_new_tokens']} new tokens at most, "
+                 + ("greedy decoding." if first.get("temperature") == 0 else f"temperature {first.get('temperature')}."))
+    for model, h in heads.items():
+        kind = MODEL_TITLES.get(h.get("drafter_kind"), h.get("drafter_kind"))
+        mine = [r for r in rows if r["model"] == model]
+        lines += ["", f"### {model} ({kind})", ""]
+        lines.append("| " + " | ".join(c[1] for c in COLUMNS) + " |")
+        lines.append("|" + "|".join("---" if c[0] == "policy" else "---:" for c in COLUMNS) + "|")
+        for r in mine:
+            lines.append("| " + " | ".join(_cell(r, k, f) for k, _, f in COLUMNS) + " |")
+        ar = _median([r.get("ar_tokens_per_s") for r in mine])
+        lines.append("")
+        facts = []
+        if ar:
+            facts.append(f"AR baseline {ar:.1f} tokens/s ({mine[0].get('ar_impl')} implementation, the faster of "
+                         "this project's and transformers' generate)")
+        if "best_static" in h:
+            facts.append(f"best static γ = {h['best_static']['gamma']} at {h['best_static']['tokens_per_s']:.1f} tokens/s")
+        if "best_adaptive" in h:
+            gain = h.get("adaptive_gain")
+            facts.append(f"best adaptive: {h['best_adaptive']['policy']} at {h['best_adaptive']['tokens_per_s']:.1f} "
+                         f"tokens/s" + (f" ({100 * gain:+.1f}% vs best static)" if gain is not None else ""))
+        if "oracle" in h:
+            facts.append(f"oracle {h['oracle']['tokens_per_s']:.1f} tokens/s")
+        if "headroom_captured" in h:
+            facts.append(f"headroom captured by the best adaptive policy: **{_pct(h['headroom_captured'])}** "
+                         "of (oracle − best static)")
+        if h.get("best_speedup") is not None:
+            facts.append(f"best speedup over AR (oracle excluded): {h['best_speedup']:.2f}x")
+        if h.get("all_greedy_lossless") is not None:
+            facts.append("every greedy output equals the AR output" if h["all_greedy_lossless"]
+                         else "**some greedy outputs differ from the AR output**")
+        lines += [f"- {f}" for f in facts]
+    runs = sorted({r["runs"] for r in rows})
+    reps = sorted({r["repeats"] for r in rows})
+    m = first.get("machine") or {}
+    lines += ["", f"Timings are medians over {_span(reps)} rounds per row ({_span(runs)} evaluation runs, each "
+              "repeating the prompt set): in every round the AR baseline and the speculative run alternate "
+              "prompt by prompt in the same process, and repeated sweeps interleave the policies. τ = tokens per "
+              "target forward (prefill included); wasted = drafted tokens the target rejected; seconds are "
+              "totals over the prompt set. Counters are deterministic; timings are not.",
+              "",
+              f"Machine: {m.get('cpu', '?')}, {m.get('cpu_count', '?')} CPUs, torch {m.get('torch', '?')} "
+              f"with {m.get('torch_threads', '?')} threads" + (f", GPU {m['gpu']}" if m.get("gpu") else "")
+              + f", {m.get('platform', '?')}."]
+    return "\n".join(lines) + "\n"
+
+
+def _span(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}–{values[-1]}"
+
+
+def plot(rows: list[dict], path: str | Path) -> Path:
+    """tokens/s against γ for static, adaptive policies as horizontal lines, oracle on top; a panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.4 * len(models), 4.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        static = sorted((r for r in mine if r["policy"] == STATIC), key=lambda r: r["gamma"])
+        gammas = [r["gamma"] for r in static] or [1, 8]
+        if static:
+            ax.plot(gammas, [r["tokens_per_s"] for r in static], "o-", color="black", lw=2, label="static γ", zorder=3)
+        others = [r for r in mine if r["policy"] != STATIC]
+        cmap = plt.get_cmap("tab10")
+        for i, r in enumerate(sorted(others, key=lambda r: r["tokens_per_s"])):
+            is_oracle = r["policy"] == ORACLE
+            ax.axhline(r["tokens_per_s"], color="crimson" if is_oracle else cmap(i % 10),
+                       ls="--" if is_oracle else "-", lw=2.5 if is_oracle else 1.4, label=_policy_label(r),
+                       zorder=4 if is_oracle else 2)
+        ar = _median([r.get("ar_tokens_per_s") for r in mine])
+        if ar:
+            ax.axhline(ar, color="gray", ls=":", lw=1.5, label="autoregressive")
+        ax.set_xlabel("static draft length γ")
+        ax.set_ylabel("tokens / s")
+        ax.set_xticks(gammas)
+        kind = MODEL_TITLES.get(mine[0].get("drafter_kind"), "")
+        ax.set_title(f"{model} ({kind})" if kind else model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)  # keeps the suffix: matplotlib picks the format by it
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    import pandas as pd
+
+    cols = ["model", "drafter_kind", "dataset", "policy", "gamma", "settings", "tau", "tokens_per_s",
+            "ar_tokens_per_s", "speedup", "wall_s", "draft_s", "target_s", "policy_s", "target_forwards",
+            "drafted_tokens", "wasted_tokens", "new_tokens", "n_prompts", "max_new_tokens", "temperature",
+            "acceptance_rate", "mean_drafted_per_step", "lossless", "runs", "repeats", "engine", "ar_impl"]
+    df = pd.DataFrame([{c: (json.dumps(r.get(c)) if c == "settings" else r.get(c)) for c in cols} for r in rows])
+    tmp = path.with_name(path.name + ".tmp")
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft length") -> dict:
+    """Read every results.json under ``paths``; write results.md, results.csv, tokens_per_s.png,
+    summary.json into ``out_dir``; return the rows, the headline numbers and the Markdown."""
+    rows = aggregate(find_results(paths))
+    heads = headline(rows)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(rows, heads, title)
+    _atomic_write(out / "results.md", md)
+    write_csv(rows, out / "results.csv")
+    png = plot(rows, out / "tokens_per_s.png")
+    _atomic_write(out / "summary.json", json.dumps({"headline": heads, "rows": rows}, indent=2, default=str) + "\n")
+    return {"rows": rows, "headline": heads, "markdown": md, "md": out / "results.md", "csv": out / "results.csv",
+            "png": png}

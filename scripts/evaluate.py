@@ -1,0 +1,23 @@
+"""Evaluate one draft-length policy on one prompt set (a Hydra app; -m sweeps several).
+
+    python scripts/evaluate.py policy=ldlp data.limit=10
+    python scripts/evaluate.py -m policy=static policy.gamma=1,2,3,4,5,6,7,8
+"""
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from ldlp.evaluation import evaluate, one_line
+
+
+@hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    result = evaluate(cfg, policy_name=hc.runtime.choices.get("policy"), out_dir=hc.runtime.output_dir)
+    print(one_line(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

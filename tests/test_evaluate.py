@@ -1,0 +1,120 @@
+"""scripts/evaluate.py and the summary on tiny random models saved to temporary folders."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from transformers import LlamaForCausalLM
+
+from conftest import tiny_llama_config
+from eagle_backbone.drafter import EagleDrafter
+from ldlp.evaluation import RESULT_KEYS, evaluate
+from ldlp.summary import summarize
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER = REPO / "data" / "embedded" / "tokenizer"  # committed; its vocabulary (4096) sizes the tiny models
+VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny Llama target, an EAGLE drafter and a standalone draft LM, saved like the embedded ones."""
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, d=32, layers=2, max_pos=512, eos=2))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    target.save_pretrained(root / "target")
+    drafter = EagleDrafter.from_target_config(target.config)
+    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    drafter.save_pretrained(root / "drafter")
+    torch.manual_seed(2)
+    LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, d=32, layers=1, max_pos=512, eos=2)).save_pretrained(root / "draft_lm")
+    return root
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "question.jsonl"
+    lines = [{"question_id": i, "category": "test", "turns": [q]} for i, q in
+             enumerate(["Explain the function `os.path.join`.", "What does `json.dumps` return?",
+                        "Write a function that reverses a list."])]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def overrides(models: Path, prompts: Path, draft_lm: bool = False) -> list[str]:
+    return [f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}",
+            f"model.drafter={models / ('draft_lm' if draft_lm else 'drafter')}",
+            f"model.drafter_kind={'draft_lm' if draft_lm else 'eagle'}", f"model.name={'tiny_lm' if draft_lm else 'tiny'}",
+            "model.dtype=float64", "data=mt_bench", f"data.path={prompts}", "data.limit=2",
+            "generation.max_new_tokens=12", "evaluation.repeats=2", "evaluation.progress=false", "threads=1"]
+
+
+def compose_eval(extra: list[str]):
+    import eagle_backbone.paths  # noqa: F401
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="evaluate", overrides=extra)
+
+
+def test_evaluate_writes_every_key_and_is_lossless(tiny_models, prompt_file, tmp_path):
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic"])
+    result = evaluate(cfg, policy_name="heuristic", out_dir=tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(RESULT_KEYS) <= set(saved)
+    assert saved["lossless"] is True and saved["gamma"] is None and saved["n_prompts"] == 2
+    assert saved["dataset"] == "mt_bench" and saved["temperature"] == 0.0
+    assert saved["wasted_tokens"] == saved["drafted_tokens"] - (saved["new_tokens"] - saved["target_forwards"])
+    assert len(saved["tokens_per_s_rounds"]) == 2 and saved["ar_impl"] in ("ours", "transformers")
+    # counters are deterministic: a second run gives the same ones
+    again = evaluate(cfg, policy_name="heuristic")
+    for key in ("new_tokens", "tau", "target_forwards", "drafted_tokens", "wasted_tokens", "lossless"):
+        assert again[key] == result[key]
+
+
+def test_sampling_skips_the_lossless_check_and_oracle_refuses_it(tiny_models, prompt_file):
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=2",
+                                                              "generation.temperature=0.8", "evaluation.repeats=1"])
+    result = evaluate(cfg, policy_name="static")
+    assert result["lossless"] is None and result["gamma"] == 2 and result["ar_impl"] == "ours"
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=oracle", "generation.temperature=0.8"])
+    with pytest.raises(ValueError, match="greedy"):
+        evaluate(cfg, policy_name="oracle")
+
+
+def test_transformers_peer_rows(tiny_models, prompt_file):
+    for name in ("hf_heuristic", "hf_confidence"):
+        cfg = compose_eval(overrides(tiny_models, prompt_file, draft_lm=True) + [f"policy={name}", "evaluation.repeats=1"])
+        result = evaluate(cfg, policy_name=name)
+        assert result["engine"] == "transformers" and result["lossless"] is True
+        assert result["target_forwards"] >= 2 and result["drafted_tokens"] > 0
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=hf_heuristic"])
+    with pytest.raises(ValueError, match="draft LM"):
+        evaluate(cfg, policy_name="hf_heuristic")
+
+
+def test_multirun_and_summary(tiny_models, prompt_file, tmp_path):
+    sweep = tmp_path / "multirun"
+    cmd = [sys.executable, str(REPO / "scripts" / "evaluate.py"), "-m", "policy=static,oracle",
+           "evaluation.repeats=1", f"hydra.sweep.dir={sweep}"]
+    cmd += [o for o in overrides(tiny_models, prompt_file) if not o.startswith("evaluation.repeats")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(sweep.rglob("results.json"))
+    assert len(files) == 2
+    out = summarize([sweep], tmp_path / "summary")
+    for key in ("md", "csv", "png"):
+        assert out[key].is_file() and out[key].stat().st_size > 0
+    md = out["md"].read_text()
+    assert "| static | 4 |" in md and "oracle" in md and "Machine:" in md
+    head = out["headline"]["tiny"]
+    assert head["best_static"]["gamma"] == 4 and "oracle" in head and head["all_greedy_lossless"] is True
+    csv = out["csv"].read_text().splitlines()
+    assert csv[0].startswith("model,") and len(csv) == 3

@@ -1,0 +1,181 @@
+"""Draft-length policies: each rule's decisions on synthetic contexts, the oracle's zero waste on tiny
+float64 models, losslessness of every policy inside the engine, and their YAML files."""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from conftest import make_drafter, make_target
+from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.policy import DraftContext
+from eagle_backbone.sampling import SamplingConfig
+from ldlp.policies import (ConfidencePolicy, DDDPolicy, EntropyPolicy, HeuristicPolicy, LDLPDDDPolicy, LDLPPolicy,
+                           OraclePolicy, StaticPolicy)
+from ldlp.predictor import LDLP, LDLPConfig
+
+REPO = Path(__file__).resolve().parent.parent
+D = 32  # hidden size of the conftest targets
+
+
+def ctx(**kw) -> DraftContext:
+    kw.setdefault("step", 0)
+    kw.setdefault("last_token", 5)
+    kw.setdefault("feature", torch.zeros(D))
+    kw.setdefault("max_gamma", 100)
+    return DraftContext(_embed=lambda ids: torch.zeros(len(ids), D), **kw)
+
+
+def dist(top: float, vocab: int = 10) -> torch.Tensor:
+    """Top probability ``top`` on token 0, the rest spread evenly."""
+    p = torch.full((vocab,), (1 - top) / (vocab - 1))
+    p[0] = top
+    return p
+
+
+def drive(policy, c, probs_seq) -> int:
+    """How many tokens a chain drafts when the drafter's distributions are ``probs_seq`` (token 0 each time)."""
+    gamma = policy.gamma(c)
+    for i, p in enumerate(probs_seq[:gamma], 1):
+        if i == gamma or not policy.keep_drafting(c, i, 0, p):
+            return i
+    return min(gamma, len(probs_seq))
+
+
+@pytest.fixture(scope="module")
+def ldlp_dir(tmp_path_factory):
+    """A saved regression LDLP that always predicts 2 (zero weights, bias 2)."""
+    model = LDLP(LDLPConfig(input_dim=2 * D, hidden_dim=8, k_max=8))
+    with torch.no_grad():
+        model.output.weight.zero_()
+        model.output.bias.fill_(2.0)
+    return str(model.save_pretrained(tmp_path_factory.mktemp("ldlp")))
+
+
+# -- decisions on synthetic contexts ---------------------------------------------------------------------
+
+
+def test_ddd_stops_when_cumulative_logprob_falls_below_threshold():
+    policy = DDDPolicy(threshold=math.log(0.5), max_gamma=8)
+    # cumulative probabilities 0.9, 0.72, 0.576, 0.4608: the fourth token crosses log 0.5 and ends the chain
+    assert drive(policy, ctx(), [dist(0.9), dist(0.8), dist(0.8), dist(0.8), dist(0.99)]) == 4
+    assert drive(policy, ctx(), [dist(0.4)] * 8) == 1  # the state resets at every gamma()
+    assert drive(policy, ctx(), [dist(1.0)] * 10) == 8  # never below: the cap
+
+
+def test_ldlp_predicts_and_ldlp_ddd_drafts_at_least_that(ldlp_dir):
+    assert LDLPPolicy(ldlp_dir).gamma(ctx()) == 2
+    assert LDLPPolicy(ldlp_dir, offset=1).gamma(ctx()) == 3
+    assert LDLPPolicy(ldlp_dir, max_gamma=1).gamma(ctx()) == 1
+    both = LDLPDDDPolicy(ldlp_dir, threshold=math.log(0.5), max_gamma=8)
+    assert drive(both, ctx(), [dist(0.1)] * 8) == 2  # DDD would stop at 1; the LDLP length comes first
+    assert drive(both, ctx(), [dist(0.95)] * 8) == 8  # DDD keeps going past the LDLP length
+    assert drive(both, ctx(), [dist(0.9), dist(0.9), dist(0.9), dist(0.5), dist(0.9)]) == 4
+
+
+def test_ldlp_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="train_ldlp"):
+        LDLPPolicy(str(tmp_path / "nothing"))
+
+
+def test_confidence_and_entropy_thresholds():
+    conf = ConfidencePolicy(threshold=0.5, max_gamma=6)
+    assert drive(conf, ctx(), [dist(0.9), dist(0.6), dist(0.4), dist(0.9)]) == 3
+    assert drive(conf, ctx(), [dist(0.9)] * 10) == 6
+    ent = EntropyPolicy(threshold=1.0, max_gamma=6)
+    assert EntropyPolicy.entropy(torch.tensor([1.0, 0.0])) == 0.0
+    assert abs(EntropyPolicy.entropy(torch.full((4,), 0.25)) - math.log(4)) < 1e-9
+    # ten tokens: entropy of dist(0.9) ~ 0.52 nats, of dist(0.3) ~ 2.0 nats
+    assert drive(ent, ctx(), [dist(0.9), dist(0.9), dist(0.3), dist(0.9)]) == 3
+    with pytest.raises(ValueError):
+        ConfidencePolicy(threshold=1.5)
+    with pytest.raises(ValueError):
+        DDDPolicy(threshold=0.3)
+
+
+def test_heuristic_schedule_matches_transformers():
+    policy = HeuristicPolicy(initial_gamma=5)
+    policy.begin([1])
+    seen = []
+    for drafted, accepted in [(5, 5), (7, 7), (9, 3), (8, 0), (7, 7), (9, 8), (8, 0), (7, 0), (6, 0), (5, 0),
+                              (4, 0), (3, 0), (2, 0), (1, 0)]:
+        seen.append(policy.gamma(ctx()))
+        assert seen[-1] == drafted
+        policy.observe(ctx(), drafted, accepted)
+    assert policy.gamma(ctx()) == 1  # never below 1
+    policy.begin([1])
+    assert policy.gamma(ctx()) == 5  # reset per generation
+    capped = HeuristicPolicy(initial_gamma=5, max_gamma=6)
+    capped.observe(ctx(), 5, 5)
+    assert capped.gamma(ctx()) == 6
+
+
+# -- the oracle and the engine ----------------------------------------------------------------------------
+
+
+def noisy_copy(target, scale=0.6, seed=0):
+    """A draft LM that is the target plus noise on its LM head: it agrees with the target often, not always."""
+    model = copy.deepcopy(target.model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w.add_(scale * w.std() * torch.randn(w.shape, generator=g, dtype=w.dtype))
+    return model
+
+
+PROMPTS = [[3, 14, 15, 9, 26], [5, 8, 13], [21, 34, 55, 4, 7, 11, 30]]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
+def test_oracle_zero_waste_and_lossless(target, drafter, kind):
+    cand = (EagleCandidateGenerator(drafter, target) if kind == "eagle"
+            else DraftModelCandidateGenerator(noisy_copy(target), target))
+    oracle = OraclePolicy(k_max=6)
+    oracle.bind(target, cand, 40, SamplingConfig())
+    static = SpeculativeDecoder(target, cand, StaticPolicy(6))
+    for prompt in PROMPTS:
+        ref = autoregressive_generate(target, prompt, 40).tokens
+        out = SpeculativeDecoder(target, cand, oracle).generate(prompt, 40)
+        s = out.stats
+        assert out.tokens == ref
+        assert s.wasted_tokens == 0 and s.draft_lengths == s.accept_lengths
+        # every target forward emits its accepted drafts plus one token: τ = mean(accepted + 1)
+        assert s.new_tokens == s.target_forwards + s.accepted_tokens
+        assert s.target_forwards == static.generate(prompt, 40).stats.target_forwards
+    if kind == "draft_lm":
+        assert s.accepted_tokens > 0  # the noisy copy is accepted sometimes: the test sees non-trivial labels
+
+
+def test_oracle_is_greedy_only(target, drafter):
+    with pytest.raises(ValueError, match="greedy"):
+        OraclePolicy().bind(target, EagleCandidateGenerator(drafter, target), 10, SamplingConfig(temperature=0.8))
+    with pytest.raises(ValueError, match="bind"):
+        OraclePolicy().begin([1, 2])
+
+
+def test_every_policy_is_lossless_in_the_engine(target, ldlp_dir):
+    draft_lm = noisy_copy(target, seed=1)
+    policies = [StaticPolicy(3), LDLPPolicy(ldlp_dir), LDLPDDDPolicy(ldlp_dir, threshold=-1.0),
+                DDDPolicy(-1.0), ConfidencePolicy(0.4), EntropyPolicy(1.0), HeuristicPolicy(5)]
+    for policy in policies:
+        dec = SpeculativeDecoder(target, DraftModelCandidateGenerator(draft_lm, target), policy)
+        for prompt in PROMPTS[:2]:
+            assert dec.generate(prompt, 30).tokens == autoregressive_generate(target, prompt, 30).tokens, policy.name
+
+
+def test_policy_yaml_files_instantiate(ldlp_dir):
+    names = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))
+    assert {"static", "ldlp", "ddd", "ldlp_ddd", "confidence", "entropy", "heuristic", "oracle"} <= set(names)
+    import eagle_backbone.paths  # noqa: F401
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for name in names:
+            overrides = [f"policy={name}"] + ([f"policy.path={ldlp_dir}"] if "ldlp" in name else [])
+            cfg = compose(config_name="evaluate", overrides=overrides)
+            policy = instantiate(cfg.policy)
+            assert hasattr(policy, "adaptive"), name
