@@ -216,11 +216,8 @@ def _span(values: list[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}–{values[-1]}"
 
 
-def plot(rows: list[dict], path: str | Path) -> Path:
+def plot_figure(rows: list[dict]):
     """tokens/s against γ for static, adaptive policies as horizontal lines, oracle on top; a panel per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -249,6 +246,17 @@ def plot(rows: list[dict], path: str | Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], path: str | Path) -> Path:
+    """:func:`plot_figure` saved as a PNG (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(rows)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)  # keeps the suffix: matplotlib picks the format by it

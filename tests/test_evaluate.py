@@ -1,9 +1,6 @@
 """scripts/evaluate.py and the summary on tiny random models saved to temporary folders."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -99,22 +96,38 @@ def test_transformers_peer_rows(tiny_models, prompt_file):
         evaluate(cfg, policy_name="hf_heuristic")
 
 
-def test_multirun_and_summary(tiny_models, prompt_file, tmp_path):
-    sweep = tmp_path / "multirun"
-    cmd = [sys.executable, str(REPO / "scripts" / "evaluate.py"), "-m", "policy=static,oracle",
-           "evaluation.repeats=1", f"hydra.sweep.dir={sweep}"]
-    cmd += [o for o in overrides(tiny_models, prompt_file) if not o.startswith("evaluation.repeats")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    files = sorted(sweep.rglob("results.json"))
-    assert len(files) == 2
-    out = summarize([sweep], tmp_path / "summary")
-    for key in ("md", "csv", "png"):
-        assert out[key].is_file() and out[key].stat().st_size > 0
-    md = out["md"].read_text()
-    assert "| static | 4 |" in md and "oracle" in md and "Machine:" in md
-    head = out["headline"]["tiny"]
-    assert head["best_static"]["gamma"] == 4 and "oracle" in head and head["all_greedy_lossless"] is True
-    csv = out["csv"].read_text().splitlines()
-    assert csv[0].startswith("model,") and len(csv) == 3
+def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, tmp_path, capsys):
+    """The main command on tiny models (labels and LDLP given as done): Hydra multiruns of
+    scripts/evaluate.py, the summary (md, csv, png), and a rerun that skips every finished stage."""
+    from omegaconf import OmegaConf
+
+    import eagle_backbone.paths  # noqa: F401
+    from ldlp.pipeline import run
+    from ldlp.predictor import LDLP, LDLPConfig
+
+    oracle_dir, ldlp_dir = tmp_path / "oracle", tmp_path / "ldlp"
+    oracle_dir.mkdir()
+    (oracle_dir / "report.md").write_text("labels\n")  # the oracle stage counts as done
+    LDLP(LDLPConfig(input_dim=64, hidden_dim=8, k_max=8)).save_pretrained(ldlp_dir)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="pipeline", overrides=[
+            f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}", f"oracle.out_dir={oracle_dir}",
+            f"ldlp.out_dir={ldlp_dir}", "sweep.rounds=1", "sweep.static_gammas=[1,2]", "sweep.adaptive=[ldlp,oracle]",
+            "peer.enabled=false"])
+        OmegaConf.update(cfg, "sweep.overrides", [o for o in overrides(tiny_models, prompt_file)
+                                                 if not o.startswith("evaluation.repeats")] + ["evaluation.repeats=1"])
+        summary = run(cfg)
+        assert (tmp_path / "results" / "results.md").is_file() and summary["png"].is_file()
+        rows = {(r["policy"], r["gamma"]) for r in summary["rows"]}
+        assert rows == {("static", 1), ("static", 2), ("ldlp", None), ("oracle", None)}
+        assert all(r["lossless"] is True for r in summary["rows"])
+        md = summary["md"].read_text()
+        assert "| static | 2 |" in md and "| oracle |" in md and "headroom captured" in md and "Machine:" in md
+        head = summary["headline"]["tiny"]
+        assert head["best_static"]["gamma"] in (1, 2) and head["best_adaptive"]["policy"] == "ldlp"
+        assert head["all_greedy_lossless"] is True
+        csv = summary["csv"].read_text().splitlines()
+        assert csv[0].startswith("model,") and len(csv) == 5
+        capsys.readouterr()
+        run(cfg)  # everything is done: every stage is skipped, the summary is rebuilt
+        assert capsys.readouterr().out.count("skipped") == 5

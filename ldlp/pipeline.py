@@ -1,0 +1,148 @@
+"""The main command's stages, each a subprocess of a Hydra script, skipped when its output exists.
+
+    corpus   python scripts/build_corpus.py             (data/embedded/corpus, gitignored, 3 s)
+    oracle   python scripts/collect_oracle.py           (data/oracle/embedded)
+    ldlp     python scripts/train_ldlp.py +experiment=tiny   (data/ldlp/embedded)
+    sweeps   python scripts/evaluate.py -m ...          (outputs/pipeline/embedded/round-R/<sweep>)
+             per round: static γ, adaptive policies, and the peer rows on the standalone draft LM
+    summary  ldlp.summary.summarize                     (results/embedded: results.md/.csv, tokens_per_s.png)
+
+Sweeps are repeated ``sweep.rounds`` times, one round after the other, so every policy is measured in
+every phase of a noisy machine; the summary reports medians over rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eagle_backbone.paths import REPO_ROOT, repo_path
+
+DONE = ".done"
+
+
+class Stage:
+    def __init__(self, name: str, title: str, cmd: list[str] | None, done_when: Path | None, marker: Path | None = None,
+                 run_dir: Path | None = None):
+        self.name, self.title, self.cmd = name, title, cmd
+        self.done_when, self.marker, self.run_dir = done_when, marker, run_dir
+
+    def done(self) -> bool:
+        return self.done_when is not None and self.done_when.exists()
+
+
+def _script(name: str) -> list[str]:
+    return [sys.executable, str(REPO_ROOT / "scripts" / name)]
+
+
+def _list(values) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def plan(cfg) -> list[Stage]:
+    """Every stage of the pipeline, in order."""
+    threads = [f"threads={cfg.threads}"] if cfg.get("threads") else []
+    oracle_dir, ldlp_dir = Path(cfg.oracle.out_dir), Path(cfg.ldlp.out_dir)
+    runs = Path(cfg.runs_dir)
+    corpus = Path(repo_path("data/embedded/corpus"))
+    stages = [
+        Stage("corpus", "build the embedded conversation corpus", _script("build_corpus.py"),
+              corpus / "test.json"),
+        Stage("oracle", "collect oracle draft-length labels (greedy, embedded pair)",
+              _script("collect_oracle.py") + [f"out_dir={oracle_dir}"] + threads + list(cfg.oracle.overrides),
+              oracle_dir / "report.md"),
+        Stage("ldlp", "train the LDLP on the oracle labels",
+              _script("train_ldlp.py") + list(cfg.ldlp.overrides) + [f"ldlp_training.oracle_dir={oracle_dir}",
+                                                                    f"ldlp_training.out_dir={ldlp_dir}"] + threads,
+              ldlp_dir / "model.safetensors"),
+    ]
+    common = list(cfg.sweep.overrides) + threads
+    for r in range(1, int(cfg.sweep.rounds) + 1):
+        sweeps = [
+            ("static", cfg.sweep.model, ["policy=static", f"policy.gamma={_list(cfg.sweep.static_gammas)}"]),
+            ("adaptive", cfg.sweep.model, [f"policy={_list(cfg.sweep.adaptive)}", f"ldlp_path={ldlp_dir}"]),
+        ]
+        if cfg.peer.enabled:
+            if cfg.peer.static_gammas:
+                sweeps.append(("peer_static", cfg.peer.model,
+                               ["policy=static", f"policy.gamma={_list(cfg.peer.static_gammas)}"]))
+            if cfg.peer.policies:
+                sweeps.append(("peer", cfg.peer.model, [f"policy={_list(cfg.peer.policies)}"]))
+        for name, model, args in sweeps:
+            if args[0].endswith("="):  # an empty policy list
+                continue
+            out = runs / f"round-{r}" / name
+            cmd = _script("evaluate.py") + ["-m", f"model={model}"] + args + common + [f"hydra.sweep.dir={out}"]
+            stages.append(Stage(f"sweep:{name}:{r}", f"round {r}/{cfg.sweep.rounds}: {name} ({model})", cmd,
+                                out / DONE, marker=out / DONE, run_dir=out))
+    return stages
+
+
+def _force_level(force) -> set[str]:
+    if force in (False, None, "false", "none"):
+        return set()
+    if force in (True, "true", "sweeps"):
+        return {"sweeps"}
+    if force == "all":
+        return {"oracle", "ldlp", "sweeps"}
+    raise ValueError(f"force must be false, true (redo sweeps) or all (also labels and LDLP), got {force!r}")
+
+
+TRAIN_COMMANDS = {"target": "python scripts/train_lm.py lm=embedded_target",
+                  "drafter": "python scripts/train_drafter.py",
+                  "draft_lm": "python scripts/train_lm.py lm=embedded_draft_lm"}
+
+
+def check_models(cfg) -> None:
+    """Fail early, naming the command that makes them, when a sweep's models are missing."""
+    from hydra import compose
+
+    models = [cfg.sweep.model] + ([cfg.peer.model] if cfg.peer.enabled else [])
+    missing = []
+    for model in models:
+        m = compose(config_name="evaluate", overrides=[f"model={model}"] + list(cfg.sweep.overrides)).model
+        for key in ("target", "drafter"):
+            if not (Path(m[key]) / "config.json").exists():
+                name = Path(m[key]).name
+                missing.append(f"model={model}: {m[key]}" + (f" ({TRAIN_COMMANDS[name]})" if name in TRAIN_COMMANDS else ""))
+    if missing:
+        raise ValueError("models missing: " + "; ".join(dict.fromkeys(missing)))
+
+
+def run(cfg) -> dict:
+    """Run the stages that are not done yet, then summarize; returns the summary (see ldlp.summary)."""
+    from ldlp.summary import summarize
+
+    force = _force_level(cfg.force)
+    check_models(cfg)
+    stages = plan(cfg)
+    t_start = time.perf_counter()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for k, stage in enumerate(stages, 1):
+        group = "sweeps" if stage.name.startswith("sweep:") else stage.name
+        head = f"[{k}/{len(stages)}] {stage.title}"
+        if stage.done() and group not in force:
+            print(f"{head}: done already, skipped", flush=True)
+            continue
+        print(f"{head} ...\n  $ {' '.join(stage.cmd)}", flush=True)
+        if stage.run_dir is not None and stage.run_dir.exists():
+            shutil.rmtree(stage.run_dir)  # a half-finished sweep is redone whole: its rows must share a process
+        if group == "oracle" and "oracle" in force:
+            stage.cmd = stage.cmd + ["overwrite=true"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(stage.cmd, cwd=REPO_ROOT, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); fix it and rerun the same "
+                               f"command: finished stages are skipped")
+        if stage.marker is not None:
+            stage.marker.write_text("ok\n")
+        print(f"  {stage.name} finished in {time.perf_counter() - t0:.0f} s "
+              f"(total {time.perf_counter() - t_start:.0f} s)", flush=True)
+    sweep_dirs = [s.run_dir for s in stages if s.run_dir is not None]
+    summary = summarize(sweep_dirs, cfg.out_dir)
+    summary["elapsed_s"] = time.perf_counter() - t_start
+    return summary
