@@ -32,7 +32,14 @@ class Stage:
         self.done_when, self.marker, self.run_dir = done_when, marker, run_dir
 
     def done(self) -> bool:
-        return self.done_when is not None and self.done_when.exists()
+        if self.done_when is None or not self.done_when.exists():
+            return False
+        # a sweep counts as done only for the same command (other settings: run it again)
+        return self.marker is None or self.marker.read_text() == self.signature
+
+    @property
+    def signature(self) -> str:
+        return " ".join(self.cmd[1:]) + "\n"
 
 
 def _script(name: str) -> list[str]:
@@ -113,6 +120,19 @@ def check_models(cfg) -> None:
         raise ValueError("models missing: " + "; ".join(dict.fromkeys(missing)))
 
 
+def _ar_impl(run_dir: Path | None) -> str | None:
+    """The AR implementation the calibration in ``run_dir``'s runs found faster (None if none was timed)."""
+    import json
+
+    if run_dir is None or not run_dir.exists():
+        return None
+    for f in sorted(run_dir.rglob("results.json")):
+        choice = json.loads(f.read_text()).get("ar_choice") or {}
+        if choice.get("reason") == "faster in calibration":
+            return choice["impl"]
+    return None
+
+
 def run(cfg) -> dict:
     """Run the stages that are not done yet, then summarize; returns the summary (see ldlp.summary)."""
     from ldlp.summary import summarize
@@ -122,12 +142,18 @@ def run(cfg) -> dict:
     stages = plan(cfg)
     t_start = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    ar_impl = None  # decided (timed) by the first sweep, then fixed: later processes skip the calibration
+    fixed_ar = any(o.startswith("evaluation.ar_baseline=") for o in cfg.sweep.overrides)
     for k, stage in enumerate(stages, 1):
         group = "sweeps" if stage.name.startswith("sweep:") else stage.name
         head = f"[{k}/{len(stages)}] {stage.title}"
         if stage.done() and group not in force:
             print(f"{head}: done already, skipped", flush=True)
+            ar_impl = ar_impl or _ar_impl(stage.run_dir)
             continue
+        signature = stage.signature
+        if group == "sweeps" and ar_impl and not fixed_ar:
+            stage.cmd = stage.cmd + [f"evaluation.ar_baseline={ar_impl}"]
         print(f"{head} ...\n  $ {' '.join(stage.cmd)}", flush=True)
         if stage.run_dir is not None and stage.run_dir.exists():
             shutil.rmtree(stage.run_dir)  # a half-finished sweep is redone whole: its rows must share a process
@@ -139,10 +165,19 @@ def run(cfg) -> dict:
             raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); fix it and rerun the same "
                                f"command: finished stages are skipped")
         if stage.marker is not None:
-            stage.marker.write_text("ok\n")
+            stage.marker.write_text(signature)
+        if group == "sweeps":
+            ar_impl = ar_impl or _ar_impl(stage.run_dir)
         print(f"  {stage.name} finished in {time.perf_counter() - t0:.0f} s "
               f"(total {time.perf_counter() - t_start:.0f} s)", flush=True)
     sweep_dirs = [s.run_dir for s in stages if s.run_dir is not None]
     summary = summarize(sweep_dirs, cfg.out_dir)
+    if cfg.get("update_readme"):
+        from ldlp.summary import update_readme
+
+        if update_readme(repo_path("README.md"), summary["md"], summary["png"], "python scripts/pipeline.py"):
+            print("updated the results block of README.md", flush=True)
+        else:
+            print("README.md has no <!-- results:start --> ... <!-- results:end --> block: left as is", flush=True)
     summary["elapsed_s"] = time.perf_counter() - t_start
     return summary

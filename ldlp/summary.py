@@ -299,3 +299,27 @@ def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft
     _atomic_write(out / "summary.json", json.dumps({"headline": heads, "rows": rows}, indent=2, default=str) + "\n")
     return {"rows": rows, "headline": heads, "markdown": md, "md": out / "results.md", "csv": out / "results.csv",
             "png": png}
+
+
+README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def update_readme(readme: str | Path, md_path: str | Path, png_path: str | Path, command: str) -> bool:
+    """Replace the block between ``<!-- results:start -->`` and ``<!-- results:end -->`` in ``readme``
+    with the generated table (``md_path``), the plot and the command that regenerates them, so that
+    the README's numbers always come from a run. Returns False (and changes nothing) without markers."""
+    readme, md_path, png_path = Path(readme), Path(md_path), Path(png_path)
+    if not readme.is_file():
+        return False
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        return False
+    rel = lambda p: os.path.relpath(p, readme.parent)  # noqa: E731
+    table = md_path.read_text().strip().split("\n")
+    if table and table[0].startswith("## "):
+        table = table[1:]  # the README gives its own heading
+    block = "\n".join([README_START, f"Regenerate with `{command}` (table: [{rel(md_path)}]({rel(md_path)}), "
+                       f"CSV next to it).", "", *table, "", f"![tokens/s against γ]({rel(png_path)})", README_END])
+    head, rest = text.split(README_START, 1)
+    _atomic_write(readme, head + block + rest.split(README_END, 1)[1])
+    return True

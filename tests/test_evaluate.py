@@ -131,3 +131,21 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         capsys.readouterr()
         run(cfg)  # everything is done: every stage is skipped, the summary is rebuilt
         assert capsys.readouterr().out.count("skipped") == 5
+
+
+def test_update_readme_replaces_only_the_marked_block(tmp_path):
+    from ldlp.summary import update_readme
+
+    (tmp_path / "results").mkdir()
+    md, png = tmp_path / "results" / "results.md", tmp_path / "results" / "tokens_per_s.png"
+    md.write_text("## Title\n\n| a |\n|---|\n| 1 |\n")
+    png.write_bytes(b"png")
+    readme = tmp_path / "README.md"
+    readme.write_text("# Project\nbefore\n<!-- results:start -->\nold numbers\n<!-- results:end -->\nafter\n")
+    assert update_readme(readme, md, png, "python scripts/pipeline.py")
+    text = readme.read_text()
+    assert "old numbers" not in text and "| 1 |" in text and "(results/tokens_per_s.png)" in text
+    assert text.startswith("# Project\nbefore\n") and text.endswith("<!-- results:end -->\nafter\n")
+    assert update_readme(readme, md, png, "cmd") and readme.read_text().count("| 1 |") == 1  # idempotent
+    (tmp_path / "OTHER.md").write_text("no markers\n")
+    assert not update_readme(tmp_path / "OTHER.md", md, png, "cmd")
