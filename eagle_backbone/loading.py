@@ -42,7 +42,10 @@ def make_candidates(kind: str, drafter, target: TargetModel) -> CandidateGenerat
 
 
 def load_pair(cfg) -> ModelPair:
-    """``cfg`` has target, tokenizer, drafter, drafter_kind, dtype, device, trust_remote_code."""
+    """``cfg`` (a DictConfig or dict) has target, tokenizer, drafter, drafter_kind, dtype, device, trust_remote_code."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(dict(cfg)) if isinstance(cfg, dict) else cfg
     for key in ("target", "drafter"):
         if not (Path(cfg[key]) / "config.json").exists():
             raise ValueError(f"model.{key}={cfg[key]} has no config.json: train or download it first "

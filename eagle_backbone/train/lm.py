@@ -34,19 +34,34 @@ def packed_blocks(tokenizer, conversations: list[dict], block_size: int, num_pro
 
 
 class LMDataModule(L.LightningDataModule):
-    def __init__(self, tokenizer, corpus_dir: str, block_size: int, batch_size: int, seed: int = 0,
-                 max_conversations: int | None = None):
-        super().__init__()
-        self.tokenizer, self.corpus_dir, self.block_size = tokenizer, Path(corpus_dir), block_size
-        self.batch_size, self.seed, self.max_conversations = batch_size, seed, max_conversations
+    """Packed blocks from two conversation files (ShareGPT layout: the embedded corpus or ShareGPT)."""
 
-    def _split(self, name: str) -> Dataset:
-        convs = json.loads((self.corpus_dir / f"{name}.json").read_text())[: self.max_conversations]
-        return packed_blocks(self.tokenizer, convs, self.block_size)
+    def __init__(self, tokenizer, train_path: str, validation_path: str | None, block_size: int, batch_size: int,
+                 seed: int = 0, max_conversations: int | None = None, validation_fraction: float = 0.02):
+        super().__init__()
+        self.tokenizer, self.paths, self.block_size = tokenizer, (train_path, validation_path), block_size
+        self.batch_size, self.seed, self.max_conversations = batch_size, seed, max_conversations
+        self.validation_fraction = validation_fraction
 
     def setup(self, stage=None):
-        if not hasattr(self, "train"):
-            self.train, self.val = self._split("train"), self._split("validation")
+        if hasattr(self, "train"):
+            return
+        from eagle_backbone.data.conversations import load_conversations
+
+        train = load_conversations(self.paths[0], limit=self.max_conversations)
+        if self.paths[1]:
+            val = load_conversations(self.paths[1], limit=self.max_conversations)
+        else:  # hold out a stable fraction of conversations (by id hash) from the one file
+            import hashlib
+
+            def held_out(c):
+                h = int(hashlib.sha256(f"{self.seed}:{c['id']}".encode()).hexdigest(), 16) % 10_000
+                return h < self.validation_fraction * 10_000
+
+            val = [c for c in train if held_out(c)]
+            train = [c for c in train if not held_out(c)]
+        self.train = packed_blocks(self.tokenizer, train, self.block_size)
+        self.val = packed_blocks(self.tokenizer, val, self.block_size)
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(self.seed)
@@ -119,7 +134,8 @@ def run_lm_training(cfg) -> dict:
     if len(tokenizer) != cfg.lm.config.vocab_size:
         raise ValueError(f"tokenizer at {cfg.tokenizer} has {len(tokenizer)} tokens but lm.config.vocab_size "
                          f"is {cfg.lm.config.vocab_size}; set vocab_size={len(tokenizer)}")
-    dm = LMDataModule(tokenizer, cfg.corpus_dir, cfg.block_size, cfg.batch_size, cfg.seed, cfg.max_conversations)
+    dm = LMDataModule(tokenizer, cfg.train_path, cfg.validation_path, cfg.block_size, cfg.batch_size, cfg.seed,
+                      cfg.max_conversations)
     module = CausalLMModule(OmegaConf.to_container(cfg.lm.config, resolve=True), lr=cfg.lr,
                             weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                             max_steps=cfg.trainer.max_steps)

@@ -1,0 +1,253 @@
+"""Measure the embedded models and write ``data/embedded/MODEL_CARD.md`` (every figure from a run).
+
+Quality: validation loss/perplexity of the target and the draft LM against a unigram baseline, and
+the drafter's teacher-forced top-1 agreement with the target. Cost: c = (one drafter step) / (one
+target step), timed interleaved in one process. Decoding: AR tokens/s, and τ and speedup at static
+γ = 1..6 on the test split, with the EAGLE drafter and with the draft LM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.data.conversations import build_prompts, load_conversations, render, to_messages
+from eagle_backbone.drafter import EagleDrafter
+from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.loading import load_tokenizer
+from eagle_backbone.metrics import total
+from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.target import TargetModel, rollback
+from eagle_backbone.train.lm import packed_blocks
+
+
+def _tokens(tokenizer, convs) -> list[int]:
+    ids = tokenizer([render(tokenizer, to_messages(c["conversations"])) for c in convs], add_special_tokens=False)
+    return [t for seq in ids["input_ids"] for t in seq]
+
+
+def unigram_perplexity(train_ids: list[int], val_ids: list[int], vocab: int) -> float:
+    """Add-one unigram model fitted on the train split: the floor any LM must clear."""
+    counts, n = Counter(train_ids), len(train_ids)
+    nll = -sum(math.log((counts[t] + 1) / (n + vocab)) for t in val_ids) / len(val_ids)
+    return math.exp(nll)
+
+
+@torch.inference_mode()
+def lm_validation_loss(model, blocks, batch_size: int = 8, max_blocks: int = 64) -> float:
+    losses = []
+    for i in range(0, min(len(blocks), max_blocks), batch_size):
+        x = blocks[i:i + batch_size]["input_ids"]
+        losses.append(float(model(input_ids=x, labels=x).loss) * len(x))
+    return sum(losses) / min(len(blocks), max_blocks)
+
+
+@torch.inference_mode()
+def drafter_top1(target: TargetModel, drafter: EagleDrafter, blocks, max_blocks: int = 64) -> float:
+    """Teacher-forced next-token agreement: argmax(lm_head(f̂_{j+1})) == argmax(target logits_{j+1})."""
+    hits = n = 0
+    for i in range(min(len(blocks), max_blocks)):
+        x = blocks[i]["input_ids"][None]
+        logits, feats = target(x)
+        pred = drafter(x[:, 1:], feats[:, :-1].to(next(drafter.parameters()).dtype))
+        draft = target.lm_head(pred.to(target.dtype)).argmax(-1)
+        hits += int((draft == logits[:, 1:].argmax(-1)).sum())
+        n += draft.numel()
+    return hits / n
+
+
+@torch.inference_mode()
+def step_costs(target: TargetModel, drafter: EagleDrafter, draft_lm, prompt: list[int], reps: int = 200) -> dict:
+    """Median seconds of one decoding step of each model at the same context, interleaved."""
+    ids = torch.tensor([prompt])
+    t_cache, d_cache = target.new_cache(), drafter.new_cache()
+    _, feats = target(ids, t_cache)
+    h = drafter(ids[:, 1:], feats[:, :-1], d_cache)
+    from eagle_backbone.target import new_cache
+
+    lm_cache = new_cache(draft_lm)
+    draft_lm(input_ids=ids, cache=lm_cache, use_cache=True)
+    n, tok = ids.shape[1], ids[:, -1:]
+    times = {"target": [], "eagle": [], "draft_lm": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        target(tok, t_cache)
+        t1 = time.perf_counter()
+        target.lm_head(drafter(tok, h[:, -1:], d_cache))
+        t2 = time.perf_counter()
+        draft_lm(input_ids=tok, cache=lm_cache, use_cache=True)
+        t3 = time.perf_counter()
+        rollback(t_cache, n)
+        rollback(d_cache, n - 1)
+        rollback(lm_cache, n)
+        times["target"].append(t1 - t0)
+        times["eagle"].append(t2 - t1)
+        times["draft_lm"].append(t3 - t2)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"target_step_s": med["target"], "eagle_step_s": med["eagle"], "draft_lm_step_s": med["draft_lm"],
+            "c_eagle": med["eagle"] / med["target"], "c_draft_lm": med["draft_lm"] / med["target"]}
+
+
+def static_gamma_table(target, candidates: dict, prompts: list[list[int]], gammas, max_new_tokens: int,
+                       repeats: int) -> tuple[dict, list[dict]]:
+    """AR and each (drafter, γ) on the same prompts, interleaved prompt by prompt; medians over repeats."""
+    configs = [("ar", None, None)] + [(name, cand, g) for name, cand in candidates.items() for g in gammas]
+    runs: dict[tuple, list] = {(name, g): [] for name, _, g in configs}
+    lossless = True
+    for _ in range(repeats):
+        per = {(name, g): [] for name, _, g in configs}
+        for p in prompts:
+            ref = None
+            for name, cand, g in configs:
+                if cand is None:
+                    out = autoregressive_generate(target, p, max_new_tokens)
+                    ref = out.tokens
+                else:
+                    out = SpeculativeDecoder(target, cand, StaticPolicy(g)).generate(p, max_new_tokens)
+                    lossless &= out.tokens == ref
+                per[(name, g)].append(out.stats)
+        for key, stats in per.items():
+            runs[key].append(total(stats))
+    ar_tps = statistics.median(s.tokens_per_s for s in runs[("ar", None)])
+    rows = []
+    for (name, g), stats in runs.items():
+        if name == "ar":
+            continue
+        tps = statistics.median(s.tokens_per_s for s in stats)
+        rows.append({"drafter": name, "gamma": g, "tau": stats[0].tau, "tokens_per_s": tps, "speedup": tps / ar_tps,
+                     "acceptance_rate": stats[0].acceptance_rate})
+    return {"ar_tokens_per_s": ar_tps, "lossless": lossless, "new_tokens": runs[("ar", None)][0].new_tokens}, rows
+
+
+def greedy_samples(target, tokenizer, prompts: list[tuple[str, list[int]]], n: int, max_new_tokens: int) -> list[dict]:
+    out = []
+    for cid, p in prompts[:n]:
+        toks = autoregressive_generate(target, p, max_new_tokens).tokens
+        out.append({"id": cid, "prompt": tokenizer.decode(p), "answer": tokenizer.decode(toks, skip_special_tokens=True)})
+    return out
+
+
+def build_model_card(cfg) -> dict:
+    torch.manual_seed(cfg.seed)
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg.threads)
+    root = Path(cfg.embedded_dir)
+    tokenizer = load_tokenizer(root / "tokenizer")
+    target = TargetModel.from_pretrained(root / "target")
+    drafter = EagleDrafter.from_pretrained(root / "drafter")
+    draft_lm = TargetModel.from_pretrained(root / "draft_lm").model
+    corpus = Path(cfg.corpus_dir)
+    train = load_conversations(corpus / "train.json")
+    val = load_conversations(corpus / "validation.json")
+    test = load_conversations(corpus / "test.json")
+
+    val_blocks = packed_blocks(tokenizer, val, cfg.block_size)
+    target_loss = lm_validation_loss(target.model, val_blocks, max_blocks=cfg.max_val_blocks)
+    draft_lm_loss = lm_validation_loss(draft_lm, val_blocks, max_blocks=cfg.max_val_blocks)
+    unigram = unigram_perplexity(_tokens(tokenizer, train), _tokens(tokenizer, val[: cfg.max_val_conversations]),
+                                 len(tokenizer))
+    top1 = drafter_top1(target, drafter, val_blocks, max_blocks=cfg.max_val_blocks)
+
+    test_prompts = build_prompts(tokenizer, test, cfg.max_prompt_tokens, turns="first")
+    # a deterministic spread over the split rather than its first modules only
+    step = max(1, len(test_prompts) // cfg.n_prompts)
+    chosen = test_prompts[::step][: cfg.n_prompts]
+    val_prompt = build_prompts(tokenizer, val, cfg.max_prompt_tokens)[0][1]
+    costs = step_costs(target, drafter, draft_lm, val_prompt, reps=cfg.cost_reps)
+    cands = {"eagle": EagleCandidateGenerator(drafter, target), "draft_lm": DraftModelCandidateGenerator(draft_lm, target)}
+    autoregressive_generate(target, chosen[0][1], 16)  # warm-up
+    decode, rows = static_gamma_table(target, cands, [p for _, p in chosen], list(cfg.gammas), cfg.max_new_tokens,
+                                      cfg.repeats)
+    summaries = {name: json.loads((root / name / "training_summary.json").read_text())
+                 for name in ("target", "drafter", "draft_lm") if (root / name / "training_summary.json").exists()}
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    size_mb = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and "work" not in f.parts
+                  and "corpus" not in f.parts) / 2**20
+    card = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+        "corpus": manifest,
+        "tokenizer_vocab": len(tokenizer),
+        "target": {"params": sum(p.numel() for p in target.parameters()), "val_loss": target_loss,
+                   "val_ppl": math.exp(target_loss), "unigram_val_ppl": unigram, **summaries.get("target", {})},
+        "draft_lm": {"params": sum(p.numel() for p in draft_lm.parameters()), "val_loss": draft_lm_loss,
+                     "val_ppl": math.exp(draft_lm_loss), **summaries.get("draft_lm", {})},
+        "drafter": {"params": sum(p.numel() for n, p in drafter.named_parameters() if not n.startswith("embed")),
+                    "val_top1": top1, **summaries.get("drafter", {})},
+        "costs": costs,
+        "decoding": {**decode, "n_prompts": len(chosen), "max_new_tokens": cfg.max_new_tokens,
+                     "repeats": cfg.repeats, "rows": rows},
+        "samples": greedy_samples(target, tokenizer, chosen, cfg.n_samples, cfg.sample_tokens),
+        "shipped_mb": size_mb,
+        "command": cfg.command,
+    }
+    for key in ("config",):
+        for part in ("target", "draft_lm", "drafter"):
+            card[part].pop(key, None)
+    (root / "model_card.json").write_text(json.dumps(card, indent=2))
+    (root / "MODEL_CARD.md").write_text(render_card(card))
+    return card
+
+
+def render_card(c: dict) -> str:
+    t, d, lm, k, dec = c["target"], c["drafter"], c["draft_lm"], c["costs"], c["decoding"]
+    ok = lambda cond: "met" if cond else "NOT met"  # noqa: E731
+    hours = lambda s: f"{s / 60:.0f} min" if s else "n/a"  # noqa: E731
+    lines = [
+        "# Embedded models: a Llama target, its EAGLE-1 drafter and a small draft LM",
+        "",
+        "Generated by `python scripts/model_card.py` (do not edit by hand); rebuilt from scratch with "
+        f"`{c['command']}`.",
+        "",
+        "## Data",
+        f"- Corpus: conversations built from the Python {c['corpus']['python_version']} standard library "
+        "(docstrings, source, language-reference topics), ShareGPT layout, split by module. "
+        f"Counts: {c['corpus']['counts']}; sha256 `{c['corpus']['sha256'][:16]}…`.",
+        f"- Tokenizer: byte-level BPE, {c['tokenizer_vocab']} tokens, Vicuna-style chat template.",
+        "",
+        "## Models",
+        "| model | params | steps | tokens seen | training time | val loss | val ppl | seed |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| target (LlamaForCausalLM) | {t['params'] / 1e6:.1f}M | {t.get('steps', 'n/a')} | "
+        f"{t.get('tokens_seen', 0) / 1e6:.1f}M | {hours(t.get('train_seconds_total', t.get('train_seconds_this_run')))} | "
+        f"{t['val_loss']:.3f} | {t['val_ppl']:.1f} | {t.get('seed', 0)} |",
+        f"| draft LM (LlamaForCausalLM) | {lm['params'] / 1e6:.1f}M | {lm.get('steps', 'n/a')} | "
+        f"{lm.get('tokens_seen', 0) / 1e6:.1f}M | {hours(lm.get('train_seconds_total', lm.get('train_seconds_this_run')))} | "
+        f"{lm['val_loss']:.3f} | {lm['val_ppl']:.1f} | {lm.get('seed', 0)} |",
+        f"| EAGLE-1 drafter | {d['params'] / 1e6:.2f}M (+ shared embedding/head) | {d.get('steps', 'n/a')} | "
+        f"{d.get('tokens_seen', 0) / 1e6:.1f}M | {hours(d.get('train_seconds_total', d.get('train_seconds_this_run')))} | "
+        "— | — | " + f"{d.get('seed', 0)} |",
+        "",
+        f"- Unigram baseline perplexity on validation: **{t['unigram_val_ppl']:.1f}** vs target **{t['val_ppl']:.1f}** "
+        f"({ok(t['val_ppl'] < t['unigram_val_ppl'])}: clearly below the baseline).",
+        f"- Drafter top-1 agreement with the target (validation, teacher-forced): **{d['val_top1']:.3f}** "
+        f"(target >= 0.6: {ok(d['val_top1'] >= 0.6)}).",
+        f"- Step cost on this CPU (median of interleaved single-token steps): target {k['target_step_s'] * 1e3:.2f} ms, "
+        f"EAGLE drafter {k['eagle_step_s'] * 1e3:.2f} ms, draft LM {k['draft_lm_step_s'] * 1e3:.2f} ms; "
+        f"**c = {k['c_eagle']:.3f}** for EAGLE (target <= 0.3: {ok(k['c_eagle'] <= 0.3)}), c = {k['c_draft_lm']:.3f} for the draft LM.",
+        f"- Shipped size: {c['shipped_mb']:.1f} MB (safetensors, bfloat16).",
+        "",
+        "## Decoding on the test split (greedy)",
+        f"{dec['n_prompts']} prompts, up to {dec['max_new_tokens']} new tokens, median of {dec['repeats']} "
+        f"interleaved repeats. AR baseline: **{dec['ar_tokens_per_s']:.1f} tokens/s**. "
+        f"All speculative outputs identical to AR: **{dec['lossless']}**.",
+        "",
+        "| drafter | γ | τ | acceptance | tokens/s | speedup |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['drafter']} | {r['gamma']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | "
+              f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |" for r in dec["rows"]]
+    m = c["machine"]
+    lines += ["", f"Machine: {m['platform']}, {m['processor']}, torch {m['torch']} with {m['torch_threads']} threads.",
+              "", "## Greedy answers to held-out (test split) prompts", ""]
+    for s in c["samples"]:
+        lines += [f"**{s['id']}** — prompt: `{s['prompt'][-120:]}`", "", "```", s["answer"][:600], "```", ""]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,18 @@
+"""Measure the embedded models and (re)write data/embedded/MODEL_CARD.md from the figures."""
+
+import hydra
+from omegaconf import DictConfig
+
+import eagle_backbone.paths  # noqa: F401
+from eagle_backbone.train.model_card import build_model_card
+
+
+@hydra.main(config_path="../conf", config_name="model_card", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    card = build_model_card(cfg)
+    print(open(f"{cfg.embedded_dir}/MODEL_CARD.md").read())
+    return card
+
+
+if __name__ == "__main__":
+    main()

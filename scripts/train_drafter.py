@@ -1,0 +1,16 @@
+"""Train an EAGLE-1 drafter on a target's features (embedded pair by default, +experiment=vicuna for 7B)."""
+
+import hydra
+from omegaconf import DictConfig
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from eagle_backbone.train.drafter import run_drafter_training
+
+
+@hydra.main(config_path="../conf", config_name="train_drafter", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    print(run_drafter_training(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The embedded default: corpus, tokenizer, tiny runs of the training scripts, and the shipped pair."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle_backbone.data.corpus import CorpusConfig, build_corpus, corpus_hash, write_corpus
+from eagle_backbone.paths import EMBEDDED_DIR, REPO_ROOT
+
+
+def test_corpus_is_deterministic_and_split_by_module(tmp_path):
+    a = write_corpus(tmp_path / "a")
+    b = write_corpus(tmp_path / "b")
+    assert a["sha256"] == b["sha256"] and a["python_version"]
+    assert (tmp_path / "a" / "train.json").read_bytes() == (tmp_path / "b" / "train.json").read_bytes()
+    splits = {s: json.loads((tmp_path / "a" / f"{s}.json").read_text()) for s in ("train", "validation", "test")}
+    modules = {s: {c["module"] for c in convs} for s, convs in splits.items()}
+    assert not modules["train"] & modules["validation"]
+    assert not modules["train"] & modules["test"]
+    assert not modules["validation"] & modules["test"]
+    assert all(len(v) > 0 for v in splits.values())
+    conv = splits["train"][0]
+    assert {t["from"] for c in splits["train"][:50] for t in c["conversations"]} == {"human", "gpt"}
+    assert set(conv) >= {"id", "conversations"}
+    # both kinds of text are there on purpose: prose and code
+    answers = [t["value"] for c in splits["train"] for t in c["conversations"] if t["from"] == "gpt"]
+    assert any(a.startswith("```python") for a in answers) and any(not a.startswith("```") for a in answers)
+
+
+def test_small_corpus_option_and_seed():
+    small = build_corpus(CorpusConfig(max_modules=20))
+    assert corpus_hash(small) == corpus_hash(build_corpus(CorpusConfig(max_modules=20)))
+    assert corpus_hash(small) != corpus_hash(build_corpus(CorpusConfig(max_modules=20, seed=1)))
+
+
+def test_tokenizer_training_and_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from eagle_backbone.data.tokenizer import train_bpe_tokenizer
+
+    convs = build_corpus(CorpusConfig(max_modules=15))["train"]
+    train_bpe_tokenizer((t["value"] for c in convs for t in c["conversations"]), 400, tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == 400
+    text = tok.apply_chat_template([{"role": "user", "content": "What does `x` do?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.startswith("<s>") and text.endswith("USER: What does `x` do? ASSISTANT:")
+    ids = tok("def f(x):\n    return x", add_special_tokens=False).input_ids
+    assert tok.decode(ids) == "def f(x):\n    return x"
+
+
+def _run(args, cwd):
+    res = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def test_tiny_training_runs(tmp_path):
+    """A few steps of each training script on a tiny model: target LM, then an EAGLE drafter for it."""
+    lm_dir, drafter_dir = tmp_path / "lm", tmp_path / "drafter"
+    _run(["scripts/train_lm.py", "lm=tiny", f"lm.out_dir={lm_dir}", "trainer.max_steps=2", "max_conversations=40",
+          "block_size=64", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+          "trainer.enable_progress_bar=false", f"ckpt_dir={tmp_path / 'ck1'}", f"hydra.run.dir={tmp_path / 'run1'}"],
+         REPO_ROOT)
+    assert (lm_dir / "model.safetensors").exists()
+    _run(["scripts/train_drafter.py", f"model.target={lm_dir}", f"model.tokenizer={lm_dir}",
+          f"drafter_training.out_dir={drafter_dir}", "trainer.max_steps=2", "data.limit=30",
+          "drafter_training.block_size=64", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+          "trainer.enable_progress_bar=false", f"drafter_training.ckpt_dir={tmp_path / 'ck2'}",
+          f"hydra.run.dir={tmp_path / 'run2'}"], REPO_ROOT)
+    from eagle_backbone.loading import load_pair
+
+    pair = load_pair({"target": str(lm_dir), "drafter": str(drafter_dir), "tokenizer": str(lm_dir),
+                      "drafter_kind": "eagle", "dtype": "float32", "device": "cpu"})
+    summary = json.loads((drafter_dir / "training_summary.json").read_text())
+    assert summary["steps"] == 2 and 0 <= summary["val_top1"] <= 1
+    assert pair.drafter.hidden_size == pair.target.hidden_size
+
+
+SHIPPED = all((EMBEDDED_DIR / p / "config.json").exists() for p in ("target", "drafter", "draft_lm"))
+
+
+@pytest.mark.skipif(not SHIPPED, reason="the embedded models are not in data/embedded yet")
+def test_shipped_pair_is_lossless_on_held_out_prompts():
+    from eagle_backbone.data.conversations import build_prompts, load_conversations
+    from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+    from eagle_backbone.loading import load_pair
+    from eagle_backbone.policy import StaticPolicy
+
+    cfg = {"target": str(EMBEDDED_DIR / "target"), "drafter": str(EMBEDDED_DIR / "drafter"),
+           "tokenizer": str(EMBEDDED_DIR / "tokenizer"), "drafter_kind": "eagle", "dtype": "float32", "device": "cpu"}
+    pair = load_pair(cfg)
+    lm_pair = load_pair({**cfg, "drafter": str(EMBEDDED_DIR / "draft_lm"), "drafter_kind": "draft_lm"})
+    test = load_conversations(EMBEDDED_DIR / "corpus" / "test.json", limit=40)
+    prompts = build_prompts(pair.tokenizer, test, 512)[::10][:3]
+    accepted = 0
+    for _, p in prompts:
+        ref = autoregressive_generate(pair.target, p, 48).tokens
+        for candidates in (pair.candidates, lm_pair.candidates):
+            out = SpeculativeDecoder(pair.target, candidates, StaticPolicy(4)).generate(p, 48)
+            assert out.tokens == ref
+            accepted += out.stats.accepted_tokens
+    assert accepted > 0  # a trained pair agrees at least sometimes
