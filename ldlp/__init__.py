@@ -1,0 +1,1 @@
+"""Adaptive draft length: oracle labels, the LDLP predictor, draft-length policies and their evaluation."""

@@ -1,0 +1,430 @@
+"""The oracle collector: prompts in, label shards out (``python scripts/collect_oracle.py``).
+
+For every prompt the target generates its greedy response, then :func:`ldlp.oracle.oracle_labels`
+labels every position of it. Work is planned before anything runs, so it can be split and resumed:
+
+* prompts get a ``seq_id`` in a fixed order (the data split first, then validation);
+* collector ``shard_id`` of ``num_shards`` takes the prompts with ``seq_id % num_shards == shard_id``;
+* its prompts, per split, are cut into parts of ``shard_size`` sequences; a part is written with
+  atomic renames (rows, sequences, then the meta file that marks it complete), so a run killed at
+  any moment loses at most the part in progress, and a rerun skips the complete parts and redoes that
+  one: no position lost or duplicated, and the same files as an uninterrupted run.
+
+``manifest.json`` (config, model folders and weight hashes, counts) guards the directory: a rerun with
+settings that change the labels stops with the differing keys instead of mixing two collections.
+``report.json`` / ``report.md`` summarise all complete parts (positions, label histogram, mean label,
+share at ``k_max``, time, positions/s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from eagle_backbone.data.conversations import held_out, make_prompts, read_conversations
+from eagle_backbone.engine import autoregressive_generate
+from ldlp.oracle import (META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, committed_parts, label_histogram, oracle_labels,
+                         rows_features, sequences_features)
+
+log = logging.getLogger(__name__)
+
+# settings that change what the files contain; a rerun must agree on them to continue a collection
+IDENTITY_KEYS = ("seed", "k_max", "max_new_tokens", "store_features", "feature_dtype", "stat_dtype",
+                 "full_target_prob", "max_rows_per_pass", "shard_size", "num_shards")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+MODEL_FILES = ("config.json",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+
+@dataclass
+class WorkItem:
+    seq_id: int
+    split: str
+    conversation_id: str
+    prompt_ids: list[int]
+
+
+@dataclass
+class Part:
+    split: str
+    index: int
+    items: list[WorkItem] = field(default_factory=list)
+
+    def stem(self, out_dir: Path, worker: str) -> Path:
+        return out_dir / self.split / f"{worker}.{self.index:05d}"
+
+
+# ---- planning --------------------------------------------------------------------------------------
+
+
+def _take(convs: list[dict], limit: int | None, seed: int | None) -> list[dict]:
+    if limit is None or len(convs) <= limit:
+        return convs
+    if seed is None:
+        return convs[:limit]
+    keep = sorted(np.random.default_rng(seed).choice(len(convs), size=limit, replace=False).tolist())
+    return [convs[i] for i in keep]
+
+
+def split_conversations(data) -> tuple[list[tuple[str, list[dict]]], dict]:
+    """``[(split, conversations), ...]`` from a data config, and counts for the manifest.
+
+    The data file's own conversations form split ``data.split``; validation conversations come from
+    ``data.validation_path`` (same format) or, for a single file such as ShareGPT, from a stable
+    ``data.holdout_percent`` share of it chosen by conversation id.
+    """
+    split = data.get("split", "train")
+    holdout = float(data.get("holdout_percent", 0) or 0)
+    val_path = data.get("validation_path")
+    if holdout and val_path:
+        raise ValueError("data.validation_path and data.holdout_percent are both set: choose one source of "
+                         "validation conversations")
+    seed = data.get("sample_seed")
+    common = dict(fmt=data.get("format", "auto"), on_error=data.get("on_error", "raise"))
+    counts = {}
+    if holdout:
+        convs, counts["skipped_records"] = read_conversations(data.path, **common)
+        val = [c for c in convs if held_out(c["id"], holdout)]
+        convs = [c for c in convs if not held_out(c["id"], holdout)]
+        out = [(split, _take(convs, data.get("limit"), seed)), ("validation", _take(val, data.get("validation_limit"), seed))]
+    else:
+        convs, counts["skipped_records"] = read_conversations(data.path, limit=data.get("limit"), sample_seed=seed, **common)
+        out = [(split, convs)]
+        if val_path:
+            val, skipped = read_conversations(val_path, limit=data.get("validation_limit"), sample_seed=seed, **common)
+            counts["skipped_records"] += skipped
+            out.append(("validation", val))
+    if len({s for s, _ in out}) != len(out):
+        raise ValueError(f"data.split={split!r} collides with the validation split; name it differently")
+    counts["conversations"] = {s: len(c) for s, c in out}
+    return [(s, c) for s, c in out if c], counts
+
+
+def plan_items(data, tokenizer, max_prompt_len: int) -> tuple[list[WorkItem], dict]:
+    """All prompts of the collection, numbered: the same list on every run and every collector."""
+    splits, counts = split_conversations(data)
+    items, dropped = [], 0
+    max_tokens = data.get("max_prompt_tokens")
+    max_tokens = max_prompt_len if max_tokens is None else min(max_tokens, max_prompt_len)
+    for split, convs in splits:
+        prompts, too_long = make_prompts(tokenizer, convs, max_tokens, data.get("turns", "first"),
+                                         data.get("chat_template"))
+        dropped += too_long
+        for cid, ids in prompts:
+            items.append(WorkItem(len(items), split, cid, ids))
+    counts["prompts_dropped_too_long"] = dropped
+    counts["prompts"] = {s: sum(1 for it in items if it.split == s) for s, _ in splits}
+    if not items:
+        raise ValueError(f"{data.path}: no prompts to collect (all conversations dropped; max_prompt_tokens="
+                         f"{data.get('max_prompt_tokens')})")
+    return items, counts
+
+
+def plan_parts(items: list[WorkItem], shard_id: int, num_shards: int, shard_size: int) -> list[Part]:
+    parts: list[Part] = []
+    for it in items:
+        if it.seq_id % num_shards != shard_id:
+            continue
+        if not parts or parts[-1].split != it.split or len(parts[-1].items) >= shard_size:
+            index = sum(1 for p in parts if p.split == it.split)
+            parts.append(Part(it.split, index))
+        parts[-1].items.append(it)
+    return parts
+
+
+# ---- files -----------------------------------------------------------------------------------------
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    _replace(tmp, path)
+
+
+def write_arrow(path: Path, columns: dict, features) -> None:
+    """One Arrow IPC stream, schema from ``datasets.Features`` (so ``Dataset.from_file`` reads it back)."""
+    schema = features.arrow_schema
+    arrays = []
+    for f in schema:
+        col = columns[f.name]
+        if pa.types.is_fixed_size_list(f.type):
+            flat = np.ascontiguousarray(col).reshape(-1).astype(f.type.value_type.to_pandas_dtype())
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), f.type.list_size))
+        else:
+            arrays.append(pa.array(col, type=f.type))
+    table = pa.Table.from_arrays(arrays, schema=schema)
+    tmp = path.with_name(path.name + ".tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table)
+    _replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def folder_digest(folder, previous: dict | None = None, hash_weights: bool = True, tokenizer: bool = False) -> dict:
+    """Weight and config files (or tokenizer files) of a folder with size and sha256; a hash is reused
+    from ``previous`` while size and mtime agree, so reruns do not re-read multi-GB weights."""
+    folder = Path(folder)
+    previous = previous or {}
+    files = {}
+    for f in sorted(folder.iterdir()):
+        wanted = f.name in TOKENIZER_FILES if tokenizer else (f.suffix in WEIGHT_SUFFIXES or f.name in MODEL_FILES)
+        if not f.is_file() or not wanted:
+            continue
+        st = f.stat()
+        old = previous.get("files", {}).get(f.name, {})
+        entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if old.get("size") == st.st_size and old.get("mtime_ns") == st.st_mtime_ns and old.get("sha256"):
+            entry["sha256"] = old["sha256"]
+        elif hash_weights:
+            entry["sha256"] = _sha256(f)
+        files[f.name] = entry
+    return {"path": str(folder.resolve()), "files": files}
+
+
+def _identity(cfg, models: dict) -> dict:
+    from omegaconf import OmegaConf
+
+    ident = {k: cfg[k] for k in IDENTITY_KEYS}
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    ident["data"] = data
+    ident["model"] = {"dtype": cfg.model.dtype, "drafter_kind": cfg.model.drafter_kind,
+                      **{name: {f: d.get("sha256") for f, d in m["files"].items()} for name, m in models.items()}}
+    return ident
+
+
+def _diff(a, b, prefix="") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [f"{prefix[:-1]}: {a!r} -> {b!r}"]
+
+
+def _remove_collection(out: Path) -> None:
+    for m in list(out.glob(f"*/*{META_SUFFIX}")) + list(out.glob(f"*/*{ROWS_SUFFIX}")) + list(out.glob(f"*/*{SEQS_SUFFIX}")):
+        m.unlink()
+    for name in ("manifest.json", "report.json", "report.md"):
+        (out / name).unlink(missing_ok=True)
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+
+def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, store_features: bool, d: int,
+                  eos: set[int]) -> tuple[dict, dict]:
+    rows = {k: [] for k in ("seq_id", "conversation_id", "split", "index", "last_token", "label", "remaining",
+                            "draft_top1_prob", "draft_entropy", "target_prob", "feature")}
+    seqs = {k: [] for k in ("seq_id", "conversation_id", "split", "input_ids", "prompt_len", "positions", "eos")}
+    for it, response, lab in results:
+        r = len(lab["index"])
+        rows["seq_id"] += [it.seq_id] * r
+        rows["conversation_id"] += [it.conversation_id] * r
+        rows["split"] += [it.split] * r
+        for k in ("index", "last_token", "label", "remaining"):
+            rows[k].append(lab[k].numpy())
+        for k in ("draft_top1_prob", "draft_entropy", "target_prob"):
+            rows[k].append(lab[k].float().numpy().reshape(r, k_max))
+        if store_features:
+            rows["feature"].append(lab["feature"].float().numpy().reshape(r, d))
+        seqs["seq_id"].append(it.seq_id)
+        seqs["conversation_id"].append(it.conversation_id)
+        seqs["split"].append(it.split)
+        seqs["input_ids"].append(list(it.prompt_ids) + list(response))
+        seqs["prompt_len"].append(len(it.prompt_ids))
+        seqs["positions"].append(r)
+        seqs["eos"].append(bool(response) and response[-1] in eos)
+    for k in ("index", "last_token", "label", "remaining"):
+        rows[k] = np.concatenate(rows[k]) if rows[k] else np.zeros(0, np.int64)
+    for k, width in (("draft_top1_prob", k_max), ("draft_entropy", k_max), ("target_prob", k_max), ("feature", d)):
+        rows[k] = np.concatenate(rows[k]) if rows[k] else np.zeros((0, width), np.float32)
+    return rows, seqs
+
+
+def collect_oracle(cfg) -> dict:
+    """Run (or continue) one collector; returns the report over all complete parts in ``cfg.out_dir``."""
+    from omegaconf import OmegaConf
+    from tqdm.auto import tqdm
+
+    from eagle_backbone.loading import load_pair
+
+    _check_config(cfg)
+    torch.manual_seed(cfg.seed)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    if cfg.model.drafter_kind != "eagle":
+        raise ValueError(f"model.drafter_kind={cfg.model.drafter_kind!r}: the oracle labels an EAGLE drafter "
+                         "(features in, features out); use an eagle model config")
+    pair = load_pair(cfg.model)
+    target, drafter = pair.target, pair.drafter
+    manifest_path = out / "manifest.json"
+    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    if old is not None and cfg.overwrite:
+        log.warning("overwrite=true: removing the collection in %s", out)
+        _remove_collection(out)
+        old = None
+    models = {name: folder_digest(cfg.model.get(name) or cfg.model.target, (old or {}).get("models", {}).get(name),
+                                  cfg.hash_weights, tokenizer=name == "tokenizer")
+              for name in ("target", "drafter", "tokenizer")}
+    identity = _identity(cfg, models)
+    if old is not None and old.get("identity") != identity:
+        diff = _diff(old.get("identity", {}), identity)
+        raise ValueError(f"{out} holds a collection made with other settings ({'; '.join(diff[:8])}); continue it with "
+                         "the same settings, choose another out_dir, or pass overwrite=true to start over")
+    for tmp in out.glob("*/*.tmp"):
+        tmp.unlink()  # leftovers of a killed write
+
+    items, data_counts = plan_items(cfg.data, pair.tokenizer, max_prompt_len=target.max_length - 1)
+    worker = f"{cfg.shard_id:03d}-of-{cfg.num_shards:03d}"
+    parts = plan_parts(items, cfg.shard_id, cfg.num_shards, cfg.shard_size)
+    manifest = {"k_max": cfg.k_max, "store_features": cfg.store_features, "feature_dim": target.hidden_size,
+                "identity": identity, "models": models, "tokenizer": str(cfg.model.tokenizer),
+                "config": OmegaConf.to_container(cfg, resolve=True), "data_counts": data_counts,
+                "num_prompts": len(items)}
+    write_json(manifest_path, {**(old or {}), **manifest})
+
+    rows_feat = rows_features(cfg.k_max, target.hidden_size if cfg.store_features else None, cfg.stat_dtype,
+                              cfg.feature_dtype)
+    seqs_feat = sequences_features()
+    todo = [p for p in parts if not Path(str(p.stem(out, worker)) + META_SUFFIX).is_file()]
+    log.info("%d prompts in the collection; collector %s has %d parts, %d to do", len(items), worker, len(parts), len(todo))
+    if cfg.max_parts_this_run is not None:
+        todo = todo[: cfg.max_parts_this_run]
+    run = {"parts_written": 0, "positions": 0, "sequences": 0, "seconds": 0.0}
+    bar = tqdm(total=None, unit="pos", unit_scale=True, disable=not cfg.progress, desc=f"oracle {worker}")
+    seq_total, seq_done = sum(len(p.items) for p in todo), 0
+    for part in todo:
+        t0 = time.perf_counter()
+        gen_s = 0.0
+        results = []
+        for it in part.items:
+            g0 = time.perf_counter()
+            response = autoregressive_generate(target, it.prompt_ids, cfg.max_new_tokens).tokens
+            gen_s += time.perf_counter() - g0
+            lab = oracle_labels(target, drafter, list(it.prompt_ids) + response, len(it.prompt_ids), cfg.k_max,
+                                full_target_prob=cfg.full_target_prob, max_rows_per_pass=cfg.max_rows_per_pass)
+            results.append((it, response, lab))
+            seq_done += 1
+            bar.update(len(lab["index"]))
+            bar.set_postfix(seq=f"{seq_done}/{seq_total}")
+        rows, seqs = _part_columns(results, cfg.k_max, cfg.store_features, target.hidden_size, target.eos_token_ids)
+        stem = part.stem(out, worker)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        write_arrow(Path(str(stem) + ROWS_SUFFIX), rows, rows_feat)
+        write_arrow(Path(str(stem) + SEQS_SUFFIX), seqs, seqs_feat)
+        labels, remaining = rows["label"], rows["remaining"]
+        seconds = time.perf_counter() - t0
+        write_json(Path(str(stem) + META_SUFFIX), {
+            "split": part.split, "part": part.index, "worker": worker, "seq_ids": [it.seq_id for it in part.items],
+            "sequences": len(part.items), "positions": int(len(labels)),
+            "generated_tokens": int(sum(len(s) - p for s, p in zip(seqs["input_ids"], seqs["prompt_len"]))),
+            "eos": int(sum(seqs["eos"])), "label_sum": int(labels.sum()),
+            "label_hist": label_histogram(labels, cfg.k_max),
+            "label_hist_uncensored": label_histogram(labels[remaining >= cfg.k_max], cfg.k_max),
+            "seconds": seconds, "generate_seconds": gen_s,
+        })
+        run["parts_written"] += 1
+        run["positions"] += int(len(labels))
+        run["sequences"] += len(part.items)
+        run["seconds"] += seconds
+    bar.close()
+    done = sum(Path(str(p.stem(out, worker)) + META_SUFFIX).is_file() for p in parts)
+    run.update(wall_seconds=time.perf_counter() - t_start, worker=worker, parts=len(parts), parts_complete=done,
+               complete=done == len(parts))
+    report = write_report(out, cfg.k_max, run)
+    manifest["counts"] = {k: report[k] for k in ("sequences", "positions", "splits")}
+    write_json(manifest_path, manifest)
+    return report
+
+
+def _check_config(cfg) -> None:
+    if not isinstance(cfg.k_max, int) or not 1 <= cfg.k_max <= 127:
+        raise ValueError(f"k_max must be an integer in 1..127 (labels are stored as int8), got {cfg.k_max!r}")
+    if not isinstance(cfg.num_shards, int) or cfg.num_shards < 1:
+        raise ValueError(f"num_shards must be an integer >= 1, got {cfg.num_shards!r}")
+    if not isinstance(cfg.shard_id, int) or not 0 <= cfg.shard_id < cfg.num_shards:
+        raise ValueError(f"shard_id must be in 0..num_shards-1={cfg.num_shards - 1}, got {cfg.shard_id!r}")
+    if not isinstance(cfg.shard_size, int) or cfg.shard_size < 1:
+        raise ValueError(f"shard_size (sequences per part) must be an integer >= 1, got {cfg.shard_size!r}")
+    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
+    for key in ("feature_dtype", "stat_dtype"):
+        if cfg[key] not in ("float16", "float32"):
+            raise ValueError(f"{key} must be float16 or float32, got {cfg[key]!r}")
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+
+def _summary(metas: list[dict], k_max: int) -> dict:
+    positions = sum(m["positions"] for m in metas)
+    hist = np.sum([m["label_hist"] for m in metas], axis=0).tolist() if metas else [0] * (k_max + 1)
+    unc = np.sum([m["label_hist_uncensored"] for m in metas], axis=0).tolist() if metas else [0] * (k_max + 1)
+    seconds = sum(m["seconds"] for m in metas)
+    return {
+        "sequences": sum(m["sequences"] for m in metas), "positions": positions,
+        "generated_tokens": sum(m["generated_tokens"] for m in metas),
+        "ended_with_eos": sum(m["eos"] for m in metas),
+        "label_hist": hist, "mean_label": sum(m["label_sum"] for m in metas) / positions if positions else float("nan"),
+        "frac_at_k_max": hist[k_max] / positions if positions else float("nan"),
+        "uncensored_positions": int(sum(unc)),
+        "frac_at_k_max_uncensored": unc[k_max] / sum(unc) if sum(unc) else float("nan"),
+        "seconds": seconds, "generate_seconds": sum(m["generate_seconds"] for m in metas),
+        "positions_per_s": positions / seconds if seconds else float("nan"),
+    }
+
+
+def write_report(out: Path, k_max: int, run: dict | None = None) -> dict:
+    metas = [json.loads(p.read_text()) for p in committed_parts(out)]
+    splits = sorted({m["split"] for m in metas})
+    report = {"k_max": k_max, **_summary(metas, k_max), "parts": len(metas),
+              "splits": {s: _summary([m for m in metas if m["split"] == s], k_max) for s in splits},
+              "this_run": run or {}}
+    write_json(out / "report.json", report)
+    lines = [f"# Oracle labels: {out}", "",
+             f"k_max = {k_max}; {report['sequences']} sequences, {report['positions']} positions, "
+             f"{report['parts']} parts.", "",
+             "| split | sequences | positions | mean label | at k_max | at k_max (uncensored) | seconds | positions/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in [("all", report)] + list(report["splits"].items()):
+        lines.append(f"| {name} | {s['sequences']} | {s['positions']} | {s['mean_label']:.3f} | {s['frac_at_k_max']:.3f} "
+                     f"| {s['frac_at_k_max_uncensored']:.3f} | {s['seconds']:.1f} | {s['positions_per_s']:.1f} |")
+    total = max(1, report["positions"])
+    lines += ["", "Label histogram (all splits):", "", "| label | count | share |", "|---|---|---|"]
+    lines += [f"| {k} | {c} | {c / total:.3f} |" for k, c in enumerate(report["label_hist"])]
+    if run:
+        lines += ["", f"This run ({run.get('worker')}): {run['parts_written']} parts, {run['sequences']} sequences, "
+                      f"{run['positions']} positions in {run['wall_seconds']:.1f} s wall "
+                      f"({run['positions'] / run['seconds'] if run['seconds'] else 0:.1f} positions/s); "
+                      f"{run['parts_complete']}/{run['parts']} of its parts complete."]
+    tmp = out / "report.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    _replace(tmp, out / "report.md")
+    return report

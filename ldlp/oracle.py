@@ -1,0 +1,341 @@
+"""Oracle-optimal draft lengths (AdaEAGLE's labels, greedy decoding).
+
+A sequence ``s`` is a prompt (``n`` tokens) followed by the target's greedy response. At every
+index ``i`` with ``n <= i < len(s) - 1`` the last accepted token is ``s[i]``; the drafter, given the
+true pairs ``(s[j+1], f_j)`` for ``j < i`` (``f_j``: the target's feature at position ``j``), drafts
+``k_max`` tokens greedily, feeding back its own predicted features exactly as
+:class:`~eagle_backbone.candidates.EagleCandidateGenerator` does. The label is the length of the
+longest common prefix of that draft and ``s[i+1 : i+1+k_max]``: under greedy decoding, drafting
+exactly that many tokens keeps the output, spends the fewest target passes and wastes no draft.
+
+Each row also records what a draft-length predictor sees before drafting at ``i`` (``last_token =
+s[i]`` and ``feature = f_{i-1}``, the feature whose logits produced ``s[i]``: ``DraftContext.feature``
+in the engine) and, for every drafted step ``m = 1..k_max``, the drafter's top-1 probability and
+entropy (softmax at temperature 1) and the target's probability of the drafted token ``d_m`` given
+``s[:i+1] + d_1..d_{m-1}``. For ``m <= label + 1`` that prefix is the true sequence, so the value comes
+from the one teacher-forced target pass; for ``m > label + 1`` the prefix contains a wrong draft and
+the value needs an extra target pass over the wrong continuations (``full_target_prob``; NaN without).
+
+:func:`oracle_labels` computes all rows of a sequence at once: one target pass over ``s``, one causal
+drafter pass over the true pairs (draft step 1 for every ``i``), then ``k_max - 1`` drafter passes in
+which the rows' draft chains sit side by side in one sequence dimension, each attending to the true
+prefix (positions ``< i``, from the KV cache) and to its own earlier draft positions only (a block
+mask). :func:`oracle_labels_sequential` is the naive reference used by the tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.engine import autoregressive_generate
+from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.sampling import SamplingConfig, probs_from_logits
+from eagle_backbone.target import TargetModel, rollback
+
+GREEDY = SamplingConfig()
+ROW_FIELDS = ("index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy", "target_prob",
+              "feature", "draft_tokens")
+
+
+def _check(input_ids, prompt_len: int, k_max: int) -> list[int]:
+    ids = input_ids.flatten().tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
+    if not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
+    if not 1 <= prompt_len <= len(ids):
+        raise ValueError(f"prompt_len={prompt_len} must be in [1, len(input_ids)={len(ids)}]")
+    return ids
+
+
+def _empty(k_max: int, d: int, dtype: torch.dtype) -> dict:
+    z = torch.zeros(0, dtype=torch.long)
+    nan = torch.zeros(0, k_max)
+    return {"index": z, "last_token": z, "label": z, "remaining": z, "draft_top1_prob": nan,
+            "draft_entropy": nan.clone(), "target_prob": nan.clone(), "feature": torch.zeros(0, d, dtype=dtype),
+            "draft_tokens": torch.zeros(0, k_max, dtype=torch.long)}
+
+
+def _draft_stats(drafter_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy token, top-1 probability and entropy per row, from the same softmax the engine uses."""
+    probs = probs_from_logits(drafter_logits, GREEDY)  # float32 softmax at temperature 1
+    top1, token = probs.max(dim=-1)
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    return token, top1, entropy
+
+
+def lcp_labels(draft: torch.Tensor, seq: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Longest common prefix of each row's draft (R, k) with ``seq[index+1 : index+1+k]``."""
+    k = draft.shape[1]
+    pos = index[:, None] + 1 + torch.arange(k)[None]
+    truth = torch.where(pos < len(seq), seq[pos.clamp(max=len(seq) - 1)], torch.full_like(pos, -1))
+    return (draft == truth).long().cumprod(dim=1).sum(dim=1)
+
+
+def _drafter_chains(drafter, lm_head, cache, first_h, first_tok, index, prefix_len: int, k_max: int):
+    """Draft steps 2..k_max for rows whose step-1 outputs are ``first_h`` (C, d).
+
+    Row ``r`` (last accepted index ``i = index[r]``) feeds ``(d_{m-1}, f̂_{m-1})`` at position
+    ``i + m - 2``; it sees the true prefix keys ``< i`` and its own chain keys, nothing else.
+    """
+    C, device = first_h.shape[0], first_h.device
+    dtype = first_h.dtype
+    neg = torch.finfo(dtype).min
+    prefix_allowed = torch.arange(prefix_len, device=device)[None, :] < index.to(device)[:, None]  # (C, P)
+    own = torch.eye(C, dtype=torch.bool, device=device)
+    h, tok = first_h, first_tok
+    tokens, top1s, entropies = [], [], []
+    for m in range(2, k_max + 1):
+        allowed = torch.cat([prefix_allowed] + [own] * (m - 1), dim=1)  # earlier chain steps + this one
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, neg)[None, None]
+        pos = (index.to(device) + m - 2)[None]
+        h = drafter(tok.to(device)[None], h[None], cache, position_ids=pos, attention_mask=mask)[0]
+        tok, top1, ent = _draft_stats(lm_head(h.to(lm_head.weight.dtype)))
+        tokens.append(tok)
+        top1s.append(top1)
+        entropies.append(ent)
+    rollback(cache, prefix_len)  # drop the chains: the cache holds the true prefix again
+    return tokens, top1s, entropies
+
+
+def _wrong_prefix_target_probs(target: TargetModel, cache, seq_len: int, draft: torch.Tensor,
+                               label: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
+                               max_tokens: int) -> None:
+    """Fill ``out[r, m-1]`` for ``m > label+1``: the target's probability of ``d_m`` after the wrong prefix.
+
+    Row ``r`` with label ``a`` feeds ``d_{a+1} .. d_{k-1}`` at positions ``i+a+1 ..``; the true tokens
+    ``s[:i+a+1]`` (equal to the draft up to ``d_a``) come from the target's cache. Rows are packed into
+    passes of at most ``max_tokens`` query tokens with a block mask, like the drafter chains.
+    """
+    k = draft.shape[1]
+    rows = [r for r in range(draft.shape[0]) if int(label[r]) < k - 1]
+    device, dtype = target.device, target.dtype
+    neg = torch.finfo(dtype).min
+    start = 0
+    while start < len(rows):
+        batch, n_tok = [], 0
+        while start < len(rows) and (not batch or n_tok + k - 1 - int(label[rows[start]]) <= max_tokens):
+            r = rows[start]
+            batch.append(r)
+            n_tok += k - 1 - int(label[r])
+            start += 1
+        toks, pos, row_of, step_of, visible = [], [], [], [], []
+        for b, r in enumerate(batch):
+            a, i = int(label[r]), int(index[r])
+            for t in range(k - 1 - a):
+                toks.append(int(draft[r, a + t]))
+                pos.append(i + a + 1 + t)
+                row_of.append(b)
+                step_of.append(t)
+                visible.append(i + a + 1)  # true keys 0 .. i+a
+        row_of_t, step_of_t = torch.tensor(row_of), torch.tensor(step_of)
+        prefix_allowed = torch.arange(seq_len)[None, :] < torch.tensor(visible)[:, None]
+        own = (row_of_t[:, None] == row_of_t[None, :]) & (step_of_t[None, :] <= step_of_t[:, None])
+        allowed = torch.cat([prefix_allowed, own], dim=1).to(device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, neg)[None, None]
+        hidden = target.decoder(input_ids=torch.tensor([toks], device=device), cache=cache, use_cache=True,
+                                attention_mask=mask, position_ids=torch.tensor([pos], device=device)).last_hidden_state
+        probs = probs_from_logits(target.lm_head(hidden[0]), GREEDY)
+        rollback(cache, seq_len)
+        row = torch.tensor(batch)[row_of_t]
+        col = label[row] + 1 + step_of_t  # 0-based column of d_m, m = a + 2 + t
+        picked = probs[torch.arange(len(toks), device=device), draft[row, col].to(device)]
+        out[row, col] = picked.cpu().to(out.dtype)
+
+
+@torch.inference_mode()
+def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_max: int,
+                  full_target_prob: bool = True, max_rows_per_pass: int | None = 512) -> dict:
+    """All label rows of one sequence, vectorised. Returns CPU tensors, one row per index ``i``:
+
+    ``index`` (R,), ``last_token`` (R,), ``label`` (R,), ``remaining`` (R,) = ``len(s) - 1 - i`` (the
+    label is censored when it is below ``k_max``), ``draft_top1_prob``, ``draft_entropy``,
+    ``target_prob`` (R, k_max; column ``m-1`` is drafted step ``m``), ``feature`` (R, d) = ``f_{i-1}``
+    in the target's dtype, and ``draft_tokens`` (R, k_max).
+    """
+    s = _check(input_ids, prompt_len, k_max)
+    n, L = prompt_len, len(s)
+    R = L - 1 - n
+    if R <= 0:
+        return _empty(k_max, target.hidden_size, target.dtype)
+    cand = EagleCandidateGenerator(drafter, target)  # validates the pair, ties the embedding if needed
+    lm_head, ddtype = cand.lm_head, cand.dtype
+    seq = torch.tensor(s)
+    index = torch.arange(n, L - 1)
+
+    # one teacher-forced target pass: features f_0..f_{L-1} and the target's own next-token logits
+    tcache = target.new_cache() if full_target_prob else None
+    logits, feats = target(seq[None].to(target.device), tcache)
+    logits, feats = logits[0], feats[0]
+    log_norm = torch.logsumexp(logits.float(), dim=-1)  # per position, for p(token) = exp(logit - lse)
+
+    # draft step 1 for every row at once: the causal pass over the true pairs (s[j+1], f_j), j < L-1
+    dcache = drafter.new_cache()
+    P = L - 1
+    h_all = drafter(seq[None, 1:].to(target.device), feats[None, :P].to(ddtype), dcache)[0]
+    h1 = h_all[n - 1: L - 2]  # row i reads the output at position i-1
+    tok1, top1_1, ent1 = _draft_stats(lm_head(h1.to(lm_head.weight.dtype)))
+
+    # draft steps 2..k_max: the rows' chains side by side, max_rows_per_pass rows per batched pass
+    chunk = max_rows_per_pass or R
+    chains = [_drafter_chains(drafter, lm_head, dcache, h1[r0:r0 + chunk], tok1[r0:r0 + chunk],
+                              index[r0:r0 + chunk], P, k_max) for r0 in range(0, R, chunk)]
+
+    def by_step(first: torch.Tensor, which: int) -> torch.Tensor:  # (R, k_max): column m-1 is step m
+        later = [torch.cat([c[which][m] for c in chains]) for m in range(k_max - 1)]
+        return torch.stack([first] + later, dim=1).cpu()
+
+    draft, top1, entropy = by_step(tok1, 0), by_step(top1_1, 1), by_step(ent1, 2)
+
+    label = lcp_labels(draft, seq, index)
+
+    # target probabilities along the true prefix: steps m <= label + 1 read position i + m - 1
+    steps = torch.arange(1, k_max + 1)[None]
+    pos = index[:, None] + steps - 1
+    on_true = steps <= (label[:, None] + 1)
+    pos_c = pos.clamp(max=L - 1).to(logits.device)
+    tp = torch.exp(logits[pos_c, draft.to(logits.device)].float() - log_norm[pos_c]).cpu()
+    target_prob = torch.where(on_true, tp, torch.full_like(tp, float("nan")))
+    if full_target_prob:
+        _wrong_prefix_target_probs(target, tcache, L, draft, label, index, target_prob,
+                                   max_tokens=(max_rows_per_pass or R) * (k_max - 1))
+
+    return {
+        "index": index,
+        "last_token": seq[n: L - 1].clone(),
+        "label": label,
+        "remaining": (L - 1) - index,
+        "draft_top1_prob": top1,
+        "draft_entropy": entropy,
+        "target_prob": target_prob,
+        "feature": feats[n - 1: L - 2].cpu(),
+        "draft_tokens": draft,
+    }
+
+
+@torch.inference_mode()
+def oracle_labels_sequential(target: TargetModel, drafter, input_ids, prompt_len: int, k_max: int,
+                             full_target_prob: bool = True) -> dict:
+    """The naive reference: at every index, a fresh target prefill and EAGLE's own drafting loop."""
+    s = _check(input_ids, prompt_len, k_max)
+    n, L = prompt_len, len(s)
+    if L - 1 - n <= 0:
+        return _empty(k_max, target.hidden_size, target.dtype)
+    cand = EagleCandidateGenerator(drafter, target)
+    policy = StaticPolicy(k_max)
+    rows = {f: [] for f in ROW_FIELDS}
+    for i in range(n, L - 1):
+        prefix = s[: i + 1]
+        _, feats = target(torch.tensor([prefix], device=target.device), target.new_cache())
+        cand.start(prefix[:-1], feats[0, :i])  # f_0 .. f_{i-1}: everything the engine has at this point
+        draft, dists = cand.propose(prefix, policy.gamma(None), lambda *_: True, GREEDY, None)
+        logits, _ = target(torch.tensor([prefix + draft[:-1]], device=target.device), target.new_cache())
+        tprobs = probs_from_logits(logits[0, i:], GREEDY)
+        label = 0
+        while label < k_max and i + 1 + label < L and draft[label] == s[i + 1 + label]:
+            label += 1
+        dist = torch.stack(dists).cpu()
+        tp = torch.tensor([float(tprobs[m, draft[m]]) for m in range(k_max)])
+        if not full_target_prob:
+            tp[label + 1:] = float("nan")
+        rows["index"].append(i)
+        rows["last_token"].append(s[i])
+        rows["label"].append(label)
+        rows["remaining"].append(L - 1 - i)
+        rows["draft_top1_prob"].append(dist.max(-1).values)
+        rows["draft_entropy"].append(-(dist * torch.log(dist.clamp_min(1e-30))).sum(-1))
+        rows["target_prob"].append(tp)
+        rows["feature"].append(feats[0, i - 1].cpu())
+        rows["draft_tokens"].append(torch.tensor(draft))
+    out = {}
+    for f, v in rows.items():
+        out[f] = torch.stack(v) if isinstance(v[0], torch.Tensor) else torch.tensor(v)
+    return out
+
+
+def greedy_oracle(target: TargetModel, drafter, prompt_ids, max_new_tokens: int, k_max: int,
+                  **kw) -> tuple[list[int], dict]:
+    """The target's greedy response to ``prompt_ids`` and its label rows (row ``i - len(prompt_ids)``
+    is index ``i``; the engine's step with ``ctx.position = p`` is index ``len(prompt_ids) + p - 1``)."""
+    prompt = list(prompt_ids)
+    response = autoregressive_generate(target, prompt, max_new_tokens).tokens
+    return response, oracle_labels(target, drafter, prompt + response, len(prompt), k_max, **kw)
+
+
+@torch.inference_mode()
+def recompute_features(target: TargetModel, input_ids, prompt_len: int) -> torch.Tensor:
+    """Row features ``f_{i-1}`` for ``i = prompt_len .. len-2`` from one teacher-forced pass
+    (for oracle sets collected with ``store_features=false``)."""
+    s = _check(input_ids, prompt_len, 1)
+    _, feats = target(torch.tensor([s], device=target.device))
+    return feats[0, prompt_len - 1: len(s) - 2]
+
+
+def label_histogram(labels: np.ndarray, k_max: int) -> list[int]:
+    return np.bincount(np.asarray(labels, dtype=np.int64), minlength=k_max + 1)[: k_max + 1].tolist()
+
+
+# ---- files ---------------------------------------------------------------------------------------
+# An oracle directory holds, per split, parts of ``shard_size`` sequences written by one collector
+# (``shard_id`` of ``num_shards``): ``{split}/{worker}.{part:05d}.rows.arrow`` (one row per index),
+# ``.seqs.arrow`` (one row per sequence) and ``.json`` (counts; written last, it marks the part as
+# complete). The Arrow files are IPC streams that ``datasets.Dataset.from_file`` memory-maps, so
+# loading a collection of any size costs no copy and no cache.
+
+ROWS_SUFFIX, SEQS_SUFFIX, META_SUFFIX = ".rows.arrow", ".seqs.arrow", ".json"
+
+
+def rows_features(k_max: int, feature_dim: int | None, stat_dtype: str = "float16", feature_dtype: str = "float16"):
+    """``datasets.Features`` of the rows table (``feature`` only when ``feature_dim`` is given)."""
+    from datasets import Features, List, Value
+
+    cols = {
+        "seq_id": Value("int64"), "conversation_id": Value("string"), "split": Value("string"),
+        "index": Value("int32"), "last_token": Value("int32"), "label": Value("int8"), "remaining": Value("int32"),
+        "draft_top1_prob": List(Value(stat_dtype), length=k_max), "draft_entropy": List(Value(stat_dtype), length=k_max),
+        "target_prob": List(Value(stat_dtype), length=k_max),
+    }
+    if feature_dim:
+        cols["feature"] = List(Value(feature_dtype), length=feature_dim)
+    return Features(cols)
+
+
+def sequences_features():
+    from datasets import Features, List, Value
+
+    return Features({"seq_id": Value("int64"), "conversation_id": Value("string"), "split": Value("string"),
+                     "input_ids": List(Value("int32")), "prompt_len": Value("int32"), "positions": Value("int32"),
+                     "eos": Value("bool")})
+
+
+def committed_parts(out_dir, split: str | None = None) -> list:
+    """Meta files of the complete parts under ``out_dir`` (sorted: split, worker, part)."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    metas = sorted(out.glob(f"{split or '*'}/*{META_SUFFIX}"))
+    stem = lambda m: str(m)[: -len(META_SUFFIX)]  # noqa: E731
+    return [m for m in metas if Path(stem(m) + ROWS_SUFFIX).is_file() and Path(stem(m) + SEQS_SUFFIX).is_file()]
+
+
+def _load_tables(out_dir, suffix: str, split: str | None):
+    from datasets import Dataset, concatenate_datasets
+
+    metas = committed_parts(out_dir, split)
+    if not metas:
+        raise ValueError(f"{out_dir} holds no complete oracle parts" + (f" for split {split!r}" if split else "")
+                         + ": collect them first (python scripts/collect_oracle.py)")
+    parts = [Dataset.from_file(str(m)[: -len(META_SUFFIX)] + suffix) for m in metas]
+    return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def load_oracle_rows(out_dir, split: str | None = None):
+    """All label rows as one memory-mapped ``datasets.Dataset``: seq_id, conversation_id, split, index,
+    last_token, label, remaining, draft_top1_prob, draft_entropy, target_prob (and feature when stored)."""
+    return _load_tables(out_dir, ROWS_SUFFIX, split)
+
+
+def load_oracle_sequences(out_dir, split: str | None = None):
+    """One row per sequence: seq_id, conversation_id, split, input_ids (prompt + response), prompt_len,
+    positions (its number of label rows) and eos (whether the response ended with EOS)."""
+    return _load_tables(out_dir, SEQS_SUFFIX, split)
