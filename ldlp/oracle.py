@@ -76,7 +76,10 @@ def _drafter_chains(drafter, lm_head, cache, first_h, first_tok, index, prefix_l
     """Draft steps 2..k_max for rows whose step-1 outputs are ``first_h`` (C, d).
 
     Row ``r`` (last accepted index ``i = index[r]``) feeds ``(d_{m-1}, f̂_{m-1})`` at position
-    ``i + m - 2``; it sees the true prefix keys ``< i`` and its own chain keys, nothing else.
+    ``i + m - 2``; it sees the true prefix keys ``< i`` and its own chain keys, nothing else. (Masked
+    keys get weight exactly 0, so rows cannot influence each other, unless a row's values overflow to
+    inf/NaN: 0 * NaN is NaN. The sequential reference would confine such a row; finite models never
+    produce one.)
     """
     C, device = first_h.shape[0], first_h.device
     dtype = first_h.dtype
