@@ -1,0 +1,299 @@
+"""The Lightweight Draft Length Predictor (LDLP): picks γ before each drafting phase.
+
+It reads the pair the drafter reads next, ``[e; f]``: the target's input embedding ``e`` of the last
+accepted token and the target feature ``f`` at the position that produced it, and returns how many
+draft tokens are worth proposing. AdaEAGLE's model is a three-layer MLP with residual connections
+and one scalar output; here the head is a choice:
+
+* ``regression``     one scalar ŷ, trained with the asymmetric L1 loss; γ = clamp(round(ŷ), 0, k_max).
+* ``classification`` k_max + 1 logits over the accepted length 0..k_max (cross-entropy); γ = argmax.
+* ``distribution``   the survival curve S_k = P(accepted length >= k), k = 1..k_max, built as a product
+                     of continuation probabilities q_j = P(L >= j | L >= j-1) so that it can only fall
+                     with k (a discrete-time survival model, trained by the likelihood of the label);
+                     γ = the largest k with S_k >= ``threshold`` (0 when S_1 < threshold). With
+                     threshold 0.5 that is the median of the predicted length distribution.
+
+Inputs are standardised inside the model (``input_mean`` / ``input_std`` buffers, fitted on the
+training rows), so the saved checkpoint is self-contained: ``model.safetensors`` + ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HEADS = ("regression", "classification", "distribution")
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class LDLPConfig:
+    input_dim: int  # 2 * d: embedding and feature of the target, concatenated
+    hidden_dim: int = 256
+    k_max: int = 8  # the longest draft the labels know about (oracle k_max)
+    head: str = "regression"
+    num_layers: int = 3  # input projection, (num_layers - 2) residual blocks, output layer
+    dropout: float = 0.0
+    threshold: float = 0.5  # distribution head: γ = max{k : P(L >= k) >= threshold}
+    meta: dict = field(default_factory=dict)  # provenance (target, oracle dir, metrics): not used by the model
+
+    def __post_init__(self):
+        if self.head not in HEADS:
+            raise ValueError(f"LDLPConfig.head must be one of {HEADS}, got {self.head!r}")
+        if self.input_dim <= 0 or self.input_dim % 2:
+            raise ValueError(f"LDLPConfig.input_dim must be 2 * d (embedding + feature), got {self.input_dim}")
+        if self.k_max < 1:
+            raise ValueError(f"LDLPConfig.k_max must be >= 1, got {self.k_max}")
+        if self.num_layers < 2:
+            raise ValueError(f"LDLPConfig.num_layers must be >= 2, got {self.num_layers}")
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"LDLPConfig.threshold must be in (0, 1), got {self.threshold}")
+
+    @property
+    def feature_dim(self) -> int:
+        return self.input_dim // 2
+
+    @property
+    def output_dim(self) -> int:
+        return {"regression": 1, "classification": self.k_max + 1, "distribution": self.k_max}[self.head]
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "LDLP config") -> "LDLPConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+        if "input_dim" not in d:
+            raise ValueError(f"{where}: missing key 'input_dim'")
+        return cls(**d)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, dim: int, dropout: float):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.dropout(F.silu(self.linear(h)))
+
+
+class LDLP(nn.Module):
+    """``forward(x)`` maps (B, 2d) inputs to (B, output_dim) raw outputs; ``predict_length`` gives γ."""
+
+    def __init__(self, config: LDLPConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.register_buffer("input_mean", torch.zeros(c.input_dim))
+        self.register_buffer("input_std", torch.ones(c.input_dim))
+        self.input = nn.Linear(c.input_dim, c.hidden_dim)
+        self.blocks = nn.ModuleList(ResidualBlock(c.hidden_dim, c.dropout) for _ in range(c.num_layers - 2))
+        self.output = nn.Linear(c.hidden_dim, c.output_dim)
+        if c.head == "regression":
+            # start near the typical label instead of 0, so early training is not all under-prediction
+            nn.init.constant_(self.output.bias, c.k_max / 2)
+        self._decoding = None  # folded weights for the batch-1 path, see _decoding_weights
+
+    def train(self, mode: bool = True):
+        self._decoding = None
+        return super().train(mode)
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .float(), ...: weights move, rebuild
+        self._decoding = None
+        return super()._apply(fn, *args, **kwargs)
+
+    # -- the network -------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.input((x - self.input_mean) / self.input_std))
+        for block in self.blocks:
+            h = block(h)
+        return self.output(h)
+
+    @torch.no_grad()
+    def set_normalization(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Standardise inputs with statistics of the training rows (std floored to avoid division by ~0)."""
+        self.input_mean.copy_(mean)
+        self.input_std.copy_(std.clamp_min(1e-6))
+
+    # -- from raw outputs to lengths ------------------------------------------------------------------
+
+    def survival_from_output(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, k_max) P(L >= k) for k = 1..k_max, from the classification or distribution head's output."""
+        head = self.config.head
+        if head == "distribution":
+            return torch.cumsum(F.logsigmoid(out), dim=-1).exp()
+        if head == "classification":
+            p = out.softmax(-1)  # (B, k_max + 1) over L = 0..k_max
+            return p.flip(-1).cumsum(-1).flip(-1)[..., 1:]
+        raise ValueError("survival(): the regression head predicts a number, not a distribution; "
+                         "use ldlp.head=classification or distribution")
+
+    def length_from_output(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, output_dim) raw outputs -> (B,) int64 γ in 0..k_max."""
+        c = self.config
+        if c.head == "regression":
+            return out[..., 0].round().clamp(0, c.k_max).long()
+        if c.head == "classification":
+            return out.argmax(-1)
+        # S_k falls with k, so "largest k with S_k >= threshold" is the count of such k
+        return (self.survival_from_output(out) >= c.threshold).sum(-1)
+
+    # -- decoding-time API ---------------------------------------------------------------------------
+
+    def _inputs(self, embedding: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        d = self.config.feature_dim
+        if embedding.shape[-1] != d or feature.shape[-1] != d:
+            raise ValueError(f"LDLP expects embedding and feature of size {d} (input_dim "
+                             f"{self.config.input_dim} = 2 * {d}), got embedding {tuple(embedding.shape)} and "
+                             f"feature {tuple(feature.shape)}: was it trained for another target model?")
+        w = self.input.weight
+        return torch.cat([embedding, feature], dim=-1).to(device=w.device, dtype=w.dtype)
+
+    @torch.no_grad()
+    def _decoding_weights(self):
+        """The eval-mode network with the input standardisation folded into the first layer, as plain
+        tensors: the batch-1 path then costs a handful of matrix-vector products and no autograd.
+        Rebuilt whenever a weight changes in place (tensor versions), moves, or the mode changes."""
+        if self._decoding is not None and self._decoding[0] == tuple(t._version for t in self._decoding[1]):
+            return self._decoding[2]
+        state = list(self.state_dict(keep_vars=True).values())
+        w1 = self.input.weight / self.input_std
+        b1 = self.input.bias - w1 @ self.input_mean
+        blocks = [(b.linear.weight.detach(), b.linear.bias.detach()) for b in self.blocks]
+        log_threshold = math.log(self.config.threshold)
+        weights = (w1, b1, blocks, self.output.weight.detach(), self.output.bias.detach(), log_threshold)
+        self._decoding = (tuple(t._version for t in state), state, weights)
+        return weights
+
+    def _predict_one(self, embedding: torch.Tensor, feature: torch.Tensor) -> int:
+        d = self.config.feature_dim
+        if embedding.shape[0] != d or feature.shape[0] != d:
+            self._inputs(embedding, feature)  # raises the size error
+        w1, b1, blocks, w_out, b_out, log_threshold = self._decoding_weights()
+        x = torch.cat((embedding, feature))
+        if x.dtype != w1.dtype or x.device != w1.device:
+            x = x.to(device=w1.device, dtype=w1.dtype)
+        h = F.silu(torch.addmv(b1, w1, x))
+        for w, b in blocks:
+            h = h + F.silu(torch.addmv(b, w, h))
+        out = torch.addmv(b_out, w_out, h)
+        head = self.config.head
+        if head == "regression":
+            return min(max(round(out.item()), 0), self.config.k_max)
+        if head == "classification":
+            return int(out.argmax())
+        return int((torch.cumsum(F.logsigmoid(out), 0) >= log_threshold).sum())
+
+    def predict_length(self, embedding: torch.Tensor, feature: torch.Tensor) -> int | torch.Tensor:
+        """γ for one position ((d,) inputs -> int) or a batch ((B, d) inputs -> (B,) LongTensor).
+
+        The one-position call is the decoding-time path (the ``ldlp`` policy, every step): in eval mode it
+        runs on folded plain-tensor weights without autograd, a few tens of microseconds on a CPU.
+        """
+        if embedding.dim() == 1 and not self.training:
+            return self._predict_one(embedding, feature)
+        with torch.inference_mode():
+            x = self._inputs(embedding, feature)
+            if x.dim() == 1:
+                return int(self.length_from_output(self(x[None]))[0])
+            return self.length_from_output(self(x))
+
+    @torch.inference_mode()
+    def survival(self, embedding: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        """(B, k_max) P(accepted length >= k), k = 1..k_max ((k_max,) for unbatched inputs)."""
+        x = self._inputs(embedding, feature)
+        s = self.survival_from_output(self(x if x.dim() > 1 else x[None]))
+        return s if x.dim() > 1 else s[0]
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (each atomically: tmp file, then rename)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / (CONFIG_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        os.replace(tmp, out / CONFIG_FILE)
+        tensors = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
+        tmp = out / (WEIGHTS_FILE + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / WEIGHTS_FILE)  # last: its presence marks a complete checkpoint
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "LDLP":
+        """Load a folder written by :meth:`save_pretrained`; the model comes back in eval mode."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+            raise ValueError(f"{path} is not an LDLP checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
+                             f"(train one with `python scripts/train_ldlp.py`)")
+        try:
+            raw = json.loads((path / CONFIG_FILE).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path / CONFIG_FILE}: not valid JSON ({e})") from None
+        model = cls(LDLPConfig.from_dict(raw, where=str(path / CONFIG_FILE)))
+        state = load_file(str(path / WEIGHTS_FILE))
+        expected = model.state_dict()
+        missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+        if missing or unexpected:
+            raise ValueError(f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: missing {sorted(missing)}, "
+                             f"unexpected {sorted(unexpected)}")
+        for k, v in state.items():
+            if v.shape != expected[k].shape:
+                raise ValueError(f"{path / WEIGHTS_FILE}: tensor {k!r} has shape {tuple(v.shape)} but "
+                                 f"{CONFIG_FILE} (input_dim={model.config.input_dim}, hidden_dim="
+                                 f"{model.config.hidden_dim}, head={model.config.head!r}, k_max="
+                                 f"{model.config.k_max}) implies {tuple(expected[k].shape)}")
+        model.load_state_dict(state)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+# -- losses (shared by the trainer and the tests) ------------------------------------------------------
+
+
+def asymmetric_l1(pred: torch.Tensor, label: torch.Tensor, under_weight: float) -> torch.Tensor:
+    """Mean of λ·|ŷ - y| where ŷ < y (under-prediction wastes a target pass) and |ŷ - y| otherwise.
+
+    This is the pinball (quantile) loss for the quantile λ / (1 + λ) of the accepted length.
+    """
+    diff = pred - label.to(pred.dtype)
+    return torch.where(diff < 0, -under_weight * diff, diff).mean()
+
+
+def survival_nll(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of accepted length ``label`` (0..k_max) under the distribution head.
+
+    ``out`` (B, k_max) are logits of the continuation probabilities q_k = P(L >= k | L >= k-1), so
+    log P(L = y) = sum_{k<=y} log q_k + log(1 - q_{y+1}) (the last term absent when y = k_max).
+    """
+    k_max = out.shape[-1]
+    k = torch.arange(1, k_max + 1, device=out.device)
+    y = label[:, None]
+    survived = (k <= y).to(out.dtype)  # the label reached step k
+    stopped = (k == y + 1).to(out.dtype)  # the first step the label did not reach
+    ll = survived * F.logsigmoid(out) + stopped * F.logsigmoid(-out)
+    return -ll.sum(-1).mean()
+
+
+def ldlp_loss(model: LDLP, out: torch.Tensor, label: torch.Tensor, under_weight: float) -> torch.Tensor:
+    head = model.config.head
+    if head == "regression":
+        return asymmetric_l1(out[:, 0], label, under_weight)
+    if head == "classification":
+        return F.cross_entropy(out, label)
+    return survival_nll(out, label)

@@ -1,0 +1,446 @@
+"""Training the LDLP on oracle labels with Lightning.
+
+Data: the oracle collector writes one row per decoding position (last accepted token, label = how many
+of k_max greedy drafts the target accepts there, and optionally the target feature f). This module
+turns those rows into (last_token, feature, label) examples:
+
+* features stored in the rows are used as they are;
+* otherwise one teacher-forced target pass per sequence recomputes them (``feats[0, index - 1]``), and
+  the result is cached as a ``datasets`` folder (``feature_cache``) keyed by a fingerprint of the oracle
+  manifest, the target and the dtype, so reruns and the DDP worker processes read it back.
+
+The embedding half of the input, the target's input embedding of ``last_token``, is looked up inside
+the LightningModule from a frozen copy of the target's embedding table (not saved with the LDLP).
+
+Train/validation are split by conversation: the oracle's own ``split`` column when it has both splits,
+else a seeded split of the conversation ids. Then: ``LDLPModule`` (loss per head, cosine schedule with
+warm-up), ``ModelCheckpoint`` on the validation loss, early stopping, export of the best weights as a
+standalone LDLP folder, and the metrics table (the LDLP next to scikit-learn baselines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ldlp.predictor import LDLP, LDLPConfig, ldlp_loss
+
+log = logging.getLogger(__name__)
+
+ROW_COLUMNS = ("last_token", "label", "conversation_id", "split")
+CACHE_VERSION = 1
+
+
+# -- oracle data -------------------------------------------------------------------------------------------
+
+
+def read_manifest(oracle_dir: str | Path) -> dict:
+    path = Path(oracle_dir) / "manifest.json"
+    if not path.is_file():
+        raise ValueError(f"{oracle_dir} has no manifest.json: is it an oracle directory? "
+                         f"(collect labels first: python scripts/collect_oracle.py)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if "k_max" not in manifest:
+        raise ValueError(f"{path}: missing key 'k_max'")
+    return manifest
+
+
+def _oracle_loaders():
+    from ldlp.oracle import load_oracle_rows, load_oracle_sequences
+
+    return load_oracle_rows, load_oracle_sequences
+
+
+def _fingerprint(oracle_dir: Path, target_path: str, feature_dtype: str, num_rows: int) -> str:
+    h = hashlib.sha256()
+    h.update((oracle_dir / "manifest.json").read_bytes())
+    h.update(json.dumps([str(Path(target_path).resolve()), feature_dtype, num_rows, CACHE_VERSION]).encode())
+    return h.hexdigest()[:16]
+
+
+def recompute_features(rows, sequences, target, feature_dtype: str = "float32", where: str = "oracle"):
+    """Yield rows (``ROW_COLUMNS`` + ``feature``) with features from one target pass per sequence.
+
+    Row semantics: ``feature`` is the target feature at ``index - 1`` of the sequence's ``input_ids``,
+    the position whose logits produced ``last_token = input_ids[index]``.
+    """
+    from tqdm.auto import tqdm
+
+    seq_of_row = rows.select_columns(["seq_id"]).with_format("numpy")[:]["seq_id"]
+    order = np.argsort(seq_of_row, kind="stable")
+    starts = np.searchsorted(seq_of_row[order], np.unique(seq_of_row), side="left")
+    bounds = dict(zip(np.unique(seq_of_row).tolist(), zip(starts, np.append(starts[1:], len(order)))))
+    cols = rows.select_columns(["index", *ROW_COLUMNS]).with_format("numpy")[:]
+    np_dtype = np.dtype(feature_dtype)
+    for seq in tqdm(sequences, desc="target features", leave=False):
+        if seq["seq_id"] not in bounds:
+            continue
+        lo, hi = bounds[seq["seq_id"]]
+        row_ids = order[lo:hi]
+        ids = torch.tensor(seq["input_ids"], dtype=torch.long)
+        index = cols["index"][row_ids].astype(np.int64)
+        if index.min() < 1 or index.max() >= len(ids):
+            raise ValueError(f"{where}: sequence {seq['seq_id']} has rows with index outside 1..{len(ids) - 1}")
+        tokens = ids[torch.from_numpy(index)]
+        stored = torch.from_numpy(cols["last_token"][row_ids].astype(np.int64))
+        if not torch.equal(tokens, stored):
+            raise ValueError(f"{where}: sequence {seq['seq_id']}: last_token does not match input_ids[index] "
+                             f"(rows and sequences come from different collections?)")
+        _, feats = target(ids[None].to(target.device))
+        feats = feats[0, torch.from_numpy(index - 1).to(feats.device)].float().cpu().numpy().astype(np_dtype)
+        for j, r in enumerate(row_ids):
+            yield {**{c: cols[c][r].item() for c in ROW_COLUMNS}, "feature": feats[j]}
+
+
+def build_examples(oracle_dir: str | Path, target, cache_dir: str | Path | None, feature_dtype: str = "float32",
+                   target_path: str = ""):
+    """A ``datasets.Dataset`` with ``ROW_COLUMNS`` + ``feature`` for every oracle row.
+
+    Stored features are used directly; otherwise they are recomputed with ``target`` and cached under
+    ``cache_dir`` (rebuilt when the oracle manifest, the target path or the dtype change).
+    """
+    import datasets
+
+    oracle_dir = Path(oracle_dir)
+    read_manifest(oracle_dir)
+    load_rows, load_sequences = _oracle_loaders()
+    rows = load_rows(oracle_dir)
+    missing = [c for c in ("seq_id", "index") + ROW_COLUMNS if c not in rows.column_names]
+    if missing:
+        raise ValueError(f"{oracle_dir}: oracle rows lack columns {missing} (have {rows.column_names})")
+    if "feature" in rows.column_names:
+        return rows.select_columns(list(ROW_COLUMNS) + ["feature"])
+    if target is None:
+        raise ValueError(f"{oracle_dir}: the rows store no features, so a target model is needed to recompute them")
+    fp = _fingerprint(oracle_dir, target_path, feature_dtype, len(rows))
+    if cache_dir is not None:
+        cache_dir = Path(cache_dir)
+        stamp = cache_dir / "fingerprint.json"
+        if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fp:
+            return datasets.load_from_disk(str(cache_dir / "examples"))
+    features = datasets.Features({
+        "last_token": datasets.Value("int64"), "label": datasets.Value("int64"),
+        "conversation_id": datasets.Value("string"), "split": datasets.Value("string"),
+        "feature": datasets.Sequence(datasets.Value(feature_dtype))})
+    seqs = load_sequences(oracle_dir)
+
+    def gen():
+        yield from recompute_features(rows, seqs, target, feature_dtype, where=str(oracle_dir))
+
+    if cache_dir is None:
+        return datasets.Dataset.from_generator(gen, features=features, keep_in_memory=True, fingerprint=fp)
+    tmp = cache_dir.parent / (cache_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds = datasets.Dataset.from_generator(gen, features=features, cache_dir=str(tmp / "build"), fingerprint=fp)
+    ds.save_to_disk(str(tmp / "examples"))
+    del ds
+    shutil.rmtree(tmp / "build", ignore_errors=True)
+    (tmp / "fingerprint.json").write_text(json.dumps({"fingerprint": fp, "oracle_dir": str(oracle_dir),
+                                                      "target": target_path}) + "\n")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    os.replace(tmp, cache_dir)
+    return datasets.load_from_disk(str(cache_dir / "examples"))
+
+
+def split_by_conversation(conversation_ids: list[str], splits: list[str], val_fraction: float,
+                          seed: int) -> np.ndarray:
+    """Boolean mask of validation rows. Keeps the oracle's split when it has both train and validation
+    rows; otherwise holds out a seeded ``val_fraction`` of the conversations (never part of one)."""
+    splits = np.asarray(splits)
+    if (splits == "validation").any() and (splits == "train").any():
+        return splits == "validation"
+    convs = np.asarray(conversation_ids)
+    unique = np.unique(convs)
+    if len(unique) < 2:
+        raise ValueError(f"cannot split {len(unique)} conversation(s) into train and validation")
+    n_val = min(len(unique) - 1, max(1, round(val_fraction * len(unique))))
+    held = np.random.default_rng(seed).permutation(unique)[:n_val]
+    return np.isin(convs, held)
+
+
+class OracleDataModule(L.LightningDataModule):
+    """Oracle rows as (last_token, feature, label) batches, split by conversation.
+
+    ``prepare_data`` (one process per machine) recomputes and caches features when the rows store none;
+    ``setup`` (every process) loads them and checks their size against the model's.
+    """
+
+    def __init__(self, oracle_dir: str, feature_dim: int, k_max: int, batch_size: int = 256,
+                 val_fraction: float = 0.1, seed: int = 0, num_workers: int = 0, feature_dtype: str = "float32",
+                 feature_cache: str | None = None, max_rows: int | None = None, target=None,
+                 target_path: str = ""):
+        super().__init__()
+        self.oracle_dir, self.feature_dim, self.k_max = Path(oracle_dir), feature_dim, k_max
+        self.batch_size, self.val_fraction, self.seed = batch_size, val_fraction, seed
+        self.num_workers, self.feature_dtype, self.max_rows = num_workers, feature_dtype, max_rows
+        self.feature_cache, self.target, self.target_path = feature_cache, target, target_path
+        self.train = self.val = None
+
+    def _examples(self):
+        return build_examples(self.oracle_dir, self.target, self.feature_cache, self.feature_dtype,
+                              self.target_path)
+
+    def prepare_data(self):
+        self._examples()
+
+    def setup(self, stage=None):
+        if self.train is not None:
+            return
+        ds = self._examples()
+        if self.max_rows is not None and len(ds) > self.max_rows:
+            ds = ds.shuffle(seed=self.seed).select(range(self.max_rows))
+        if len(ds) == 0:
+            raise ValueError(f"{self.oracle_dir}: the oracle has no rows")
+        d = len(ds[0]["feature"])
+        if d != self.feature_dim:
+            raise ValueError(f"{self.oracle_dir}: oracle features have size {d} but the LDLP expects "
+                             f"{self.feature_dim} (ldlp.input_dim = 2 * {self.feature_dim}); the labels were "
+                             f"collected with another target model than model.target, or input_dim is wrong")
+        table = ds.with_format("numpy", columns=["last_token", "label", "feature"])[:]
+        labels = table["label"].astype(np.int64)
+        if labels.min() < 0 or labels.max() > self.k_max:
+            raise ValueError(f"{self.oracle_dir}: labels span {labels.min()}..{labels.max()}, outside "
+                             f"0..k_max={self.k_max} (ldlp.k_max must be at least the oracle's k_max)")
+        meta = ds.select_columns(["conversation_id", "split"]).with_format("numpy")[:]
+        is_val = split_by_conversation(meta["conversation_id"], meta["split"], self.val_fraction, self.seed)
+        tokens = torch.from_numpy(table["last_token"].astype(np.int64))
+        feats = np.stack(table["feature"]) if table["feature"].dtype == object else table["feature"]
+        # kept in the stored dtype (float16 halves memory at scale); batches are cast in LDLPModule.inputs
+        feats = torch.from_numpy(np.ascontiguousarray(feats))
+        labels = torch.from_numpy(labels)
+        tr, va = torch.from_numpy(~is_val), torch.from_numpy(is_val)
+        self.train = TensorDataset(tokens[tr], feats[tr], labels[tr])
+        self.val = TensorDataset(tokens[va], feats[va], labels[va])
+        log.info("LDLP data: %d train rows, %d validation rows (by conversation), d=%d", tr.sum(), va.sum(), d)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=g,
+                          num_workers=self.num_workers, drop_last=len(self.train) > self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=max(self.batch_size, 1024), num_workers=self.num_workers)
+
+
+# -- the LightningModule -----------------------------------------------------------------------------------
+
+
+class LDLPModule(L.LightningModule):
+    """Trains an :class:`LDLP`; inputs are [target embedding of last_token; feature]."""
+
+    def __init__(self, config: dict, embedding: torch.Tensor, under_weight: float = 3.0, lr: float = 1e-3,
+                 weight_decay: float = 0.01, warmup_ratio: float = 0.05, min_lr_ratio: float = 0.0):
+        super().__init__()
+        self.save_hyperparameters(ignore=["embedding"])
+        self.ldlp = LDLP(LDLPConfig.from_dict(config))
+        if embedding.shape[1] != self.ldlp.config.feature_dim:
+            raise ValueError(f"the target's embeddings have size {embedding.shape[1]} but the LDLP expects "
+                             f"{self.ldlp.config.feature_dim} (ldlp.input_dim = {self.ldlp.config.input_dim})")
+        # frozen, not part of the LDLP checkpoint: at decoding time the engine hands over the embedding
+        self.register_buffer("embedding", embedding.detach().float().clone(), persistent=False)
+
+    def inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.embedding[tokens], feats.float()], dim=-1)
+
+    def setup(self, stage=None):
+        # standardisation statistics from the training rows (a checkpoint being resumed overwrites them)
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if stage == "fit" and dm is not None and dm.train is not None:
+            self.fit_normalization(*dm.train.tensors[:2])
+
+    @torch.no_grad()
+    def fit_normalization(self, tokens: torch.Tensor, feats: torch.Tensor, max_rows: int = 200_000) -> None:
+        idx = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))[:max_rows]
+        x = self.inputs(tokens[idx].to(self.embedding.device), feats[idx].to(self.embedding.device))
+        self.ldlp.set_normalization(x.mean(0), x.std(0))
+
+    def _step(self, batch):
+        tokens, feats, labels = batch
+        out = self.ldlp(self.inputs(tokens, feats))
+        return out, labels, ldlp_loss(self.ldlp, out, labels, self.hparams.under_weight)
+
+    def training_step(self, batch, _):
+        _, labels, loss = self._step(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(labels))
+        return loss
+
+    def validation_step(self, batch, _):
+        out, labels, loss = self._step(batch)
+        pred = self.ldlp.length_from_output(out)
+        err = pred - labels
+        n = len(labels)
+        self.log("val/loss", loss, prog_bar=True, batch_size=n, sync_dist=True)
+        self.log("val/mae", err.abs().float().mean(), prog_bar=True, batch_size=n, sync_dist=True)
+        self.log("val/acc", (err == 0).float().mean(), batch_size=n, sync_dist=True)
+        self.log("val/within1", (err.abs() <= 1).float().mean(), batch_size=n, sync_dist=True)
+        self.log("val/under", (err < 0).float().mean(), batch_size=n, sync_dist=True)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.ldlp.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.ldlp.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=hp.lr)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = int(hp.warmup_ratio * total)
+
+        def schedule(step: int) -> float:  # linear warm-up, then cosine down to min_lr_ratio
+            if step < warmup:
+                return (step + 1) / warmup
+            t = min(1.0, (step - warmup) / max(1, total - warmup))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+# -- the whole run -----------------------------------------------------------------------------------------
+
+
+def _embedding_table(target) -> torch.Tensor:
+    return target.embed_tokens.weight.detach().float().cpu()
+
+
+@torch.no_grad()
+def predict_lengths(ldlp: LDLP, x: torch.Tensor, batch_size: int = 8192) -> np.ndarray:
+    ldlp.eval()
+    out = [ldlp.length_from_output(ldlp(x[i:i + batch_size])) for i in range(0, len(x), batch_size)]
+    return torch.cat(out).cpu().numpy()
+
+
+def load_best(module: LDLPModule, checkpoint: str, meta: dict) -> LDLP:
+    """The LDLP with the weights of the best Lightning checkpoint, on the CPU, in eval mode."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    module.load_state_dict(state, strict=False)  # the embedding table is not in the checkpoint
+    ldlp = module.ldlp.cpu().float().eval()
+    ldlp.config.meta = {**meta, "best_checkpoint": Path(checkpoint).name}
+    return ldlp
+
+
+def evaluate_against_baselines(ldlp: LDLP, dm: OracleDataModule, embedding: torch.Tensor, under_weight: float,
+                               baselines: list[str], max_fit_rows: int | None, seed: int) -> tuple[dict, dict]:
+    """Validation metrics of the LDLP and of each baseline, fitted on (a seeded subsample of) the training
+    rows with the same [e; f] inputs. Returns (results, {"fit_rows", "seconds"})."""
+    from ldlp.baselines import evaluate_all
+
+    tokens, feats, y_train = dm.train.tensors
+    fit_rows = torch.arange(len(y_train))
+    if max_fit_rows is not None and len(fit_rows) > max_fit_rows:
+        fit_rows = torch.randperm(len(fit_rows), generator=torch.Generator().manual_seed(seed))[:max_fit_rows]
+    x_fit = torch.cat([embedding[tokens[fit_rows]], feats[fit_rows].float()], -1)
+    tokens, feats, y_val = dm.val.tensors
+    x_val = torch.cat([embedding[tokens], feats.float()], -1)
+    seconds = {}
+    results = evaluate_all(ldlp_pred=predict_lengths(ldlp, x_val), ldlp_name=f"LDLP ({ldlp.config.head})",
+                           x_train=x_fit.numpy(), y_train=y_train[fit_rows].numpy(), x_val=x_val.numpy(),
+                           y_val=y_val.numpy(), k_max=ldlp.config.k_max, under_weight=under_weight,
+                           baselines=baselines, max_fit_rows=None, seed=seed, seconds=seconds)
+    return results, {"fit_rows": len(fit_rows), "seconds": seconds}
+
+
+def log_results(logger, results: dict, timing: dict | None, step: int) -> None:
+    flat = {f"final/{name}/{k}": v for name, m in results.items() for k, v in m.items()}
+    if timing:
+        flat.update({f"timing/{k}": v for k, v in timing.items() if isinstance(v, (int, float))})
+    logger.log_metrics(flat, step=step)
+    if hasattr(logger, "log_table"):  # W&B: the table itself, not only the flattened numbers
+        cols = ["predictor"] + list(next(iter(results.values())).keys())
+        logger.log_table("ldlp_metrics", columns=cols, data=[[n] + list(m.values()) for n, m in results.items()])
+    logger.save()
+
+
+def run_ldlp_training(cfg) -> dict | None:
+    """Train, export and evaluate an LDLP as ``cfg`` says (see conf/train_ldlp.yaml); returns the summary
+    on the global-zero process (None on the other DDP processes)."""
+    import hydra
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from omegaconf import OmegaConf
+    from threadpoolctl import threadpool_limits
+
+    from eagle_backbone.target import TargetModel
+    from ldlp.baselines import write_metrics
+
+    tc, mc = cfg.ldlp_training, cfg.ldlp
+    L.seed_everything(cfg.seed, workers=True)
+    decoding_threads = torch.get_num_threads()  # what the engine runs with: the benchmark uses it
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg.threads)
+
+    # the model's sizes come from the oracle (k_max) and the target (d); explicit values are checked
+    manifest = read_manifest(tc.oracle_dir)
+    k_max = int(mc.k_max if mc.get("k_max") is not None else manifest["k_max"])
+    if k_max < int(manifest["k_max"]):
+        raise ValueError(f"ldlp.k_max={k_max} is below the oracle's k_max={manifest['k_max']} "
+                         f"({tc.oracle_dir}/manifest.json); leave it null to take the oracle's")
+    target = TargetModel.from_pretrained(cfg.model.target, dtype=cfg.model.get("dtype", "float32"),
+                                         device=cfg.model.get("device", "cpu"),
+                                         trust_remote_code=cfg.model.get("trust_remote_code", False))
+    d = target.hidden_size
+    input_dim = int(mc.input_dim) if mc.get("input_dim") is not None else 2 * d
+    if input_dim != 2 * d:
+        raise ValueError(f"ldlp.input_dim={input_dim} does not fit the target {cfg.model.target}: its embeddings "
+                         f"and features have size {d}, so input_dim must be {2 * d} (or null)")
+    ldlp_config = dict(input_dim=input_dim, hidden_dim=int(mc.hidden_dim), k_max=k_max, head=str(mc.head),
+                       num_layers=int(mc.num_layers), dropout=float(mc.dropout), threshold=float(mc.threshold))
+
+    dm = OracleDataModule(tc.oracle_dir, feature_dim=d, k_max=k_max, batch_size=tc.batch_size,
+                          val_fraction=tc.val_fraction, seed=cfg.seed, num_workers=tc.num_workers,
+                          feature_dtype=tc.feature_dtype, feature_cache=tc.feature_cache, max_rows=tc.max_rows,
+                          target=target, target_path=str(cfg.model.target))
+    module = LDLPModule(ldlp_config, _embedding_table(target), under_weight=float(mc.under_weight), lr=tc.lr,
+                        weight_decay=tc.weight_decay, warmup_ratio=tc.warmup_ratio, min_lr_ratio=tc.min_lr_ratio)
+    es = tc.early_stopping
+    ckpt = ModelCheckpoint(dirpath=tc.ckpt_dir, filename="best", monitor=es.monitor, mode=es.mode, save_top_k=1,
+                           save_last=True, enable_version_counter=False)
+    callbacks = [ckpt, LearningRateMonitor("step")]
+    if es.patience is not None:
+        callbacks.append(EarlyStopping(monitor=es.monitor, mode=es.mode, patience=es.patience))
+    logger = hydra.utils.instantiate(cfg.logger)
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
+    last = Path(tc.ckpt_dir) / "last.ckpt"
+    start = time.time()
+    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if cfg.get("resume") and last.exists() else None)
+    train_s = time.time() - start
+    if not trainer.is_global_zero:
+        return None
+
+    meta = {"target": str(cfg.model.target), "model_name": str(cfg.model.get("name", "")),
+            "oracle_dir": str(tc.oracle_dir), "under_weight": float(mc.under_weight),
+            "epochs": trainer.current_epoch, "steps": trainer.global_step, "seed": int(cfg.seed)}
+    ldlp = load_best(module, ckpt.best_model_path or str(last), meta)
+
+    ev = tc.evaluation
+    with threadpool_limits(cfg.get("threads")):  # sklearn's OpenMP/BLAS pools obey `threads` too
+        results, fits = evaluate_against_baselines(ldlp, dm, module.embedding.cpu(), float(mc.under_weight),
+                                                   list(ev.baselines), ev.max_fit_rows, int(cfg.seed))
+    timing = None
+    if ev.benchmark:
+        from ldlp.bench import benchmark_ldlp
+
+        torch.set_num_threads(decoding_threads)
+        timing = benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps)
+    summary = {"head": ldlp.config.head, "k_max": k_max, "input_dim": input_dim, "seed": int(cfg.seed),
+               "train_rows": len(dm.train), "val_rows": len(dm.val), "baseline_fit_rows": fits["fit_rows"],
+               "epochs": trainer.current_epoch, "steps": trainer.global_step, "train_seconds": train_s,
+               "baseline_seconds": fits["seconds"], "under_weight": float(mc.under_weight), "results": results,
+               "timing": timing, "config": OmegaConf.to_container(cfg.ldlp, resolve=True)}
+    print(write_metrics(tc.out_dir, summary))
+    if logger is not None:
+        log_results(logger, results, timing, trainer.global_step)
+    # the standalone checkpoint the `ldlp` policy loads; written last, so that its presence means "done"
+    ldlp.cpu().save_pretrained(tc.out_dir)
+    return summary

@@ -1,0 +1,20 @@
+"""Train the Lightweight Draft Length Predictor on oracle labels: compose a config, call the library.
+
+    python scripts/train_ldlp.py +experiment=tiny
+    python scripts/train_ldlp.py +experiment=vicuna --cfg job     (print the research configuration)
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from ldlp.training import run_ldlp_training
+
+
+@hydra.main(config_path="../conf", config_name="train_ldlp", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_ldlp_training(cfg)
+
+
+if __name__ == "__main__":
+    main()
