@@ -38,8 +38,8 @@ from ldlp.predictor import LDLP, LDLPConfig, ldlp_loss
 
 log = logging.getLogger(__name__)
 
-ROW_COLUMNS = ("last_token", "label", "conversation_id", "split")
-CACHE_VERSION = 1
+ROW_COLUMNS = ("last_token", "label", "remaining", "conversation_id", "split")
+CACHE_VERSION = 2
 
 
 # -- oracle data -------------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def build_examples(oracle_dir: str | Path, target, cache_dir: str | Path | None,
         if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fp:
             return datasets.load_from_disk(str(cache_dir / "examples"))
     features = datasets.Features({
-        "last_token": datasets.Value("int64"), "label": datasets.Value("int64"),
+        "last_token": datasets.Value("int64"), "label": datasets.Value("int64"), "remaining": datasets.Value("int64"),
         "conversation_id": datasets.Value("string"), "split": datasets.Value("string"),
         "feature": datasets.Sequence(datasets.Value(feature_dtype))})
     seqs = load_sequences(oracle_dir)
@@ -182,8 +182,9 @@ class OracleDataModule(L.LightningDataModule):
     def __init__(self, oracle_dir: str, feature_dim: int, k_max: int, batch_size: int = 256,
                  val_fraction: float = 0.1, seed: int = 0, num_workers: int = 0, feature_dtype: str = "float32",
                  feature_cache: str | None = None, max_rows: int | None = None, target=None,
-                 target_path: str = ""):
+                 target_path: str = "", drop_censored: bool = True):
         super().__init__()
+        self.drop_censored = drop_censored
         self.oracle_dir, self.feature_dim, self.k_max = Path(oracle_dir), feature_dim, k_max
         self.batch_size, self.val_fraction, self.seed = batch_size, val_fraction, seed
         self.num_workers, self.feature_dtype, self.max_rows = num_workers, feature_dtype, max_rows
@@ -203,6 +204,13 @@ class OracleDataModule(L.LightningDataModule):
         ds = self._examples()
         if self.max_rows is not None and len(ds) > self.max_rows:
             ds = ds.shuffle(seed=self.seed).select(range(self.max_rows))
+        if self.drop_censored:
+            # the response ended before the drafts did: label = remaining < k_max only says "at least"
+            table = ds.select_columns(["label", "remaining"]).with_format("numpy")[:]
+            censored = (table["label"] == table["remaining"]) & (table["remaining"] < self.k_max)
+            if censored.any():
+                ds = ds.select(np.flatnonzero(~censored))
+                log.info("LDLP data: dropped %d censored rows (sequence end within k_max)", censored.sum())
         if len(ds) == 0:
             raise ValueError(f"{self.oracle_dir}: the oracle has no rows")
         d = len(ds[0]["feature"])
@@ -257,16 +265,33 @@ class LDLPModule(L.LightningModule):
         return torch.cat([self.embedding[tokens], feats.float()], dim=-1)
 
     def setup(self, stage=None):
-        # standardisation statistics from the training rows (a checkpoint being resumed overwrites them)
+        # statistics of the training rows (a checkpoint being resumed overwrites what this sets)
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if stage == "fit" and dm is not None and dm.train is not None:
-            self.fit_normalization(*dm.train.tensors[:2])
+            self.init_from_data(*dm.train.tensors)
 
     @torch.no_grad()
-    def fit_normalization(self, tokens: torch.Tensor, feats: torch.Tensor, max_rows: int = 200_000) -> None:
+    def init_from_data(self, tokens: torch.Tensor, feats: torch.Tensor, labels: torch.Tensor,
+                       max_rows: int = 200_000) -> None:
+        """Standardise inputs with the training rows' mean and std, and start the output layer at the best
+        constant predictor (the λ/(1+λ) quantile, the label frequencies, or the empirical continuation
+        probabilities), so that short runs on few rows do not spend their steps finding the label scale."""
         idx = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))[:max_rows]
         x = self.inputs(tokens[idx].to(self.embedding.device), feats[idx].to(self.embedding.device))
-        self.ldlp.set_normalization(x.mean(0), x.std(0))
+        self.ldlp.set_normalization(x.mean(0), x.std(0) if len(idx) > 1 else torch.ones_like(x[0]))
+        c, y = self.ldlp.config, labels.float()
+        bias = self.ldlp.output.bias
+        if c.head == "regression":
+            q = self.hparams.under_weight / (1 + self.hparams.under_weight)
+            bias.fill_(float(torch.quantile(y, q)))
+        elif c.head == "classification":
+            freq = torch.bincount(labels, minlength=c.k_max + 1)[: c.k_max + 1].float() + 1.0
+            bias.copy_((freq / freq.sum()).log())
+        else:
+            k = torch.arange(1, c.k_max + 1)
+            reached = (labels[:, None] >= k).sum(0).float()  # rows with L >= k
+            at_risk = (labels[:, None] >= k - 1).sum(0).float()  # rows with L >= k - 1
+            bias.copy_(torch.logit((reached + 0.5) / (at_risk + 1.0)))
 
     def _step(self, batch):
         tokens, feats, labels = batch
@@ -400,7 +425,8 @@ def run_ldlp_training(cfg) -> dict | None:
     dm = OracleDataModule(tc.oracle_dir, feature_dim=d, k_max=k_max, batch_size=tc.batch_size,
                           val_fraction=tc.val_fraction, seed=cfg.seed, num_workers=tc.num_workers,
                           feature_dtype=tc.feature_dtype, feature_cache=tc.feature_cache, max_rows=tc.max_rows,
-                          target=target, target_path=str(cfg.model.target))
+                          target=target, target_path=str(cfg.model.target),
+                          drop_censored=bool(tc.get("drop_censored", True)))
     module = LDLPModule(ldlp_config, _embedding_table(target), under_weight=float(mc.under_weight), lr=tc.lr,
                         weight_decay=tc.weight_decay, warmup_ratio=tc.warmup_ratio, min_lr_ratio=tc.min_lr_ratio)
     es = tc.early_stopping

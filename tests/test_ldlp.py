@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ldlp.baselines import evaluate_all, length_metrics
+from ldlp.oracle import load_oracle_rows
 from ldlp.predictor import LDLP, LDLPConfig, asymmetric_l1, survival_nll
 from ldlp.training import LDLPModule, OracleDataModule, predict_lengths
 
@@ -253,7 +254,7 @@ def test_recomputed_features_match_stored_ones_and_split_by_conversation(tmp_pat
     dms = []
     for path, cache in ((stored, None), (bare, tmp_path / "cache")):
         dm = OracleDataModule(str(path), feature_dim=target.hidden_size, k_max=K_MAX, target=target,
-                              feature_cache=str(cache) if cache else None, target_path="tiny")
+                              feature_cache=str(cache) if cache else None, target_path="tiny", drop_censored=False)
         dm.prepare_data()
         dm.setup("fit")
         dms.append(dm)
@@ -261,6 +262,19 @@ def test_recomputed_features_match_stored_ones_and_split_by_conversation(tmp_pat
         assert torch.allclose(a.float(), b.float(), atol=1e-5)
     assert (tmp_path / "cache" / "fingerprint.json").is_file()
     assert len(dms[0].val) == 2 * 6 and len(dms[0].train) == 8 * 6  # conversations 0 and 5 are validation
+
+
+def test_censored_rows_are_dropped(tmp_path):
+    oracle = write_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=10, d=4, store_features=True)
+    rows = list(load_oracle_rows(oracle))
+    censored = sum(r["label"] == r["remaining"] < K_MAX for r in rows)
+    assert censored > 0
+    kept = {}
+    for drop in (True, False):
+        dm = OracleDataModule(str(oracle), feature_dim=4, k_max=K_MAX, drop_censored=drop)
+        dm.setup("fit")
+        kept[drop] = len(dm.train) + len(dm.val)
+    assert kept[False] == len(rows) and kept[True] == len(rows) - censored
 
 
 def test_baselines_table(one_thread):
