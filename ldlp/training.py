@@ -66,9 +66,13 @@ def _oracle_loaders():
 
 
 def _fingerprint(oracle_dir: Path, target_path: str, feature_dtype: str, num_rows: int) -> str:
+    """Changes with the collection, the target (path and its weight files' sizes and times) and the dtype."""
     h = hashlib.sha256()
     h.update((oracle_dir / "manifest.json").read_bytes())
-    h.update(json.dumps([str(Path(target_path).resolve()), feature_dtype, num_rows, CACHE_VERSION]).encode())
+    target = Path(target_path).resolve()
+    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in target.glob("*")
+                     if p.suffix in (".safetensors", ".bin")) if target.is_dir() else []
+    h.update(json.dumps([str(target), weights, feature_dtype, num_rows, CACHE_VERSION]).encode())
     return h.hexdigest()[:16]
 
 
@@ -135,7 +139,7 @@ def build_examples(oracle_dir: str | Path, target, cache_dir: str | Path | None,
     features = datasets.Features({
         "last_token": datasets.Value("int64"), "label": datasets.Value("int64"), "remaining": datasets.Value("int64"),
         "conversation_id": datasets.Value("string"), "split": datasets.Value("string"),
-        "feature": datasets.Sequence(datasets.Value(feature_dtype))})
+        "feature": datasets.List(datasets.Value(feature_dtype))})
     seqs = load_sequences(oracle_dir)
 
     def gen():
