@@ -91,7 +91,8 @@ def run_drafter_training(root_cfg) -> dict:
 
     tokenizer = load_tokenizer(cfg.tokenizer)
     dm = LMDataModule(tokenizer, cfg.train_path, cfg.validation_path, cfg.block_size, cfg.batch_size,
-                      root_cfg.seed, cfg.max_conversations, cfg.validation_fraction)
+                      root_cfg.seed, cfg.max_conversations, cfg.validation_fraction,
+                      chat_template=root_cfg.data.get("chat_template"), on_error=root_cfg.data.get("on_error", "raise"))
     module = DrafterModule(cfg.target, bias=cfg.bias, lr=cfg.lr, weight_decay=cfg.weight_decay,
                            warmup_steps=cfg.warmup_steps, max_steps=root_cfg.trainer.max_steps,
                            reg_weight=cfg.reg_weight, cls_weight=cfg.cls_weight, noise=cfg.noise,

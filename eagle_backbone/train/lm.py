@@ -18,9 +18,14 @@ from torch.utils.data import DataLoader
 from eagle_backbone.data.conversations import render, to_messages
 
 
-def packed_blocks(tokenizer, conversations: list[dict], block_size: int, num_proc: int | None = None) -> Dataset:
+def packed_blocks(tokenizer, conversations: list[dict], block_size: int, num_proc: int | None = None,
+                  chat_template: str | None = None) -> Dataset:
     """Render, tokenise and pack conversations into ``block_size`` token blocks (tail dropped)."""
-    ds = Dataset.from_dict({"text": [render(tokenizer, to_messages(c["conversations"])) for c in conversations]})
+    from eagle_backbone.data.conversations import resolve_chat_template
+
+    template = resolve_chat_template(tokenizer, chat_template)
+    ds = Dataset.from_dict({"text": [render(tokenizer, to_messages(c["conversations"]), chat_template=template)
+                                     for c in conversations]})
     ds = ds.map(lambda b: tokenizer(b["text"], add_special_tokens=False), batched=True,
                 remove_columns=["text"], num_proc=num_proc)
 
@@ -37,31 +42,27 @@ class LMDataModule(L.LightningDataModule):
     """Packed blocks from two conversation files (ShareGPT layout: the embedded corpus or ShareGPT)."""
 
     def __init__(self, tokenizer, train_path: str, validation_path: str | None, block_size: int, batch_size: int,
-                 seed: int = 0, max_conversations: int | None = None, validation_fraction: float = 0.02):
+                 seed: int = 0, max_conversations: int | None = None, validation_fraction: float = 0.02,
+                 chat_template: str | None = None, on_error: str = "raise"):
         super().__init__()
         self.tokenizer, self.paths, self.block_size = tokenizer, (train_path, validation_path), block_size
         self.batch_size, self.seed, self.max_conversations = batch_size, seed, max_conversations
-        self.validation_fraction = validation_fraction
+        self.validation_fraction, self.chat_template, self.on_error = validation_fraction, chat_template, on_error
 
     def setup(self, stage=None):
         if hasattr(self, "train"):
             return
-        from eagle_backbone.data.conversations import load_conversations
+        from eagle_backbone.data.conversations import held_out, load_conversations
 
-        train = load_conversations(self.paths[0], limit=self.max_conversations)
+        train = load_conversations(self.paths[0], limit=self.max_conversations, on_error=self.on_error)
         if self.paths[1]:
-            val = load_conversations(self.paths[1], limit=self.max_conversations)
+            val = load_conversations(self.paths[1], limit=self.max_conversations, on_error=self.on_error)
         else:  # hold out a stable fraction of conversations (by id hash) from the one file
-            import hashlib
-
-            def held_out(c):
-                h = int(hashlib.sha256(f"{self.seed}:{c['id']}".encode()).hexdigest(), 16) % 10_000
-                return h < self.validation_fraction * 10_000
-
-            val = [c for c in train if held_out(c)]
-            train = [c for c in train if not held_out(c)]
-        self.train = packed_blocks(self.tokenizer, train, self.block_size)
-        self.val = packed_blocks(self.tokenizer, val, self.block_size)
+            pct = self.validation_fraction * 100
+            val = [c for c in train if held_out(c["id"], pct, self.seed)]
+            train = [c for c in train if not held_out(c["id"], pct, self.seed)]
+        self.train = packed_blocks(self.tokenizer, train, self.block_size, chat_template=self.chat_template)
+        self.val = packed_blocks(self.tokenizer, val, self.block_size, chat_template=self.chat_template)
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(self.seed)
