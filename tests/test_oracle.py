@@ -326,6 +326,7 @@ def test_embedded_pair_end_to_end(tmp_path):
             pytest.skip(f"data/embedded/{name} is not there yet (trained by the lead, then committed)")
     from hydra import compose as hydra_compose, initialize_config_dir
 
+    import eagle_backbone.paths  # noqa: F401
     from ldlp.collect import collect_oracle
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
