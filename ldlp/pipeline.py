@@ -67,11 +67,21 @@ def plan(cfg) -> list[Stage]:
                                                                     f"ldlp_training.out_dir={ldlp_dir}"] + threads,
               ldlp_dir / "model.safetensors"),
     ]
-    common = list(cfg.sweep.overrides) + threads
+    survival_dir = cfg.ldlp.get("survival_out_dir")
+    if survival_dir:
+        survival_dir = Path(survival_dir)
+        stages.append(Stage("ldlp_survival", "train the LDLP with the survival (distribution) head",
+                            _script("train_ldlp.py") + list(cfg.ldlp.survival_overrides)
+                            + [f"ldlp_training.oracle_dir={oracle_dir}", f"ldlp_training.out_dir={survival_dir}",
+                               "ldlp_training.evaluation.benchmark=false"] + threads,
+                            survival_dir / "model.safetensors"))
+    sweep_threads = cfg.sweep.get("threads") or cfg.get("threads")
+    common = list(cfg.sweep.overrides) + ([f"threads={sweep_threads}"] if sweep_threads else [])
     for r in range(1, int(cfg.sweep.rounds) + 1):
         sweeps = [
             ("static", cfg.sweep.model, ["policy=static", f"policy.gamma={_list(cfg.sweep.static_gammas)}"]),
-            ("adaptive", cfg.sweep.model, [f"policy={_list(cfg.sweep.adaptive)}", f"ldlp_path={ldlp_dir}"]),
+            ("adaptive", cfg.sweep.model, [f"policy={_list(cfg.sweep.adaptive)}", f"ldlp_path={ldlp_dir}"]
+             + ([f"ldlp_survival_path={survival_dir}"] if survival_dir else [])),
         ]
         if cfg.peer.enabled:
             if cfg.peer.static_gammas:
@@ -95,7 +105,7 @@ def _force_level(force) -> set[str]:
     if force in (True, "true", "sweeps"):
         return {"sweeps"}
     if force == "all":
-        return {"oracle", "ldlp", "sweeps"}
+        return {"oracle", "ldlp", "ldlp_survival", "sweeps"}
     raise ValueError(f"force must be false, true (redo sweeps) or all (also labels and LDLP), got {force!r}")
 
 

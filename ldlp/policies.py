@@ -23,6 +23,7 @@ sampling)``, which the evaluation calls once before generating; the others ignor
 
 from __future__ import annotations
 
+import copy
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -59,12 +60,22 @@ class LDLPPolicy(DraftLengthPolicy):
 
     name = "ldlp"
 
-    def __init__(self, path: str, max_gamma: int | None = None, offset: int = 0):
+    def __init__(self, path: str, max_gamma: int | None = None, offset: int = 0, threshold: float | None = None):
         if not (Path(path) / "config.json").is_file():
             raise ValueError(f"ldlp policy: policy.path={path} has no config.json; train the predictor first "
                              "(`python scripts/collect_oracle.py` then `python scripts/train_ldlp.py +experiment=tiny`)")
         self.path = str(path)
         self.model = _load_ldlp(self.path)
+        if threshold is not None:
+            # the distribution head drafts the largest k with P(accepted length >= k) >= threshold: a lower
+            # threshold drafts more (worth it when a draft step is cheap next to a target forward)
+            if self.model.config.head != "distribution":
+                raise ValueError(f"ldlp policy: threshold applies to the distribution head only; {path} has a "
+                                 f"{self.model.config.head!r} head (set policy.threshold=null)")
+            if not 0 < threshold < 1:
+                raise ValueError(f"ldlp policy: threshold must be in (0, 1), got {threshold!r}")
+            self.model = copy.deepcopy(self.model)  # the cached model stays as saved
+            self.model.config.threshold = float(threshold)
         self.max_gamma = None if max_gamma is None else _check_cap(self.name, max_gamma)
         if not isinstance(offset, int):
             raise ValueError(f"ldlp policy: offset must be an integer, got {offset!r}")
@@ -104,8 +115,9 @@ class LDLPDDDPolicy(DraftLengthPolicy):
 
     name = "ldlp_ddd"
 
-    def __init__(self, path: str, threshold: float = -1.0, max_gamma: int = 8, offset: int = 0):
-        self.ldlp = LDLPPolicy(path, max_gamma=max_gamma, offset=offset)
+    def __init__(self, path: str, threshold: float = -1.0, max_gamma: int = 8, offset: int = 0,
+                 ldlp_threshold: float | None = None):
+        self.ldlp = LDLPPolicy(path, max_gamma=max_gamma, offset=offset, threshold=ldlp_threshold)
         self.ddd = DDDPolicy(threshold, max_gamma)
         self.max_gamma = max_gamma
         self._length = 0

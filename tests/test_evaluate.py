@@ -113,7 +113,7 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         cfg = compose(config_name="pipeline", overrides=[
             f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}", f"oracle.out_dir={oracle_dir}",
             f"ldlp.out_dir={ldlp_dir}", "sweep.rounds=1", "sweep.static_gammas=[1,2]", "sweep.adaptive=[ldlp,oracle]",
-            "peer.enabled=false"])
+            "peer.enabled=false", "ldlp.survival_out_dir=null"])
         OmegaConf.update(cfg, "sweep.overrides", [o for o in overrides(tiny_models, prompt_file)
                                                  if not o.startswith("evaluation.repeats")] + ["evaluation.repeats=1"])
         summary = run(cfg)
@@ -130,7 +130,7 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         assert csv[0].startswith("model,") and len(csv) == 5
         capsys.readouterr()
         run(cfg)  # everything is done: every stage is skipped, the summary is rebuilt
-        assert capsys.readouterr().out.count("skipped") == 5
+        assert capsys.readouterr().out.count("skipped") == 5  # corpus, oracle, ldlp, two sweeps
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):

@@ -78,6 +78,20 @@ def test_ldlp_predicts_and_ldlp_ddd_drafts_at_least_that(ldlp_dir):
     assert drive(both, ctx(), [dist(0.9), dist(0.9), dist(0.9), dist(0.5), dist(0.9)]) == 4
 
 
+def test_ldlp_distribution_head_threshold(tmp_path, ldlp_dir):
+    """Survival curve P(L >= k) = 0.8^k: threshold 0.5 drafts 3 (0.512), threshold 0.3 drafts 5 (0.328)."""
+    model = LDLP(LDLPConfig(input_dim=2 * D, hidden_dim=8, k_max=8, head="distribution"))
+    with torch.no_grad():
+        model.output.weight.zero_()
+        model.output.bias.fill_(math.log(0.8 / 0.2))  # every continuation probability is 0.8
+    path = str(model.save_pretrained(tmp_path / "dist"))
+    assert LDLPPolicy(path).gamma(ctx()) == 3
+    assert LDLPPolicy(path, threshold=0.3).gamma(ctx()) == 5
+    assert LDLPPolicy(path).gamma(ctx()) == 3  # the shared (cached) model keeps its own threshold
+    with pytest.raises(ValueError, match="distribution head only"):
+        LDLPPolicy(ldlp_dir, threshold=0.3)
+
+
 def test_ldlp_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="train_ldlp"):
         LDLPPolicy(str(tmp_path / "nothing"))
@@ -168,14 +182,16 @@ def test_every_policy_is_lossless_in_the_engine(target, ldlp_dir):
             assert dec.generate(prompt, 30).tokens == autoregressive_generate(target, prompt, 30).tokens, policy.name
 
 
-def test_policy_yaml_files_instantiate(ldlp_dir):
+def test_policy_yaml_files_instantiate(ldlp_dir, tmp_path):
+    survival_dir = str(LDLP(LDLPConfig(input_dim=2 * D, hidden_dim=8, k_max=8, head="distribution"))
+                       .save_pretrained(tmp_path / "survival"))
     names = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))
     assert {"static", "ldlp", "ddd", "ldlp_ddd", "confidence", "entropy", "heuristic", "oracle"} <= set(names)
     import eagle_backbone.paths  # noqa: F401
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         for name in names:
-            overrides = [f"policy={name}"] + ([f"policy.path={ldlp_dir}"] if "ldlp" in name else [])
+            overrides = [f"policy={name}", f"ldlp_path={ldlp_dir}", f"ldlp_survival_path={survival_dir}"]
             cfg = compose(config_name="evaluate", overrides=overrides)
             policy = instantiate(cfg.policy)
             assert hasattr(policy, "adaptive"), name
