@@ -14,7 +14,6 @@ a 7B target on a GPU alike.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import lightning as L
@@ -77,10 +76,7 @@ class DrafterModule(L.LightningModule):
 
 def run_drafter_training(root_cfg) -> dict:
     """Train a drafter for ``drafter_training.target`` and export it in EAGLE's checkpoint format."""
-    import hydra
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-
-    from eagle_backbone.train.lm import LMDataModule
+    from eagle_backbone.train.lm import LMDataModule, fit_resumable
 
     from eagle_backbone.loading import load_tokenizer
 
@@ -97,18 +93,12 @@ def run_drafter_training(root_cfg) -> dict:
                            warmup_steps=cfg.warmup_steps, max_steps=root_cfg.trainer.max_steps,
                            reg_weight=cfg.reg_weight, cls_weight=cfg.cls_weight, noise=cfg.noise,
                            target_dtype=cfg.target_dtype)
-    ckpt_dir = Path(cfg.ckpt_dir)
-    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=50, save_top_k=0)
-    trainer = hydra.utils.instantiate(root_cfg.trainer, logger=hydra.utils.instantiate(root_cfg.logger),
-                                      callbacks=[ckpt, LearningRateMonitor("step")])
-    last = ckpt_dir / "last.ckpt"
-    start = time.time()
-    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if root_cfg.resume and last.exists() else None)
-    val = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    trainer, val, seconds = fit_resumable(module, dm, root_cfg.trainer, root_cfg.logger, cfg.ckpt_dir,
+                                          root_cfg.resume)
     summary = {"steps": trainer.global_step, "tokens_seen": trainer.global_step * cfg.batch_size * cfg.block_size,
                "val_top1": val["val/top1"], "val_reg": val["val/reg"], "val_cls": val["val/cls"],
                "params": sum(p.numel() for n, p in module.drafter.named_parameters() if not n.startswith("embed")),
-               "train_seconds_this_run": time.time() - start, "seed": root_cfg.seed}
+               "train_seconds_this_run": seconds, "seed": root_cfg.seed}
     if trainer.is_global_zero:
         out = Path(cfg.out_dir)
         module.drafter.save_pretrained(out, safe_serialization=True, dtype=getattr(torch, cfg.export_dtype))

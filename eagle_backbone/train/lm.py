@@ -121,10 +121,6 @@ def perplexity(loss: float) -> float:
 
 def run_lm_training(cfg) -> dict:
     """Train ``cfg.lm`` on the corpus, resuming from ``cfg.ckpt_dir/last.ckpt``; export a HF folder."""
-    import time
-
-    import hydra
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -140,20 +136,32 @@ def run_lm_training(cfg) -> dict:
     module = CausalLMModule(OmegaConf.to_container(cfg.lm.config, resolve=True), lr=cfg.lr,
                             weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                             max_steps=cfg.trainer.max_steps)
-    ckpt_dir = Path(cfg.ckpt_dir)
-    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=50, save_top_k=0)
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=hydra.utils.instantiate(cfg.logger),
-                                      callbacks=[ckpt, LearningRateMonitor("step")])
-    last = ckpt_dir / "last.ckpt"
-    start = time.time()
-    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if cfg.resume and last.exists() else None)
-    val = trainer.validate(module, datamodule=dm, verbose=False)[0]
+    trainer, val, seconds = fit_resumable(module, dm, cfg.trainer, cfg.logger, cfg.ckpt_dir, cfg.resume)
     summary = {"name": cfg.lm.name, "params": sum(p.numel() for p in module.model.parameters()),
                "steps": trainer.global_step, "tokens_seen": trainer.global_step * cfg.batch_size * cfg.block_size,
                "val_loss": val["val/loss"], "val_ppl": math.exp(val["val/loss"]),
-               "train_seconds_this_run": time.time() - start, "seed": cfg.seed,
+               "train_seconds_this_run": seconds, "seed": cfg.seed,
                "config": OmegaConf.to_container(cfg.lm.config, resolve=True)}
     if trainer.is_global_zero:
         export_hf(module.model, tokenizer, cfg.lm.out_dir, cfg.export_dtype)
         (Path(cfg.lm.out_dir) / "training_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume: bool):
+    """Fit with a ``last.ckpt`` every 50 steps in ``ckpt_dir``, resuming from it when asked; then
+    validate. Returns (trainer, validation metrics, seconds this run)."""
+    import time
+
+    import hydra
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    ckpt_dir = Path(ckpt_dir)
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=50, save_top_k=0)
+    trainer = hydra.utils.instantiate(trainer_cfg, logger=hydra.utils.instantiate(logger_cfg),
+                                      callbacks=[ckpt, LearningRateMonitor("step")])
+    last = ckpt_dir / "last.ckpt"
+    start = time.time()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume and last.exists() else None)
+    val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    return trainer, val, time.time() - start
