@@ -169,8 +169,8 @@ def build_model_card(cfg) -> dict:
     summaries = {name: json.loads((root / name / "training_summary.json").read_text())
                  for name in ("target", "drafter", "draft_lm") if (root / name / "training_summary.json").exists()}
     manifest = json.loads((corpus / "manifest.json").read_text())
-    size_mb = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and "work" not in f.parts
-                  and "corpus" not in f.parts) / 2**20
+    shipped = [f for name in ("tokenizer", "target", "drafter", "draft_lm") for f in (root / name).rglob("*")]
+    size_mb = sum(f.stat().st_size for f in shipped if f.is_file()) / 2**20
     card = {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
