@@ -234,7 +234,7 @@ def plot_figure(rows: list[dict]):
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6.4 * len(models), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(8.4 * len(models), 4.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model and r.get("speedup") is not None]
         ar = _median([r.get("ar_tokens_per_s") for r in mine]) or 1.0
@@ -256,7 +256,7 @@ def plot_figure(rows: list[dict]):
         kind = MODEL_TITLES.get(mine[0].get("drafter_kind"), "") if mine else ""
         ax.set_title(f"{model} ({kind})" if kind else model)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig
 
