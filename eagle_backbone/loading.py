@@ -41,8 +41,16 @@ def make_candidates(kind: str, drafter, target: TargetModel) -> CandidateGenerat
     return DraftModelCandidateGenerator(drafter, target)
 
 
+def load_target(cfg) -> TargetModel:
+    """The target of a ``model`` config (path, dtype, device, attention implementation, remote code)."""
+    return TargetModel.from_pretrained(cfg["target"], dtype=cfg.get("dtype", "float32"), device=cfg.get("device", "cpu"),
+                                       trust_remote_code=bool(cfg.get("trust_remote_code", False)),
+                                       attn_implementation=cfg.get("attn_implementation") or "sdpa")
+
+
 def load_pair(cfg) -> ModelPair:
-    """``cfg`` (a DictConfig or dict) has target, tokenizer, drafter, drafter_kind, dtype, device, trust_remote_code."""
+    """``cfg`` (a DictConfig or dict) has target, tokenizer, drafter, drafter_kind, dtype, device, trust_remote_code
+    and optionally attn_implementation (default sdpa)."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(dict(cfg)) if isinstance(cfg, dict) else cfg
@@ -51,7 +59,7 @@ def load_pair(cfg) -> ModelPair:
             raise ValueError(f"model.{key}={cfg[key]} has no config.json: train or download it first "
                              "(nothing is fetched at run time)")
     remote = bool(cfg.get("trust_remote_code", False))
-    target = TargetModel.from_pretrained(cfg.target, dtype=cfg.dtype, device=cfg.device, trust_remote_code=remote)
+    target = load_target(cfg)
     drafter = load_drafter(cfg.drafter_kind, cfg.drafter, cfg.dtype, cfg.device, remote)
     tokenizer = load_tokenizer(cfg.get("tokenizer") or cfg.target, remote)
     return ModelPair(target, make_candidates(cfg.drafter_kind, drafter, target), tokenizer, drafter)

@@ -211,6 +211,7 @@ def _identity(cfg, models: dict) -> dict:
     data = OmegaConf.to_container(cfg.data, resolve=True)
     ident["data"] = data
     ident["model"] = {"dtype": cfg.model.dtype, "drafter_kind": cfg.model.drafter_kind,
+                      "attn_implementation": cfg.model.get("attn_implementation") or "sdpa",
                       **{name: {f: d.get("sha256") for f, d in m["files"].items()} for name, m in models.items()}}
     return ident
 

@@ -400,7 +400,7 @@ def run_ldlp_training(cfg) -> dict | None:
     from omegaconf import OmegaConf
     from threadpoolctl import threadpool_limits
 
-    from eagle_backbone.target import TargetModel
+    from eagle_backbone.loading import load_target
     from ldlp.baselines import write_metrics
 
     tc, mc = cfg.ldlp_training, cfg.ldlp
@@ -415,9 +415,7 @@ def run_ldlp_training(cfg) -> dict | None:
     if k_max < int(manifest["k_max"]):
         raise ValueError(f"ldlp.k_max={k_max} is below the oracle's k_max={manifest['k_max']} "
                          f"({tc.oracle_dir}/manifest.json); leave it null to take the oracle's")
-    target = TargetModel.from_pretrained(cfg.model.target, dtype=cfg.model.get("dtype", "float32"),
-                                         device=cfg.model.get("device", "cpu"),
-                                         trust_remote_code=cfg.model.get("trust_remote_code", False))
+    target = load_target(cfg.model)
     d = target.hidden_size
     input_dim = int(mc.input_dim) if mc.get("input_dim") is not None else 2 * d
     if input_dim != 2 * d:

@@ -10,15 +10,14 @@ import hydra
 from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from eagle_backbone.target import TargetModel
+from eagle_backbone.loading import load_target
 from ldlp.bench import benchmark_ldlp
 from ldlp.predictor import LDLP
 
 
 @hydra.main(config_path="../conf", config_name="train_ldlp", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    target = TargetModel.from_pretrained(cfg.model.target, dtype=cfg.model.get("dtype", "float32"),
-                                         device=cfg.model.get("device", "cpu"))
+    target = load_target(cfg.model)
     ldlp = LDLP.from_pretrained(cfg.ldlp_training.out_dir)
     ev = cfg.ldlp_training.evaluation
     print(json.dumps(benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps),
