@@ -93,6 +93,27 @@ def build_policy(policy_cfg):
     return instantiate(policy_cfg)
 
 
+def apply_tuned(policy_cfg, tuned_from, policy_name: str | None):
+    """``policy_cfg`` with the best replay-tuned setting of ``policy_name`` from ``tuned_from`` (the
+    tuning.json of scripts/tune_policies.py) merged in; (config, the applied setting or None)."""
+    if not tuned_from or not policy_name:
+        return policy_cfg, None
+    path = Path(tuned_from)
+    if not path.is_file():
+        raise ValueError(f"tuned_from={tuned_from}: no such file (run python scripts/tune_policies.py first)")
+    try:
+        results = json.loads(path.read_text())["results"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"tuned_from={tuned_from}: not a tuning.json of scripts/tune_policies.py ({e!r})") from None
+    from ldlp.replay import best_per_policy
+
+    best = best_per_policy(results).get(policy_name)
+    if best is None or policy_name in ("static", "oracle"):
+        return policy_cfg, None
+    log.info("policy %s: tuned setting %s from %s", policy_name, best["params"], tuned_from)
+    return OmegaConf.merge(policy_cfg, best["params"]), best["params"]
+
+
 def machine_info() -> dict:
     cpu = platform.processor() or platform.machine()
     try:  # the model name is more telling than "x86_64" where /proc/cpuinfo exists
@@ -214,7 +235,8 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
 
     pair = load_pair_cached(cfg.model)
     prompts = load_prompts(cfg.data, pair.tokenizer)
-    policy = build_policy(cfg.policy)
+    policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name)
+    policy = build_policy(policy_cfg)
     policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
 
     if isinstance(policy, TransformersAssisted):
@@ -306,7 +328,8 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "tokens_per_s_rounds": [x.tokens_per_s for x in rounds],
         "ar_tokens_per_s_rounds": [x.tokens_per_s for x in ar_rounds],
         "lossless_mismatches": mismatches,
-        "policy_config": OmegaConf.to_container(cfg.policy, resolve=True),
+        "policy_config": OmegaConf.to_container(policy_cfg, resolve=True),
+        "tuned_from": str(cfg.tuned_from) if tuned else None,
         "seed": seed,
         "machine": machine_info(),
     }

@@ -3,6 +3,8 @@
     corpus   python scripts/build_corpus.py             (data/embedded/corpus, gitignored, 3 s)
     oracle   python scripts/collect_oracle.py           (data/oracle/embedded)
     ldlp     python scripts/train_ldlp.py +experiment=tiny   (data/ldlp/embedded)
+    tune     python scripts/tune_policies.py            (results/embedded/tuning: thresholds by replay on the
+             validation labels, with a cost model timed on this machine; the adaptive sweep uses them)
     sweeps   python scripts/evaluate.py -m ...          (outputs/pipeline/embedded/round-R/<sweep>)
              per round: static γ, adaptive policies, and the peer rows on the standalone draft LM
     summary  ldlp.summary.summarize                     (results/embedded: results.md/.csv, tokens_per_s.png)
@@ -76,12 +78,23 @@ def plan(cfg) -> list[Stage]:
                                "ldlp_training.evaluation.benchmark=false"] + threads,
                             survival_dir / "model.safetensors"))
     sweep_threads = cfg.sweep.get("threads") or cfg.get("threads")
+    tuned = None
+    if cfg.get("tune") and cfg.tune.get("enabled"):
+        tune_dir = Path(cfg.tune.out_dir)
+        tuned = tune_dir / "tuning.json"
+        stages.append(Stage("tune", "tune the adaptive policies by replay on the validation labels (timed cost model)",
+                            _script("tune_policies.py") + [f"model={cfg.sweep.model}", f"oracle_dir={oracle_dir}",
+                                                           f"ldlp_path={ldlp_dir}", f"out_dir={tune_dir}"]
+                            + ([f"ldlp_survival_path={survival_dir}"] if survival_dir else [])
+                            + ([f"threads={sweep_threads}"] if sweep_threads else []) + list(cfg.tune.overrides),
+                            tuned))
     common = list(cfg.sweep.overrides) + ([f"threads={sweep_threads}"] if sweep_threads else [])
     for r in range(1, int(cfg.sweep.rounds) + 1):
         sweeps = [
             ("static", cfg.sweep.model, ["policy=static", f"policy.gamma={_list(cfg.sweep.static_gammas)}"]),
             ("adaptive", cfg.sweep.model, [f"policy={_list(cfg.sweep.adaptive)}", f"ldlp_path={ldlp_dir}"]
-             + ([f"ldlp_survival_path={survival_dir}"] if survival_dir else [])),
+             + ([f"ldlp_survival_path={survival_dir}"] if survival_dir else [])
+             + ([f"tuned_from={tuned}"] if tuned else [])),
         ]
         if cfg.peer.enabled:
             if cfg.peer.static_gammas:
@@ -103,9 +116,9 @@ def _force_level(force) -> set[str]:
     if force in (False, None, "false", "none"):
         return set()
     if force in (True, "true", "sweeps"):
-        return {"sweeps"}
+        return {"tune", "sweeps"}  # both time this machine
     if force == "all":
-        return {"oracle", "ldlp", "ldlp_survival", "sweeps"}
+        return {"oracle", "ldlp", "ldlp_survival", "tune", "sweeps"}
     raise ValueError(f"force must be false, true (redo sweeps) or all (also labels and LDLP), got {force!r}")
 
 

@@ -113,7 +113,7 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         cfg = compose(config_name="pipeline", overrides=[
             f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}", f"oracle.out_dir={oracle_dir}",
             f"ldlp.out_dir={ldlp_dir}", "sweep.rounds=1", "sweep.static_gammas=[1,2]", "sweep.adaptive=[ldlp,oracle]",
-            "peer.enabled=false", "ldlp.survival_out_dir=null"])
+            "peer.enabled=false", "ldlp.survival_out_dir=null", "tune.enabled=false"])
         OmegaConf.update(cfg, "sweep.overrides", [o for o in overrides(tiny_models, prompt_file)
                                                  if not o.startswith("evaluation.repeats")] + ["evaluation.repeats=1"])
         summary = run(cfg)
@@ -149,3 +149,26 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     assert update_readme(readme, md, png, "cmd") and readme.read_text().count("| 1 |") == 1  # idempotent
     (tmp_path / "OTHER.md").write_text("no markers\n")
     assert not update_readme(tmp_path / "OTHER.md", md, png, "cmd")
+
+
+def test_tuned_settings_replace_the_policy_fields(tmp_path):
+    from omegaconf import OmegaConf
+
+    from ldlp.evaluation import apply_tuned
+
+    results = [{"policy": "ddd", "params": {"threshold": -2.0, "max_gamma": 6}, "tokens_per_s": 10.0},
+               {"policy": "ddd", "params": {"threshold": -4.0, "max_gamma": 8}, "tokens_per_s": 12.0},
+               {"policy": "static", "params": {"gamma": 3}, "tokens_per_s": 11.0}]
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"results": results}))
+    base = OmegaConf.create({"_target_": "ldlp.policies.DDDPolicy", "threshold": -6.0, "max_gamma": 8})
+    cfg, tuned = apply_tuned(base, str(path), "ddd")
+    assert tuned == {"threshold": -4.0, "max_gamma": 8} and cfg.threshold == -4.0
+    static = OmegaConf.create({"_target_": "ldlp.policies.StaticPolicy", "gamma": 5})
+    assert apply_tuned(static, str(path), "static") == (static, None)  # a swept γ is never replaced
+    assert apply_tuned(base, None, "ddd") == (base, None)
+    with pytest.raises(ValueError, match="no such file"):
+        apply_tuned(base, str(tmp_path / "missing.json"), "ddd")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a tuning.json"):
+        apply_tuned(base, str(tmp_path / "bad.json"), "ddd")

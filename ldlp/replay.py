@@ -1,0 +1,273 @@
+"""Replay draft-length policies on oracle rows, and tune their thresholds against measured costs.
+
+Under greedy chain drafting everything a policy can see and everything that follows from its choice
+is in the oracle rows: at a position the drafter's k_max-token chain is fixed (its top-1 probability
+and entropy per step are stored), and drafting k tokens there keeps ``min(label, k)`` of them and
+moves ``min(label, k) + 1`` positions on. :func:`replay` therefore walks each collected sequence the
+way the engine would, asking the *real* policy objects (``gamma``, ``keep_drafting``, ``observe``), and
+counts target forwards, drafted and accepted tokens exactly, without running a model. Only time is
+modelled: :class:`CostModel` is a per-step cost plus a cost per drafted and per accepted token,
+fitted by :func:`measure_costs` to timed static-γ generations of the real engine on this machine.
+
+``keep_drafting`` receives a stand-in for the drafter's distribution with the stored top-1
+probability as its largest entry and (to rounding) the stored entropy: enough for the rules that read
+the drafted token's probability, the top probability or the entropy; a policy that reads more of the
+distribution cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from eagle_backbone.policy import DraftContext, DraftLengthPolicy
+
+
+@dataclass
+class CostModel:
+    """Seconds of one decoding step as ``step_s + draft_s * drafted + accepted_s * accepted``."""
+
+    step_s: float  # the target forward and the step's fixed work
+    draft_s: float  # one drafter step, plus the verification cost of one more scored token
+    accepted_s: float = 0.0  # the drafter re-reading an accepted token's true feature
+
+    def seconds(self, drafted: int, accepted: int) -> float:
+        return self.step_s + self.draft_s * drafted + self.accepted_s * accepted
+
+    def as_dict(self) -> dict:
+        return {"step_ms": 1e3 * self.step_s, "draft_ms": 1e3 * self.draft_s, "accepted_ms": 1e3 * self.accepted_s}
+
+
+@dataclass
+class ReplayResult:
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / max(self.steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def wasted(self) -> int:
+        return self.drafted - self.accepted
+
+
+def stand_in_probs(top1: float, entropy: float, vocab_size: int) -> torch.Tensor:
+    """A distribution whose top entry (index 0) is ``top1`` and whose entropy is close to ``entropy``:
+    ``top1`` plus ``n`` equal entries, with ``n`` chosen for the entropy and limited by the vocabulary."""
+    p = min(max(float(top1), 1.0 / vocab_size), 1.0)
+    if p >= 1.0 - 1e-9:
+        return torch.tensor([1.0], dtype=torch.float64)
+    h_p = -p * math.log(p) - (1 - p) * math.log(1 - p)  # entropy of (p, 1 - p); n entries add (1-p) log n
+    log_n = min((max(float(entropy), h_p) - h_p) / (1 - p), 30.0)
+    lo, hi = max(1, math.ceil((1 - p) / p - 1e-9)), vocab_size - 1  # no other entry may exceed p
+    n = min(max(round(math.exp(log_n)), lo), hi)
+    rest = (1 - p) / n
+    return torch.tensor([p] + [rest] * n, dtype=torch.float64)
+
+
+class OracleRows:
+    """Oracle rows grouped by sequence, as arrays: seq_id, index, last_token, label, remaining,
+    draft_top1_prob and draft_entropy (rows, k_max), and feature when stored."""
+
+    COLUMNS = ("seq_id", "index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy")
+
+    def __init__(self, columns: dict, max_new_tokens: int | None = None):
+        self.max_new_tokens = max_new_tokens  # the responses' budget: the engine caps γ by it, not by EOS
+        missing = [c for c in self.COLUMNS if c not in columns]
+        if missing:
+            raise ValueError(f"oracle rows lack the columns {missing}")
+        cols = {c: np.asarray(v) for c, v in columns.items() if c in self.COLUMNS + ("feature",)}
+        if len(cols["label"]) == 0:
+            raise ValueError("no oracle rows to replay")
+        self.k_max = int(cols["draft_top1_prob"].shape[1])
+        order = np.lexsort((cols["index"], cols["seq_id"]))
+        self.cols = {c: v[order] for c, v in cols.items()}
+        seq = self.cols["seq_id"]
+        starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+        self.sequences = list(zip(starts.tolist(), np.r_[starts[1:], len(seq)].tolist()))
+        self.has_features = "feature" in self.cols
+
+    @classmethod
+    def load(cls, oracle_dir, split: str | None = "validation", with_features: bool = True) -> "OracleRows":
+        """From a collection folder (``scripts/collect_oracle.py``), one split or all."""
+        from ldlp.oracle import load_oracle_rows
+
+        ds = load_oracle_rows(oracle_dir, split)
+        cols = list(cls.COLUMNS) + (["feature"] if with_features and "feature" in ds.column_names else [])
+        from ldlp.training import read_manifest
+
+        budget = read_manifest(oracle_dir).get("max_new_tokens")
+        return cls(ds.select_columns(cols).with_format("numpy")[:], budget)
+
+    @classmethod
+    def from_sequences(cls, rows_per_sequence: list[dict], max_new_tokens: int | None = None) -> "OracleRows":
+        """From :func:`ldlp.oracle.oracle_labels` outputs, one per sequence (tensors)."""
+        cols: dict[str, list] = {}
+        for seq_id, rows in enumerate(rows_per_sequence):
+            n = len(rows["label"])
+            cols.setdefault("seq_id", []).append(np.full(n, seq_id))
+            for c in cls.COLUMNS[1:] + ("feature",):
+                if c in rows:
+                    cols.setdefault(c, []).append(rows[c].float().numpy() if rows[c].is_floating_point()
+                                                  else rows[c].numpy())
+        return cls({c: np.concatenate(v) for c, v in cols.items()}, max_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.cols["label"])
+
+
+def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel, embed=None, vocab_size: int = 2 ** 15,
+           oracle_cap: int = 8) -> ReplayResult:
+    """Walk every sequence as the engine would under ``policy`` (or ``"oracle"``: draft exactly what the
+    target accepts, at most ``oracle_cap``). ``embed`` maps token ids to target embeddings (the LDLP
+    reads them); the row's stored feature is the context's feature."""
+    c, res = rows.cols, ReplayResult()
+    for start, end in rows.sequences:
+        index = c["index"][start:end]
+        first = int(index[0])
+        where = {int(i): start + j for j, i in enumerate(index)}
+        if not isinstance(policy, str):
+            policy.begin([])
+        accepted_hist: list[int] = []
+        drafted_hist: list[int] = []
+        pos, step = first, 0
+        while pos in where:
+            r = where[pos]
+            label, remaining = int(c["label"][r]), int(c["remaining"][r])
+            position = pos - first + 1  # tokens generated so far, as DraftContext.position
+            # the engine caps γ by the budget (a response that ended with EOS had room for more drafts)
+            left = rows.max_new_tokens - position if rows.max_new_tokens else remaining
+            max_gamma = max(0, min(rows.k_max, left - 1))
+            if isinstance(policy, str):
+                k = min(label, max_gamma, oracle_cap)
+            else:
+                feature = torch.from_numpy(np.asarray(c["feature"][r], dtype=np.float32)) if rows.has_features \
+                    else torch.zeros(1)
+                ctx = DraftContext(step=step, last_token=int(c["last_token"][r]), feature=feature,
+                                   accepted_history=accepted_hist, drafted_history=drafted_hist,
+                                   position=position, max_gamma=max_gamma, _embed=embed)
+                gamma = min(int(policy.gamma(ctx)), max_gamma)
+                k = 0
+                for i in range(1, gamma + 1):
+                    k = i
+                    if i == gamma:
+                        break
+                    probs = stand_in_probs(c["draft_top1_prob"][r][i - 1], c["draft_entropy"][r][i - 1], vocab_size)
+                    if not policy.keep_drafting(ctx, i, 0, probs):
+                        break
+            a = min(label, k)
+            res.steps += 1
+            res.drafted += k
+            res.accepted += a
+            res.new_tokens += min(a + 1, remaining)  # a draft that ends on EOS leaves no room for a bonus token
+            res.seconds += costs.seconds(k, a)
+            if not isinstance(policy, str):
+                accepted_hist.append(a)
+                drafted_hist.append(k)
+                policy.observe(ctx, k, a)
+            pos += a + 1
+            step += 1
+    return res
+
+
+def fit_costs(stats) -> CostModel:
+    """Least squares (non-negative) of generation seconds on target forwards, drafted and accepted tokens.
+
+    ``stats``: GenerationStats of timed static-γ generations (several γ, so the terms separate)."""
+    from sklearn.linear_model import LinearRegression
+
+    X = np.array([[s.target_forwards, s.drafted_tokens, s.accepted_tokens] for s in stats], dtype=float)
+    y = np.array([s.wall_s for s in stats])
+    if len(stats) < 3 or np.linalg.matrix_rank(X) < 3:
+        raise ValueError("fit_costs needs timed generations at several static γ (at least 3 that differ)")
+    coef = LinearRegression(fit_intercept=False, positive=True).fit(X, y).coef_
+    return CostModel(step_s=float(coef[0]), draft_s=float(coef[1]), accepted_s=float(coef[2]))
+
+
+def measure_costs(target, candidates, prompts, gammas=(1, 3, 5, 8), max_new_tokens: int = 64, rounds: int = 2,
+                  seed: int = 0) -> tuple[CostModel, list]:
+    """Time greedy static-γ generations of the real engine (rounds interleave the γ) and fit the costs."""
+    from eagle_backbone.engine import SpeculativeDecoder
+    from eagle_backbone.policy import StaticPolicy
+
+    SpeculativeDecoder(target, candidates, StaticPolicy(gammas[0])).generate(prompts[0], 8)  # warm-up
+    stats = []
+    for _ in range(rounds):
+        for g in gammas:
+            dec = SpeculativeDecoder(target, candidates, StaticPolicy(g))
+            stats += [dec.generate(p, max_new_tokens, seed=seed).stats for p in prompts]
+    return fit_costs(stats), stats
+
+
+def grid(params: dict) -> list[dict]:
+    """Every combination of ``{field: [values]}`` (a scalar is one value)."""
+    import itertools
+
+    keys = list(params)
+    values = [v if isinstance(v, (list, tuple)) else [v] for v in params.values()]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
+def tune(rows: OracleRows, costs: CostModel, policies: dict, embed=None, vocab_size: int = 2 ** 15,
+         oracle_cap: int = 8, progress: bool = True) -> list[dict]:
+    """Replay every policy config in ``policies`` ({name: (build(params) -> policy, [params, ...])}) and
+    the oracle; one dict per config with its τ, tokens/s, drafted and wasted tokens and the share of
+    the oracle's headroom over the best static γ it captures. Best first within each policy."""
+    from tqdm.auto import tqdm
+
+    jobs = [(name, params, build) for name, (build, param_list) in policies.items() for params in param_list]
+    out = []
+    for name, params, build in tqdm(jobs, desc="replay", disable=not progress):
+        r = replay(rows, build(params), costs, embed, vocab_size, oracle_cap)
+        out.append({"policy": name, "params": params, "tau": r.tau, "tokens_per_s": r.tokens_per_s,
+                    "steps": r.steps, "drafted": r.drafted, "wasted": r.wasted})
+    o = replay(rows, "oracle", costs, oracle_cap=oracle_cap)
+    oracle = {"policy": "oracle", "params": {"k_max": oracle_cap}, "tau": o.tau, "tokens_per_s": o.tokens_per_s,
+              "steps": o.steps, "drafted": o.drafted, "wasted": o.wasted}
+    static = [r["tokens_per_s"] for r in out if r["policy"] == "static"]
+    best_static = max(static) if static else float("nan")
+    for r in out + [oracle]:
+        gap = oracle["tokens_per_s"] - best_static
+        r["headroom_captured"] = (r["tokens_per_s"] - best_static) / gap if gap > 0 else float("nan")
+    out.sort(key=lambda r: (r["policy"], -r["tokens_per_s"]))
+    return out + [oracle]
+
+
+def best_per_policy(results: list[dict]) -> dict[str, dict]:
+    best: dict[str, dict] = {}
+    for r in results:
+        if r["policy"] not in best or r["tokens_per_s"] > best[r["policy"]]["tokens_per_s"]:
+            best[r["policy"]] = r
+    return best
+
+
+def tuning_markdown(results: list[dict], costs: CostModel, rows: OracleRows, where: str) -> str:
+    best = best_per_policy(results)
+    c = costs.as_dict()
+    lines = [f"## Policy tuning by exact replay on oracle labels ({where})", "",
+             f"{len(rows)} positions in {len(rows.sequences)} sequences. Counts (τ, drafted, wasted) are exact; "
+             f"time is modelled: a step costs {c['step_ms']:.2f} ms + {c['draft_ms']:.2f} ms per drafted token + "
+             f"{c['accepted_ms']:.2f} ms per accepted token (fitted to timed static-γ runs of the engine).", "",
+             "Best setting per policy:", "",
+             "| policy | setting | τ | modelled tokens/s | drafted | wasted | headroom captured |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, r in sorted(best.items(), key=lambda kv: -kv[1]["tokens_per_s"]):
+        setting = ", ".join(f"{k}={v}" for k, v in r["params"].items())
+        lines.append(f"| {name} | {setting} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['drafted']} | "
+                     f"{r['wasted']} | {100 * r['headroom_captured']:.0f}% |")
+    lines += ["", "Every setting tried:", "", "| policy | setting | τ | modelled tokens/s | wasted |", "|---|---|---:|---:|---:|"]
+    for r in results:
+        setting = ", ".join(f"{k}={v}" for k, v in r["params"].items())
+        lines.append(f"| {r['policy']} | {setting} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['wasted']} |")
+    return "\n".join(lines) + "\n"

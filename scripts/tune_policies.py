@@ -1,0 +1,65 @@
+"""Tune draft-length policies by exact replay on the oracle validation split (see ldlp/replay.py).
+
+    python scripts/tune_policies.py
+    python scripts/tune_policies.py grid.ddd.threshold=[-2,-4,-6] costs.rounds=3
+"""
+
+import json
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from eagle_backbone.paths import REPO_ROOT
+from ldlp.evaluation import build_policy, load_pair_cached, load_prompts
+from ldlp.replay import CostModel, OracleRows, best_per_policy, grid, measure_costs, tune, tuning_markdown
+
+
+def _builder(cfg: DictConfig, name: str):
+    path = REPO_ROOT / "conf" / "policy" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"grid.{name}: no conf/policy/{name}.yaml")
+    base = OmegaConf.load(path)
+
+    def build(params: dict):
+        node = OmegaConf.merge({"ldlp_path": cfg.ldlp_path, "ldlp_survival_path": cfg.ldlp_survival_path},
+                               {"policy": base}, {"policy": params})
+        return build_policy(node.policy)
+
+    return build
+
+
+@hydra.main(config_path="../conf", config_name="tune_policies", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    pair = load_pair_cached(cfg.model)
+    if cfg.costs.measure:
+        prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+        costs, _ = measure_costs(pair.target, pair.candidates, prompts, tuple(cfg.costs.gammas),
+                                 cfg.costs.max_new_tokens, cfg.costs.rounds, cfg.seed)
+    else:
+        f = cfg.costs.fixed
+        costs = CostModel(f.step_ms / 1e3, f.draft_ms / 1e3, f.accepted_ms / 1e3)
+    rows = OracleRows.load(cfg.oracle_dir, cfg.split)
+    policies = {name: (_builder(cfg, name), grid(OmegaConf.to_container(params))) for name, params in cfg.grid.items()}
+    results = tune(rows, costs, policies, embed=pair.target.embed, vocab_size=pair.target.vocab_size,
+                   oracle_cap=cfg.oracle_cap, progress=cfg.progress)
+    where = f"{cfg.oracle_dir}, split {cfg.split}"
+    md = tuning_markdown(results, costs, rows, where)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tuning.md").write_text(md)
+    (out / "tuning.json").write_text(json.dumps({"costs": costs.as_dict(), "results": results}, indent=2))
+    print(md.split("Every setting tried")[0])
+    print("Best settings as overrides for scripts/evaluate.py:")
+    for name, r in best_per_policy(results).items():
+        if name not in ("static", "oracle"):
+            print(f"  policy={name} " + " ".join(f"policy.{k}={v}" for k, v in r["params"].items()))
+    print(f"wrote {out / 'tuning.md'}")
+
+
+if __name__ == "__main__":
+    main()

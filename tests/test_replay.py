@@ -1,0 +1,90 @@
+"""Replay on oracle rows counts exactly what the engine does; the cost fit and the tuner work."""
+
+import pytest
+import torch
+
+from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.metrics import GenerationStats
+from eagle_backbone.policy import StaticPolicy
+from ldlp.oracle import greedy_oracle
+from ldlp.policies import ConfidencePolicy, DDDPolicy, HeuristicPolicy
+from ldlp.replay import CostModel, OracleRows, fit_costs, grid, replay, stand_in_probs, tune
+from test_oracle import mimic_pair
+
+PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [6]]
+BUDGET = 36
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, drafter = mimic_pair()
+    rows = [greedy_oracle(target, drafter, p, BUDGET, k_max=8)[1] for p in PROMPTS]
+    return target, drafter, OracleRows.from_sequences(rows, BUDGET)
+
+
+POLICIES = [lambda: StaticPolicy(1), lambda: StaticPolicy(3), lambda: StaticPolicy(8), lambda: StaticPolicy(0),
+            lambda: DDDPolicy(-0.7, 8), lambda: DDDPolicy(-3.0, 5), lambda: ConfidencePolicy(0.5, 8),
+            lambda: HeuristicPolicy(2, 8)]
+
+
+@pytest.mark.parametrize("make", POLICIES)
+def test_replay_counts_equal_the_engine(setup, make):
+    target, drafter, rows = setup
+    cand = EagleCandidateGenerator(drafter, target)
+    stats = [SpeculativeDecoder(target, cand, make()).generate(p, BUDGET).stats for p in PROMPTS]
+    res = replay(rows, make(), CostModel(0.01, 0.001), embed=target.embed, vocab_size=target.vocab_size)
+    assert res.steps == sum(s.target_forwards - 1 for s in stats)  # the engine also counts the prefill
+    assert res.drafted == sum(s.drafted_tokens for s in stats)
+    assert res.accepted == sum(s.accepted_tokens for s in stats)
+    assert res.new_tokens == sum(s.new_tokens for s in stats) - len(PROMPTS)  # its first token is the prefill's
+    assert res.steps > 0 and (res.accepted > 0) == (res.drafted > 0)
+
+
+def test_oracle_replay_wastes_nothing_and_bounds_static(setup):
+    target, _, rows = setup
+    costs = CostModel(0.010, 0.002)
+    oracle = replay(rows, "oracle", costs, oracle_cap=8)
+    assert oracle.wasted == 0
+    for g in range(0, 9):
+        static = replay(rows, StaticPolicy(g), costs)
+        assert static.steps >= oracle.steps and static.tokens_per_s <= oracle.tokens_per_s
+        assert static.new_tokens == oracle.new_tokens  # the same responses, cut into different steps
+
+
+def test_stand_in_distribution_keeps_top_probability_and_entropy():
+    for p, h in [(0.9, 0.5), (0.3, 3.0), (0.05, 6.0), (0.5, 0.6931), (1.0, 0.0)]:
+        q = stand_in_probs(p, h, 4096)
+        assert float(q.sum()) == pytest.approx(1.0)
+        assert float(q.max()) == pytest.approx(p) and int(q.argmax()) == 0
+        entropy = float(-(q * q.log()).sum())
+        assert entropy == pytest.approx(h, abs=0.02)
+
+
+def test_cost_fit_recovers_known_costs():
+    truth = CostModel(0.012, 0.0015, 0.0004)
+    stats = []
+    for f, d, a in [(30, 0, 0), (20, 40, 25), (15, 60, 30), (12, 96, 35), (25, 25, 20)]:
+        stats.append(GenerationStats(target_forwards=f, drafted_tokens=d, accepted_tokens=a,
+                                     wall_s=truth.step_s * f + truth.draft_s * d + truth.accepted_s * a))
+    fit = fit_costs(stats)
+    assert fit.step_s == pytest.approx(truth.step_s) and fit.draft_s == pytest.approx(truth.draft_s)
+    assert fit.accepted_s == pytest.approx(truth.accepted_s, abs=1e-9)
+    with pytest.raises(ValueError, match="several static"):
+        fit_costs(stats[:2])
+
+
+def test_tune_reports_best_static_and_oracle_headroom(setup):
+    _, _, rows = setup
+    results = tune(rows, CostModel(0.010, 0.002), {
+        "static": (lambda p: StaticPolicy(**p), grid({"gamma": [1, 2, 4, 8]})),
+        "ddd": (lambda p: DDDPolicy(**p), grid({"threshold": [-0.5, -2.0], "max_gamma": 8}))}, progress=False)
+    assert [r["policy"] for r in results].count("static") == 4 and results[-1]["policy"] == "oracle"
+    best_static = max(r["tokens_per_s"] for r in results if r["policy"] == "static")
+    assert any(r["headroom_captured"] == pytest.approx(0.0) and r["tokens_per_s"] == best_static for r in results)
+    assert results[-1]["headroom_captured"] == pytest.approx(1.0)
+
+
+def test_rows_must_have_the_columns():
+    with pytest.raises(ValueError, match="lack the columns"):
+        OracleRows({"label": torch.zeros(3).numpy()})
