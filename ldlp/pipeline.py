@@ -15,6 +15,7 @@ every phase of a noisy machine; the summary reports medians over rounds.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -112,6 +113,37 @@ def plan(cfg) -> list[Stage]:
     return stages
 
 
+def _model_name(cfg) -> str:
+    from hydra import compose
+
+    return str(compose(config_name="evaluate", overrides=[f"model={cfg.sweep.model}"] + list(cfg.sweep.overrides)).model.name)
+
+
+def head_to_head_stage(cfg, head: dict) -> Stage | None:
+    """Static γ around the sweep's best and its best adaptive policies, timed in turns (scripts/compare.py)."""
+    summary_rows = json.loads((Path(cfg.out_dir) / "summary.json").read_text())["rows"]
+    if "best_static" not in head or "best_adaptive" not in head:
+        return None
+    g = int(head["best_static"]["gamma"])
+    gammas = [x for x in (g - 1, g, g + 1) if x in cfg.sweep.static_gammas]
+    name = _model_name(cfg)
+    adaptive = sorted((r for r in summary_rows if r["model"] == name and r["policy"] not in ("static", "oracle")
+                       and r.get("speedup") is not None), key=lambda r: -r["speedup"])
+    policies = list(dict.fromkeys(r["policy"] for r in adaptive))[: int(cfg.head_to_head.adaptive)]
+    contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies]
+    out = Path(cfg.runs_dir) / "head_to_head"
+    tuned = Path(cfg.tune.out_dir) / "tuning.json" if cfg.get("tune") and cfg.tune.get("enabled") else None
+    threads = cfg.sweep.get("threads") or cfg.get("threads")
+    cmd = (_script("compare.py") + [f"model={cfg.sweep.model}", "contenders=[" + ",".join(f'"{c}"' for c in contenders)
+                                    + "]", f"rounds={cfg.head_to_head.rounds}", f"ldlp_path={cfg.ldlp.out_dir}",
+                                    f"out_dir={out}", f"hydra.run.dir={out}"]
+           + ([f"tuned_from={tuned}"] if tuned else []) + ([f"threads={threads}"] if threads else [])
+           + [o for o in cfg.sweep.overrides if not o.startswith("evaluation.repeats")]
+           + list(cfg.head_to_head.overrides))
+    return Stage("head_to_head", f"head to head: static γ={gammas} vs {', '.join(policies)}, timed in turns", cmd,
+                 out / DONE, marker=out / DONE, run_dir=out)
+
+
 def _force_level(force) -> set[str]:
     if force in (False, None, "false", "none"):
         return set()
@@ -195,6 +227,21 @@ def run(cfg) -> dict:
               f"(total {time.perf_counter() - t_start:.0f} s)", flush=True)
     sweep_dirs = [s.run_dir for s in stages if s.run_dir is not None]
     summary = summarize(sweep_dirs, cfg.out_dir)
+    h2h = cfg.get("head_to_head")
+    if h2h and h2h.get("enabled"):
+        stage = head_to_head_stage(cfg, summary["headline"].get(_model_name(cfg)) or {})
+        if stage is not None:
+            print(f"[{len(stages) + 1}/{len(stages) + 1}] {stage.title}", end="", flush=True)
+            if stage.done() and "sweeps" not in force:
+                print(": done already, skipped", flush=True)
+            else:
+                print(f" ...\n  $ {' '.join(stage.cmd)}", flush=True)
+                proc = subprocess.run(stage.cmd, cwd=REPO_ROOT, env=env)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); rerun the same command")
+                stage.marker.write_text(stage.signature)
+            result = json.loads((stage.run_dir / "head_to_head.json").read_text())
+            summary = summarize(sweep_dirs, cfg.out_dir, head_to_head=result)
     if cfg.get("update_readme"):
         from ldlp.summary import update_readme
 

@@ -297,14 +297,21 @@ def write_csv(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft length") -> dict:
+def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft length",
+              head_to_head: dict | None = None) -> dict:
     """Read every results.json under ``paths``; write results.md, results.csv, tokens_per_s.png,
-    summary.json into ``out_dir``; return the rows, the headline numbers and the Markdown."""
+    summary.json into ``out_dir``; return the rows, the headline numbers and the Markdown.
+    ``head_to_head`` (from :func:`ldlp.headtohead.head_to_head`) adds its section to the Markdown."""
     rows = aggregate(find_results(paths))
     heads = headline(rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows, heads, title)
+    if head_to_head is not None:
+        from ldlp.headtohead import markdown as head_to_head_markdown
+
+        md += "\n" + head_to_head_markdown(head_to_head)
+        heads.setdefault(head_to_head.get("model"), {})["head_to_head"] = head_to_head
     _atomic_write(out / "results.md", md)
     write_csv(rows, out / "results.csv")
     png = plot(rows, out / "tokens_per_s.png")

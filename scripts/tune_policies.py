@@ -47,7 +47,9 @@ def main(cfg: DictConfig) -> None:
     policies = {name: (_builder(cfg, name), grid(OmegaConf.to_container(params))) for name, params in cfg.grid.items()}
     results = tune(rows, costs, policies, embed=pair.target.embed, vocab_size=pair.target.vocab_size,
                    oracle_cap=cfg.oracle_cap, progress=cfg.progress)
-    where = f"{cfg.oracle_dir}, split {cfg.split}"
+    oracle_dir = Path(cfg.oracle_dir)
+    shown = oracle_dir.relative_to(REPO_ROOT) if oracle_dir.is_relative_to(REPO_ROOT) else oracle_dir
+    where = f"{shown}, split {cfg.split}"
     md = tuning_markdown(results, costs, rows, where)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -113,7 +113,8 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         cfg = compose(config_name="pipeline", overrides=[
             f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}", f"oracle.out_dir={oracle_dir}",
             f"ldlp.out_dir={ldlp_dir}", "sweep.rounds=1", "sweep.static_gammas=[1,2]", "sweep.adaptive=[ldlp,oracle]",
-            "peer.enabled=false", "ldlp.survival_out_dir=null", "tune.enabled=false"])
+            "peer.enabled=false", "ldlp.survival_out_dir=null", "tune.enabled=false", "head_to_head.rounds=1",
+            "head_to_head.adaptive=1", "head_to_head.overrides=[]"])
         OmegaConf.update(cfg, "sweep.overrides", [o for o in overrides(tiny_models, prompt_file)
                                                  if not o.startswith("evaluation.repeats")] + ["evaluation.repeats=1"])
         summary = run(cfg)
@@ -128,9 +129,14 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         assert head["all_greedy_lossless"] is True
         csv = summary["csv"].read_text().splitlines()
         assert csv[0].startswith("model,") and len(csv) == 5
+        # the head to head: static γ around the best and the best adaptive policy, timed in turns
+        h2h = head["head_to_head"]
+        assert [r["contender"] for r in h2h["rows"]] == ["static γ=1", "static γ=2", "ldlp", "AR"]
+        assert h2h["lossless"] is True and "### Head to head (tiny)" in md and "95% interval" in md
+        assert sum("vs_best_static" in r for r in h2h["rows"]) == 2  # the other static γ and the LDLP
         capsys.readouterr()
         run(cfg)  # everything is done: every stage is skipped, the summary is rebuilt
-        assert capsys.readouterr().out.count("skipped") == 5  # corpus, oracle, ldlp, two sweeps
+        assert capsys.readouterr().out.count("skipped") == 6  # corpus, oracle, ldlp, two sweeps, head to head
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):

@@ -1,0 +1,134 @@
+"""Head to head: a few policies timed in one process, prompt by prompt, with a paired comparison.
+
+A sweep times every policy in its own run, minutes apart; on a shared machine the speed drifts by
+more than the few percent that separate good draft-length policies, and the best of eight noisy
+static rows is itself biased upwards. Here the contenders (say the static γ around the sweep's best
+and the best adaptive policies) and the AR baseline take turns on every prompt, in a rotating order,
+for several rounds. Under greedy decoding they all emit the same tokens, so the ratio of two
+contenders' seconds on the same prompt in the same round is a paired measurement; the report gives
+each contender's tokens/s, its ratio to the best static contender with a bootstrap 95% interval over
+the (round, prompt) pairs, and in how many rounds it was faster.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from eagle_backbone.engine import SpeculativeDecoder
+from ldlp.evaluation import (_ar_runner, _engine_runner, _progress, _sampling, apply_tuned, build_policy,
+                             load_pair_cached, load_prompts, machine_info)
+
+log = logging.getLogger(__name__)
+
+
+def _label(name: str, policy) -> str:
+    return f"static γ={policy.fixed_gamma}" if not getattr(policy, "adaptive", True) else name
+
+
+def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, bootstrap: int = 2000) -> dict:
+    """``contenders``: (policy name, policy config) pairs; ``cfg`` as for :func:`ldlp.evaluation.evaluate`
+    (model, data, generation, evaluation, seed, tuned_from). Greedy decoding only."""
+    sampling = _sampling(cfg.generation)
+    if not sampling.greedy:
+        raise ValueError("head to head compares greedy runs (their outputs coincide): set generation.temperature=0")
+    if rounds < 1 or len(contenders) < 2:
+        raise ValueError(f"head to head needs at least 2 contenders and 1 round, got {len(contenders)} and {rounds}")
+    pair = load_pair_cached(cfg.model)
+    prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+    n, seed = int(cfg.generation.max_new_tokens), int(cfg.seed)
+    runners, labels, settings, adaptive = [], [], [], []
+    for name, pcfg in contenders:
+        pcfg, _ = apply_tuned(pcfg, cfg.get("tuned_from"), name)
+        policy = build_policy(pcfg)
+        if hasattr(policy, "bind"):
+            policy.bind(pair.target, pair.candidates, n, sampling)
+        label = _label(name, policy)
+        if label in labels:
+            raise ValueError(f"contender {label!r} is listed twice")
+        runners.append(_engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, policy), sampling))
+        labels.append(label)
+        settings.append({k: v for k, v in dict(pcfg).items() if k != "_target_"})
+        adaptive.append(bool(getattr(policy, "adaptive", True)))
+    runners.append(_ar_runner("ours", pair.target, sampling))
+    labels.append("AR")
+    for r in runners:  # warm-up
+        r.run(prompts[0], min(16, n), seed)
+
+    secs = np.zeros((len(runners), rounds, len(prompts)))
+    tokens = np.zeros((len(runners), len(prompts)), dtype=int)
+    outputs: list[list] = [[None] * len(prompts) for _ in runners]
+    progress = _progress(rounds * len(prompts), "head to head", bool(cfg.evaluation.get("progress", True)))
+    for r in range(rounds):
+        for k, prompt in enumerate(prompts):
+            shift = (r * len(prompts) + k) % len(runners)  # every runner takes every place in the order
+            for i in list(range(len(runners)))[shift:] + list(range(len(runners)))[:shift]:
+                out, stats = runners[i].run(prompt, n, seed + k)
+                secs[i, r, k] = stats.wall_s
+                if r == 0:
+                    outputs[i][k], tokens[i, k] = out, stats.new_tokens
+            progress.update(1)
+    progress.close()
+    lossless = all(outputs[i] == outputs[-1] for i in range(len(runners) - 1))
+    if not lossless:
+        log.warning("head to head: some greedy outputs differ from the AR output")
+
+    per_round = tokens.sum(1)[:, None] / secs.sum(2)  # tokens/s of each runner in each round
+    static = [i for i in range(len(contenders)) if not adaptive[i]]
+    ref = max(static, key=lambda i: np.median(per_round[i])) if static else None
+    rng = np.random.default_rng(seed)
+    pairs = [(r, k) for r in range(rounds) for k in range(len(prompts))]
+    rows = []
+    for i, label in enumerate(labels):
+        row = {"contender": label, "adaptive": adaptive[i] if i < len(contenders) else None,
+               "setting": settings[i] if i < len(contenders) else None,
+               "tokens_per_s": float(np.median(per_round[i])),
+               "speedup": float(np.median(per_round[i] / per_round[-1]))}
+        if ref is not None and i != ref and i < len(contenders):
+            # seconds of the reference over seconds of this contender: > 1 means this one is faster
+            ratio = secs[ref].sum() / secs[i].sum()
+            idx = rng.integers(0, len(pairs), size=(bootstrap, len(pairs)))
+            rr = np.array([p[0] for p in pairs])[idx], np.array([p[1] for p in pairs])[idx]
+            boot = secs[ref][rr].sum(1) / secs[i][rr].sum(1)
+            row.update(vs_best_static=float(ratio), ci95=[float(np.quantile(boot, 0.025)),
+                                                          float(np.quantile(boot, 0.975))],
+                       rounds_faster=int((secs[i].sum(1) < secs[ref].sum(1)).sum()))
+        rows.append(row)
+    return {"rows": rows, "reference": labels[ref] if ref is not None else None, "rounds": rounds,
+            "n_prompts": len(prompts), "max_new_tokens": n, "new_tokens": int(tokens[-1].sum()),
+            "lossless": lossless, "tuned_from": str(cfg.get("tuned_from")) if cfg.get("tuned_from") else None,
+            "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "machine": machine_info(),
+            "model": str(cfg.model.get("name", ""))}
+
+
+def markdown(result: dict) -> str:
+    ref = result["reference"]
+    lines = [f"### Head to head ({result['model']})", "",
+             f"{len(result['rows']) - 1} contenders and the AR baseline take turns on every prompt (rotating order) "
+             f"for {result['rounds']} rounds in one process: {result['n_prompts']} prompts of {result['dataset']}, "
+             f"{result['max_new_tokens']} new tokens at most, greedy. `vs {ref}` is the ratio of seconds on the same "
+             "(round, prompt) pairs (> 1: faster than the best static contender), with a bootstrap 95% interval "
+             "over those pairs.", "",
+             f"| contender | setting | tokens/s | speedup vs AR | vs {ref} | 95% interval | rounds faster |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        setting = ", ".join(f"{k}={v}" for k, v in (r.get("setting") or {}).items() if k != "path") or "–"
+        vs = f"{r['vs_best_static']:.3f}" if "vs_best_static" in r else ("1 (reference)" if r["contender"] == ref
+                                                                          else "–")
+        ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
+        faster = f"{r['rounds_faster']}/{result['rounds']}" if "rounds_faster" in r else "–"
+        lines.append(f"| {r['contender']} | {setting} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {vs} | {ci} "
+                     f"| {faster} |")
+    best = max((r for r in result["rows"] if r.get("adaptive")), key=lambda r: r.get("vs_best_static", 0),
+               default=None)
+    lines.append("")
+    if best is not None and "vs_best_static" in best:
+        lo, hi = best["ci95"]
+        verdict = ("faster than" if lo > 1 else "slower than" if hi < 1 else "not distinguishable from")
+        lines.append(f"- best adaptive: **{best['contender']}**, {100 * (best['vs_best_static'] - 1):+.1f}% vs {ref} "
+                     f"(95% interval {100 * (lo - 1):+.1f}% to {100 * (hi - 1):+.1f}%): {verdict} the best static γ")
+    lines.append("- every greedy output equals the AR output" if result["lossless"]
+                 else "- **some greedy outputs differ from the AR output**")
+    return "\n".join(lines) + "\n"
