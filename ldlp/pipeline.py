@@ -131,6 +131,8 @@ def head_to_head_stage(cfg, head: dict) -> Stage | None:
                        and r.get("speedup") is not None), key=lambda r: -r["speedup"])
     policies = list(dict.fromkeys(r["policy"] for r in adaptive))[: int(cfg.head_to_head.adaptive)]
     contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies]
+    if "oracle" in cfg.sweep.adaptive:
+        contenders.append("policy=oracle")  # the upper bound, timed in the same turns: headroom in paired numbers
     out = Path(cfg.runs_dir) / "head_to_head"
     tuned = Path(cfg.tune.out_dir) / "tuning.json" if cfg.get("tune") and cfg.tune.get("enabled") else None
     threads = cfg.sweep.get("threads") or cfg.get("threads")
@@ -140,7 +142,8 @@ def head_to_head_stage(cfg, head: dict) -> Stage | None:
            + ([f"tuned_from={tuned}"] if tuned else []) + ([f"threads={threads}"] if threads else [])
            + [o for o in cfg.sweep.overrides if not o.startswith("evaluation.repeats")]
            + list(cfg.head_to_head.overrides))
-    return Stage("head_to_head", f"head to head: static γ={gammas} vs {', '.join(policies)}, timed in turns", cmd,
+    return Stage("head_to_head", f"head to head: static γ={gammas} vs {', '.join(policies)} (and the oracle), "
+                 "timed in turns", cmd,
                  out / DONE, marker=out / DONE, run_dir=out)
 
 

@@ -189,16 +189,17 @@ def markdown(rows: list[dict], heads: dict, title: str = "Static vs adaptive dra
                          "this project's and transformers' generate)")
         at = lambda x: f"{x['speedup']:.2f}x ({x['tokens_per_s']:.1f} tokens/s)"  # noqa: E731
         if "best_static" in h:
-            facts.append(f"best static: γ = {h['best_static']['gamma']} at {at(h['best_static'])}")
+            facts.append(f"best static in the sweep: γ = {h['best_static']['gamma']} at {at(h['best_static'])}")
         if "best_adaptive" in h:
             gain = h.get("adaptive_gain")
-            facts.append(f"best adaptive: {h['best_adaptive']['policy']} at {at(h['best_adaptive'])}"
+            facts.append(f"best adaptive in the sweep: {h['best_adaptive']['policy']} at {at(h['best_adaptive'])}"
                          + (f", {100 * gain:+.1f}% vs best static" if gain is not None else ""))
         if "oracle" in h:
             facts.append(f"oracle (upper bound): {at(h['oracle'])}")
         if "headroom_captured" in h:
-            facts.append(f"headroom captured by the best adaptive policy: **{_pct(h['headroom_captured'])}** "
-                         "of (oracle − best static)")
+            facts.append(f"headroom captured in the sweep: {_pct(h['headroom_captured'])} of (oracle − best static); "
+                         "rows a few percent apart are within the noise of runs timed minutes apart (the head to "
+                         "head below, if run, times the leaders in turns)")
         if h.get("best_speedup") is not None:
             facts.append(f"best speedup over AR (oracle excluded): {h['best_speedup']:.2f}x")
         if h.get("all_greedy_lossless") is not None:

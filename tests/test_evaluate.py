@@ -131,9 +131,10 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         assert csv[0].startswith("model,") and len(csv) == 5
         # the head to head: static γ around the best and the best adaptive policy, timed in turns
         h2h = head["head_to_head"]
-        assert [r["contender"] for r in h2h["rows"]] == ["static γ=1", "static γ=2", "ldlp", "AR"]
+        assert [r["contender"] for r in h2h["rows"]] == ["static γ=1", "static γ=2", "ldlp", "oracle", "AR"]
         assert h2h["lossless"] is True and "### Head to head (tiny)" in md and "95% interval" in md
-        assert sum("vs_best_static" in r for r in h2h["rows"]) == 2  # the other static γ and the LDLP
+        assert sum("vs_best_static" in r for r in h2h["rows"]) == 3  # the other static γ, the LDLP, the oracle
+        assert h2h["best_adaptive"] == "ldlp" and len(h2h["seconds"]) == 5  # raw seconds kept for reanalysis
         capsys.readouterr()
         run(cfg)  # everything is done: every stage is skipped, the summary is rebuilt
         assert capsys.readouterr().out.count("skipped") == 6  # corpus, oracle, ldlp, two sweeps, head to head
@@ -178,3 +179,17 @@ def test_tuned_settings_replace_the_policy_fields(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a tuning.json"):
         apply_tuned(base, str(tmp_path / "bad.json"), "ddd")
+
+
+def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
+    from ldlp.headtohead import head_to_head
+
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static"])
+    static = cfg.policy
+    sampled = compose_eval(overrides(tiny_models, prompt_file) + ["generation.temperature=0.7"])
+    with pytest.raises(ValueError, match="greedy"):
+        head_to_head(sampled, [("static", static), ("heuristic", static)])
+    with pytest.raises(ValueError, match="at least 2 contenders"):
+        head_to_head(cfg, [("static", static)])
+    with pytest.raises(ValueError, match="listed twice"):
+        head_to_head(cfg, [("static", static), ("static", static)], rounds=1)
