@@ -202,6 +202,14 @@ def run(cfg) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     ar_impl = None  # decided (timed) by the first sweep, then fixed: later processes skip the calibration
     fixed_ar = any(o.startswith("evaluation.ar_baseline=") for o in cfg.sweep.overrides)
+    times_file = Path(cfg.out_dir) / "stage_seconds.json"  # the last run of each stage (skipped ones keep theirs)
+    times = json.loads(times_file.read_text()) if times_file.is_file() else {}
+
+    def record(name: str, seconds: float) -> None:
+        times[name] = round(seconds, 1)
+        times_file.parent.mkdir(parents=True, exist_ok=True)
+        times_file.write_text(json.dumps(times, indent=2) + "\n")
+
     for k, stage in enumerate(stages, 1):
         group = "sweeps" if stage.name.startswith("sweep:") else stage.name
         head = f"[{k}/{len(stages)}] {stage.title}"
@@ -226,6 +234,7 @@ def run(cfg) -> dict:
             stage.marker.write_text(signature)
         if group == "sweeps":
             ar_impl = ar_impl or _ar_impl(stage.run_dir)
+        record(stage.name, time.perf_counter() - t0)
         print(f"  {stage.name} finished in {time.perf_counter() - t0:.0f} s "
               f"(total {time.perf_counter() - t_start:.0f} s)", flush=True)
     sweep_dirs = [s.run_dir for s in stages if s.run_dir is not None]
@@ -239,16 +248,22 @@ def run(cfg) -> dict:
                 print(": done already, skipped", flush=True)
             else:
                 print(f" ...\n  $ {' '.join(stage.cmd)}", flush=True)
+                t0 = time.perf_counter()
                 proc = subprocess.run(stage.cmd, cwd=REPO_ROOT, env=env)
                 if proc.returncode != 0:
                     raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); rerun the same command")
                 stage.marker.write_text(stage.signature)
+                record(stage.name, time.perf_counter() - t0)
             result = json.loads((stage.run_dir / "head_to_head.json").read_text())
             summary = summarize(sweep_dirs, cfg.out_dir, head_to_head=result)
     if cfg.get("update_readme"):
         from ldlp.summary import update_readme
 
-        if update_readme(repo_path("README.md"), summary["md"], summary["png"], "python scripts/pipeline.py"):
+        names = [s.name for s in stages] + (["head_to_head"] if h2h and h2h.get("enabled") else [])
+        full = sum(times.get(n, 0.0) for n in names)
+        note = (f"the stages' last runs took {full / 60:.1f} min in all on the machine below; "
+                if all(n in times for n in names if n != "corpus") else "")
+        if update_readme(repo_path("README.md"), summary["md"], summary["png"], "python scripts/pipeline.py", note):
             print("updated the results block of README.md", flush=True)
         else:
             print("README.md has no <!-- results:start --> ... <!-- results:end --> block: left as is", flush=True)

@@ -324,7 +324,7 @@ def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def update_readme(readme: str | Path, md_path: str | Path, png_path: str | Path, command: str) -> bool:
+def update_readme(readme: str | Path, md_path: str | Path, png_path: str | Path, command: str, note: str = "") -> bool:
     """Replace the block between ``<!-- results:start -->`` and ``<!-- results:end -->`` in ``readme``
     with the generated table (``md_path``), the plot and the command that regenerates them, so that
     the README's numbers always come from a run. Returns False (and changes nothing) without markers."""
@@ -338,7 +338,7 @@ def update_readme(readme: str | Path, md_path: str | Path, png_path: str | Path,
     table = md_path.read_text().strip().split("\n")
     if table and table[0].startswith("## "):
         table = table[1:]  # the README gives its own heading
-    block = "\n".join([README_START, f"Regenerate with `{command}` (table: [{rel(md_path)}]({rel(md_path)}), "
+    block = "\n".join([README_START, f"Regenerate with `{command}` ({note}table: [{rel(md_path)}]({rel(md_path)}), "
                        f"CSV next to it).", "", *table, "", f"![tokens/s against γ]({rel(png_path)})", README_END])
     head, rest = text.split(README_START, 1)
     _atomic_write(readme, head + block + rest.split(README_END, 1)[1])
