@@ -243,7 +243,7 @@ def test_collection_files_report_and_manifest(pair_dirs, full_run):
     ref = oracle_labels(pair.target, pair.drafter, seq["input_ids"], seq["prompt_len"], 4)
     mine = rows.filter(lambda r: r["seq_id"] == seq["seq_id"], keep_in_memory=True)
     assert mine["label"] == ref["label"].tolist() and mine["index"] == ref["index"].tolist()
-    np.testing.assert_allclose(np.asarray(mine["feature"]), ref["feature"].numpy(), atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(mine["feature"]), ref["feature"].float().numpy(), atol=2e-3, rtol=2e-3)
     assert report["label_hist"] == np.bincount(rows["label"], minlength=5).tolist()
     assert report["splits"]["train"]["sequences"] == 14
     assert (out / "report.md").read_text().count("|") > 20
@@ -301,7 +301,7 @@ def test_without_features_the_trainer_can_recompute_them(pair_dirs, full_run, tm
     stored = load_oracle_rows(out).filter(lambda r: r["seq_id"] == 3, keep_in_memory=True)
     seq = seqs.filter(lambda r: r["seq_id"] == 3, keep_in_memory=True)[0]
     feats = recompute_features(target, seq["input_ids"], seq["prompt_len"])
-    np.testing.assert_allclose(feats.numpy(), np.asarray(stored["feature"], dtype=np.float32), atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(feats.float().numpy(), np.asarray(stored["feature"], dtype=np.float32), atol=2e-3, rtol=2e-3)
 
 
 def test_malformed_data_in_the_collector(pair_dirs, tmp_path):
