@@ -22,29 +22,31 @@ from eagle_backbone.target import TargetModel
 
 
 @torch.inference_mode()
-def forward_costs(target: TargetModel, lengths=(1, 2, 3, 4, 5, 6, 7, 8, 9), context: int = 256, reps: int = 20,
-                  seed: int = 0) -> dict[int, float]:
-    """Median seconds of a forward scoring ``T`` tokens after ``context`` cached ones, per T.
+def forward_costs(targets: dict[str, TargetModel], lengths=(1, 2, 3, 4, 5, 6, 7, 8, 9), context: int = 256,
+                  reps: int = 20, seed: int = 0) -> dict[str, dict[int, float]]:
+    """Median seconds of a forward scoring ``T`` tokens after ``context`` cached ones, per target and T.
 
-    Rounds interleave the lengths, so drift on a busy machine lands on all of them alike."""
+    Rounds interleave the targets and the lengths, so drift on a busy machine lands on all alike."""
     g = torch.Generator().manual_seed(seed)
-    low = min(target.vocab_size - 1, 4)
-    ctx = torch.randint(low, target.vocab_size, (1, context), generator=g).to(target.device)
-    new = torch.randint(low, target.vocab_size, (1, max(lengths)), generator=g).to(target.device)
-    times: dict[int, list[float]] = {T: [] for T in lengths}
+    first = next(iter(targets.values()))
+    low = min(first.vocab_size - 1, 4)
+    ctx = torch.randint(low, first.vocab_size, (1, context), generator=g)
+    new = torch.randint(low, first.vocab_size, (1, max(lengths)), generator=g)
+    times = {name: {T: [] for T in lengths} for name in targets}
     for r in range(reps + 1):
-        for T in lengths:
-            cache = target.new_cache()
-            target(ctx, cache)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            target(new[:, :T], cache)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            if r:  # round 0 warms up
-                times[T].append(time.perf_counter() - t0)
-    return {T: statistics.median(v) for T, v in times.items()}
+        for name, target in targets.items():
+            for T in lengths:
+                cache = target.new_cache()
+                target(ctx.to(target.device), cache)
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                target(new[:, :T].to(target.device), cache)
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if r:  # round 0 warms up
+                    times[name][T].append(time.perf_counter() - t0)
+    return {name: {T: statistics.median(v) for T, v in per.items()} for name, per in times.items()}
 
 
 @torch.inference_mode()

@@ -155,3 +155,12 @@ def test_fp32_engine_matches_ar():
     dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(4))
     for prompt in random_prompts(4, seed=9):
         assert dec.generate(prompt, 20).tokens == autoregressive_generate(target, prompt, 20).tokens
+
+
+def test_forward_cost_bench_and_batch_invariance_report(target):
+    from eagle_backbone.bench import batch_invariance, forward_costs
+
+    costs = forward_costs({"tiny": target}, lengths=(1, 3), context=8, reps=2)
+    assert set(costs["tiny"]) == {1, 3} and all(s > 0 for s in costs["tiny"].values())
+    inv = batch_invariance(target, trials=2, tokens=4, context=8)
+    assert inv["positions"] == 8 and inv["argmax_flips"] == 0 and inv["max_abs_diff"] < 1e-9  # float64
