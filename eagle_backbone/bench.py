@@ -14,10 +14,10 @@ Two facts decide how well speculative decoding pays on a machine:
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
+from eagle_backbone.engine import _Clock
 from eagle_backbone.target import TargetModel
 
 
@@ -35,17 +35,14 @@ def forward_costs(targets: dict[str, TargetModel], lengths=(1, 2, 3, 4, 5, 6, 7,
     times = {name: {T: [] for T in lengths} for name in targets}
     for r in range(reps + 1):
         for name, target in targets.items():
+            clock = _Clock(target.device)
             for T in lengths:
                 cache = target.new_cache()
                 target(ctx.to(target.device), cache)
-                if target.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
+                t0 = clock()
                 target(new[:, :T].to(target.device), cache)
-                if target.device.type == "cuda":
-                    torch.cuda.synchronize()
                 if r:  # round 0 warms up
-                    times[name][T].append(time.perf_counter() - t0)
+                    times[name][T].append(clock() - t0)
     return {name: {T: statistics.median(v) for T, v in per.items()} for name, per in times.items()}
 
 

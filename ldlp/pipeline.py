@@ -119,15 +119,15 @@ def _model_name(cfg) -> str:
     return str(compose(config_name="evaluate", overrides=[f"model={cfg.sweep.model}"] + list(cfg.sweep.overrides)).model.name)
 
 
-def head_to_head_stage(cfg, head: dict) -> Stage | None:
-    """Static γ around the sweep's best and its best adaptive policies, timed in turns (scripts/compare.py)."""
-    summary_rows = json.loads((Path(cfg.out_dir) / "summary.json").read_text())["rows"]
+def head_to_head_stage(cfg, name: str, summary: dict) -> Stage | None:
+    """Static γ around the sweep's best and its best adaptive policies, timed in turns (scripts/compare.py);
+    ``summary`` is the sweeps' (ldlp.summary.summarize), ``name`` the swept model's name."""
+    head = summary["headline"].get(name) or {}
     if "best_static" not in head or "best_adaptive" not in head:
         return None
     g = int(head["best_static"]["gamma"])
     gammas = [x for x in (g - 1, g, g + 1) if x in cfg.sweep.static_gammas]
-    name = _model_name(cfg)
-    adaptive = sorted((r for r in summary_rows if r["model"] == name and r["policy"] not in ("static", "oracle")
+    adaptive = sorted((r for r in summary["rows"] if r["model"] == name and r["policy"] not in ("static", "oracle")
                        and r.get("speedup") is not None), key=lambda r: -r["speedup"])
     policies = list(dict.fromkeys(r["policy"] for r in adaptive))[: int(cfg.head_to_head.adaptive)]
     contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies]
@@ -210,6 +210,18 @@ def run(cfg) -> dict:
         times_file.parent.mkdir(parents=True, exist_ok=True)
         times_file.write_text(json.dumps(times, indent=2) + "\n")
 
+    def execute(stage: Stage, signature: str) -> None:
+        t0 = time.perf_counter()
+        proc = subprocess.run(stage.cmd, cwd=REPO_ROOT, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); fix it and rerun the same "
+                               f"command: finished stages are skipped")
+        if stage.marker is not None:
+            stage.marker.write_text(signature)
+        record(stage.name, time.perf_counter() - t0)
+        print(f"  {stage.name} finished in {time.perf_counter() - t0:.0f} s "
+              f"(total {time.perf_counter() - t_start:.0f} s)", flush=True)
+
     for k, stage in enumerate(stages, 1):
         group = "sweeps" if stage.name.startswith("sweep:") else stage.name
         head = f"[{k}/{len(stages)}] {stage.title}"
@@ -225,35 +237,21 @@ def run(cfg) -> dict:
             shutil.rmtree(stage.run_dir)  # a half-finished sweep is redone whole: its rows must share a process
         if group == "oracle" and "oracle" in force:
             stage.cmd = stage.cmd + ["overwrite=true"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(stage.cmd, cwd=REPO_ROOT, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); fix it and rerun the same "
-                               f"command: finished stages are skipped")
-        if stage.marker is not None:
-            stage.marker.write_text(signature)
+        execute(stage, signature)
         if group == "sweeps":
             ar_impl = ar_impl or _ar_impl(stage.run_dir)
-        record(stage.name, time.perf_counter() - t0)
-        print(f"  {stage.name} finished in {time.perf_counter() - t0:.0f} s "
-              f"(total {time.perf_counter() - t_start:.0f} s)", flush=True)
     sweep_dirs = [s.run_dir for s in stages if s.run_dir is not None]
     summary = summarize(sweep_dirs, cfg.out_dir)
     h2h = cfg.get("head_to_head")
     if h2h and h2h.get("enabled"):
-        stage = head_to_head_stage(cfg, summary["headline"].get(_model_name(cfg)) or {})
+        stage = head_to_head_stage(cfg, _model_name(cfg), summary)
         if stage is not None:
-            print(f"[{len(stages) + 1}/{len(stages) + 1}] {stage.title}", end="", flush=True)
+            head = f"[{len(stages) + 1}/{len(stages) + 1}] {stage.title}"
             if stage.done() and "sweeps" not in force:
-                print(": done already, skipped", flush=True)
+                print(f"{head}: done already, skipped", flush=True)
             else:
-                print(f" ...\n  $ {' '.join(stage.cmd)}", flush=True)
-                t0 = time.perf_counter()
-                proc = subprocess.run(stage.cmd, cwd=REPO_ROOT, env=env)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); rerun the same command")
-                stage.marker.write_text(stage.signature)
-                record(stage.name, time.perf_counter() - t0)
+                print(f"{head} ...\n  $ {' '.join(stage.cmd)}", flush=True)
+                execute(stage, stage.signature)
             result = json.loads((stage.run_dir / "head_to_head.json").read_text())
             summary = summarize(sweep_dirs, cfg.out_dir, head_to_head=result)
     if cfg.get("update_readme"):
