@@ -16,8 +16,10 @@ import torch
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits, sample
 from eagle_backbone.target import TargetModel, new_cache, rollback
 
-# keep(i, token, probs) -> bool: asked after drafted token i (1-based); False ends the chain.
-KeepFn = Callable[[int, int, torch.Tensor], bool]
+# keep(i, token, probs, state) -> bool: asked after drafted token i (1-based); False ends the chain.
+# ``state`` is the drafter's hidden state that ``probs`` came from (what its LM head read), or None when
+# the generator has none to offer; acceptance heads read it.
+KeepFn = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], bool]
 
 
 class CandidateGenerator:
@@ -79,10 +81,11 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.fed, self.pending = n - 1, []
         draft, dists = [], []
         for i in range(1, gamma + 1):
-            tok, probs = _pick(self.lm_head(h.to(self.lm_head.weight.dtype))[0, -1], sampling, rng)
+            state = h.to(self.lm_head.weight.dtype)
+            tok, probs = _pick(self.lm_head(state)[0, -1], sampling, rng)
             draft.append(tok)
             dists.append(probs)
-            if i == gamma or not keep(i, tok, probs):
+            if i == gamma or not keep(i, tok, probs, state[0, -1]):
                 break
             h = self.drafter(torch.tensor([[tok]], device=ids.device), h, self.cache)
         return draft, dists
@@ -118,7 +121,7 @@ class DraftModelCandidateGenerator(CandidateGenerator):
             tok, probs = _pick(logits, sampling, rng)
             draft.append(tok)
             dists.append(probs)
-            if i == gamma or not keep(i, tok, probs):
+            if i == gamma or not keep(i, tok, probs, None):
                 break
             ids = torch.tensor([[tok]], device=device)
         return draft, dists

@@ -121,9 +121,10 @@ class SpeculativeDecoder:
             if gamma > 0:
                 keep_s = 0.0
 
-                def keep(i, tok, probs):
+                def keep(i, tok, probs, state):
                     nonlocal keep_s
                     k0 = clock()
+                    ctx.draft_state = state
                     ok = policy.keep_drafting(ctx, i, tok, probs)
                     keep_s += clock() - k0
                     return ok

@@ -7,7 +7,9 @@ The engine asks a policy twice per step:
   drafter reads next), the step index and the history of accepted lengths.
 * ``keep_drafting(ctx, i, token, probs)`` after drafted token ``i`` (1-based) with the drafter's
   distribution ``probs`` over that token; returning False stops the chain early. Threshold methods
-  (confidence, entropy, cumulative log-probability) live here.
+  (confidence, entropy, cumulative log-probability) live here, and so do acceptance heads, which read
+  ``ctx.draft_state``: the drafter hidden state that ``probs`` came from (EAGLE drafters; None for a
+  standalone draft LM).
 
 After verification ``observe(ctx, drafted, accepted)`` lets stateful schedules (transformers'
 heuristic) update. ``begin(prompt_ids)`` is called once per generation before the clock starts.
@@ -31,6 +33,7 @@ class DraftContext:
     drafted_history: list[int] = field(default_factory=list)  # drafted tokens per past step
     position: int = 0  # number of tokens generated so far (last_token included)
     max_gamma: int = 0  # what the context and max_new_tokens still allow
+    draft_state: torch.Tensor | None = None  # (d,) during keep_drafting: the drafter state behind ``probs``
     _embed: Callable[[torch.Tensor], torch.Tensor] | None = None
     _embedding: torch.Tensor | None = None
 

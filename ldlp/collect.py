@@ -38,7 +38,7 @@ from ldlp.oracle import (META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, committed_parts,
 log = logging.getLogger(__name__)
 
 # settings that change what the files contain; a rerun must agree on them to continue a collection
-IDENTITY_KEYS = ("seed", "k_max", "max_new_tokens", "store_features", "feature_dtype", "stat_dtype",
+IDENTITY_KEYS = ("seed", "k_max", "max_new_tokens", "store_features", "store_draft_states", "feature_dtype", "stat_dtype",
                  "full_target_prob", "max_rows_per_pass", "shard_size", "num_shards")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 MODEL_FILES = ("config.json",)
@@ -236,9 +236,9 @@ def _remove_collection(out: Path) -> None:
 
 
 def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, store_features: bool, d: int,
-                  eos: set[int]) -> tuple[dict, dict]:
+                  eos: set[int], store_draft_states: bool = False) -> tuple[dict, dict]:
     rows = {k: [] for k in ("seq_id", "conversation_id", "split", "index", "last_token", "label", "remaining",
-                            "draft_top1_prob", "draft_entropy", "target_prob", "feature")}
+                            "draft_top1_prob", "draft_entropy", "target_prob", "feature", "draft_state")}
     seqs = {k: [] for k in ("seq_id", "conversation_id", "split", "input_ids", "prompt_len", "positions", "eos")}
     for it, response, lab in results:
         r = len(lab["index"])
@@ -251,6 +251,8 @@ def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, s
             rows[k].append(lab[k].float().numpy().reshape(r, k_max))
         if store_features:
             rows["feature"].append(lab["feature"].float().numpy().reshape(r, d))
+        if store_draft_states:  # (r, k_max, d) stored row-major as one list of k_max * d values
+            rows["draft_state"].append(lab["draft_state"].float().numpy().reshape(r, k_max * d))
         seqs["seq_id"].append(it.seq_id)
         seqs["conversation_id"].append(it.conversation_id)
         seqs["split"].append(it.split)
@@ -260,7 +262,8 @@ def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, s
         seqs["eos"].append(bool(response) and response[-1] in eos)
     for k in ("index", "last_token", "label", "remaining"):
         rows[k] = np.concatenate(rows[k]) if rows[k] else np.zeros(0, np.int64)
-    for k, width in (("draft_top1_prob", k_max), ("draft_entropy", k_max), ("target_prob", k_max), ("feature", d)):
+    for k, width in (("draft_top1_prob", k_max), ("draft_entropy", k_max), ("target_prob", k_max), ("feature", d),
+                     ("draft_state", k_max * d)):
         rows[k] = np.concatenate(rows[k]) if rows[k] else np.zeros((0, width), np.float32)
     return rows, seqs
 
@@ -306,13 +309,14 @@ def collect_oracle(cfg) -> dict:
     worker = f"{cfg.shard_id:03d}-of-{cfg.num_shards:03d}"
     parts = plan_parts(items, cfg.shard_id, cfg.num_shards, cfg.shard_size)
     manifest = {"k_max": cfg.k_max, "store_features": cfg.store_features, "feature_dim": target.hidden_size,
+                "store_draft_states": cfg.store_draft_states,
                 "identity": identity, "models": models, "tokenizer": str(cfg.model.tokenizer),
                 "config": OmegaConf.to_container(cfg, resolve=True), "data_counts": data_counts,
                 "num_prompts": len(items)}
     write_json(manifest_path, {**(old or {}), **manifest})
 
     rows_feat = rows_features(cfg.k_max, target.hidden_size if cfg.store_features else None, cfg.stat_dtype,
-                              cfg.feature_dtype)
+                              cfg.feature_dtype, state_dim=target.hidden_size if cfg.store_draft_states else None)
     seqs_feat = sequences_features()
     todo = [p for p in parts if not Path(str(p.stem(out, worker)) + META_SUFFIX).is_file()]
     log.info("%d prompts in the collection; collector %s has %d parts, %d to do", len(items), worker, len(parts), len(todo))
@@ -335,7 +339,8 @@ def collect_oracle(cfg) -> dict:
             seq_done += 1
             bar.update(len(lab["index"]))
             bar.set_postfix(seq=f"{seq_done}/{seq_total}")
-        rows, seqs = _part_columns(results, cfg.k_max, cfg.store_features, target.hidden_size, target.eos_token_ids)
+        rows, seqs = _part_columns(results, cfg.k_max, cfg.store_features, target.hidden_size, target.eos_token_ids,
+                                   cfg.store_draft_states)
         stem = part.stem(out, worker)
         stem.parent.mkdir(parents=True, exist_ok=True)
         write_arrow(Path(str(stem) + ROWS_SUFFIX), rows, rows_feat)

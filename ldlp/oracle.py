@@ -11,7 +11,8 @@ exactly that many tokens keeps the output, spends the fewest target passes and w
 Each row also records what a draft-length predictor sees before drafting at ``i`` (``last_token =
 s[i]`` and ``feature = f_{i-1}``, the feature whose logits produced ``s[i]``: ``DraftContext.feature``
 in the engine) and, for every drafted step ``m = 1..k_max``, the drafter's top-1 probability and
-entropy (softmax at temperature 1) and the target's probability of the drafted token ``d_m`` given
+entropy (softmax at temperature 1), its state (the hidden state its LM head read: what an acceptance
+head such as :class:`ldlp.acceptance.AcceptanceHead` reads) and the target's probability of the drafted token ``d_m`` given
 ``s[:i+1] + d_1..d_{m-1}``. For ``m <= label + 1`` that prefix is the true sequence, so the value comes
 from the one teacher-forced target pass; for ``m > label + 1`` the prefix contains a wrong draft and
 the value needs an extra target pass over the wrong continuations (``full_target_prob``; NaN without).
@@ -36,7 +37,7 @@ from eagle_backbone.target import TargetModel, rollback
 
 GREEDY = SamplingConfig()
 ROW_FIELDS = ("index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy", "target_prob",
-              "feature", "draft_tokens")
+              "feature", "draft_tokens", "draft_state")
 
 
 def _check(input_ids, prompt_len: int, k_max: int) -> list[int]:
@@ -48,12 +49,13 @@ def _check(input_ids, prompt_len: int, k_max: int) -> list[int]:
     return ids
 
 
-def _empty(k_max: int, d: int, dtype: torch.dtype) -> dict:
+def _empty(k_max: int, d: int, dtype: torch.dtype, state_dtype: torch.dtype) -> dict:
     z = torch.zeros(0, dtype=torch.long)
     nan = torch.zeros(0, k_max)
     return {"index": z, "last_token": z, "label": z, "remaining": z, "draft_top1_prob": nan,
             "draft_entropy": nan.clone(), "target_prob": nan.clone(), "feature": torch.zeros(0, d, dtype=dtype),
-            "draft_tokens": torch.zeros(0, k_max, dtype=torch.long)}
+            "draft_tokens": torch.zeros(0, k_max, dtype=torch.long),
+            "draft_state": torch.zeros(0, k_max, d, dtype=state_dtype)}
 
 
 def _draft_stats(drafter_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,7 +75,8 @@ def lcp_labels(draft: torch.Tensor, seq: torch.Tensor, index: torch.Tensor) -> t
 
 
 def _drafter_chains(drafter, lm_head, cache, first_h, first_tok, index, prefix_len: int, k_max: int):
-    """Draft steps 2..k_max for rows whose step-1 outputs are ``first_h`` (C, d).
+    """Draft steps 2..k_max for rows whose step-1 outputs are ``first_h`` (C, d): per step the tokens,
+    top-1 probabilities, entropies and states (the drafter outputs in the LM head's dtype).
 
     Row ``r`` (last accepted index ``i = index[r]``) feeds ``(d_{m-1}, f̂_{m-1})`` at position
     ``i + m - 2``; it sees the true prefix keys ``< i`` and its own chain keys, nothing else. (Masked
@@ -87,18 +90,20 @@ def _drafter_chains(drafter, lm_head, cache, first_h, first_tok, index, prefix_l
     prefix_allowed = torch.arange(prefix_len, device=device)[None, :] < index.to(device)[:, None]  # (C, P)
     own = torch.eye(C, dtype=torch.bool, device=device)
     h, tok = first_h, first_tok
-    tokens, top1s, entropies = [], [], []
+    tokens, top1s, entropies, states = [], [], [], []
     for m in range(2, k_max + 1):
         allowed = torch.cat([prefix_allowed] + [own] * (m - 1), dim=1)  # earlier chain steps + this one
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, neg)[None, None]
         pos = (index.to(device) + m - 2)[None]
         h = drafter(tok.to(device)[None], h[None], cache, position_ids=pos, attention_mask=mask)[0]
-        tok, top1, ent = _draft_stats(lm_head(h.to(lm_head.weight.dtype)))
+        state = h.to(lm_head.weight.dtype)
+        tok, top1, ent = _draft_stats(lm_head(state))
         tokens.append(tok)
         top1s.append(top1)
         entropies.append(ent)
+        states.append(state)
     rollback(cache, prefix_len)  # drop the chains: the cache holds the true prefix again
-    return tokens, top1s, entropies
+    return tokens, top1s, entropies, states
 
 
 def _wrong_prefix_target_probs(target: TargetModel, cache, seq_len: int, draft: torch.Tensor,
@@ -154,13 +159,14 @@ def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_ma
     ``index`` (R,), ``last_token`` (R,), ``label`` (R,), ``remaining`` (R,) = ``len(s) - 1 - i`` (the
     label is censored when it is below ``k_max``), ``draft_top1_prob``, ``draft_entropy``,
     ``target_prob`` (R, k_max; column ``m-1`` is drafted step ``m``), ``feature`` (R, d) = ``f_{i-1}``
-    in the target's dtype, and ``draft_tokens`` (R, k_max).
+    in the target's dtype, ``draft_tokens`` (R, k_max) and ``draft_state`` (R, k_max, d), the drafter
+    output each step's LM head read (in the LM head's dtype).
     """
     s = _check(input_ids, prompt_len, k_max)
     n, L = prompt_len, len(s)
     R = L - 1 - n
     if R <= 0:
-        return _empty(k_max, target.hidden_size, target.dtype)
+        return _empty(k_max, target.hidden_size, target.dtype, target.lm_head.weight.dtype)
     cand = EagleCandidateGenerator(drafter, target)  # validates the pair, ties the embedding if needed
     lm_head, ddtype = cand.lm_head, cand.dtype
     seq = torch.tensor(s)
@@ -177,18 +183,20 @@ def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_ma
     P = L - 1
     h_all = drafter(seq[None, 1:].to(target.device), feats[None, :P].to(ddtype), dcache)[0]
     h1 = h_all[n - 1: L - 2]  # row i reads the output at position i-1
-    tok1, top1_1, ent1 = _draft_stats(lm_head(h1.to(lm_head.weight.dtype)))
+    state1 = h1.to(lm_head.weight.dtype)
+    tok1, top1_1, ent1 = _draft_stats(lm_head(state1))
 
     # draft steps 2..k_max: the rows' chains side by side, max_rows_per_pass rows per batched pass
     chunk = max_rows_per_pass or R
     chains = [_drafter_chains(drafter, lm_head, dcache, h1[r0:r0 + chunk], tok1[r0:r0 + chunk],
                               index[r0:r0 + chunk], P, k_max) for r0 in range(0, R, chunk)]
 
-    def by_step(first: torch.Tensor, which: int) -> torch.Tensor:  # (R, k_max): column m-1 is step m
+    def by_step(first: torch.Tensor, which: int) -> torch.Tensor:  # (R, k_max, ...): column m-1 is step m
         later = [torch.cat([c[which][m] for c in chains]) for m in range(k_max - 1)]
         return torch.stack([first] + later, dim=1).cpu()
 
     draft, top1, entropy = by_step(tok1, 0), by_step(top1_1, 1), by_step(ent1, 2)
+    states = by_step(state1, 3)
 
     label = lcp_labels(draft, seq, index)
 
@@ -213,6 +221,7 @@ def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_ma
         "target_prob": target_prob,
         "feature": feats[n - 1: L - 2].cpu(),
         "draft_tokens": draft,
+        "draft_state": states,
     }
 
 
@@ -223,15 +232,19 @@ def oracle_labels_sequential(target: TargetModel, drafter, input_ids, prompt_len
     s = _check(input_ids, prompt_len, k_max)
     n, L = prompt_len, len(s)
     if L - 1 - n <= 0:
-        return _empty(k_max, target.hidden_size, target.dtype)
+        return _empty(k_max, target.hidden_size, target.dtype, target.lm_head.weight.dtype)
     cand = EagleCandidateGenerator(drafter, target)
     policy = StaticPolicy(k_max)
     rows = {f: [] for f in ROW_FIELDS}
+    seen: list[torch.Tensor] = []  # what the LM head reads during drafting (a forward hook records it)
+    hook = cand.lm_head.register_forward_hook(lambda _m, inp, _out: seen.append(inp[0].reshape(-1, inp[0].shape[-1])))
     for i in range(n, L - 1):
         prefix = s[: i + 1]
         _, feats = target(torch.tensor([prefix], device=target.device), target.new_cache())
         cand.start(prefix[:-1], feats[0, :i])  # f_0 .. f_{i-1}: everything the engine has at this point
+        seen.clear()
         draft, dists = cand.propose(prefix, policy.gamma(None), lambda *_: True, GREEDY, None)
+        states = torch.stack([h[-1] for h in seen]).cpu()
         logits, _ = target(torch.tensor([prefix + draft[:-1]], device=target.device), target.new_cache())
         tprobs = probs_from_logits(logits[0, i:], GREEDY)
         label = 0
@@ -250,6 +263,8 @@ def oracle_labels_sequential(target: TargetModel, drafter, input_ids, prompt_len
         rows["target_prob"].append(tp)
         rows["feature"].append(feats[0, i - 1].cpu())
         rows["draft_tokens"].append(torch.tensor(draft))
+        rows["draft_state"].append(states)
+    hook.remove()
     out = {}
     for f, v in rows.items():
         out[f] = torch.stack(v) if isinstance(v[0], torch.Tensor) else torch.tensor(v)
@@ -288,8 +303,10 @@ def label_histogram(labels: np.ndarray, k_max: int) -> list[int]:
 ROWS_SUFFIX, SEQS_SUFFIX, META_SUFFIX = ".rows.arrow", ".seqs.arrow", ".json"
 
 
-def rows_features(k_max: int, feature_dim: int | None, stat_dtype: str = "float16", feature_dtype: str = "float16"):
-    """``datasets.Features`` of the rows table (``feature`` only when ``feature_dim`` is given)."""
+def rows_features(k_max: int, feature_dim: int | None, stat_dtype: str = "float16", feature_dtype: str = "float16",
+                  state_dim: int | None = None):
+    """``datasets.Features`` of the rows table (``feature`` only when ``feature_dim`` is given; ``draft_state``,
+    the drafter states of the k_max draft steps flattened row-major, only when ``state_dim`` is given)."""
     from datasets import Features, List, Value
 
     cols = {
@@ -300,6 +317,8 @@ def rows_features(k_max: int, feature_dim: int | None, stat_dtype: str = "float1
     }
     if feature_dim:
         cols["feature"] = List(Value(feature_dtype), length=feature_dim)
+    if state_dim:
+        cols["draft_state"] = List(Value(feature_dtype), length=k_max * state_dim)
     return Features(cols)
 
 
@@ -334,7 +353,8 @@ def _load_tables(out_dir, suffix: str, split: str | None):
 
 def load_oracle_rows(out_dir, split: str | None = None):
     """All label rows as one memory-mapped ``datasets.Dataset``: seq_id, conversation_id, split, index,
-    last_token, label, remaining, draft_top1_prob, draft_entropy, target_prob (and feature when stored)."""
+    last_token, label, remaining, draft_top1_prob, draft_entropy, target_prob (and feature and draft_state when
+    stored; draft_state is (k_max, d) flattened row-major)."""
     return _load_tables(out_dir, ROWS_SUFFIX, split)
 
 

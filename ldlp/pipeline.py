@@ -3,6 +3,7 @@
     corpus   python scripts/build_corpus.py             (data/embedded/corpus, gitignored, 3 s)
     oracle   python scripts/collect_oracle.py           (data/oracle/embedded)
     ldlp     python scripts/train_ldlp.py +experiment=tiny   (data/ldlp/embedded)
+    acceptance  python scripts/train_acceptance.py      (data/acceptance/embedded: the acceptance head)
     tune     python scripts/tune_policies.py            (results/embedded/tuning: thresholds by replay on the
              validation labels, with a cost model timed on this machine; the adaptive sweep uses them)
     sweeps   python scripts/evaluate.py -m ...          (outputs/pipeline/embedded/round-R/<sweep>)
@@ -56,7 +57,7 @@ def _list(values) -> str:
 def plan(cfg) -> list[Stage]:
     """Every stage of the pipeline, in order."""
     threads = [f"threads={cfg.threads}"] if cfg.get("threads") else []
-    oracle_dir, ldlp_dir = Path(cfg.oracle.out_dir), Path(cfg.ldlp.out_dir)
+    oracle_dir, ldlp_dir, acceptance_dir = Path(cfg.oracle.out_dir), Path(cfg.ldlp.out_dir), Path(cfg.acceptance.out_dir)
     runs = Path(cfg.runs_dir)
     corpus = Path(repo_path("data/embedded/corpus"))
     stages = [
@@ -69,6 +70,9 @@ def plan(cfg) -> list[Stage]:
               _script("train_ldlp.py") + list(cfg.ldlp.overrides) + [f"ldlp_training.oracle_dir={oracle_dir}",
                                                                     f"ldlp_training.out_dir={ldlp_dir}"] + threads,
               ldlp_dir / "model.safetensors"),
+        Stage("acceptance", "train the acceptance head on the drafter states of the oracle rows",
+              _script("train_acceptance.py") + [f"oracle_dir={oracle_dir}", f"out_dir={acceptance_dir}"]
+              + list(cfg.acceptance.overrides), acceptance_dir / "model.safetensors"),
     ]
     survival_dir = cfg.ldlp.get("survival_out_dir")
     if survival_dir:
@@ -85,7 +89,8 @@ def plan(cfg) -> list[Stage]:
         tuned = tune_dir / "tuning.json"
         stages.append(Stage("tune", "tune the adaptive policies by replay on the validation labels (timed cost model)",
                             _script("tune_policies.py") + [f"model={cfg.sweep.model}", f"oracle_dir={oracle_dir}",
-                                                           f"ldlp_path={ldlp_dir}", f"out_dir={tune_dir}"]
+                                                           f"ldlp_path={ldlp_dir}", f"acceptance_path={acceptance_dir}",
+                                                           f"out_dir={tune_dir}"]
                             + ([f"ldlp_survival_path={survival_dir}"] if survival_dir else [])
                             + ([f"threads={sweep_threads}"] if sweep_threads else []) + list(cfg.tune.overrides),
                             tuned))
@@ -93,7 +98,8 @@ def plan(cfg) -> list[Stage]:
     for r in range(1, int(cfg.sweep.rounds) + 1):
         sweeps = [
             ("static", cfg.sweep.model, ["policy=static", f"policy.gamma={_list(cfg.sweep.static_gammas)}"]),
-            ("adaptive", cfg.sweep.model, [f"policy={_list(cfg.sweep.adaptive)}", f"ldlp_path={ldlp_dir}"]
+            ("adaptive", cfg.sweep.model, [f"policy={_list(cfg.sweep.adaptive)}", f"ldlp_path={ldlp_dir}",
+                                           f"acceptance_path={acceptance_dir}"]
              + ([f"ldlp_survival_path={survival_dir}"] if survival_dir else [])
              + ([f"tuned_from={tuned}"] if tuned else [])),
         ]
@@ -138,6 +144,7 @@ def head_to_head_stage(cfg, name: str, summary: dict) -> Stage | None:
     threads = cfg.sweep.get("threads") or cfg.get("threads")
     cmd = (_script("compare.py") + [f"model={cfg.sweep.model}", "contenders=[" + ",".join(f'"{c}"' for c in contenders)
                                     + "]", f"rounds={cfg.head_to_head.rounds}", f"ldlp_path={cfg.ldlp.out_dir}",
+                                    f"acceptance_path={cfg.acceptance.out_dir}",
                                     f"out_dir={out}", f"hydra.run.dir={out}"]
            + ([f"tuned_from={tuned}"] if tuned else []) + ([f"threads={threads}"] if threads else [])
            + [o for o in cfg.sweep.overrides if not o.startswith("evaluation.repeats")]
@@ -153,8 +160,9 @@ def _force_level(force) -> set[str]:
     if force in (True, "true", "sweeps"):
         return {"tune", "sweeps"}  # both time this machine
     if force == "all":
-        return {"oracle", "ldlp", "ldlp_survival", "tune", "sweeps"}
-    raise ValueError(f"force must be false, true (redo sweeps) or all (also labels and LDLP), got {force!r}")
+        return {"oracle", "ldlp", "ldlp_survival", "acceptance", "tune", "sweeps"}
+    raise ValueError(f"force must be false, true (redo sweeps) or all (also labels, LDLP and acceptance head), "
+                     f"got {force!r}")
 
 
 TRAIN_COMMANDS = {"target": "python scripts/train_lm.py lm=embedded_target",

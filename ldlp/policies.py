@@ -13,6 +13,8 @@ threshold rules therefore return their cap ``max_gamma`` from ``gamma`` and deci
 * :class:`ConfidencePolicy`  stop when the drafter's top probability falls below a threshold
                              (transformers' ``assistant_confidence_threshold``, DISCO-like).
 * :class:`EntropyPolicy`     stop when the drafter's entropy exceeds a threshold (AdaEDL / SVIP-like).
+* :class:`AcceptancePolicy`  stop when a trained head, reading the drafter's state, says the next draft is
+                             unlikely to be kept (SpecDec++-like; :mod:`ldlp.acceptance`).
 * :class:`HeuristicPolicy`   transformers' schedule: γ += 2 after a fully accepted draft, else γ = max(1, γ - 1).
 * :class:`OraclePolicy`      the upper bound: knows how many drafts the target will accept and drafts
                              exactly that many (zero waste). Greedy only.
@@ -33,7 +35,7 @@ import torch
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
 
 __all__ = ["StaticPolicy", "LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy",
-           "HeuristicPolicy", "OraclePolicy", "POLICY_CLASSES", "DraftLengthPolicy"]
+           "AcceptancePolicy", "HeuristicPolicy", "OraclePolicy", "POLICY_CLASSES", "DraftLengthPolicy"]
 
 
 def _check_cap(name: str, max_gamma) -> int:
@@ -173,6 +175,51 @@ class EntropyPolicy(DraftLengthPolicy):
         return self.entropy(probs) <= self.threshold
 
 
+@lru_cache(maxsize=8)
+def _load_acceptance_head(path: str):
+    from ldlp.acceptance import AcceptanceHead
+
+    return AcceptanceHead.from_pretrained(path)
+
+
+class AcceptancePolicy(DraftLengthPolicy):
+    """Draft token m+1 while the acceptance head's P(drafts 1..m+1 all kept) is at or above ``threshold``.
+
+    The head reads the drafter state behind each draft (``ctx.draft_state``), so it needs an EAGLE
+    drafter. The probability is the whole draft's, so a threshold compares the chance that one more
+    drafted token pays off against its cost: lower it when drafting is cheap next to a target pass.
+    """
+
+    name = "acceptance"
+
+    def __init__(self, path: str, threshold: float = 0.3, max_gamma: int = 8):
+        from ldlp.acceptance import clip_log_p
+
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"acceptance policy: policy.path={path} has no config.json; train the head first "
+                             "(`python scripts/collect_oracle.py` then `python scripts/train_acceptance.py`)")
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"acceptance policy: threshold is a probability in [0, 1], got {threshold!r}")
+        self.head = _load_acceptance_head(str(path))
+        self.threshold = float(threshold)
+        self.max_gamma = _check_cap(self.name, max_gamma)
+        self._clip = clip_log_p
+        self._cum = 0.0
+
+    def gamma(self, ctx: DraftContext) -> int:
+        self._cum = 0.0
+        return self.max_gamma
+
+    def keep_drafting(self, ctx, i, token, probs) -> bool:
+        if ctx.draft_state is None:
+            raise ValueError("acceptance policy: no drafter state to read (ctx.draft_state is None). It needs an "
+                             "EAGLE drafter (a standalone draft LM offers none) or, in replay, oracle rows "
+                             "collected with store_draft_states=true")
+        log_p = self._clip(float(probs[token]))
+        self._cum += log_p
+        return self.head.probability(ctx.draft_state, log_p, self._cum, i) >= self.threshold
+
+
 class HeuristicPolicy(DraftLengthPolicy):
     """transformers' ``num_assistant_tokens_schedule="heuristic"``, reset at every generation
     (``"heuristic_transient"``) so that results do not depend on the order of the prompts."""
@@ -256,4 +303,4 @@ class _Recorder(StaticPolicy):
 
 
 POLICY_CLASSES = {cls.name: cls for cls in (StaticPolicy, LDLPPolicy, DDDPolicy, LDLPDDDPolicy, ConfidencePolicy,
-                                            EntropyPolicy, HeuristicPolicy, OraclePolicy)}
+                                            EntropyPolicy, AcceptancePolicy, HeuristicPolicy, OraclePolicy)}

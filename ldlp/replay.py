@@ -78,7 +78,8 @@ def stand_in_probs(top1: float, entropy: float, vocab_size: int) -> torch.Tensor
 
 class OracleRows:
     """Oracle rows grouped by sequence, as arrays: seq_id, index, last_token, label, remaining,
-    draft_top1_prob and draft_entropy (rows, k_max), and feature when stored."""
+    draft_top1_prob and draft_entropy (rows, k_max), feature when stored and draft_state (rows, k_max, d)
+    when stored."""
 
     COLUMNS = ("seq_id", "index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy")
 
@@ -87,7 +88,7 @@ class OracleRows:
         missing = [c for c in self.COLUMNS if c not in columns]
         if missing:
             raise ValueError(f"oracle rows lack the columns {missing}")
-        cols = {c: np.asarray(v) for c, v in columns.items() if c in self.COLUMNS + ("feature",)}
+        cols = {c: np.asarray(v) for c, v in columns.items() if c in self.COLUMNS + ("feature", "draft_state")}
         if len(cols["label"]) == 0:
             raise ValueError("no oracle rows to replay")
         self.k_max = int(cols["draft_top1_prob"].shape[1])
@@ -97,6 +98,8 @@ class OracleRows:
         starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
         self.sequences = list(zip(starts.tolist(), np.r_[starts[1:], len(seq)].tolist()))
         self.has_features = "feature" in self.cols
+        if "draft_state" in self.cols:
+            self.cols["draft_state"] = self.cols["draft_state"].reshape(len(order), self.k_max, -1)
 
     @classmethod
     def load(cls, oracle_dir, split: str | None = "validation", with_features: bool = True) -> "OracleRows":
@@ -104,7 +107,7 @@ class OracleRows:
         from ldlp.oracle import load_oracle_rows
 
         ds = load_oracle_rows(oracle_dir, split)
-        cols = list(cls.COLUMNS) + (["feature"] if with_features and "feature" in ds.column_names else [])
+        cols = list(cls.COLUMNS) + [c for c in ("feature", "draft_state") if with_features and c in ds.column_names]
         from ldlp.training import read_manifest
 
         budget = read_manifest(oracle_dir).get("max_new_tokens")
@@ -117,7 +120,7 @@ class OracleRows:
         for seq_id, rows in enumerate(rows_per_sequence):
             n = len(rows["label"])
             cols.setdefault("seq_id", []).append(np.full(n, seq_id))
-            for c in cls.COLUMNS[1:] + ("feature",):
+            for c in cls.COLUMNS[1:] + ("feature", "draft_state"):
                 if c in rows:
                     cols.setdefault(c, []).append(rows[c].float().numpy() if rows[c].is_floating_point()
                                                   else rows[c].numpy())
@@ -131,8 +134,10 @@ def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel, 
            oracle_cap: int = 8) -> ReplayResult:
     """Walk every sequence as the engine would under ``policy`` (or ``"oracle"``: draft exactly what the
     target accepts, at most ``oracle_cap``). ``embed`` maps token ids to target embeddings (the LDLP
-    reads them); the row's stored feature is the context's feature."""
+    reads them); the row's stored feature is the context's feature and its stored drafter states are
+    ``ctx.draft_state`` (acceptance heads read them)."""
     c, res = rows.cols, ReplayResult()
+    states = c.get("draft_state")
     for start, end in rows.sequences:
         index = c["index"][start:end]
         first = int(index[0])
@@ -164,6 +169,8 @@ def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel, 
                     if i == gamma:
                         break
                     probs = stand_in_probs(c["draft_top1_prob"][r][i - 1], c["draft_entropy"][r][i - 1], vocab_size)
+                    if states is not None:
+                        ctx.draft_state = torch.from_numpy(np.asarray(states[r, i - 1], dtype=np.float32))
                     if not policy.keep_drafting(ctx, i, 0, probs):
                         break
             a = min(label, k)

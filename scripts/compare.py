@@ -21,7 +21,8 @@ def _contender(cfg: DictConfig, spec: str):
     names = [o.split("=", 1)[1] for o in overrides if o.startswith("policy=")]
     if len(names) != 1:
         raise ValueError(f"contender {overrides}: give exactly one policy=NAME (a file under conf/policy/)")
-    paths = [f"ldlp_path={cfg.ldlp_path}", f"ldlp_survival_path={cfg.ldlp_survival_path}"]
+    paths = [f"ldlp_path={cfg.ldlp_path}", f"ldlp_survival_path={cfg.ldlp_survival_path}",
+             f"acceptance_path={cfg.acceptance_path}"]
     return names[0], compose(config_name="evaluate", overrides=list(overrides) + paths).policy
 
 

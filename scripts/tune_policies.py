@@ -24,7 +24,8 @@ def _builder(cfg: DictConfig, name: str):
     base = OmegaConf.load(path)
 
     def build(params: dict):
-        node = OmegaConf.merge({"ldlp_path": cfg.ldlp_path, "ldlp_survival_path": cfg.ldlp_survival_path},
+        node = OmegaConf.merge({"ldlp_path": cfg.ldlp_path, "ldlp_survival_path": cfg.ldlp_survival_path,
+                                "acceptance_path": cfg.acceptance_path},
                                {"policy": base}, {"policy": params})
         return build_policy(node.policy)
 

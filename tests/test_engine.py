@@ -34,7 +34,7 @@ class ScriptedCandidates(CandidateGenerator):
             draft.append(tok)
             probs = torch.zeros(self.vocab)
             probs[tok] = 1.0
-            if not keep(i + 1, tok, probs):
+            if not keep(i + 1, tok, probs, None):
                 break
         return draft, [torch.nn.functional.one_hot(torch.tensor(t), self.vocab).double() for t in draft]
 

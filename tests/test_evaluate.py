@@ -97,7 +97,7 @@ def test_transformers_peer_rows(tiny_models, prompt_file):
 
 
 def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, tmp_path, capsys):
-    """The main command on tiny models (labels and LDLP given as done): Hydra multiruns of
+    """The main command on tiny models (labels, LDLP and acceptance head given as done): Hydra multiruns of
     scripts/evaluate.py, the summary (md, csv, png), and a rerun that skips every finished stage."""
     from omegaconf import OmegaConf
 
@@ -109,10 +109,13 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
     oracle_dir.mkdir()
     (oracle_dir / "report.md").write_text("labels\n")  # the oracle stage counts as done
     LDLP(LDLPConfig(input_dim=64, hidden_dim=8, k_max=8)).save_pretrained(ldlp_dir)
+    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+
+    acceptance_dir = AcceptanceHead(AcceptanceHeadConfig(hidden_size=32, k_max=8)).save_pretrained(tmp_path / "acc")
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="pipeline", overrides=[
             f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}", f"oracle.out_dir={oracle_dir}",
-            f"ldlp.out_dir={ldlp_dir}", "sweep.rounds=1", "sweep.static_gammas=[1,2]", "sweep.adaptive=[ldlp,oracle]",
+            f"ldlp.out_dir={ldlp_dir}", f"acceptance.out_dir={acceptance_dir}", "sweep.rounds=1", "sweep.static_gammas=[1,2]", "sweep.adaptive=[ldlp,oracle]",
             "peer.enabled=false", "ldlp.survival_out_dir=null", "tune.enabled=false", "head_to_head.rounds=1",
             "head_to_head.adaptive=1", "head_to_head.overrides=[]"])
         OmegaConf.update(cfg, "sweep.overrides", [o for o in overrides(tiny_models, prompt_file)
@@ -137,7 +140,7 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         assert h2h["best_adaptive"] == "ldlp" and len(h2h["seconds"]) == 5  # raw seconds kept for reanalysis
         capsys.readouterr()
         run(cfg)  # everything is done: every stage is skipped, the summary is rebuilt
-        assert capsys.readouterr().out.count("skipped") == 6  # corpus, oracle, ldlp, two sweeps, head to head
+        assert capsys.readouterr().out.count("skipped") == 7  # corpus, oracle, ldlp, acceptance, 2 sweeps, h2h
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):

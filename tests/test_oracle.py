@@ -233,7 +233,7 @@ def test_collection_files_report_and_manifest(pair_dirs, full_run):
     assert "c0@turn1" in seqs["conversation_id"]
     assert len(rows) == sum(seqs["positions"]) == report["positions"] > 0
     assert rows.column_names == ["seq_id", "conversation_id", "split", "index", "last_token", "label", "remaining",
-                                 "draft_top1_prob", "draft_entropy", "target_prob", "feature"]
+                                 "draft_top1_prob", "draft_entropy", "target_prob", "feature", "draft_state"]
     assert len(rows[0]["feature"]) == 32 and len(rows[0]["target_prob"]) == 4
     # every row is the vectorised label of its sequence
     from eagle_backbone.loading import load_pair
@@ -244,6 +244,8 @@ def test_collection_files_report_and_manifest(pair_dirs, full_run):
     mine = rows.filter(lambda r: r["seq_id"] == seq["seq_id"], keep_in_memory=True)
     assert mine["label"] == ref["label"].tolist() and mine["index"] == ref["index"].tolist()
     np.testing.assert_allclose(np.asarray(mine["feature"]), ref["feature"].float().numpy(), atol=2e-3, rtol=2e-3)
+    states = np.asarray(mine["draft_state"]).reshape(len(mine), 4, 32)  # (k_max, d) per row, row-major
+    np.testing.assert_allclose(states, ref["draft_state"].float().numpy(), atol=2e-3, rtol=2e-3)
     assert report["label_hist"] == np.bincount(rows["label"], minlength=5).tolist()
     assert report["splits"]["train"]["sequences"] == 14
     assert (out / "report.md").read_text().count("|") > 20
@@ -292,9 +294,10 @@ def test_shards_split_the_work(pair_dirs, full_run, tmp_path):
 
 def test_without_features_the_trainer_can_recompute_them(pair_dirs, full_run, tmp_path):
     out, _ = full_run
-    run(pair_dirs, tmp_path, "store_features=false", "data.validation_path=null")
+    run(pair_dirs, tmp_path, "store_features=false", "store_draft_states=false", "data.validation_path=null")
     rows, seqs = load_oracle_rows(tmp_path), load_oracle_sequences(tmp_path)
-    assert "feature" not in rows.column_names and set(rows["split"]) == {"train"}
+    assert "feature" not in rows.column_names and "draft_state" not in rows.column_names
+    assert set(rows["split"]) == {"train"}
     from eagle_backbone.loading import load_pair
 
     target = load_pair(compose(pair_dirs, tmp_path).model).target

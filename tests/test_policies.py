@@ -185,13 +185,18 @@ def test_every_policy_is_lossless_in_the_engine(target, ldlp_dir):
 def test_policy_yaml_files_instantiate(ldlp_dir, tmp_path):
     survival_dir = str(LDLP(LDLPConfig(input_dim=2 * D, hidden_dim=8, k_max=8, head="distribution"))
                        .save_pretrained(tmp_path / "survival"))
+    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+
+    acceptance_dir = AcceptanceHead(AcceptanceHeadConfig(hidden_size=D, k_max=8)).save_pretrained(tmp_path / "acc")
     names = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))
-    assert {"static", "ldlp", "ddd", "ldlp_ddd", "confidence", "entropy", "heuristic", "oracle"} <= set(names)
+    assert {"static", "ldlp", "ddd", "ldlp_ddd", "confidence", "entropy", "acceptance", "heuristic",
+            "oracle"} <= set(names)
     import eagle_backbone.paths  # noqa: F401
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         for name in names:
-            overrides = [f"policy={name}", f"ldlp_path={ldlp_dir}", f"ldlp_survival_path={survival_dir}"]
+            overrides = [f"policy={name}", f"ldlp_path={ldlp_dir}", f"ldlp_survival_path={survival_dir}",
+                         f"acceptance_path={acceptance_dir}"]
             cfg = compose(config_name="evaluate", overrides=overrides)
             policy = instantiate(cfg.policy)
             assert hasattr(policy, "adaptive"), name

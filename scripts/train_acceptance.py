@@ -1,0 +1,24 @@
+"""Train the acceptance head on oracle rows with drafter states: compose a config, call the library.
+
+    python scripts/train_acceptance.py
+"""
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from ldlp.acceptance import metrics_markdown, train_acceptance_head
+
+
+@hydra.main(config_path="../conf", config_name="train_acceptance", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    metrics = train_acceptance_head(cfg)
+    print(metrics_markdown(metrics))
+    print(f"wrote {cfg.out_dir} in {metrics['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The acceptance head: its examples, its fit and folding, its files, and the policy that reads it."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from ldlp.acceptance import (AcceptanceHead, AcceptanceHeadConfig, _fit, clip_log_p, examples, load_rows,
+                             train_acceptance_head)
+from ldlp.collect import WorkItem, _part_columns, write_arrow, write_json
+from ldlp.oracle import greedy_oracle, rows_features, sequences_features
+from ldlp.policies import AcceptancePolicy
+from ldlp.replay import CostModel, OracleRows, replay
+from test_oracle import mimic_pair
+
+K_MAX, BUDGET = 8, 36
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 64) for _ in range(rng.randrange(1, 6))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def mimic():
+    return mimic_pair()
+
+
+def write_collection(out: Path, target, drafter, train_prompts, val_prompts, store_states=True) -> Path:
+    """An oracle folder as scripts/collect_oracle.py writes it: one part per split."""
+    d = target.hidden_size
+    feats = rows_features(K_MAX, d, "float32", "float32", state_dim=d if store_states else None)
+    seq_id = 0
+    for split, ps in (("train", train_prompts), ("validation", val_prompts)):
+        results = []
+        for p in ps:
+            response, lab = greedy_oracle(target, drafter, p, BUDGET, K_MAX)
+            results.append((WorkItem(seq_id, split, f"{split}{seq_id}", p), response, lab))
+            seq_id += 1
+        rows, seqs = _part_columns(results, K_MAX, True, d, target.eos_token_ids, store_states)
+        stem = out / split / "000-of-001.00000"
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        write_arrow(Path(str(stem) + ".rows.arrow"), rows, feats)
+        write_arrow(Path(str(stem) + ".seqs.arrow"), seqs, sequences_features())
+        write_json(Path(str(stem) + ".json"), {"split": split, "positions": len(rows["label"])})
+    write_json(out / "manifest.json", {"k_max": K_MAX, "max_new_tokens": BUDGET})
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(mimic, tmp_path_factory):
+    target, drafter = mimic
+    root = tmp_path_factory.mktemp("acceptance")
+    oracle = write_collection(root / "oracle", target, drafter, prompts(14, seed=1), prompts(4, seed=2))
+    cfg = OmegaConf.create({"oracle_dir": str(oracle), "out_dir": str(root / "head"), "C": 0.5, "seed": 0,
+                            "val_fraction": 0.1, "max_examples": None})
+    return oracle, root / "head", train_acceptance_head(cfg)
+
+
+def test_examples_follow_the_labels_and_drop_what_the_response_cannot_tell():
+    label = np.array([0, 3, 5])
+    remaining = np.array([9, 9, 3])  # the last row's response ends 3 tokens later
+    top1 = np.full((3, 4), 0.5)
+    states = np.arange(3 * 4 * 2, dtype=np.float32).reshape(3, 4, 2)
+    X, S, y, rows = examples(label, remaining, top1, states, k_max=4)
+    # steps 1..3; row 2 gives steps 1 and 2 only (remaining >= m + 1)
+    assert rows.tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert y.tolist() == [False, True, True, False, True, True, False, False]  # label >= m + 1
+    assert S[:, 2].tolist() == [1, 1, 1, 2, 2, 2, 3, 3]
+    assert S[3, 1] == pytest.approx(2 * math.log(0.5)) and S[3, 0] == pytest.approx(math.log(0.5))
+    assert np.array_equal(X[4], states[1, 1])  # row 1, step 2 reads the state behind draft 2
+
+
+def test_folded_head_equals_the_sklearn_pipeline():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(400, 6)).astype(np.float32) * rng.uniform(0.1, 10, size=6).astype(np.float32)
+    S = np.stack([rng.uniform(-5, 0, 400), rng.uniform(-20, 0, 400), rng.integers(1, 8, 400)], 1).astype(np.float32)
+    y = (X[:, 0] / 5 + S[:, 0] + rng.normal(size=400)) > -2
+    pipe = _fit(np.concatenate([X, S], 1), y, C=1.0, seed=0)
+    head = AcceptanceHead.from_sklearn(pipe, AcceptanceHeadConfig(hidden_size=6, k_max=8))
+    want = pipe.predict_proba(np.concatenate([X, S], 1))[:, 1]
+    got = head(torch.from_numpy(X), torch.from_numpy(S)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for r in range(5):  # the one-decision path of the drafting loop
+        one = head.probability(torch.from_numpy(X[r]), float(S[r, 0]), float(S[r, 1]), int(S[r, 2]))
+        assert one == pytest.approx(float(want[r]), abs=1e-5)
+
+
+def test_training_writes_a_head_that_beats_the_drafter_probabilities(trained):
+    _, out, metrics = trained
+    head = AcceptanceHead.from_pretrained(out)
+    assert head.config.hidden_size == 32 and head.config.k_max == K_MAX
+    val = metrics["validation"]
+    assert val["acceptance_head"]["examples"] == val["drafter_probabilities_only"]["examples"] > 50
+    assert 0 < val["acceptance_head"]["positive_rate"] < 1
+    # the head reads the probabilities too, so on the data it was chosen for it does not do worse
+    assert val["acceptance_head"]["auc"] > 0.6
+    assert json.loads((out / "metrics.json").read_text())["train_examples"] == metrics["train_examples"]
+    assert "| acceptance head |" in (out / "metrics.md").read_text()
+
+
+def test_head_files_round_trip_and_bad_files_fail_clearly(trained, tmp_path):
+    _, out, _ = trained
+    head = AcceptanceHead.from_pretrained(out)
+    again = AcceptanceHead.from_pretrained(head.save_pretrained(tmp_path / "copy"))
+    assert torch.equal(head.state_weight, again.state_weight) and float(head.bias) == float(again.bias)
+    with pytest.raises(ValueError, match="not an acceptance head"):
+        AcceptanceHead.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "copy" / "config.json").write_text(json.dumps({"kind": "ldlp", "hidden_size": 32, "k_max": 8}))
+    with pytest.raises(ValueError, match="kind='ldlp'"):
+        AcceptanceHead.from_pretrained(tmp_path / "copy")
+    (tmp_path / "copy" / "config.json").write_text(json.dumps({"kind": "acceptance_head", "hidden_size": 16, "k_max": 8}))
+    with pytest.raises(ValueError, match="does not match"):
+        AcceptanceHead.from_pretrained(tmp_path / "copy")
+
+
+def test_training_without_states_names_the_setting(mimic, tmp_path):
+    target, drafter = mimic
+    oracle = write_collection(tmp_path / "bare", target, drafter, prompts(2), prompts(1, seed=3), store_states=False)
+    with pytest.raises(ValueError, match="store_draft_states=true"):
+        load_rows(oracle)
+
+
+def test_policy_is_lossless_and_replays_exactly(mimic, trained):
+    target, drafter = mimic
+    oracle, head_dir, _ = trained
+    cand = EagleCandidateGenerator(drafter, target)
+    test_prompts = prompts(4, seed=2)  # the validation prompts of the collection
+    for threshold, cap in ((0.3, 8), (0.6, 5), (0.05, 8)):
+        policy = AcceptancePolicy(str(head_dir), threshold, cap)
+        stats = []
+        for p in test_prompts:
+            out = SpeculativeDecoder(target, cand, policy).generate(p, BUDGET)
+            assert out.tokens == autoregressive_generate(target, p, BUDGET).tokens
+            stats.append(out.stats)
+        rows = OracleRows.load(oracle, "validation")
+        res = replay(rows, AcceptancePolicy(str(head_dir), threshold, cap), CostModel(0.01, 0.001),
+                     vocab_size=target.vocab_size)
+        assert res.drafted == sum(s.drafted_tokens for s in stats), threshold
+        assert res.accepted == sum(s.accepted_tokens for s in stats)
+        assert res.steps == sum(s.target_forwards - 1 for s in stats)
+    lengths = [n for s in stats for n in s.draft_lengths]
+    assert len(set(lengths)) > 1  # the head stopped drafts at different depths
+
+
+def test_policy_needs_a_drafter_state(mimic, trained):
+    target, _ = mimic
+    _, head_dir, _ = trained
+    from conftest import make_target
+
+    draft_lm = make_target(seed=5, layers=1).model
+    dec = SpeculativeDecoder(target, DraftModelCandidateGenerator(draft_lm, target), AcceptancePolicy(str(head_dir)))
+    with pytest.raises(ValueError, match="no drafter state"):
+        dec.generate([5, 9], 10)
+    with pytest.raises(ValueError, match="threshold"):
+        AcceptancePolicy(str(head_dir), threshold=1.5)
+    with pytest.raises(ValueError, match="train_acceptance"):
+        AcceptancePolicy("/nonexistent/head")
+
+
+def test_clip_log_p_matches_the_examples():
+    top1 = np.array([[0.5, 1e-9, 1.0]])
+    _, S, _, _ = examples(np.array([3]), np.array([9]), top1, np.zeros((1, 3, 1), np.float32), k_max=3)
+    assert S[0, 0] == pytest.approx(clip_log_p(0.5)) and S[1, 0] == pytest.approx(clip_log_p(1e-9))
