@@ -74,13 +74,20 @@ class AcceptanceHead(nn.Module):
         self.state_weight = nn.Parameter(torch.zeros(config.hidden_size), requires_grad=False)
         self.stat_weight = nn.Parameter(torch.zeros(len(STAT_NAMES)), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(()), requires_grad=False)
+        self._scalars: tuple[float, ...] | None = None
 
     def logit(self, state: torch.Tensor, log_p: float, cum_log_p: float, step: int) -> float:
         """One decision (the drafting loop's path): a dot product, no autograd. ``log_p`` and
         ``cum_log_p`` as :func:`clip_log_p` makes them (the sum of the clipped values)."""
-        w_log_p, w_cum, w_step = self.stat_weight.tolist()
-        dot = float(state.to(self.state_weight.dtype) @ self.state_weight)
-        return dot + w_log_p * log_p + w_cum * cum_log_p + w_step * step + float(self.bias)
+        if self._scalars is None:  # the weights are frozen once fitted or loaded: read them once
+            self._scalars = (*self.stat_weight.tolist(), float(self.bias))
+        w_log_p, w_cum, w_step, bias = self._scalars
+        dot = float(torch.dot(state.to(self.state_weight.dtype), self.state_weight))
+        return dot + w_log_p * log_p + w_cum * cum_log_p + w_step * step + bias
+
+    def load_state_dict(self, *args, **kwargs):
+        self._scalars = None
+        return super().load_state_dict(*args, **kwargs)
 
     def probability(self, state: torch.Tensor, log_p: float, cum_log_p: float, step: int) -> float:
         z = self.logit(state, log_p, cum_log_p, step)

@@ -125,22 +125,35 @@ def _model_name(cfg) -> str:
     return str(compose(config_name="evaluate", overrides=[f"model={cfg.sweep.model}"] + list(cfg.sweep.overrides)).model.name)
 
 
+def _best_adaptive(cfg, name: str, summary: dict, tuned: Path | None) -> list[str]:
+    """The adaptive policies the head to head times: the best of the replay tuning (chosen on the
+    validation labels, so the test prompts judge them without a winner's curse) or of the sweep."""
+    swept = [p for p in cfg.sweep.adaptive if p != "oracle"]
+    if cfg.head_to_head.get("choose_by", "tuning") == "tuning" and tuned is not None and tuned.is_file():
+        from ldlp.replay import best_per_policy
+
+        best = best_per_policy(json.loads(tuned.read_text())["results"])
+        ranked = sorted((r for p, r in best.items() if p in swept), key=lambda r: -r["tokens_per_s"])
+    else:
+        ranked = sorted((r for r in summary["rows"] if r["model"] == name and r["policy"] in swept
+                         and r.get("speedup") is not None), key=lambda r: -r["speedup"])
+    return list(dict.fromkeys(r["policy"] for r in ranked))[: int(cfg.head_to_head.adaptive)]
+
+
 def head_to_head_stage(cfg, name: str, summary: dict) -> Stage | None:
-    """Static γ around the sweep's best and its best adaptive policies, timed in turns (scripts/compare.py);
+    """Static γ around the sweep's best and the best adaptive policies, timed in turns (scripts/compare.py);
     ``summary`` is the sweeps' (ldlp.summary.summarize), ``name`` the swept model's name."""
     head = summary["headline"].get(name) or {}
     if "best_static" not in head or "best_adaptive" not in head:
         return None
     g = int(head["best_static"]["gamma"])
     gammas = [x for x in (g - 1, g, g + 1) if x in cfg.sweep.static_gammas]
-    adaptive = sorted((r for r in summary["rows"] if r["model"] == name and r["policy"] not in ("static", "oracle")
-                       and r.get("speedup") is not None), key=lambda r: -r["speedup"])
-    policies = list(dict.fromkeys(r["policy"] for r in adaptive))[: int(cfg.head_to_head.adaptive)]
+    tuned = Path(cfg.tune.out_dir) / "tuning.json" if cfg.get("tune") and cfg.tune.get("enabled") else None
+    policies = _best_adaptive(cfg, name, summary, tuned)
     contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies]
     if "oracle" in cfg.sweep.adaptive:
         contenders.append("policy=oracle")  # the upper bound, timed in the same turns: headroom in paired numbers
     out = Path(cfg.runs_dir) / "head_to_head"
-    tuned = Path(cfg.tune.out_dir) / "tuning.json" if cfg.get("tune") and cfg.tune.get("enabled") else None
     threads = cfg.sweep.get("threads") or cfg.get("threads")
     cmd = (_script("compare.py") + [f"model={cfg.sweep.model}", "contenders=[" + ",".join(f'"{c}"' for c in contenders)
                                     + "]", f"rounds={cfg.head_to_head.rounds}", f"ldlp_path={cfg.ldlp.out_dir}",

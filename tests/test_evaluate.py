@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -196,3 +197,41 @@ def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
         head_to_head(cfg, [("static", static)])
     with pytest.raises(ValueError, match="listed twice"):
         head_to_head(cfg, [("static", static), ("static", static)], rounds=1)
+
+
+def test_head_to_head_tokens_per_s_counts_every_round(tiny_models, prompt_file):
+    from ldlp.headtohead import head_to_head
+
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "evaluation.progress=false"])
+    two = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=2"]).policy
+    result = head_to_head(cfg, [("static", cfg.policy), ("static", two)], rounds=3, bootstrap=50)
+    secs, tokens = np.array(result["seconds"]), np.array(result["tokens"])
+    for i, row in enumerate(result["rows"]):
+        # every round emits the same tokens: the total is rounds x tokens over all the seconds
+        assert row["tokens_per_s"] == pytest.approx(3 * tokens[i].sum() / secs[i].sum())
+        assert min(row["tokens_per_s_rounds"]) <= row["tokens_per_s"] <= max(row["tokens_per_s_rounds"])
+
+
+def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise(tmp_path):
+    from omegaconf import OmegaConf
+
+    from ldlp.pipeline import _best_adaptive
+
+    tuned = tmp_path / "tuning.json"
+    tuned.write_text(json.dumps({"results": [
+        {"policy": "static", "params": {"gamma": 6}, "tokens_per_s": 300.0},
+        {"policy": "oracle", "params": {"k_max": 8}, "tokens_per_s": 400.0},
+        {"policy": "ddd", "params": {"threshold": -2}, "tokens_per_s": 180.0},
+        {"policy": "ddd", "params": {"threshold": -4}, "tokens_per_s": 210.0},
+        {"policy": "acceptance", "params": {"threshold": 0.3}, "tokens_per_s": 200.0},
+        {"policy": "entropy", "params": {"threshold": 5}, "tokens_per_s": 250.0}]}))  # not swept
+    summary = {"rows": [{"model": "m", "policy": "acceptance", "speedup": 1.9},
+                        {"model": "m", "policy": "ddd", "speedup": 1.7},
+                        {"model": "m", "policy": "heuristic", "speedup": 1.8}]}
+    cfg = OmegaConf.create({"sweep": {"adaptive": ["ddd", "acceptance", "heuristic", "oracle"]},
+                            "head_to_head": {"adaptive": 2, "choose_by": "tuning"}})
+    assert _best_adaptive(cfg, "m", summary, tuned) == ["ddd", "acceptance"]
+    cfg.head_to_head.choose_by = "sweep"
+    assert _best_adaptive(cfg, "m", summary, tuned) == ["acceptance", "heuristic"]
+    cfg.head_to_head.choose_by = "tuning"
+    assert _best_adaptive(cfg, "m", summary, None) == ["acceptance", "heuristic"]  # no tuning run: the sweep
