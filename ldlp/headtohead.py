@@ -60,6 +60,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
 
     secs = np.zeros((len(runners), rounds, len(prompts)))
     tokens = np.zeros((len(runners), len(prompts)), dtype=int)
+    counts = np.zeros((len(runners), 2), dtype=int)  # target forwards, drafted tokens (deterministic: round 0)
     outputs: list[list] = [[None] * len(prompts) for _ in runners]
     progress = _progress(rounds * len(prompts), "head to head", bool(cfg.evaluation.get("progress", True)))
     for r in range(rounds):
@@ -70,6 +71,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
                 secs[i, r, k] = stats.wall_s
                 if r == 0:
                     outputs[i][k], tokens[i, k] = out, stats.new_tokens
+                    counts[i] += (stats.target_forwards, stats.drafted_tokens)
             progress.update(1)
     progress.close()
     lossless = all(outputs[i] == outputs[-1] for i in range(len(runners) - 1))
@@ -89,7 +91,9 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
                "adaptive": adaptive[i] if i < len(contenders) else None,
                "setting": settings[i] if i < len(contenders) else None,
                "tokens_per_s": float(overall[i]), "speedup": float(overall[i] / overall[-1]),
-               "tokens_per_s_rounds": per_round[i].tolist()}
+               "tokens_per_s_rounds": per_round[i].tolist(), "tau": float(tokens[i].sum() / counts[i, 0]),
+               "drafted_tokens": int(counts[i, 1]),
+               "wasted_tokens": int(counts[i, 1] - (tokens[i].sum() - counts[i, 0]))}
         if ref is not None and i != ref and i < len(contenders):
             # seconds of the reference over seconds of this contender on the same pairs: > 1 means faster
             boot = secs[ref][:, boot_k].sum((0, 2)) / secs[i][:, boot_k].sum((0, 2))
@@ -134,16 +138,17 @@ def markdown(result: dict) -> str:
              f"{result['max_new_tokens']} new tokens at most, greedy. `vs {ref}` is the ratio of seconds on the same "
              "(round, prompt) pairs (> 1: faster than the best static contender), with a bootstrap 95% interval "
              "that resamples prompts (each with all its rounds); tokens/s are totals over all pairs.", "",
-             f"| contender | setting | tokens/s | speedup vs AR | vs {ref} | 95% interval | rounds faster |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"| contender | setting | τ | wasted | tokens/s | speedup vs AR | vs {ref} | 95% interval | rounds faster |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         setting = ", ".join(f"{k}={v}" for k, v in (r.get("setting") or {}).items() if k != "path") or "–"
         vs = f"{r['vs_best_static']:.3f}" if "vs_best_static" in r else ("1 (reference)" if r["contender"] == ref
                                                                           else "–")
         ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
         faster = f"{r['rounds_faster']}/{result['rounds']}" if "rounds_faster" in r else "–"
-        lines.append(f"| {r['contender']} | {setting} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {vs} | {ci} "
-                     f"| {faster} |")
+        wasted = r["wasted_tokens"] if r["contender"] != "AR" else "–"
+        lines.append(f"| {r['contender']} | {setting} | {r['tau']:.2f} | {wasted} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {vs} | {ci} | {faster} |")
     lines.append("")
     if "best_adaptive" in result:
         lo, hi = result["adaptive_gain_ci95"]

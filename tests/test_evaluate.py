@@ -210,6 +210,11 @@ def test_head_to_head_tokens_per_s_counts_every_round(tiny_models, prompt_file):
         # every round emits the same tokens: the total is rounds x tokens over all the seconds
         assert row["tokens_per_s"] == pytest.approx(3 * tokens[i].sum() / secs[i].sum())
         assert min(row["tokens_per_s_rounds"]) <= row["tokens_per_s"] <= max(row["tokens_per_s_rounds"])
+    four, two, ar = result["rows"]  # static γ = 4 (the YAML's default), static γ = 2, AR
+    assert ar["tau"] == 1.0 and ar["drafted_tokens"] == ar["wasted_tokens"] == 0
+    assert 1.0 <= two["tau"] <= 3.0 and 1.0 <= four["tau"] <= 5.0
+    for row in (two, four):
+        assert 0 <= row["wasted_tokens"] <= row["drafted_tokens"]
 
 
 def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise(tmp_path):
