@@ -84,6 +84,27 @@ def load_prompts(data_cfg, tokenizer) -> list[tuple[str, list[int]]]:
     return _PROMPTS[key]
 
 
+# the checkpoint folders that conf/policy/*.yaml interpolate (${ldlp_path}, ...)
+CHECKPOINT_KEYS = ("ldlp_path", "ldlp_survival_path", "acceptance_path")
+
+
+def policy_config(cfg, overrides: list[str]) -> tuple[str, DictConfig]:
+    """(name, policy node) that ``scripts/evaluate.py`` would build under ``overrides`` (one ``policy=NAME``
+    and any ``policy.FIELD=...``), with ``cfg``'s checkpoint folders. For scripts that run several
+    policies; call it inside a Hydra app (its search path holds conf/)."""
+    from hydra import compose
+
+    from eagle_backbone.paths import REPO_ROOT
+
+    names = [o.split("=", 1)[1] for o in overrides if o.startswith("policy=")]
+    if len(names) != 1:
+        raise ValueError(f"{list(overrides)}: give exactly one policy=NAME (a file under conf/policy/)")
+    if not (REPO_ROOT / "conf" / "policy" / f"{names[0]}.yaml").is_file():
+        raise ValueError(f"policy={names[0]}: there is no conf/policy/{names[0]}.yaml")
+    paths = [f"{k}={cfg[k]}" for k in CHECKPOINT_KEYS if k in cfg]
+    return names[0], compose(config_name="evaluate", overrides=list(overrides) + paths).policy
+
+
 def build_policy(policy_cfg):
     from hydra.utils import instantiate
 

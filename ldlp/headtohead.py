@@ -61,6 +61,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     secs = np.zeros((len(runners), rounds, len(prompts)))
     tokens = np.zeros((len(runners), len(prompts)), dtype=int)
     counts = np.zeros((len(runners), 2), dtype=int)  # target forwards, drafted tokens (deterministic: round 0)
+    timed = []  # every speculative generation's stats: what a target pass and a drafted token cost here
     outputs: list[list] = [[None] * len(prompts) for _ in runners]
     progress = _progress(rounds * len(prompts), "head to head", bool(cfg.evaluation.get("progress", True)))
     for r in range(rounds):
@@ -72,6 +73,8 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
                 if r == 0:
                     outputs[i][k], tokens[i, k] = out, stats.new_tokens
                     counts[i] += (stats.target_forwards, stats.drafted_tokens)
+                if i < len(contenders):
+                    timed.append(stats)
             progress.update(1)
     progress.close()
     lossless = all(outputs[i] == outputs[-1] for i in range(len(runners) - 1))
@@ -106,9 +109,20 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
               "lossless": lossless, "tuned_from": str(cfg.get("tuned_from")) if cfg.get("tuned_from") else None,
               "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "machine": machine_info(),
               "model": str(cfg.model.get("name", "")), "labels": labels, "seconds": secs.tolist(),
-              "tokens": tokens.tolist()}
+              "tokens": tokens.tolist(), "costs": _costs(timed)}
     result.update(verdict(result))
     return result
+
+
+def _costs(stats) -> dict | None:
+    """Seconds per target pass, drafted token and accepted token, fitted to the timed generations (the
+    replay tuner's cost model, measured in the comparison's own setting); None when they cannot separate."""
+    from ldlp.replay import fit_costs
+
+    try:
+        return fit_costs(stats).as_dict()
+    except ValueError:
+        return None
 
 
 def verdict(result: dict) -> dict:
@@ -158,6 +172,10 @@ def markdown(result: dict) -> str:
     if "headroom_captured" in result:
         lines.append(f"- headroom captured: **{100 * result['headroom_captured']:.0f}%** of (oracle − best static) "
                      "in tokens/s, all timed in turns")
+    c = result.get("costs")
+    if c:
+        lines.append(f"- time fitted to these generations: {c['step_ms']:.2f} ms per target pass + {c['draft_ms']:.2f} ms "
+                     f"per drafted token + {c['accepted_ms']:.2f} ms per accepted token")
     lines.append("- every greedy output equals the AR output" if result["lossless"]
                  else "- **some greedy outputs differ from the AR output**")
     return "\n".join(lines) + "\n"

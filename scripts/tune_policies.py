@@ -13,23 +13,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.evaluation import build_policy, load_pair_cached, load_prompts
+from ldlp.evaluation import build_policy, load_pair_cached, load_prompts, policy_config
 from ldlp.replay import CostModel, OracleRows, best_per_policy, grid, measure_costs, tune, tuning_markdown
 
 
 def _builder(cfg: DictConfig, name: str):
-    path = REPO_ROOT / "conf" / "policy" / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError(f"grid.{name}: no conf/policy/{name}.yaml")
-    base = OmegaConf.load(path)
-
-    def build(params: dict):
-        node = OmegaConf.merge({"ldlp_path": cfg.ldlp_path, "ldlp_survival_path": cfg.ldlp_survival_path,
-                                "acceptance_path": cfg.acceptance_path},
-                               {"policy": base}, {"policy": params})
-        return build_policy(node.policy)
-
-    return build
+    _, base = policy_config(cfg, [f"policy={name}"])
+    return lambda params: build_policy(OmegaConf.merge(base, params))
 
 
 @hydra.main(config_path="../conf", config_name="tune_policies", version_base="1.3")

@@ -215,6 +215,21 @@ def test_head_to_head_tokens_per_s_counts_every_round(tiny_models, prompt_file):
     assert 1.0 <= two["tau"] <= 3.0 and 1.0 <= four["tau"] <= 5.0
     for row in (two, four):
         assert 0 <= row["wasted_tokens"] <= row["drafted_tokens"]
+    assert set(result["costs"] or {}) <= {"step_ms", "draft_ms", "accepted_ms"}
+
+
+def test_head_to_head_fits_the_costs_of_its_own_generations():
+    from eagle_backbone.metrics import GenerationStats
+    from ldlp.headtohead import _costs
+
+    def timed(f, d, a):  # 12 ms a target pass, 1.5 ms a drafted token, 0.25 ms an accepted one
+        return GenerationStats(target_forwards=f, drafted_tokens=d, accepted_tokens=a,
+                               wall_s=0.012 * f + 0.0015 * d + 0.00025 * a)
+
+    costs = _costs([timed(30, 0, 0), timed(20, 40, 25), timed(15, 60, 30), timed(12, 96, 35)])
+    assert costs["step_ms"] == pytest.approx(12.0) and costs["draft_ms"] == pytest.approx(1.5)
+    assert costs["accepted_ms"] == pytest.approx(0.25)
+    assert _costs([timed(30, 0, 0), timed(20, 40, 25)]) is None  # two runs cannot separate three costs
 
 
 def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise(tmp_path):
@@ -240,3 +255,22 @@ def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise(tmp_pat
     assert _best_adaptive(cfg, "m", summary, tuned) == ["acceptance", "heuristic"]
     cfg.head_to_head.choose_by = "tuning"
     assert _best_adaptive(cfg, "m", summary, None) == ["acceptance", "heuristic"]  # no tuning run: the sweep
+
+
+def test_policy_config_composes_one_policy_with_the_checkpoint_folders(tmp_path):
+    from omegaconf import OmegaConf
+
+    import eagle_backbone.paths  # noqa: F401
+    from ldlp.evaluation import policy_config
+
+    cfg = OmegaConf.create({"ldlp_path": str(tmp_path / "l"), "ldlp_survival_path": str(tmp_path / "s"),
+                            "acceptance_path": str(tmp_path / "a")})
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        name, node = policy_config(cfg, ["policy=acceptance", "policy.threshold=0.2"])
+        assert name == "acceptance" and node.path == str(tmp_path / "a") and node.threshold == 0.2
+        merged = OmegaConf.merge(node, {"max_gamma": 9})  # what the tuner and apply_tuned do
+        assert merged.path == str(tmp_path / "a") and merged.max_gamma == 9
+        with pytest.raises(ValueError, match="exactly one policy"):
+            policy_config(cfg, ["policy=ddd", "policy=static"])
+        with pytest.raises(ValueError, match="no conf/policy/nope.yaml"):
+            policy_config(cfg, ["policy=nope"])
