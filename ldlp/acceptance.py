@@ -183,7 +183,8 @@ def load_rows(oracle_dir: str | Path) -> dict:
     ds = load_oracle_rows(oracle_dir)
     if "draft_state" not in ds.column_names:
         raise ValueError(f"{oracle_dir}: the oracle rows hold no draft_state column; collect them with "
-                         "`python scripts/collect_oracle.py store_draft_states=true` (a new out_dir, or overwrite=true)")
+                         "`python scripts/collect_oracle.py store_draft_states=true` (a new out_dir, or "
+                         "overwrite=true)")
     k = int(manifest["k_max"])
     cols = ds.select_columns(["conversation_id", "split", "label", "remaining", "draft_top1_prob", "draft_state"])
     data = cols.with_format("numpy")[:]
@@ -223,7 +224,8 @@ def train_acceptance_head(cfg) -> dict:
     k = data["k_max"]
     if k < 2:
         raise ValueError(f"{cfg.oracle_dir}: k_max={k}; an acceptance head needs k_max >= 2 (a next step to decide on)")
-    val = split_by_conversation(list(data["conversation_id"]), list(data["split"]), float(cfg.val_fraction), int(cfg.seed))
+    val = split_by_conversation(list(data["conversation_id"]), list(data["split"]), float(cfg.val_fraction),
+                                int(cfg.seed))
     X, S, y, rows = examples(data["label"], data["remaining"], data["draft_top1_prob"], data["draft_state"], k)
     is_val = val[rows]
     train = np.flatnonzero(~is_val)
@@ -243,9 +245,9 @@ def train_acceptance_head(cfg) -> dict:
     if len(val_idx):
         with torch.no_grad():
             p_head = head(torch.from_numpy(X[val_idx]), torch.from_numpy(S[val_idx])).numpy()
-        stats_only = _fit(S[train], y[train], float(cfg.C), int(cfg.seed))
+        p_stats = _fit(S[train], y[train], float(cfg.C), int(cfg.seed)).predict_proba(S[val_idx])[:, 1]
         metrics["validation"] = {"acceptance_head": _scores(y[val_idx], p_head),
-                                 "drafter_probabilities_only": _scores(y[val_idx], stats_only.predict_proba(S[val_idx])[:, 1])}
+                                 "drafter_probabilities_only": _scores(y[val_idx], p_stats)}
         steps = S[val_idx, 2].astype(int)
         metrics["validation_auc_by_step"] = {int(m): _scores(y[val_idx][steps == m], p_head[steps == m])["auc"]
                                              for m in np.unique(steps)}

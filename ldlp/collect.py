@@ -38,8 +38,8 @@ from ldlp.oracle import (META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, committed_parts,
 log = logging.getLogger(__name__)
 
 # settings that change what the files contain; a rerun must agree on them to continue a collection
-IDENTITY_KEYS = ("seed", "k_max", "max_new_tokens", "store_features", "store_draft_states", "feature_dtype", "stat_dtype",
-                 "full_target_prob", "max_rows_per_pass", "shard_size", "num_shards")
+IDENTITY_KEYS = ("seed", "k_max", "max_new_tokens", "store_features", "store_draft_states", "feature_dtype",
+                 "stat_dtype", "full_target_prob", "max_rows_per_pass", "shard_size", "num_shards")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 MODEL_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
