@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+from ldlp.predictor import CONFIG_FILE, WEIGHTS_FILE, read_folder, save_folder
+
 STAT_NAMES = ("log_p", "cum_log_p", "step")  # the inputs after the drafter state, in order
 MIN_LOG_P = math.log(1e-6)  # log-probabilities are clipped here (a sampled token can be very unlikely)
 
@@ -112,33 +112,13 @@ class AcceptanceHead(nn.Module):
         return head.eval()
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / (CONFIG_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        os.replace(tmp, out / CONFIG_FILE)
-        tmp = out / (WEIGHTS_FILE + ".tmp")
-        save_file({k: v.detach().float().contiguous() for k, v in self.state_dict().items()}, str(tmp),
-                  metadata={"format": "pt"})
-        os.replace(tmp, out / WEIGHTS_FILE)  # last: its presence marks a complete head
-        return out
+        return save_folder(out_dir, asdict(self.config), self.state_dict())
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "AcceptanceHead":
-        from safetensors.torch import load_file
-
         path = Path(path)
-        if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-            raise ValueError(f"{path} is not an acceptance head: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
-                             "(train one with `python scripts/train_acceptance.py`)")
-        try:
-            raw = json.loads((path / CONFIG_FILE).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path / CONFIG_FILE}: not valid JSON ({e})") from None
+        raw, state = read_folder(path, "an acceptance head", "python scripts/train_acceptance.py")
         head = cls(AcceptanceHeadConfig.from_dict(raw, str(path / CONFIG_FILE)))
-        state = load_file(str(path / WEIGHTS_FILE))
         expected = head.state_dict()
         if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
             raise ValueError(f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE} (hidden_size="

@@ -34,6 +34,37 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
+def save_folder(out_dir: str | Path, config: dict, state: dict) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (float32), each atomically (tmp file, then rename);
+    the weights go last, so their presence marks a complete folder."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (CONFIG_FILE + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out / CONFIG_FILE)
+    tmp = out / (WEIGHTS_FILE + ".tmp")
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS_FILE)
+    return out
+
+
+def read_folder(path: str | Path, what: str, how: str) -> tuple[dict, dict]:
+    """(config, tensors) of a folder written by :func:`save_folder`; a clear error when it is not one.
+    ``what`` names the kind ("an LDLP checkpoint"), ``how`` the command that makes one."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{path} is not {what}: it needs {CONFIG_FILE} and {WEIGHTS_FILE} (train one with `{how}`)")
+    try:
+        raw = json.loads((path / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / CONFIG_FILE}: not valid JSON ({e})") from None
+    return raw, load_file(str(path / WEIGHTS_FILE))
+
+
 @dataclass
 class LDLPConfig:
     input_dim: int  # 2 * d: embedding and feature of the target, concatenated
@@ -219,35 +250,15 @@ class LDLP(nn.Module):
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` (each atomically: tmp file, then rename)."""
-        from safetensors.torch import save_file
-
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / (CONFIG_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        os.replace(tmp, out / CONFIG_FILE)
-        tensors = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
-        tmp = out / (WEIGHTS_FILE + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / WEIGHTS_FILE)  # last: its presence marks a complete checkpoint
-        return out
+        return save_folder(out_dir, asdict(self.config), self.state_dict())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32) -> "LDLP":
         """Load a folder written by :meth:`save_pretrained`; the model comes back in eval mode."""
-        from safetensors.torch import load_file
-
         path = Path(path)
-        if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-            raise ValueError(f"{path} is not an LDLP checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
-                             f"(train one with `python scripts/train_ldlp.py`)")
-        try:
-            raw = json.loads((path / CONFIG_FILE).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path / CONFIG_FILE}: not valid JSON ({e})") from None
+        raw, state = read_folder(path, "an LDLP checkpoint", "python scripts/train_ldlp.py")
         model = cls(LDLPConfig.from_dict(raw, where=str(path / CONFIG_FILE)))
-        state = load_file(str(path / WEIGHTS_FILE))
         expected = model.state_dict()
         missing, unexpected = set(expected) - set(state), set(state) - set(expected)
         if missing or unexpected:
