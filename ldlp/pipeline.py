@@ -125,6 +125,20 @@ def _model_name(cfg) -> str:
     return str(compose(config_name="evaluate", overrides=[f"model={cfg.sweep.model}"] + list(cfg.sweep.overrides)).model.name)
 
 
+def _static_gammas(cfg, best_swept: int, tuned: Path | None) -> list[int]:
+    """The static γ the head to head times: the sweep's best, and the replay tuning's best (the sweep's
+    when no tuning ran) with both neighbours. A sweep of a few prompts picks its best noisily; the
+    tuning's comes from exact counts and a cost model; between them the best static γ is in the race."""
+    around = best_swept
+    if tuned is not None and tuned.is_file():
+        from ldlp.replay import best_per_policy
+
+        static = best_per_policy(json.loads(tuned.read_text())["results"]).get("static")
+        around = int(static["params"]["gamma"]) if static else best_swept
+    wanted = {best_swept, around - 1, around, around + 1}
+    return sorted(g for g in wanted if g in cfg.sweep.static_gammas)
+
+
 def _best_adaptive(cfg, name: str, summary: dict, tuned: Path | None) -> list[str]:
     """The adaptive policies the head to head times: the best of the replay tuning (chosen on the
     validation labels, so the test prompts judge them without a winner's curse) or of the sweep."""
@@ -146,9 +160,8 @@ def head_to_head_stage(cfg, name: str, summary: dict) -> Stage | None:
     head = summary["headline"].get(name) or {}
     if "best_static" not in head or "best_adaptive" not in head:
         return None
-    g = int(head["best_static"]["gamma"])
-    gammas = [x for x in (g - 1, g, g + 1) if x in cfg.sweep.static_gammas]
     tuned = Path(cfg.tune.out_dir) / "tuning.json" if cfg.get("tune") and cfg.tune.get("enabled") else None
+    gammas = _static_gammas(cfg, int(head["best_static"]["gamma"]), tuned)
     policies = _best_adaptive(cfg, name, summary, tuned)
     contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies]
     if "oracle" in cfg.sweep.adaptive:

@@ -274,3 +274,17 @@ def test_policy_config_composes_one_policy_with_the_checkpoint_folders(tmp_path)
             policy_config(cfg, ["policy=ddd", "policy=static"])
         with pytest.raises(ValueError, match="no conf/policy/nope.yaml"):
             policy_config(cfg, ["policy=nope"])
+
+
+def test_head_to_head_static_contenders_cover_the_sweep_and_the_tuning(tmp_path):
+    from omegaconf import OmegaConf
+
+    from ldlp.pipeline import _static_gammas
+
+    cfg = OmegaConf.create({"sweep": {"static_gammas": [1, 2, 3, 4, 5, 6, 7, 8]}})
+    tuned = tmp_path / "tuning.json"
+    tuned.write_text(json.dumps({"results": [{"policy": "static", "params": {"gamma": g}, "tokens_per_s": t}
+                                             for g, t in ((5, 180.0), (6, 190.0), (8, 170.0))]}))
+    assert _static_gammas(cfg, 8, tuned) == [5, 6, 7, 8]  # the tuning's best and neighbours, and the sweep's
+    assert _static_gammas(cfg, 6, tuned) == [5, 6, 7]
+    assert _static_gammas(cfg, 8, None) == [7, 8]  # no tuning: the sweep's best and its neighbours in the sweep
