@@ -54,6 +54,13 @@ def _list(values) -> str:
     return ",".join(str(v) for v in values)
 
 
+def _checkpoints(cfg) -> list[str]:
+    """The checkpoint folders the policies read, as overrides for every script that builds policies."""
+    survival = cfg.ldlp.get("survival_out_dir")
+    return ([f"ldlp_path={cfg.ldlp.out_dir}", f"acceptance_path={cfg.acceptance.out_dir}"]
+            + ([f"ldlp_survival_path={survival}"] if survival else []))
+
+
 def plan(cfg) -> list[Stage]:
     """Every stage of the pipeline, in order."""
     threads = [f"threads={cfg.threads}"] if cfg.get("threads") else []
@@ -89,18 +96,14 @@ def plan(cfg) -> list[Stage]:
         tuned = tune_dir / "tuning.json"
         stages.append(Stage("tune", "tune the adaptive policies by replay on the validation labels (timed cost model)",
                             _script("tune_policies.py") + [f"model={cfg.sweep.model}", f"oracle_dir={oracle_dir}",
-                                                           f"ldlp_path={ldlp_dir}", f"acceptance_path={acceptance_dir}",
-                                                           f"out_dir={tune_dir}"]
-                            + ([f"ldlp_survival_path={survival_dir}"] if survival_dir else [])
+                                                           f"out_dir={tune_dir}"] + _checkpoints(cfg)
                             + ([f"threads={sweep_threads}"] if sweep_threads else []) + list(cfg.tune.overrides),
                             tuned))
     common = list(cfg.sweep.overrides) + ([f"threads={sweep_threads}"] if sweep_threads else [])
     for r in range(1, int(cfg.sweep.rounds) + 1):
         sweeps = [
             ("static", cfg.sweep.model, ["policy=static", f"policy.gamma={_list(cfg.sweep.static_gammas)}"]),
-            ("adaptive", cfg.sweep.model, [f"policy={_list(cfg.sweep.adaptive)}", f"ldlp_path={ldlp_dir}",
-                                           f"acceptance_path={acceptance_dir}"]
-             + ([f"ldlp_survival_path={survival_dir}"] if survival_dir else [])
+            ("adaptive", cfg.sweep.model, [f"policy={_list(cfg.sweep.adaptive)}"] + _checkpoints(cfg)
              + ([f"tuned_from={tuned}"] if tuned else [])),
         ]
         if cfg.peer.enabled:
@@ -125,29 +128,31 @@ def _model_name(cfg) -> str:
     return str(compose(config_name="evaluate", overrides=[f"model={cfg.sweep.model}"] + list(cfg.sweep.overrides)).model.name)
 
 
-def _static_gammas(cfg, best_swept: int, tuned: Path | None) -> list[int]:
+def _tuned_best(tuned: Path | None) -> dict:
+    """{policy: its best replay-tuned result} from a tuning.json ({} when no tuning ran)."""
+    if tuned is None or not tuned.is_file():
+        return {}
+    from ldlp.replay import best_per_policy
+
+    return best_per_policy(json.loads(tuned.read_text())["results"])
+
+
+def _static_gammas(cfg, best_swept: int, tuned_best: dict) -> list[int]:
     """The static γ the head to head times: the sweep's best, and the replay tuning's best (the sweep's
     when no tuning ran) with both neighbours. A sweep of a few prompts picks its best noisily; the
     tuning's comes from exact counts and a cost model; between them the best static γ is in the race."""
-    around = best_swept
-    if tuned is not None and tuned.is_file():
-        from ldlp.replay import best_per_policy
-
-        static = best_per_policy(json.loads(tuned.read_text())["results"]).get("static")
-        around = int(static["params"]["gamma"]) if static else best_swept
+    static = tuned_best.get("static")
+    around = int(static["params"]["gamma"]) if static else best_swept
     wanted = {best_swept, around - 1, around, around + 1}
     return sorted(g for g in wanted if g in cfg.sweep.static_gammas)
 
 
-def _best_adaptive(cfg, name: str, summary: dict, tuned: Path | None) -> list[str]:
+def _best_adaptive(cfg, name: str, summary: dict, tuned_best: dict) -> list[str]:
     """The adaptive policies the head to head times: the best of the replay tuning (chosen on the
     validation labels, so the test prompts judge them without a winner's curse) or of the sweep."""
     swept = [p for p in cfg.sweep.adaptive if p != "oracle"]
-    if cfg.head_to_head.get("choose_by", "tuning") == "tuning" and tuned is not None and tuned.is_file():
-        from ldlp.replay import best_per_policy
-
-        best = best_per_policy(json.loads(tuned.read_text())["results"])
-        ranked = sorted((r for p, r in best.items() if p in swept), key=lambda r: -r["tokens_per_s"])
+    if cfg.head_to_head.get("choose_by", "tuning") == "tuning" and tuned_best:
+        ranked = sorted((r for p, r in tuned_best.items() if p in swept), key=lambda r: -r["tokens_per_s"])
     else:
         ranked = sorted((r for r in summary["rows"] if r["model"] == name and r["policy"] in swept
                          and r.get("speedup") is not None), key=lambda r: -r["speedup"])
@@ -161,17 +166,17 @@ def head_to_head_stage(cfg, name: str, summary: dict) -> Stage | None:
     if "best_static" not in head or "best_adaptive" not in head:
         return None
     tuned = Path(cfg.tune.out_dir) / "tuning.json" if cfg.get("tune") and cfg.tune.get("enabled") else None
-    gammas = _static_gammas(cfg, int(head["best_static"]["gamma"]), tuned)
-    policies = _best_adaptive(cfg, name, summary, tuned)
+    tuned_best = _tuned_best(tuned)
+    gammas = _static_gammas(cfg, int(head["best_static"]["gamma"]), tuned_best)
+    policies = _best_adaptive(cfg, name, summary, tuned_best)
     contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies]
     if "oracle" in cfg.sweep.adaptive:
         contenders.append("policy=oracle")  # the upper bound, timed in the same turns: headroom in paired numbers
     out = Path(cfg.runs_dir) / "head_to_head"
     threads = cfg.sweep.get("threads") or cfg.get("threads")
     cmd = (_script("compare.py") + [f"model={cfg.sweep.model}", "contenders=[" + ",".join(f'"{c}"' for c in contenders)
-                                    + "]", f"rounds={cfg.head_to_head.rounds}", f"ldlp_path={cfg.ldlp.out_dir}",
-                                    f"acceptance_path={cfg.acceptance.out_dir}",
-                                    f"out_dir={out}", f"hydra.run.dir={out}"]
+                                    + "]", f"rounds={cfg.head_to_head.rounds}", f"out_dir={out}",
+                                    f"hydra.run.dir={out}"] + _checkpoints(cfg)
            + ([f"tuned_from={tuned}"] if tuned else []) + ([f"threads={threads}"] if threads else [])
            + [o for o in cfg.sweep.overrides if not o.startswith("evaluation.repeats")]
            + list(cfg.head_to_head.overrides))

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
+from ldlp.acceptance import clip_log_p
 
 __all__ = ["StaticPolicy", "LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy",
            "AcceptancePolicy", "HeuristicPolicy", "OraclePolicy", "POLICY_CLASSES", "DraftLengthPolicy"]
@@ -193,8 +194,6 @@ class AcceptancePolicy(DraftLengthPolicy):
     name = "acceptance"
 
     def __init__(self, path: str, threshold: float = 0.3, max_gamma: int = 8):
-        from ldlp.acceptance import clip_log_p
-
         if not (Path(path) / "config.json").is_file():
             raise ValueError(f"acceptance policy: policy.path={path} has no config.json; train the head first "
                              "(`python scripts/collect_oracle.py` then `python scripts/train_acceptance.py`)")
@@ -203,7 +202,6 @@ class AcceptancePolicy(DraftLengthPolicy):
         self.head = _load_acceptance_head(str(path))
         self.threshold = float(threshold)
         self.max_gamma = _check_cap(self.name, max_gamma)
-        self._clip = clip_log_p
         self._cum = 0.0
 
     def gamma(self, ctx: DraftContext) -> int:
@@ -215,7 +213,7 @@ class AcceptancePolicy(DraftLengthPolicy):
             raise ValueError("acceptance policy: no drafter state to read (ctx.draft_state is None). It needs an "
                              "EAGLE drafter (a standalone draft LM offers none) or, in replay, oracle rows "
                              "collected with store_draft_states=true")
-        log_p = self._clip(float(probs[token]))
+        log_p = clip_log_p(float(probs[token]))
         self._cum += log_p
         return self.head.probability(ctx.draft_state, log_p, self._cum, i) >= self.threshold
 

@@ -99,7 +99,8 @@ class OracleRows:
         self.sequences = list(zip(starts.tolist(), np.r_[starts[1:], len(seq)].tolist()))
         self.has_features = "feature" in self.cols
         if "draft_state" in self.cols:
-            self.cols["draft_state"] = self.cols["draft_state"].reshape(len(order), self.k_max, -1)
+            # float32 once, here: replay hands one state per drafted token to the policy
+            self.cols["draft_state"] = self.cols["draft_state"].reshape(len(order), self.k_max, -1).astype(np.float32)
 
     @classmethod
     def load(cls, oracle_dir, split: str | None = "validation", with_features: bool = True) -> "OracleRows":
@@ -170,7 +171,7 @@ def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel, 
                         break
                     probs = stand_in_probs(c["draft_top1_prob"][r][i - 1], c["draft_entropy"][r][i - 1], vocab_size)
                     if states is not None:
-                        ctx.draft_state = torch.from_numpy(np.asarray(states[r, i - 1], dtype=np.float32))
+                        ctx.draft_state = torch.from_numpy(states[r, i - 1])
                     if not policy.keep_drafting(ctx, i, 0, probs):
                         break
             a = min(label, k)

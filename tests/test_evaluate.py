@@ -235,7 +235,7 @@ def test_head_to_head_fits_the_costs_of_its_own_generations():
 def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise(tmp_path):
     from omegaconf import OmegaConf
 
-    from ldlp.pipeline import _best_adaptive
+    from ldlp.pipeline import _best_adaptive, _tuned_best
 
     tuned = tmp_path / "tuning.json"
     tuned.write_text(json.dumps({"results": [
@@ -250,11 +250,11 @@ def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise(tmp_pat
                         {"model": "m", "policy": "heuristic", "speedup": 1.8}]}
     cfg = OmegaConf.create({"sweep": {"adaptive": ["ddd", "acceptance", "heuristic", "oracle"]},
                             "head_to_head": {"adaptive": 2, "choose_by": "tuning"}})
-    assert _best_adaptive(cfg, "m", summary, tuned) == ["ddd", "acceptance"]
+    assert _best_adaptive(cfg, "m", summary, _tuned_best(tuned)) == ["ddd", "acceptance"]
     cfg.head_to_head.choose_by = "sweep"
-    assert _best_adaptive(cfg, "m", summary, tuned) == ["acceptance", "heuristic"]
+    assert _best_adaptive(cfg, "m", summary, _tuned_best(tuned)) == ["acceptance", "heuristic"]
     cfg.head_to_head.choose_by = "tuning"
-    assert _best_adaptive(cfg, "m", summary, None) == ["acceptance", "heuristic"]  # no tuning run: the sweep
+    assert _best_adaptive(cfg, "m", summary, _tuned_best(None)) == ["acceptance", "heuristic"]  # no tuning: the sweep
 
 
 def test_policy_config_composes_one_policy_with_the_checkpoint_folders(tmp_path):
@@ -279,12 +279,12 @@ def test_policy_config_composes_one_policy_with_the_checkpoint_folders(tmp_path)
 def test_head_to_head_static_contenders_cover_the_sweep_and_the_tuning(tmp_path):
     from omegaconf import OmegaConf
 
-    from ldlp.pipeline import _static_gammas
+    from ldlp.pipeline import _static_gammas, _tuned_best
 
     cfg = OmegaConf.create({"sweep": {"static_gammas": [1, 2, 3, 4, 5, 6, 7, 8]}})
     tuned = tmp_path / "tuning.json"
     tuned.write_text(json.dumps({"results": [{"policy": "static", "params": {"gamma": g}, "tokens_per_s": t}
                                              for g, t in ((5, 180.0), (6, 190.0), (8, 170.0))]}))
-    assert _static_gammas(cfg, 8, tuned) == [5, 6, 7, 8]  # the tuning's best and neighbours, and the sweep's
-    assert _static_gammas(cfg, 6, tuned) == [5, 6, 7]
-    assert _static_gammas(cfg, 8, None) == [7, 8]  # no tuning: the sweep's best and its neighbours in the sweep
+    assert _static_gammas(cfg, 8, _tuned_best(tuned)) == [5, 6, 7, 8]  # the tuning's best and neighbours, and the sweep's
+    assert _static_gammas(cfg, 6, _tuned_best(tuned)) == [5, 6, 7]
+    assert _static_gammas(cfg, 8, _tuned_best(None)) == [7, 8]  # no tuning: the sweep's best and its neighbours in the sweep
