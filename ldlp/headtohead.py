@@ -14,6 +14,7 @@ gains on some prompts and loses on others, and repeating a prompt does not avera
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -179,3 +180,139 @@ def markdown(result: dict) -> str:
     lines.append("- every greedy output equals the AR output" if result["lossless"]
                  else "- **some greedy outputs differ from the AR output**")
     return "\n".join(lines) + "\n"
+
+
+# -- several head-to-head runs, pooled ---------------------------------------------------------------------
+
+
+def _key(row: dict) -> str:
+    """A contender's identity across runs: its label and its setting (checkpoint paths aside)."""
+    setting = ", ".join(f"{k}={v}" for k, v in sorted((row.get("setting") or {}).items()) if k != "path")
+    return f"{row['contender']} ({setting})" if row.get("adaptive") else row["contender"]
+
+
+def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2000, seed: int = 0) -> dict:
+    """Pool head-to-head runs (``head_to_head.json`` contents) of the same contenders.
+
+    A run measures every contender on the same (round, prompt) pairs, so ratios are paired within a
+    run; across runs the machine's speed, and with it the price of a target pass against a drafted
+    token, moves. Reported per contender present in every run: the ratio to the best static contender
+    (the static one fastest over all runs) in each run, their median, the pooled ratio over all pairs,
+    and its bootstrap 95% interval, which resamples runs (so the drift between runs widens it) and
+    then prompts within each run (each prompt with all its rounds). Ratios > 1 mean faster than that static contender."""
+    if not results:
+        raise ValueError("pool: no head-to-head runs given")
+    where = names or [f"run {i + 1}" for i in range(len(results))]
+    keyed = []
+    for name, res in zip(where, results):
+        if not res.get("lossless", False):
+            raise ValueError(f"{name}: its greedy outputs differ from the AR output; a lossy run is not pooled")
+        rows = {_key(r): i for i, r in enumerate(res["rows"]) if r["contender"] != "AR"}
+        keyed.append(rows)
+    common = [k for k in keyed[0] if all(k in rows for rows in keyed[1:])]
+    secs = [{k: np.asarray(res["seconds"][rows[k]]) for k in common} for res, rows in zip(results, keyed)]
+    adaptive = {k: bool(results[0]["rows"][keyed[0][k]].get("adaptive")) for k in common}
+    static = [k for k in common if not adaptive[k]]
+    if not static:
+        raise ValueError(f"pool: no static contender is in every run (common contenders: {common})")
+    total = {k: sum(s[k].sum() for s in secs) for k in common}
+    ref = min(static, key=lambda k: total[k])  # the same tokens in every run: least seconds = fastest
+    rng = np.random.default_rng(seed)
+    # two-level bootstrap: runs with replacement (the machine's drift between runs), then prompts within each
+    pick = rng.integers(0, len(secs), size=(bootstrap, len(secs)))
+    draws = [rng.integers(0, s[ref].shape[1], size=(bootstrap, s[ref].shape[1])) for s in secs]
+
+    def boot(k):  # (bootstrap,) pooled ratios
+        sums = lambda c: np.stack([s[c][:, d].sum((0, 2)) for s, d in zip(secs, draws)])  # noqa: E731  (runs, B)
+        cols = np.arange(bootstrap)[:, None]
+        return sums(ref)[pick, cols].sum(1) / sums(k)[pick, cols].sum(1)
+
+    out_rows = []
+    for k in common:
+        per_run = [float(s[ref].sum() / s[k].sum()) for s in secs]
+        row = {"contender": k, "adaptive": adaptive[k], "per_run": per_run, "median": float(np.median(per_run)),
+               "pooled": float(total[ref] / total[k]),
+               "tokens_per_s": [res["rows"][rows[k]]["tokens_per_s"] for res, rows in zip(results, keyed)]}
+        if k != ref:
+            b = boot(k)
+            row["ci95"] = [float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))]
+            row["runs_faster"] = sum(r > 1 for r in per_run)
+        out_rows.append(row)
+    out = {"runs": where, "reference": ref, "rows": out_rows,
+           "pairs": int(sum(s[ref].size for s in secs)), "bootstrap": bootstrap,
+           "ar_speedup_of_reference": [res["rows"][rows[ref]]["speedup"] for res, rows in zip(results, keyed)],
+           "costs": [res.get("costs") for res in results]}
+    best = max((r for r in out_rows if r["adaptive"] and "ci95" in r and not r["contender"].startswith("oracle")),
+               key=lambda r: r["pooled"], default=None)
+    if best is not None:
+        out.update(best_adaptive=best["contender"], adaptive_gain=best["pooled"] - 1,
+                   adaptive_gain_ci95=[best["ci95"][0] - 1, best["ci95"][1] - 1],
+                   adaptive_beats_static=best["ci95"][0] > 1)
+    return out
+
+
+def pooled_markdown(p: dict, links: list[str] | None = None) -> str:
+    ref, n = p["reference"], len(p["runs"])
+    runs = [f"[{r}]({link})" for r, link in zip(p["runs"], links)] if links else p["runs"]
+    lines = [f"{n} head-to-head runs ({', '.join(runs)}), {p['pairs']} timed (round, prompt) pairs per contender "
+             f"in all. Ratios are seconds of **{ref}** (the static contender fastest over all runs) over the "
+             "contender's, on the same pairs: > 1 is faster. The 95% interval of the pooled ratio resamples "
+             "runs, then prompts within each run.", "",
+             "| contender | " + " | ".join(f"{r}" for r in p["runs"]) + " | median | pooled | 95% interval | runs faster |",
+             "|---|" + "---:|" * (n + 4)]
+    for r in p["rows"]:
+        cells = " | ".join(f"{v:.3f}" for v in r["per_run"])
+        ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
+        faster = f"{r['runs_faster']}/{n}" if "runs_faster" in r else "reference"
+        lines.append(f"| {r['contender']} | {cells} | {r['median']:.3f} | {r['pooled']:.3f} | {ci} | {faster} |")
+    lines.append("")
+    lines.append(f"- {ref} over AR, per run: " + ", ".join(f"{s:.2f}x" for s in p["ar_speedup_of_reference"]))
+    if "best_adaptive" in p:
+        lo, hi = p["adaptive_gain_ci95"]
+        word = "faster than" if lo > 0 else "slower than" if hi < 0 else "not distinguishable from"
+        lines.append(f"- best adaptive, pooled: **{p['best_adaptive']}**, {100 * p['adaptive_gain']:+.1f}% vs {ref} "
+                     f"(95% interval {100 * lo:+.1f}% to {100 * hi:+.1f}%): {word} the best static γ")
+    costs = [c for c in p["costs"] if c]
+    if costs:
+        lines.append("- fitted per target pass / per drafted token, per run: " + ", ".join(
+            f"{c['step_ms']:.1f} / {c['draft_ms']:.2f} ms" if c else "–" for c in p["costs"]))
+    return "\n".join(lines) + "\n"
+
+
+def pool_folders(patterns: list[str], out_dir: str | Path, bootstrap: int = 2000, seed: int = 0,
+                 readme: str | Path | None = None, command: str = "") -> dict:
+    """:func:`pool` over the ``head_to_head.json`` of every folder matching ``patterns`` (globs, in sorted
+    order); writes pooled.json and pooled.md to ``out_dir`` and, with ``readme``, puts the table into its
+    ``<!-- head_to_head_long:start -->`` block."""
+    import glob
+    import json
+
+    from ldlp.summary import _atomic_write, replace_readme_block
+
+    folders = sorted({Path(f) for pat in patterns for f in glob.glob(str(pat))})
+    files = [f / "head_to_head.json" for f in folders if (f / "head_to_head.json").is_file()]
+    if not files:
+        raise ValueError(f"no head_to_head.json in folders matching {list(patterns)} "
+                         "(write them with python scripts/compare.py out_dir=...)")
+    results = []
+    for f in files:
+        try:
+            results.append(json.loads(f.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not valid JSON ({e})") from None
+        missing = [k for k in ("rows", "seconds", "lossless") if k not in results[-1]]
+        if missing:
+            raise ValueError(f"{f}: lacks {missing}; is it a head_to_head.json of scripts/compare.py?")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pooled = pool(results, [f.parent.name for f in files], bootstrap, seed)
+    links = [os.path.relpath(f.parent / "head_to_head.md", out) for f in files]
+    md = pooled_markdown(pooled, links)
+    _atomic_write(out / "pooled.json", json.dumps(pooled, indent=2) + "\n")
+    _atomic_write(out / "pooled.md", md)
+    if readme is not None:
+        readme_links = [os.path.relpath(f.parent / "head_to_head.md", Path(readme).parent) for f in files]
+        body = (f"Regenerate with `{command}` (table: [{os.path.relpath(out / 'pooled.md', Path(readme).parent)}]"
+                f"({os.path.relpath(out / 'pooled.md', Path(readme).parent)})).\n\n" + pooled_markdown(pooled, readme_links))
+        pooled["readme_updated"] = replace_readme_block(readme, "head_to_head_long", body)
+    return pooled

@@ -321,7 +321,19 @@ def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft
             "png": png}
 
 
-README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+def replace_readme_block(readme: str | Path, name: str, body: str) -> bool:
+    """Put ``body`` between ``<!-- {name}:start -->`` and ``<!-- {name}:end -->`` in ``readme`` (written
+    atomically). Returns False, and changes nothing, when the README or its markers are missing."""
+    readme = Path(readme)
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if not readme.is_file():
+        return False
+    text = readme.read_text()
+    if start not in text or end not in text:
+        return False
+    head, rest = text.split(start, 1)
+    _atomic_write(readme, head + "\n".join([start, body.strip("\n"), end]) + rest.split(end, 1)[1])
+    return True
 
 
 def update_readme(readme: str | Path, md_path: str | Path, png_path: str | Path, command: str, note: str = "") -> bool:
@@ -329,17 +341,10 @@ def update_readme(readme: str | Path, md_path: str | Path, png_path: str | Path,
     with the generated table (``md_path``), the plot and the command that regenerates them, so that
     the README's numbers always come from a run. Returns False (and changes nothing) without markers."""
     readme, md_path, png_path = Path(readme), Path(md_path), Path(png_path)
-    if not readme.is_file():
-        return False
-    text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        return False
     rel = lambda p: os.path.relpath(p, readme.parent)  # noqa: E731
     table = md_path.read_text().strip().split("\n")
     if table and table[0].startswith("## "):
         table = table[1:]  # the README gives its own heading
-    block = "\n".join([README_START, f"Regenerate with `{command}` ({note}table: [{rel(md_path)}]({rel(md_path)}), "
-                       f"CSV next to it).", "", *table, "", f"![tokens/s against γ]({rel(png_path)})", README_END])
-    head, rest = text.split(README_START, 1)
-    _atomic_write(readme, head + block + rest.split(README_END, 1)[1])
-    return True
+    body = "\n".join([f"Regenerate with `{command}` ({note}table: [{rel(md_path)}]({rel(md_path)}), CSV next to it).",
+                      "", *table, "", f"![tokens/s against γ]({rel(png_path)})"])
+    return replace_readme_block(readme, "results", body)

@@ -1,0 +1,27 @@
+"""Pool head-to-head runs of the same contenders into one table: compose a config, call the library.
+
+    python scripts/pool_head_to_head.py
+    python scripts/pool_head_to_head.py 'runs=[outputs/compare/*]' out_dir=outputs/pooled
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from eagle_backbone.paths import repo_path
+from ldlp.headtohead import pool_folders, pooled_markdown
+
+
+@hydra.main(config_path="../conf", config_name="pool_head_to_head", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    readme = repo_path("README.md") if cfg.update_readme else None
+    pooled = pool_folders(list(cfg.runs), cfg.out_dir, int(cfg.bootstrap), int(cfg.seed), readme,
+                          "python scripts/pool_head_to_head.py update_readme=true")
+    print(pooled_markdown(pooled))
+    print(f"wrote {cfg.out_dir}/pooled.md")
+    if readme is not None and not pooled["readme_updated"]:
+        print("README.md has no <!-- head_to_head_long:start --> ... <!-- head_to_head_long:end --> block: left as is")
+
+
+if __name__ == "__main__":
+    main()

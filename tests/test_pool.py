@@ -1,0 +1,98 @@
+"""Pooling head-to-head runs: paired ratios per run, pooled over runs, and a two-level interval."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ldlp.headtohead import pool, pool_folders, pooled_markdown
+
+
+def _run(seconds: dict[str, np.ndarray], lossless: bool = True) -> dict:
+    """A head_to_head.json-like result: contenders (label -> (rounds, prompts) seconds) and the AR row."""
+    rows, secs = [], []
+    for label, s in seconds.items():
+        adaptive = not label.startswith("static")
+        rows.append({"contender": label, "policy": label.split()[0], "adaptive": adaptive,
+                     "setting": {"threshold": 0.3, "path": "/somewhere"} if adaptive else {"gamma": 6},
+                     "tokens_per_s": 100.0 / s.sum(), "speedup": 2.0})
+        secs.append(s.tolist())
+    rows.append({"contender": "AR", "policy": "ar", "adaptive": None, "setting": None, "tokens_per_s": 1.0,
+                 "speedup": 1.0})
+    secs.append(np.ones_like(next(iter(seconds.values()))).tolist())
+    return {"rows": rows, "seconds": secs, "lossless": lossless, "costs": None}
+
+
+def _runs(gain: float, n_runs: int = 3, prompts: int = 40, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_runs):
+        base = rng.uniform(0.5, 1.5, size=(1, prompts))
+        out.append(_run({"static γ=6": base, "static γ=7": base * 1.05,
+                         "acceptance": base / (gain * rng.uniform(0.98, 1.02, size=base.shape))}))
+    return out
+
+
+def test_pooled_ratio_is_the_ratio_of_total_seconds_and_per_run_ratios_are_paired():
+    runs = _runs(1.04)
+    p = pool(runs, bootstrap=500)
+    assert p["reference"] == "static γ=6"  # the fastest static contender over all runs
+    row = next(r for r in p["rows"] if r["contender"].startswith("acceptance"))
+    ref = sum(np.sum(r["seconds"][0]) for r in runs)
+    mine = sum(np.sum(r["seconds"][2]) for r in runs)
+    assert row["pooled"] == pytest.approx(ref / mine)
+    for run, ratio in zip(runs, row["per_run"]):
+        assert ratio == pytest.approx(np.sum(run["seconds"][0]) / np.sum(run["seconds"][2]))
+    assert row["ci95"][0] <= row["pooled"] <= row["ci95"][1]
+    assert row["runs_faster"] == 3 and p["adaptive_beats_static"] and p["adaptive_gain"] == pytest.approx(0.04, abs=0.01)
+    static7 = next(r for r in p["rows"] if r["contender"] == "static γ=7")
+    assert static7["pooled"] == pytest.approx(1 / 1.05) and not static7["adaptive"]
+
+
+def test_the_interval_widens_when_runs_disagree():
+    agree = _runs(1.02, n_runs=4)
+    disagree = _runs(1.02, n_runs=4)
+    for run, scale in zip(disagree, (0.94, 1.10, 0.95, 1.09)):  # the adaptive contender's luck moves run to run
+        run["seconds"][2] = (np.asarray(run["seconds"][2]) * scale).tolist()
+    width = lambda p: np.diff(next(r for r in p["rows"] if r["contender"].startswith("acceptance"))["ci95"])[0]  # noqa: E731
+    assert width(pool(disagree, bootstrap=500)) > 2 * width(pool(agree, bootstrap=500))
+
+
+def test_pool_refuses_lossy_runs_and_runs_without_a_common_static_contender():
+    runs = _runs(1.0)
+    runs[1]["lossless"] = False
+    with pytest.raises(ValueError, match="run 2: its greedy outputs differ"):
+        pool(runs)
+    only_adaptive = [_run({"acceptance": np.ones((1, 3)), "ldlp": np.ones((1, 3))})]
+    with pytest.raises(ValueError, match="no static contender"):
+        pool(only_adaptive)
+    with pytest.raises(ValueError, match="no head-to-head runs"):
+        pool([])
+
+
+def test_contenders_with_other_settings_are_not_pooled_together():
+    a, b = _runs(1.03, n_runs=2)
+    b["rows"][2]["setting"]["threshold"] = 0.35  # another acceptance setting in the second run
+    labels = [r["contender"] for r in pool([a, b], bootstrap=100)["rows"]]
+    assert labels == ["static γ=6", "static γ=7"]
+
+
+def test_pool_folders_writes_the_table_and_the_readme_block(tmp_path):
+    for i, run in enumerate(_runs(1.03), 1):
+        (tmp_path / f"run-{i}").mkdir()
+        (tmp_path / f"run-{i}" / "head_to_head.json").write_text(json.dumps(run))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- head_to_head_long:start -->\nold\n<!-- head_to_head_long:end -->\nrest\n")
+    p = pool_folders([str(tmp_path / "run-*")], tmp_path / "out", bootstrap=100, readme=readme, command="cmd")
+    assert p["runs"] == ["run-1", "run-2", "run-3"] and p["readme_updated"]
+    md = (tmp_path / "out" / "pooled.md").read_text()
+    assert md == pooled_markdown(p, [f"../run-{i}/head_to_head.md" for i in (1, 2, 3)])
+    assert "| acceptance (threshold=0.3) |" in md and "best adaptive, pooled" in md
+    text = readme.read_text()
+    assert "\nold\n" not in text and text.startswith("intro\n") and text.endswith("rest\n") and "`cmd`" in text
+    assert json.loads((tmp_path / "out" / "pooled.json").read_text())["reference"] == "static γ=6"
+    with pytest.raises(ValueError, match="no head_to_head.json"):
+        pool_folders([str(tmp_path / "nothing-*")], tmp_path / "out")
+    (tmp_path / "run-2" / "head_to_head.json").write_text("{broken")
+    with pytest.raises(ValueError, match="run-2/head_to_head.json: not valid JSON"):
+        pool_folders([str(tmp_path / "run-*")], tmp_path / "out")
