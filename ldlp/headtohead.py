@@ -126,18 +126,33 @@ def _costs(stats) -> dict | None:
         return None
 
 
+def _best_adaptive(rows: list[dict], ratio: str) -> tuple[dict | None, dict]:
+    """The adaptive row (the oracle is not one) with the highest ``ratio`` to the best static contender,
+    and the verdict's keys: its name, gain, the gain's 95% interval and whether it excludes zero."""
+    adaptive = [r for r in rows if r.get("adaptive") and r.get("policy") != "oracle" and "ci95" in r]
+    if not adaptive:
+        return None, {}
+    best = max(adaptive, key=lambda r: r[ratio])
+    return best, {"best_adaptive": best["contender"], "adaptive_gain": best[ratio] - 1,
+                  "adaptive_gain_ci95": [best["ci95"][0] - 1, best["ci95"][1] - 1],
+                  "adaptive_beats_static": best["ci95"][0] > 1}
+
+
+def _verdict_line(result: dict, ref: str, what: str) -> str:
+    lo, hi = result["adaptive_gain_ci95"]
+    word = "faster than" if lo > 0 else "slower than" if hi < 0 else "not distinguishable from"
+    return (f"- {what}: **{result['best_adaptive']}**, {100 * result['adaptive_gain']:+.1f}% vs {ref} "
+            f"(95% interval {100 * lo:+.1f}% to {100 * hi:+.1f}%): {word} the best static γ")
+
+
 def verdict(result: dict) -> dict:
     """The best adaptive contender (the oracle is not one) against the best static one, and the share of
     the oracle's headroom over the best static contender that it captures (when the oracle ran)."""
     rows = result["rows"]
-    adaptive = [r for r in rows if r.get("adaptive") and r["policy"] != "oracle" and "vs_best_static" in r]
-    if not adaptive:
+    best, out = _best_adaptive(rows, "vs_best_static")
+    if best is None:
         return {}
-    best = max(adaptive, key=lambda r: r["vs_best_static"])
     ref = next(r for r in rows if r["contender"] == result["reference"])
-    out = {"best_adaptive": best["contender"], "adaptive_gain": best["vs_best_static"] - 1,
-           "adaptive_gain_ci95": [best["ci95"][0] - 1, best["ci95"][1] - 1],
-           "adaptive_beats_static": best["ci95"][0] > 1}
     oracle = next((r for r in rows if r["policy"] == "oracle"), None)
     if oracle is not None and oracle["tokens_per_s"] > ref["tokens_per_s"]:
         out["headroom_captured"] = ((best["tokens_per_s"] - ref["tokens_per_s"])
@@ -166,10 +181,7 @@ def markdown(result: dict) -> str:
                      f"{r['speedup']:.2f}x | {vs} | {ci} | {faster} |")
     lines.append("")
     if "best_adaptive" in result:
-        lo, hi = result["adaptive_gain_ci95"]
-        word = "faster than" if lo > 0 else "slower than" if hi < 0 else "not distinguishable from"
-        lines.append(f"- best adaptive: **{result['best_adaptive']}**, {100 * result['adaptive_gain']:+.1f}% vs {ref} "
-                     f"(95% interval {100 * lo:+.1f}% to {100 * hi:+.1f}%): {word} the best static γ")
+        lines.append(_verdict_line(result, ref, "best adaptive"))
     if "headroom_captured" in result:
         lines.append(f"- headroom captured: **{100 * result['headroom_captured']:.0f}%** of (oracle − best static) "
                      "in tokens/s, all timed in turns")
@@ -222,19 +234,23 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
     pick = rng.integers(0, len(secs), size=(bootstrap, len(secs)))
     draws = [rng.integers(0, s[ref].shape[1], size=(bootstrap, s[ref].shape[1])) for s in secs]
 
-    def boot(k):  # (bootstrap,) pooled ratios
-        sums = lambda c: np.stack([s[c][:, d].sum((0, 2)) for s, d in zip(secs, draws)])  # noqa: E731  (runs, B)
-        cols = np.arange(bootstrap)[:, None]
-        return sums(ref)[pick, cols].sum(1) / sums(k)[pick, cols].sum(1)
+    cols = np.arange(bootstrap)[:, None]
+
+    def boot_seconds(k):  # (bootstrap,) seconds of contender k over the resampled runs and prompts
+        per_run = np.stack([s[k][:, d].sum((0, 2)) for s, d in zip(secs, draws)])  # (runs, bootstrap)
+        return per_run[pick, cols].sum(1)
+
+    ref_boot = boot_seconds(ref)
 
     out_rows = []
     for k in common:
         per_run = [float(s[ref].sum() / s[k].sum()) for s in secs]
-        row = {"contender": k, "adaptive": adaptive[k], "per_run": per_run, "median": float(np.median(per_run)),
+        first = results[0]["rows"][keyed[0][k]]
+        row = {"contender": k, "policy": first.get("policy"), "adaptive": adaptive[k], "per_run": per_run, "median": float(np.median(per_run)),
                "pooled": float(total[ref] / total[k]),
                "tokens_per_s": [res["rows"][rows[k]]["tokens_per_s"] for res, rows in zip(results, keyed)]}
         if k != ref:
-            b = boot(k)
+            b = ref_boot / boot_seconds(k)
             row["ci95"] = [float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))]
             row["runs_faster"] = sum(r > 1 for r in per_run)
         out_rows.append(row)
@@ -242,12 +258,7 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
            "pairs": int(sum(s[ref].size for s in secs)), "bootstrap": bootstrap,
            "ar_speedup_of_reference": [res["rows"][rows[ref]]["speedup"] for res, rows in zip(results, keyed)],
            "costs": [res.get("costs") for res in results]}
-    best = max((r for r in out_rows if r["adaptive"] and "ci95" in r and not r["contender"].startswith("oracle")),
-               key=lambda r: r["pooled"], default=None)
-    if best is not None:
-        out.update(best_adaptive=best["contender"], adaptive_gain=best["pooled"] - 1,
-                   adaptive_gain_ci95=[best["ci95"][0] - 1, best["ci95"][1] - 1],
-                   adaptive_beats_static=best["ci95"][0] > 1)
+    out.update(_best_adaptive(out_rows, "pooled")[1])
     return out
 
 
@@ -268,12 +279,8 @@ def pooled_markdown(p: dict, links: list[str] | None = None) -> str:
     lines.append("")
     lines.append(f"- {ref} over AR, per run: " + ", ".join(f"{s:.2f}x" for s in p["ar_speedup_of_reference"]))
     if "best_adaptive" in p:
-        lo, hi = p["adaptive_gain_ci95"]
-        word = "faster than" if lo > 0 else "slower than" if hi < 0 else "not distinguishable from"
-        lines.append(f"- best adaptive, pooled: **{p['best_adaptive']}**, {100 * p['adaptive_gain']:+.1f}% vs {ref} "
-                     f"(95% interval {100 * lo:+.1f}% to {100 * hi:+.1f}%): {word} the best static γ")
-    costs = [c for c in p["costs"] if c]
-    if costs:
+        lines.append(_verdict_line(p, ref, "best adaptive, pooled"))
+    if any(p["costs"]):
         lines.append("- fitted per target pass / per drafted token, per run: " + ", ".join(
             f"{c['step_ms']:.1f} / {c['draft_ms']:.2f} ms" if c else "–" for c in p["costs"]))
     return "\n".join(lines) + "\n"
@@ -311,8 +318,8 @@ def pool_folders(patterns: list[str], out_dir: str | Path, bootstrap: int = 2000
     _atomic_write(out / "pooled.json", json.dumps(pooled, indent=2) + "\n")
     _atomic_write(out / "pooled.md", md)
     if readme is not None:
-        readme_links = [os.path.relpath(f.parent / "head_to_head.md", Path(readme).parent) for f in files]
-        body = (f"Regenerate with `{command}` (table: [{os.path.relpath(out / 'pooled.md', Path(readme).parent)}]"
-                f"({os.path.relpath(out / 'pooled.md', Path(readme).parent)})).\n\n" + pooled_markdown(pooled, readme_links))
+        rel = lambda f: os.path.relpath(f, Path(readme).parent)  # noqa: E731
+        body = (f"Regenerate with `{command}` (table: [{rel(out / 'pooled.md')}]({rel(out / 'pooled.md')})).\n\n"
+                + pooled_markdown(pooled, [rel(f.parent / "head_to_head.md") for f in files]))
         pooled["readme_updated"] = replace_readme_block(readme, "head_to_head_long", body)
     return pooled
