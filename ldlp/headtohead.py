@@ -208,82 +208,92 @@ def _key(row: dict) -> str:
 
 
 def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2000, seed: int = 0) -> dict:
-    """Pool head-to-head runs (``head_to_head.json`` contents) of the same contenders.
+    """Pool head-to-head runs (``head_to_head.json`` contents).
 
     A run measures every contender on the same (round, prompt) pairs, so ratios are paired within a
     run; across runs the machine's speed, and with it the price of a target pass against a drafted
-    token, moves. Reported per contender present in every run: the ratio to the best static contender
-    (the static one fastest over all runs) in each run, their median, the pooled ratio over all pairs,
-    and its bootstrap 95% interval, which resamples runs (so the drift between runs widens it) and
-    then prompts within each run (each prompt with all its rounds). Ratios > 1 mean faster than that static contender."""
+    token, moves. The reference is the static contender fastest over all runs among those in every run.
+    Reported per contender (pooled over the runs it is in): its ratio to the reference in each run,
+    their median, the pooled ratio over all its pairs, and that ratio's bootstrap 95% interval, which
+    resamples runs (so the drift between runs widens it) and then prompts within each run (each prompt
+    with all its rounds). Ratios > 1 mean faster than the reference. With an oracle contender, the share
+    of its headroom that the best adaptive contender captures."""
     if not results:
         raise ValueError("pool: no head-to-head runs given")
     where = names or [f"run {i + 1}" for i in range(len(results))]
-    keyed = []
+    keyed = []  # per run: contender key -> row index
     for name, res in zip(where, results):
         if not res.get("lossless", False):
             raise ValueError(f"{name}: its greedy outputs differ from the AR output; a lossy run is not pooled")
-        rows = {_key(r): i for i, r in enumerate(res["rows"]) if r["contender"] != "AR"}
-        keyed.append(rows)
-    common = [k for k in keyed[0] if all(k in rows for rows in keyed[1:])]
-    secs = [{k: np.asarray(res["seconds"][rows[k]]) for k in common} for res, rows in zip(results, keyed)]
-    adaptive = {k: bool(results[0]["rows"][keyed[0][k]].get("adaptive")) for k in common}
-    static = [k for k in common if not adaptive[k]]
+        keyed.append({_key(r): i for i, r in enumerate(res["rows"]) if r["contender"] != "AR"})
+    keys = list(dict.fromkeys(k for rows in keyed for k in rows))  # in order of first appearance
+    present = {k: [j for j, rows in enumerate(keyed) if k in rows] for k in keys}
+    first = {k: results[present[k][0]]["rows"][keyed[present[k][0]][k]] for k in keys}
+    secs = [{k: np.asarray(res["seconds"][i]) for k, i in rows.items()} for res, rows in zip(results, keyed)]
+    static = [k for k in keys if not first[k].get("adaptive") and len(present[k]) == len(results)]
     if not static:
-        raise ValueError(f"pool: no static contender is in every run (common contenders: {common})")
-    total = {k: sum(s[k].sum() for s in secs) for k in common}
-    ref = min(static, key=lambda k: total[k])  # the same tokens in every run: least seconds = fastest
+        raise ValueError(f"pool: no static contender is in every run (contenders: {keys})")
+    ref = min(static, key=lambda k: sum(s[k].sum() for s in secs))  # the same tokens in every run
     rng = np.random.default_rng(seed)
     # two-level bootstrap: runs with replacement (the machine's drift between runs), then prompts within each
-    pick = rng.integers(0, len(secs), size=(bootstrap, len(secs)))
     draws = [rng.integers(0, s[ref].shape[1], size=(bootstrap, s[ref].shape[1])) for s in secs]
-
     cols = np.arange(bootstrap)[:, None]
 
-    def boot_seconds(k):  # (bootstrap,) seconds of contender k over the resampled runs and prompts
-        per_run = np.stack([s[k][:, d].sum((0, 2)) for s, d in zip(secs, draws)])  # (runs, bootstrap)
-        return per_run[pick, cols].sum(1)
-
-    ref_boot = boot_seconds(ref)
+    def boot_ratio(k):  # (bootstrap,) pooled ratios of contender k over the runs it is in
+        runs = present[k]
+        pick = np.random.default_rng([seed, *runs]).integers(0, len(runs), size=(bootstrap, len(runs)))
+        seconds = lambda c: np.stack([secs[j][c][:, draws[j]].sum((0, 2)) for j in runs])[pick, cols].sum(1)  # noqa: E731
+        return seconds(ref) / seconds(k)
 
     out_rows = []
-    for k in common:
-        per_run = [float(s[ref].sum() / s[k].sum()) for s in secs]
-        first = results[0]["rows"][keyed[0][k]]
-        row = {"contender": k, "policy": first.get("policy"), "adaptive": adaptive[k], "per_run": per_run, "median": float(np.median(per_run)),
-               "pooled": float(total[ref] / total[k]),
-               "tokens_per_s": [res["rows"][rows[k]]["tokens_per_s"] for res, rows in zip(results, keyed)]}
+    for k in keys:
+        per_run = [float(s[ref].sum() / s[k].sum()) if k in s else None for s in secs]
+        mine = [r for r in per_run if r is not None]
+        row = {"contender": k, "policy": first[k].get("policy"), "adaptive": bool(first[k].get("adaptive")),
+               "per_run": per_run, "median": float(np.median(mine)),
+               "pooled": float(sum(secs[j][ref].sum() for j in present[k]) / sum(secs[j][k].sum() for j in present[k])),
+               "tokens_per_s": [res["rows"][rows[k]]["tokens_per_s"] if k in rows else None
+                                for res, rows in zip(results, keyed)]}
         if k != ref:
-            b = ref_boot / boot_seconds(k)
+            b = boot_ratio(k)
             row["ci95"] = [float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))]
-            row["runs_faster"] = sum(r > 1 for r in per_run)
+            row["runs_faster"] = sum(r > 1 for r in mine)
         out_rows.append(row)
     out = {"runs": where, "reference": ref, "rows": out_rows,
            "pairs": int(sum(s[ref].size for s in secs)), "bootstrap": bootstrap,
            "ar_speedup_of_reference": [res["rows"][rows[ref]]["speedup"] for res, rows in zip(results, keyed)],
            "costs": [res.get("costs") for res in results]}
-    out.update(_best_adaptive(out_rows, "pooled")[1])
+    best, verdict_keys = _best_adaptive(out_rows, "pooled")
+    out.update(verdict_keys)
+    oracle = next((r for r in out_rows if r["policy"] == "oracle"), None)
+    if best is not None and oracle is not None and oracle["pooled"] > 1:
+        out["headroom_captured"] = (best["pooled"] - 1) / (oracle["pooled"] - 1)
     return out
 
 
 def pooled_markdown(p: dict, links: list[str] | None = None) -> str:
     ref, n = p["reference"], len(p["runs"])
     runs = [f"[{r}]({link})" for r, link in zip(p["runs"], links)] if links else p["runs"]
-    lines = [f"{n} head-to-head runs ({', '.join(runs)}), {p['pairs']} timed (round, prompt) pairs per contender "
+    lines = [f"{n} head-to-head runs ({', '.join(runs)}), {p['pairs']} timed (round, prompt) pairs of the reference "
              f"in all. Ratios are seconds of **{ref}** (the static contender fastest over all runs) over the "
-             "contender's, on the same pairs: > 1 is faster. The 95% interval of the pooled ratio resamples "
-             "runs, then prompts within each run.", "",
+             "contender's, on the same pairs: > 1 is faster. A contender is pooled over the runs it is in (– where "
+             "it did not run); the 95% interval of its pooled ratio resamples those runs, then prompts within each.",
+             "",
              "| contender | " + " | ".join(f"{r}" for r in p["runs"]) + " | median | pooled | 95% interval | runs faster |",
              "|---|" + "---:|" * (n + 4)]
     for r in p["rows"]:
-        cells = " | ".join(f"{v:.3f}" for v in r["per_run"])
+        cells = " | ".join("–" if v is None else f"{v:.3f}" for v in r["per_run"])
         ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
-        faster = f"{r['runs_faster']}/{n}" if "runs_faster" in r else "reference"
+        n_in = sum(v is not None for v in r["per_run"])
+        faster = f"{r['runs_faster']}/{n_in}" if "runs_faster" in r else "reference"
         lines.append(f"| {r['contender']} | {cells} | {r['median']:.3f} | {r['pooled']:.3f} | {ci} | {faster} |")
     lines.append("")
     lines.append(f"- {ref} over AR, per run: " + ", ".join(f"{s:.2f}x" for s in p["ar_speedup_of_reference"]))
     if "best_adaptive" in p:
         lines.append(_verdict_line(p, ref, "best adaptive, pooled"))
+    if "headroom_captured" in p:
+        lines.append(f"- headroom captured: **{100 * p['headroom_captured']:.0f}%** of (oracle − {ref}), both pooled "
+                     "(over the runs each is in)")
     if any(p["costs"]):
         lines.append("- fitted per target pass / per drafted token, per run: " + ", ".join(
             f"{c['step_ms']:.1f} / {c['draft_ms']:.2f} ms" if c else "–" for c in p["costs"]))

@@ -70,11 +70,31 @@ def test_pool_refuses_lossy_runs_and_runs_without_a_common_static_contender():
         pool([])
 
 
-def test_contenders_with_other_settings_are_not_pooled_together():
+def test_contenders_with_other_settings_are_kept_apart_and_pooled_over_their_own_runs():
     a, b = _runs(1.03, n_runs=2)
     b["rows"][2]["setting"]["threshold"] = 0.35  # another acceptance setting in the second run
-    labels = [r["contender"] for r in pool([a, b], bootstrap=100)["rows"]]
-    assert labels == ["static γ=6", "static γ=7"]
+    p = pool([a, b], bootstrap=100)
+    rows = {r["contender"]: r for r in p["rows"]}
+    assert list(rows) == ["static γ=6", "static γ=7", "acceptance (threshold=0.3)", "acceptance (threshold=0.35)"]
+    first, second = rows["acceptance (threshold=0.3)"], rows["acceptance (threshold=0.35)"]
+    assert first["per_run"][1] is None and second["per_run"][0] is None
+    assert first["pooled"] == pytest.approx(np.sum(a["seconds"][0]) / np.sum(a["seconds"][2]))
+    assert second["pooled"] == pytest.approx(np.sum(b["seconds"][0]) / np.sum(b["seconds"][2]))
+    assert "| acceptance (threshold=0.35) | – |" in pooled_markdown(p)
+
+
+def test_an_oracle_in_some_runs_gives_the_headroom_captured():
+    runs = _runs(1.04, n_runs=3)
+    base = np.asarray(runs[2]["seconds"][0])
+    extra = _run({"static γ=6": base, "oracle": base / 1.4})
+    runs[2]["rows"].insert(3, {**extra["rows"][1], "policy": "oracle"})
+    runs[2]["seconds"].insert(3, extra["seconds"][1])
+    p = pool(runs, bootstrap=100)
+    oracle = next(r for r in p["rows"] if r["policy"] == "oracle")
+    assert oracle["per_run"][:2] == [None, None] and oracle["pooled"] == pytest.approx(1.4)
+    assert p["best_adaptive"] == "acceptance (threshold=0.3)"  # the oracle is not an adaptive contender
+    assert p["headroom_captured"] == pytest.approx(p["adaptive_gain"] / 0.4)
+    assert "headroom captured" in pooled_markdown(p)
 
 
 def test_pool_folders_writes_the_table_and_the_readme_block(tmp_path):
