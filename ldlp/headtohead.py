@@ -237,12 +237,14 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
     rng = np.random.default_rng(seed)
     # two-level bootstrap: runs with replacement (the machine's drift between runs), then prompts within each
     draws = [rng.integers(0, s[ref].shape[1], size=(bootstrap, s[ref].shape[1])) for s in secs]
+    # per run and contender: its seconds summed over each resample of that run's prompts, (bootstrap,)
+    resampled = [{k: v[:, d].sum((0, 2)) for k, v in s.items()} for s, d in zip(secs, draws)]
     cols = np.arange(bootstrap)[:, None]
 
     def boot_ratio(k):  # (bootstrap,) pooled ratios of contender k over the runs it is in
         runs = present[k]
         pick = np.random.default_rng([seed, *runs]).integers(0, len(runs), size=(bootstrap, len(runs)))
-        seconds = lambda c: np.stack([secs[j][c][:, draws[j]].sum((0, 2)) for j in runs])[pick, cols].sum(1)  # noqa: E731
+        seconds = lambda c: np.stack([resampled[j][c] for j in runs])[pick, cols].sum(1)  # noqa: E731
         return seconds(ref) / seconds(k)
 
     out_rows = []
