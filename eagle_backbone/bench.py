@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from eagle_backbone.engine import _Clock
+from eagle_backbone.runtime import Clock
 from eagle_backbone.target import TargetModel
 
 
@@ -35,7 +35,7 @@ def forward_costs(targets: dict[str, TargetModel], lengths=(1, 2, 3, 4, 5, 6, 7,
     times = {name: {T: [] for T in lengths} for name in targets}
     for r in range(reps + 1):
         for name, target in targets.items():
-            clock = _Clock(target.device)
+            clock = Clock(target.device)
             for T in lengths:
                 cache = target.new_cache()
                 target(ctx.to(target.device), cache)

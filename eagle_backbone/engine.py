@@ -10,7 +10,6 @@ speculative decoding papers measure.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from eagle_backbone.candidates import CandidateGenerator
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
+from eagle_backbone.runtime import Clock
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits, sample, verify_greedy, verify_sampling
 from eagle_backbone.target import TargetModel, rollback
 
@@ -26,18 +26,6 @@ from eagle_backbone.target import TargetModel, rollback
 class GenerationOutput:
     tokens: list[int]  # new tokens only, EOS included when generated
     stats: GenerationStats
-
-
-class _Clock:
-    """perf_counter that waits for the GPU, so seconds land on the part that spent them."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
 
 def check_prompt(prompt_ids, target: TargetModel) -> list[int]:
@@ -85,7 +73,7 @@ class SpeculativeDecoder:
         _check_budget(max_new_tokens)
         if max_new_tokens == 0:
             return GenerationOutput([], GenerationStats())
-        rng, clock, eos = _rng(seed), _Clock(target.device), target.eos_token_ids
+        rng, clock, eos = _rng(seed), Clock(target.device), target.eos_token_ids
         policy.begin(ids)
         stats = GenerationStats()
         t_start = clock()
@@ -183,7 +171,7 @@ def autoregressive_generate(target: TargetModel, prompt_ids, max_new_tokens: int
     """Plain decoding with the KV cache: one target forward per token."""
     ids = check_prompt(prompt_ids, target)
     _check_budget(max_new_tokens)
-    rng, clock, eos = _rng(seed), _Clock(target.device), target.eos_token_ids
+    rng, clock, eos = _rng(seed), Clock(target.device), target.eos_token_ids
     stats = GenerationStats()
     t_start = clock()
     cache = target.new_cache()

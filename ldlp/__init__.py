@@ -1,1 +1,6 @@
-"""Adaptive draft length: oracle labels, the LDLP predictor, draft-length policies and their evaluation."""
+"""The method: draft-length predictors (LDLP, acceptance head) and the policies that use them.
+
+Stages, in data-flow order: ``labels`` (oracle draft lengths) → ``training`` (fit the predictors) →
+policies here → ``bench`` (time them against static γ) → ``report`` (tables and pages); ``pipeline``
+runs them all. Top-level modules import only ``eagle_backbone`` and each other, never a stage package.
+"""

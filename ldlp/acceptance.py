@@ -2,8 +2,8 @@
 
 Threshold rules (DDD, confidence, entropy) stop on the drafter's probabilities alone, which predict
 only weakly whether the target keeps the next draft; the state the drafter's LM head reads carries
-more (``metrics.md`` of ``python scripts/train_acceptance.py`` compares the two on validation rows: on
-the embedded pair AUC 0.79 against 0.76). After drafting token ``m`` the head estimates
+more (``metrics.md`` of ``python scripts/train_acceptance.py`` compares the two on validation rows).
+After drafting token ``m`` the head estimates
 
     q_m = P(the target accepts drafts 1 .. m+1 | what the drafter has seen up to step m)
 
@@ -14,7 +14,7 @@ embedded labels.)
 
 Inputs at step ``m``: the drafter state ``h_m`` (d), ``log p_m`` (the drafter's probability of the token
 it drafted), ``sum_{j<=m} log p_j`` (DDD's statistic) and ``m``. Model: logistic regression, fitted by
-scikit-learn on the oracle rows (:func:`examples` makes one example per row and step whose outcome the
+scikit-learn on the oracle rows (:func:`ldlp.training.acceptance.examples` makes one example per row and step whose outcome the
 labels know); the standardisation is folded into the weights, so a decision is one dot product.
 Saved as ``config.json`` + ``model.safetensors``; :class:`ldlp.policies.AcceptancePolicy` drafts while
 ``q_m >= threshold``.
@@ -22,9 +22,7 @@ Saved as ``config.json`` + ``model.safetensors``; :class:`ldlp.policies.Acceptan
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -127,131 +125,9 @@ class AcceptanceHead(nn.Module):
         return head.eval()
 
 
-# -- data ----------------------------------------------------------------------------------------------
 
 
-def examples(label: np.ndarray, remaining: np.ndarray, top1: np.ndarray, states: np.ndarray,
-             k_max: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One example per row and step ``m = 1 .. k_max-1`` whose outcome the labels know.
-
-    ``label``/``remaining`` (R,), ``top1`` (R, k_max) the drafter's probability of each greedy draft,
-    ``states`` (R, k_max, d). Returns ``states`` (n, d), ``stats`` (n, 3), the outcome ``label >= m+1``
-    (n,) and the row of each example. A row whose response ends before step ``m+1`` (``remaining <= m``)
-    cannot tell whether the draft would have been kept, so it gives no example for that step.
-    """
-    log_p = np.log(np.clip(top1.astype(np.float64), 1e-6, None))  # clip_log_p, vectorised
-    cum = np.cumsum(log_p, axis=1)
-    X, S, Y, rows = [], [], [], []
-    for m in range(1, k_max):
-        ok = np.flatnonzero(remaining >= m + 1)
-        X.append(states[ok, m - 1])
-        S.append(np.stack([log_p[ok, m - 1], cum[ok, m - 1], np.full(len(ok), m)], 1))
-        Y.append(label[ok] >= m + 1)
-        rows.append(ok)
-    d = states.shape[-1]
-    cat = lambda xs, shape: np.concatenate(xs) if xs else np.zeros(shape)  # noqa: E731
-    return (cat(X, (0, d)).astype(np.float32), cat(S, (0, 3)).astype(np.float32), cat(Y, (0,)).astype(bool),
-            cat(rows, (0,)).astype(np.int64))
 
 
-def load_rows(oracle_dir: str | Path) -> dict:
-    """The oracle rows an acceptance head trains on (numpy), with states reshaped to (R, k_max, d)."""
-    from ldlp.oracle import load_oracle_rows
-    from ldlp.training import read_manifest
-
-    manifest = read_manifest(oracle_dir)
-    ds = load_oracle_rows(oracle_dir)
-    if "draft_state" not in ds.column_names:
-        raise ValueError(f"{oracle_dir}: the oracle rows hold no draft_state column; collect them with "
-                         "`python scripts/collect_oracle.py store_draft_states=true` (a new out_dir, or "
-                         "overwrite=true)")
-    k = int(manifest["k_max"])
-    cols = ds.select_columns(["conversation_id", "split", "label", "remaining", "draft_top1_prob", "draft_state"])
-    data = cols.with_format("numpy")[:]
-    states = np.asarray(data["draft_state"])
-    data["draft_state"] = states.reshape(len(states), k, -1)
-    data["k_max"] = k
-    return data
 
 
-# -- training --------------------------------------------------------------------------------------------
-
-
-def _fit(X: np.ndarray, y: np.ndarray, C: float, seed: int):
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    return make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=5000, random_state=seed)).fit(X, y)
-
-
-def _scores(y: np.ndarray, p: np.ndarray) -> dict:
-    from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
-
-    both = len(np.unique(y)) == 2
-    return {"auc": float(roc_auc_score(y, p)) if both else None,
-            "log_loss": float(log_loss(y, np.clip(p, 1e-7, 1 - 1e-7), labels=[False, True])),
-            "brier": float(brier_score_loss(y, p)), "positive_rate": float(np.mean(y)), "examples": int(len(y))}
-
-
-def train_acceptance_head(cfg) -> dict:
-    """Fit the head on the oracle's train rows, score it on its validation rows next to the same model
-    without the state (the drafter's probabilities alone), save it; returns the metrics."""
-    from ldlp.training import split_by_conversation
-
-    t0 = time.perf_counter()
-    data = load_rows(cfg.oracle_dir)
-    k = data["k_max"]
-    if k < 2:
-        raise ValueError(f"{cfg.oracle_dir}: k_max={k}; an acceptance head needs k_max >= 2 (a next step to decide on)")
-    val = split_by_conversation(list(data["conversation_id"]), list(data["split"]), float(cfg.val_fraction),
-                                int(cfg.seed))
-    X, S, y, rows = examples(data["label"], data["remaining"], data["draft_top1_prob"], data["draft_state"], k)
-    is_val = val[rows]
-    train = np.flatnonzero(~is_val)
-    if cfg.get("max_examples") and len(train) > cfg.max_examples:
-        train = np.sort(np.random.default_rng(int(cfg.seed)).choice(train, int(cfg.max_examples), replace=False))
-    if len(np.unique(y[train])) < 2:
-        raise ValueError(f"{cfg.oracle_dir}: the training examples have one outcome only; collect more labels")
-    full = np.concatenate([X, S], 1)
-    model = _fit(full[train], y[train], float(cfg.C), int(cfg.seed))
-    config = AcceptanceHeadConfig(hidden_size=X.shape[1], k_max=k, C=float(cfg.C))
-    head = AcceptanceHead.from_sklearn(model, config)
-    out = Path(cfg.out_dir)
-    head.save_pretrained(out)
-
-    metrics = {"oracle_dir": str(cfg.oracle_dir), "train_examples": int(len(train)), "k_max": k, "C": float(cfg.C)}
-    val_idx = np.flatnonzero(is_val)
-    if len(val_idx):
-        with torch.no_grad():
-            p_head = head(torch.from_numpy(X[val_idx]), torch.from_numpy(S[val_idx])).numpy()
-        p_stats = _fit(S[train], y[train], float(cfg.C), int(cfg.seed)).predict_proba(S[val_idx])[:, 1]
-        metrics["validation"] = {"acceptance_head": _scores(y[val_idx], p_head),
-                                 "drafter_probabilities_only": _scores(y[val_idx], p_stats)}
-        steps = S[val_idx, 2].astype(int)
-        metrics["validation_auc_by_step"] = {int(m): _scores(y[val_idx][steps == m], p_head[steps == m])["auc"]
-                                             for m in np.unique(steps)}
-    metrics["seconds"] = round(time.perf_counter() - t0, 1)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    (out / "metrics.md").write_text(metrics_markdown(metrics))
-    return metrics
-
-
-def metrics_markdown(m: dict) -> str:
-    lines = ["## Acceptance head", "",
-             f"Logistic regression (C = {m['C']}) on the drafter state and its probabilities, predicting whether "
-             f"the target keeps the draft extended by one more token; {m['train_examples']} training examples "
-             f"from {m['oracle_dir']} (k_max = {m['k_max']}).", ""]
-    val = m.get("validation")
-    if val:
-        lines += ["| inputs (validation split) | AUC | log loss | Brier | examples | positive rate |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for name, s in val.items():
-            auc = "–" if s["auc"] is None else f"{s['auc']:.3f}"
-            lines.append(f"| {name.replace('_', ' ')} | {auc} | {s['log_loss']:.3f} | {s['brier']:.3f} | "
-                         f"{s['examples']} | {s['positive_rate']:.3f} |")
-        by_step = m.get("validation_auc_by_step") or {}
-        if by_step:
-            lines += ["", "AUC by draft step: " + ", ".join(
-                f"{k}: {'–' if v is None else f'{v:.2f}'}" for k, v in by_step.items())]
-    return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@
              validation labels, with a cost model timed on this machine; the adaptive sweep uses them)
     sweeps   python scripts/evaluate.py -m ...          (outputs/pipeline/embedded/round-R/<sweep>)
              per round: static γ, adaptive policies, and the peer rows on the standalone draft LM
-    summary  ldlp.summary.summarize                     (results/embedded: results.md/.csv, tokens_per_s.png)
+    summary  ldlp.report.summary.summarize                     (results/embedded: results.md/.csv, tokens_per_s.png)
 
 Sweeps are repeated ``sweep.rounds`` times, one round after the other, so every policy is measured in
 every phase of a noisy machine; the summary reports medians over rounds.
@@ -132,7 +132,7 @@ def _tuned_best(tuned: Path | None) -> dict:
     """{policy: its best replay-tuned result} from a tuning.json ({} when no tuning ran)."""
     if tuned is None or not tuned.is_file():
         return {}
-    from ldlp.replay import best_per_policy
+    from ldlp.bench.replay import best_per_policy
 
     return best_per_policy(json.loads(tuned.read_text())["results"])
 
@@ -147,7 +147,7 @@ def _static_gammas(cfg, best_swept: int, tuned_best: dict) -> list[int]:
     return sorted(g for g in wanted if g in cfg.sweep.static_gammas)
 
 
-def _best_adaptive(cfg, name: str, summary: dict, tuned_best: dict) -> list[str]:
+def adaptive_contenders(cfg, name: str, summary: dict, tuned_best: dict) -> list[str]:
     """The adaptive policies the head to head times: the best of the replay tuning (chosen on the
     validation labels, so the test prompts judge them without a winner's curse) or of the sweep."""
     swept = [p for p in cfg.sweep.adaptive if p != "oracle"]
@@ -161,14 +161,14 @@ def _best_adaptive(cfg, name: str, summary: dict, tuned_best: dict) -> list[str]
 
 def head_to_head_stage(cfg, name: str, summary: dict) -> Stage | None:
     """Static γ around the sweep's best and the best adaptive policies, timed in turns (scripts/compare.py);
-    ``summary`` is the sweeps' (ldlp.summary.summarize), ``name`` the swept model's name."""
+    ``summary`` is the sweeps' (ldlp.report.summary.summarize), ``name`` the swept model's name."""
     head = summary["headline"].get(name) or {}
     if "best_static" not in head or "best_adaptive" not in head:
         return None
     tuned = Path(cfg.tune.out_dir) / "tuning.json" if cfg.get("tune") and cfg.tune.get("enabled") else None
     tuned_best = _tuned_best(tuned)
     gammas = _static_gammas(cfg, int(head["best_static"]["gamma"]), tuned_best)
-    policies = _best_adaptive(cfg, name, summary, tuned_best)
+    policies = adaptive_contenders(cfg, name, summary, tuned_best)
     contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies]
     if "oracle" in cfg.sweep.adaptive:
         contenders.append("policy=oracle")  # the upper bound, timed in the same turns: headroom in paired numbers
@@ -232,7 +232,7 @@ def _ar_impl(run_dir: Path | None) -> str | None:
 
 def run(cfg) -> dict:
     """Run the stages that are not done yet, then summarize; returns the summary (see ldlp.summary)."""
-    from ldlp.summary import summarize
+    from ldlp.report.summary import summarize
 
     force = _force_level(cfg.force)
     check_models(cfg)
@@ -294,7 +294,7 @@ def run(cfg) -> dict:
             result = json.loads((stage.run_dir / "head_to_head.json").read_text())
             summary = summarize(sweep_dirs, cfg.out_dir, head_to_head=result)
     if cfg.get("update_readme"):
-        from ldlp.summary import update_readme
+        from ldlp.report.pages import update_readme
 
         names = [s.name for s in stages] + (["head_to_head"] if h2h and h2h.get("enabled") else [])
         full = sum(times.get(n, 0.0) for n in names)

@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.collect import collect_oracle
+from ldlp.labels.collect import collect_oracle
 
 
 @hydra.main(config_path="../conf", config_name="collect_oracle", version_base="1.3")

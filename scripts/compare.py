@@ -12,8 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.evaluation import policy_config
-from ldlp.headtohead import head_to_head, markdown
+from ldlp.bench.headtohead import head_to_head, markdown
+from ldlp.bench.loaders import policy_config
 
 
 @hydra.main(config_path="../conf", config_name="compare", version_base="1.3")

@@ -9,7 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.evaluation import evaluate, one_line
+from ldlp.bench.evaluate import evaluate, one_line
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")

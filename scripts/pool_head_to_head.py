@@ -9,18 +9,19 @@ from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
 from eagle_backbone.paths import repo_path
-from ldlp.headtohead import pool_folders, pooled_markdown
+from ldlp.bench.pool import pool_folders, pooled_markdown
+from ldlp.report.pages import publish_pooled
 
 
 @hydra.main(config_path="../conf", config_name="pool_head_to_head", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    readme = repo_path("README.md") if cfg.update_readme else None
-    pooled = pool_folders(list(cfg.runs), cfg.out_dir, int(cfg.bootstrap), int(cfg.seed), readme,
-                          "python scripts/pool_head_to_head.py update_readme=true")
+    pooled = pool_folders(list(cfg.runs), cfg.out_dir, int(cfg.bootstrap), int(cfg.seed))
     print(pooled_markdown(pooled))
     print(f"wrote {cfg.out_dir}/pooled.md")
-    if readme is not None and not pooled["readme_updated"]:
-        print("README.md has no <!-- head_to_head_long:start --> ... <!-- head_to_head_long:end --> block: left as is")
+    if cfg.update_readme:
+        readme = repo_path("README.md")
+        if not publish_pooled(readme, pooled, cfg.out_dir, "python scripts/pool_head_to_head.py update_readme=true"):
+            print(f"{readme} has no <!-- head_to_head_long:start --> ... <!-- head_to_head_long:end --> block: left as is")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig, ListConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.summary import summarize
+from ldlp.report.summary import summarize
 
 
 @hydra.main(config_path="../conf", config_name="summarize", version_base="1.3")

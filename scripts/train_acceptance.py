@@ -8,7 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.acceptance import metrics_markdown, train_acceptance_head
+from ldlp.training.acceptance import metrics_markdown, train_acceptance_head
 
 
 @hydra.main(config_path="../conf", config_name="train_acceptance", version_base="1.3")

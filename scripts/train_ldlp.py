@@ -8,7 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.training import run_ldlp_training
+from ldlp.training.predictor import run_ldlp_training
 
 
 @hydra.main(config_path="../conf", config_name="train_ldlp", version_base="1.3")

@@ -13,8 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.evaluation import build_policy, load_pair_cached, load_prompts, policy_config
-from ldlp.replay import CostModel, OracleRows, best_per_policy, grid, measure_costs, tune, tuning_markdown
+from ldlp.bench.loaders import build_policy, load_pair_cached, load_prompts, policy_config
+from ldlp.bench.replay import CostModel, OracleRows, best_per_policy, grid, measure_costs, tune, tuning_markdown
 
 
 def _builder(cfg: DictConfig, name: str):

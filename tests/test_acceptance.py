@@ -9,16 +9,17 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
-from ldlp.acceptance import (AcceptanceHead, AcceptanceHeadConfig, _fit, clip_log_p, examples, load_rows,
-                             train_acceptance_head)
-from ldlp.collect import WorkItem, _part_columns, write_arrow, write_json
-from ldlp.oracle import greedy_oracle, rows_features, sequences_features
+from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
+from ldlp.bench.replay import CostModel, OracleRows, replay
+from ldlp.labels.collect import WorkItem, _part_columns
+from ldlp.labels.oracle import greedy_oracle
+from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json
 from ldlp.policies import AcceptancePolicy
-from ldlp.replay import CostModel, OracleRows, replay
-from test_oracle import mimic_pair
+from ldlp.training.acceptance import _fit, examples, load_rows, train_acceptance_head
 
 K_MAX, BUDGET = 8, 36
 

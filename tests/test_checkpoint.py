@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
+from conftest import make_target
 
-from conftest import make_drafter, make_target
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.engine import SpeculativeDecoder

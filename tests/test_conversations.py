@@ -5,8 +5,14 @@ import json
 import pytest
 
 from eagle_backbone.data import conversations as conv
-from eagle_backbone.data.conversations import (DataError, build_prompts, held_out, load_conversations, make_prompts,
-                                               read_conversations)
+from eagle_backbone.data.conversations import (
+    DataError,
+    build_prompts,
+    held_out,
+    load_conversations,
+    make_prompts,
+    read_conversations,
+)
 
 SHAREGPT = [
     {"id": "a", "conversations": [{"from": "human", "value": "What is x?"}, {"from": "gpt", "value": "x is 1."},

@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import make_drafter, make_target
+
 from eagle_backbone.candidates import CandidateGenerator, DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy

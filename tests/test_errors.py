@@ -1,8 +1,8 @@
 """Bad input gets a ValueError that names the problem, not a torch stack trace."""
 
 import pytest
-
 from conftest import make_drafter, make_target
+
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy

@@ -6,13 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_llama_config
 from hydra import compose, initialize_config_dir
 from transformers import LlamaForCausalLM
 
-from conftest import tiny_llama_config
 from eagle_backbone.drafter import EagleDrafter
-from ldlp.evaluation import RESULT_KEYS, evaluate
-from ldlp.summary import summarize
+from ldlp.bench.evaluate import RESULT_KEYS, evaluate
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "data" / "embedded" / "tokenizer"  # committed; its vocabulary (4096) sizes the tiny models
@@ -145,7 +144,7 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):
-    from ldlp.summary import update_readme
+    from ldlp.report.pages import update_readme
 
     (tmp_path / "results").mkdir()
     md, png = tmp_path / "results" / "results.md", tmp_path / "results" / "tokens_per_s.png"
@@ -165,7 +164,7 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
 def test_tuned_settings_replace_the_policy_fields(tmp_path):
     from omegaconf import OmegaConf
 
-    from ldlp.evaluation import apply_tuned
+    from ldlp.bench.loaders import apply_tuned
 
     results = [{"policy": "ddd", "params": {"threshold": -2.0, "max_gamma": 6}, "tokens_per_s": 10.0},
                {"policy": "ddd", "params": {"threshold": -4.0, "max_gamma": 8}, "tokens_per_s": 12.0},
@@ -186,7 +185,7 @@ def test_tuned_settings_replace_the_policy_fields(tmp_path):
 
 
 def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
-    from ldlp.headtohead import head_to_head
+    from ldlp.bench.headtohead import head_to_head
 
     cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static"])
     static = cfg.policy
@@ -200,7 +199,7 @@ def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
 
 
 def test_head_to_head_tokens_per_s_counts_every_round(tiny_models, prompt_file):
-    from ldlp.headtohead import head_to_head
+    from ldlp.bench.headtohead import head_to_head
 
     cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "evaluation.progress=false"])
     two = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=2"]).policy
@@ -220,7 +219,7 @@ def test_head_to_head_tokens_per_s_counts_every_round(tiny_models, prompt_file):
 
 def test_head_to_head_fits_the_costs_of_its_own_generations():
     from eagle_backbone.metrics import GenerationStats
-    from ldlp.headtohead import _costs
+    from ldlp.bench.headtohead import _costs
 
     def timed(f, d, a):  # 12 ms a target pass, 1.5 ms a drafted token, 0.25 ms an accepted one
         return GenerationStats(target_forwards=f, drafted_tokens=d, accepted_tokens=a,
@@ -235,7 +234,7 @@ def test_head_to_head_fits_the_costs_of_its_own_generations():
 def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise(tmp_path):
     from omegaconf import OmegaConf
 
-    from ldlp.pipeline import _best_adaptive, _tuned_best
+    from ldlp.pipeline import _tuned_best, adaptive_contenders
 
     tuned = tmp_path / "tuning.json"
     tuned.write_text(json.dumps({"results": [
@@ -250,18 +249,18 @@ def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise(tmp_pat
                         {"model": "m", "policy": "heuristic", "speedup": 1.8}]}
     cfg = OmegaConf.create({"sweep": {"adaptive": ["ddd", "acceptance", "heuristic", "oracle"]},
                             "head_to_head": {"adaptive": 2, "choose_by": "tuning"}})
-    assert _best_adaptive(cfg, "m", summary, _tuned_best(tuned)) == ["ddd", "acceptance"]
+    assert adaptive_contenders(cfg, "m", summary, _tuned_best(tuned)) == ["ddd", "acceptance"]
     cfg.head_to_head.choose_by = "sweep"
-    assert _best_adaptive(cfg, "m", summary, _tuned_best(tuned)) == ["acceptance", "heuristic"]
+    assert adaptive_contenders(cfg, "m", summary, _tuned_best(tuned)) == ["acceptance", "heuristic"]
     cfg.head_to_head.choose_by = "tuning"
-    assert _best_adaptive(cfg, "m", summary, _tuned_best(None)) == ["acceptance", "heuristic"]  # no tuning: the sweep
+    assert adaptive_contenders(cfg, "m", summary, _tuned_best(None)) == ["acceptance", "heuristic"]  # no tuning: the sweep
 
 
 def test_policy_config_composes_one_policy_with_the_checkpoint_folders(tmp_path):
     from omegaconf import OmegaConf
 
     import eagle_backbone.paths  # noqa: F401
-    from ldlp.evaluation import policy_config
+    from ldlp.bench.loaders import policy_config
 
     cfg = OmegaConf.create({"ldlp_path": str(tmp_path / "l"), "ldlp_survival_path": str(tmp_path / "s"),
                             "acceptance_path": str(tmp_path / "a")})

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from ldlp.baselines import evaluate_all, length_metrics
-from ldlp.oracle import load_oracle_rows
+from ldlp.labels.store import load_oracle_rows
 from ldlp.predictor import LDLP, LDLPConfig, asymmetric_l1, survival_nll
-from ldlp.training import LDLPModule, OracleDataModule, predict_lengths
+from ldlp.training.baselines import evaluate_all, length_metrics
+from ldlp.training.predictor import LDLPModule, OracleDataModule, predict_lengths
 
 REPO = Path(__file__).resolve().parent.parent
 K_MAX = 4
@@ -35,7 +35,7 @@ def write_oracle(out_dir: Path, n_conversations: int, rows_per_conv: int, d: int
     import datasets
     import pyarrow as pa
 
-    from ldlp.oracle import META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, rows_features, sequences_features
+    from ldlp.labels.store import META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, rows_features, sequences_features
 
     rng = np.random.default_rng(seed)
     rows = {c: [] for c in ("seq_id", "conversation_id", "split", "index", "last_token", "label", "remaining",
@@ -84,9 +84,8 @@ def write_oracle(out_dir: Path, n_conversations: int, rows_per_conv: int, d: int
 
 
 def tiny_target_folder(path: Path) -> Path:
-    from transformers import LlamaForCausalLM
-
     from conftest import tiny_llama_config
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     LlamaForCausalLM(tiny_llama_config()).save_pretrained(path)

@@ -34,8 +34,7 @@ def write_results(runs: Path) -> None:
 
 def write_oracle(out_dir: Path, n_rows: int = 60) -> None:
     """A one-part oracle collection per split, in the collector's layout."""
-    from ldlp.collect import write_arrow
-    from ldlp.oracle import META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, rows_features, sequences_features
+    from ldlp.labels.store import META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, rows_features, sequences_features, write_arrow
 
     rng = np.random.default_rng(0)
     for s, split in enumerate(("train", "validation")):
@@ -57,9 +56,9 @@ def write_oracle(out_dir: Path, n_rows: int = 60) -> None:
 
 
 def test_analysis_notebook_executes(tmp_path, monkeypatch):
+    from conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
 
-    from conftest import tiny_llama_config
     from ldlp.predictor import LDLP, LDLPConfig
 
     write_results(tmp_path / "runs")

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_drafter, make_target
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+
 from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy
-from ldlp.oracle import (greedy_oracle, load_oracle_rows, load_oracle_sequences, oracle_labels,
-                         oracle_labels_sequential, recompute_features)
+from ldlp.labels.oracle import greedy_oracle, oracle_labels, oracle_labels_sequential, recompute_features
+from ldlp.labels.store import load_oracle_rows, load_oracle_sequences
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -173,10 +173,10 @@ VAL = [{"id": f"v{i}", "conversations": [{"from": "human", "value": f"Explain g{
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
     """A tiny tokenizer, target and EAGLE drafter saved like the embedded pair, and two data files."""
-    from eagle_backbone.data.tokenizer import train_bpe_tokenizer
+    from conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
 
-    from conftest import tiny_llama_config
+    from eagle_backbone.data.tokenizer import train_bpe_tokenizer
     from eagle_backbone.drafter import EagleDrafter
 
     root = tmp_path_factory.mktemp("pair")
@@ -195,7 +195,8 @@ def pair_dirs(tmp_path_factory):
 
 
 def compose(root, out_dir, *overrides):
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     import eagle_backbone.paths  # noqa: F401
 
@@ -208,7 +209,7 @@ def compose(root, out_dir, *overrides):
 
 
 def run(root, out_dir, *overrides):
-    from ldlp.collect import collect_oracle
+    from ldlp.labels.collect import collect_oracle
 
     return collect_oracle(compose(root, out_dir, *overrides))
 
@@ -327,10 +328,11 @@ def test_embedded_pair_end_to_end(tmp_path):
     for name in ("target", "drafter"):
         if not (REPO / "data" / "embedded" / name / "config.json").exists():
             pytest.skip(f"data/embedded/{name} is not there yet (trained by the lead, then committed)")
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     import eagle_backbone.paths  # noqa: F401
-    from ldlp.collect import collect_oracle
+    from ldlp.labels.collect import collect_oracle
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = hydra_compose("collect_oracle", overrides=[
@@ -343,7 +345,8 @@ def test_embedded_pair_end_to_end(tmp_path):
 
 
 def test_vicuna_experiment_composes_without_weights():
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     import eagle_backbone.paths  # noqa: F401
 

@@ -10,13 +10,20 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from conftest import make_drafter, make_target
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftContext
 from eagle_backbone.sampling import SamplingConfig
-from ldlp.policies import (ConfidencePolicy, DDDPolicy, EntropyPolicy, HeuristicPolicy, LDLPDDDPolicy, LDLPPolicy,
-                           OraclePolicy, StaticPolicy)
+from ldlp.policies import (
+    ConfidencePolicy,
+    DDDPolicy,
+    EntropyPolicy,
+    HeuristicPolicy,
+    LDLPDDDPolicy,
+    LDLPPolicy,
+    OraclePolicy,
+    StaticPolicy,
+)
 from ldlp.predictor import LDLP, LDLPConfig
 
 REPO = Path(__file__).resolve().parent.parent

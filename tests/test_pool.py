@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from ldlp.headtohead import pool, pool_folders, pooled_markdown
+from ldlp.bench.pool import pool, pool_folders, pooled_markdown
+from ldlp.report.pages import publish_pooled
 
 
 def _run(seconds: dict[str, np.ndarray], lossless: bool = True) -> dict:
@@ -103,8 +104,9 @@ def test_pool_folders_writes_the_table_and_the_readme_block(tmp_path):
         (tmp_path / f"run-{i}" / "head_to_head.json").write_text(json.dumps(run))
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- head_to_head_long:start -->\nold\n<!-- head_to_head_long:end -->\nrest\n")
-    p = pool_folders([str(tmp_path / "run-*")], tmp_path / "out", bootstrap=100, readme=readme, command="cmd")
-    assert p["runs"] == ["run-1", "run-2", "run-3"] and p["readme_updated"]
+    p = pool_folders([str(tmp_path / "run-*")], tmp_path / "out", bootstrap=100)
+    assert p["runs"] == ["run-1", "run-2", "run-3"]
+    assert publish_pooled(readme, p, tmp_path / "out", "cmd")
     md = (tmp_path / "out" / "pooled.md").read_text()
     assert md == pooled_markdown(p, [f"../run-{i}/head_to_head.md" for i in (1, 2, 3)])
     assert "| acceptance (threshold=0.3) |" in md and "best adaptive, pooled" in md

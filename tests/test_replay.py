@@ -2,15 +2,15 @@
 
 import pytest
 import torch
+from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
-from ldlp.oracle import greedy_oracle
+from ldlp.bench.replay import CostModel, OracleRows, fit_costs, grid, replay, stand_in_probs, tune
+from ldlp.labels.oracle import greedy_oracle
 from ldlp.policies import ConfidencePolicy, DDDPolicy, HeuristicPolicy
-from ldlp.replay import CostModel, OracleRows, fit_costs, grid, replay, stand_in_probs, tune
-from test_oracle import mimic_pair
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [6]]
 BUDGET = 36

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 import torch
+from conftest import make_target
 from scipy.stats import chisquare
 
-from conftest import make_target
 from eagle_backbone import sampling as S
 from eagle_backbone.candidates import DraftModelCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder

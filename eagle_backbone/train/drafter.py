@@ -76,9 +76,8 @@ class DrafterModule(L.LightningModule):
 
 def run_drafter_training(root_cfg) -> dict:
     """Train a drafter for ``drafter_training.target`` and export it in EAGLE's checkpoint format."""
-    from eagle_backbone.train.lm import LMDataModule, fit_resumable
-
     from eagle_backbone.loading import load_tokenizer
+    from eagle_backbone.train.lm import LMDataModule, fit_resumable
 
     cfg = root_cfg.drafter_training
     L.seed_everything(root_cfg.seed, workers=True)

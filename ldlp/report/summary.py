@@ -16,6 +16,9 @@ import os
 import statistics
 from pathlib import Path
 
+from eagle_backbone.io import atomic_write_text
+from ldlp.bench.stats import headroom_captured
+
 STATIC, ORACLE = "static", "oracle"
 POLICY_ORDER = ["static", "ldlp", "ldlp_ddd", "ddd", "confidence", "entropy", "heuristic", "hf_heuristic",
                 "hf_confidence", "oracle"]
@@ -130,8 +133,8 @@ def headline(rows: list[dict]) -> dict:
             h["adaptive_gain"] = best_adaptive[RANK_KEY] / best_static[RANK_KEY] - 1
             h["adaptive_beats_static"] = best_adaptive[RANK_KEY] > best_static[RANK_KEY]
         if best_static and best_adaptive and oracle:
-            room = oracle[0][RANK_KEY] - best_static[RANK_KEY]
-            h["headroom_captured"] = (best_adaptive[RANK_KEY] - best_static[RANK_KEY]) / room if room > 0 else None
+            h["headroom_captured"] = headroom_captured(best_adaptive[RANK_KEY], best_static[RANK_KEY],
+                                                       oracle[0][RANK_KEY])
         speedups = [r["speedup"] for r in mine if r["speedup"] is not None and r["policy"] != ORACLE]
         h["best_speedup"] = max(speedups, default=None)
         greedy = [r for r in mine if r.get("temperature") == 0]
@@ -279,12 +282,6 @@ def plot(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_csv(rows: list[dict], path: Path) -> None:
     import pandas as pd
 
@@ -302,49 +299,22 @@ def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft
               head_to_head: dict | None = None) -> dict:
     """Read every results.json under ``paths``; write results.md, results.csv, tokens_per_s.png,
     summary.json into ``out_dir``; return the rows, the headline numbers and the Markdown.
-    ``head_to_head`` (from :func:`ldlp.headtohead.head_to_head`) adds its section to the Markdown."""
+    ``head_to_head`` (from :func:`ldlp.bench.headtohead.head_to_head`) adds its section to the Markdown."""
     rows = aggregate(find_results(paths))
     heads = headline(rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows, heads, title)
     if head_to_head is not None:
-        from ldlp.headtohead import markdown as head_to_head_markdown
+        from ldlp.bench.headtohead import markdown as head_to_head_markdown
 
         md += "\n" + head_to_head_markdown(head_to_head)
         heads.setdefault(head_to_head.get("model"), {})["head_to_head"] = head_to_head
-    _atomic_write(out / "results.md", md)
+    atomic_write_text(out / "results.md", md)
     write_csv(rows, out / "results.csv")
     png = plot(rows, out / "tokens_per_s.png")
-    _atomic_write(out / "summary.json", json.dumps({"headline": heads, "rows": rows}, indent=2, default=str) + "\n")
+    atomic_write_text(out / "summary.json", json.dumps({"headline": heads, "rows": rows}, indent=2, default=str) + "\n")
     return {"rows": rows, "headline": heads, "markdown": md, "md": out / "results.md", "csv": out / "results.csv",
             "png": png}
 
 
-def replace_readme_block(readme: str | Path, name: str, body: str) -> bool:
-    """Put ``body`` between ``<!-- {name}:start -->`` and ``<!-- {name}:end -->`` in ``readme`` (written
-    atomically). Returns False, and changes nothing, when the README or its markers are missing."""
-    readme = Path(readme)
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    if not readme.is_file():
-        return False
-    text = readme.read_text()
-    if start not in text or end not in text:
-        return False
-    head, rest = text.split(start, 1)
-    _atomic_write(readme, head + "\n".join([start, body.strip("\n"), end]) + rest.split(end, 1)[1])
-    return True
-
-
-def update_readme(readme: str | Path, md_path: str | Path, png_path: str | Path, command: str, note: str = "") -> bool:
-    """Replace the block between ``<!-- results:start -->`` and ``<!-- results:end -->`` in ``readme``
-    with the generated table (``md_path``), the plot and the command that regenerates them, so that
-    the README's numbers always come from a run. Returns False (and changes nothing) without markers."""
-    readme, md_path, png_path = Path(readme), Path(md_path), Path(png_path)
-    rel = lambda p: os.path.relpath(p, readme.parent)  # noqa: E731
-    table = md_path.read_text().strip().split("\n")
-    if table and table[0].startswith("## "):
-        table = table[1:]  # the README gives its own heading
-    body = "\n".join([f"Regenerate with `{command}` ({note}table: [{rel(md_path)}]({rel(md_path)}), CSV next to it).",
-                      "", *table, "", f"![tokens/s against γ]({rel(png_path)})"])
-    return replace_readme_block(readme, "results", body)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy
+from ldlp.bench.stats import headroom_captured
 
 
 @dataclass
@@ -105,18 +106,18 @@ class OracleRows:
     @classmethod
     def load(cls, oracle_dir, split: str | None = "validation", with_features: bool = True) -> "OracleRows":
         """From a collection folder (``scripts/collect_oracle.py``), one split or all."""
-        from ldlp.oracle import load_oracle_rows
+        from ldlp.labels.store import load_oracle_rows
 
         ds = load_oracle_rows(oracle_dir, split)
         cols = list(cls.COLUMNS) + [c for c in ("feature", "draft_state") if with_features and c in ds.column_names]
-        from ldlp.training import read_manifest
+        from ldlp.labels.store import read_manifest
 
         budget = read_manifest(oracle_dir).get("max_new_tokens")
         return cls(ds.select_columns(cols).with_format("numpy")[:], budget)
 
     @classmethod
     def from_sequences(cls, rows_per_sequence: list[dict], max_new_tokens: int | None = None) -> "OracleRows":
-        """From :func:`ldlp.oracle.oracle_labels` outputs, one per sequence (tensors)."""
+        """From :func:`ldlp.labels.oracle.oracle_labels` outputs, one per sequence (tensors)."""
         cols: dict[str, list] = {}
         for seq_id, rows in enumerate(rows_per_sequence):
             n = len(rows["label"])
@@ -246,8 +247,7 @@ def tune(rows: OracleRows, costs: CostModel, policies: dict, embed=None, vocab_s
     static = [r["tokens_per_s"] for r in out if r["policy"] == "static"]
     best_static = max(static) if static else float("nan")
     for r in out + [oracle]:
-        gap = oracle["tokens_per_s"] - best_static
-        r["headroom_captured"] = (r["tokens_per_s"] - best_static) / gap if gap > 0 else float("nan")
+        r["headroom_captured"] = headroom_captured(r["tokens_per_s"], best_static, oracle["tokens_per_s"])
     out.sort(key=lambda r: (r["policy"], -r["tokens_per_s"]))
     return out + [oracle]
 
@@ -258,6 +258,10 @@ def best_per_policy(results: list[dict]) -> dict[str, dict]:
         if r["policy"] not in best or r["tokens_per_s"] > best[r["policy"]]["tokens_per_s"]:
             best[r["policy"]] = r
     return best
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
 
 
 def tuning_markdown(results: list[dict], costs: CostModel, rows: OracleRows, where: str) -> str:
@@ -273,7 +277,7 @@ def tuning_markdown(results: list[dict], costs: CostModel, rows: OracleRows, whe
     for name, r in sorted(best.items(), key=lambda kv: -kv[1]["tokens_per_s"]):
         setting = ", ".join(f"{k}={v}" for k, v in r["params"].items())
         lines.append(f"| {name} | {setting} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['drafted']} | "
-                     f"{r['wasted']} | {100 * r['headroom_captured']:.0f}% |")
+                     f"{r['wasted']} | {_pct(r['headroom_captured'])} |")
     lines += ["", "Every setting tried:", "", "| policy | setting | τ | modelled tokens/s | wasted |", "|---|---|---:|---:|---:|"]
     for r in results:
         setting = ", ".join(f"{k}={v}" for k, v in r["params"].items())

@@ -1,6 +1,6 @@
 """The oracle collector: prompts in, label shards out (``python scripts/collect_oracle.py``).
 
-For every prompt the target generates its greedy response, then :func:`ldlp.oracle.oracle_labels`
+For every prompt the target generates its greedy response, then :func:`ldlp.labels.oracle.oracle_labels`
 labels every position of it. Work is planned before anything runs, so it can be split and resumed:
 
 * prompts get a ``seq_id`` in a fixed order (the data split first, then validation);
@@ -21,19 +21,28 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from eagle_backbone.data.conversations import held_out, make_prompts, read_conversations
 from eagle_backbone.engine import autoregressive_generate
-from ldlp.oracle import (META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, committed_parts, label_histogram, oracle_labels,
-                         rows_features, sequences_features)
+from eagle_backbone.io import atomic_replace
+from ldlp.labels.oracle import oracle_labels
+from ldlp.labels.store import (
+    META_SUFFIX,
+    ROWS_SUFFIX,
+    SEQS_SUFFIX,
+    committed_parts,
+    label_histogram,
+    rows_features,
+    sequences_features,
+    write_arrow,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,36 +152,6 @@ def plan_parts(items: list[WorkItem], shard_id: int, num_shards: int, shard_size
 
 
 # ---- files -----------------------------------------------------------------------------------------
-
-
-def _replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-
-
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    _replace(tmp, path)
-
-
-def write_arrow(path: Path, columns: dict, features) -> None:
-    """One Arrow IPC stream, schema from ``datasets.Features`` (so ``Dataset.from_file`` reads it back)."""
-    schema = features.arrow_schema
-    arrays = []
-    for f in schema:
-        col = columns[f.name]
-        if pa.types.is_fixed_size_list(f.type):
-            flat = np.ascontiguousarray(col).reshape(-1).astype(f.type.value_type.to_pandas_dtype())
-            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), f.type.list_size))
-        else:
-            arrays.append(pa.array(col, type=f.type))
-    table = pa.Table.from_arrays(arrays, schema=schema)
-    tmp = path.with_name(path.name + ".tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_table(table)
-    _replace(tmp, path)
 
 
 def _sha256(path: Path) -> str:
@@ -432,5 +411,5 @@ def write_report(out: Path, k_max: int, run: dict | None = None) -> dict:
                       f"{run['parts_complete']}/{run['parts']} of its parts complete."]
     tmp = out / "report.md.tmp"
     tmp.write_text("\n".join(lines) + "\n")
-    _replace(tmp, out / "report.md")
+    atomic_replace(tmp, out / "report.md")
     return report

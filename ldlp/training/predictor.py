@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ldlp.labels.store import read_manifest, split_by_conversation
 from ldlp.predictor import LDLP, LDLPConfig, ldlp_loss
 
 log = logging.getLogger(__name__)
@@ -45,22 +46,8 @@ CACHE_VERSION = 2
 # -- oracle data -------------------------------------------------------------------------------------------
 
 
-def read_manifest(oracle_dir: str | Path) -> dict:
-    path = Path(oracle_dir) / "manifest.json"
-    if not path.is_file():
-        raise ValueError(f"{oracle_dir} has no manifest.json: is it an oracle directory? "
-                         f"(collect labels first: python scripts/collect_oracle.py)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if "k_max" not in manifest:
-        raise ValueError(f"{path}: missing key 'k_max'")
-    return manifest
-
-
 def _oracle_loaders():
-    from ldlp.oracle import load_oracle_rows, load_oracle_sequences
+    from ldlp.labels.store import load_oracle_rows, load_oracle_sequences
 
     return load_oracle_rows, load_oracle_sequences
 
@@ -158,22 +145,6 @@ def build_examples(oracle_dir: str | Path, target, cache_dir: str | Path | None,
     shutil.rmtree(cache_dir, ignore_errors=True)
     os.replace(tmp, cache_dir)
     return datasets.load_from_disk(str(cache_dir / "examples"))
-
-
-def split_by_conversation(conversation_ids: list[str], splits: list[str], val_fraction: float,
-                          seed: int) -> np.ndarray:
-    """Boolean mask of validation rows. Keeps the oracle's split when it has both train and validation
-    rows; otherwise holds out a seeded ``val_fraction`` of the conversations (never part of one)."""
-    splits = np.asarray(splits)
-    if (splits == "validation").any() and (splits == "train").any():
-        return splits == "validation"
-    convs = np.asarray(conversation_ids)
-    unique = np.unique(convs)
-    if len(unique) < 2:
-        raise ValueError(f"cannot split {len(unique)} conversation(s) into train and validation")
-    n_val = min(len(unique) - 1, max(1, round(val_fraction * len(unique))))
-    held = np.random.default_rng(seed).permutation(unique)[:n_val]
-    return np.isin(convs, held)
 
 
 class OracleDataModule(L.LightningDataModule):
@@ -364,7 +335,7 @@ def evaluate_against_baselines(ldlp: LDLP, dm: OracleDataModule, embedding: torc
                                baselines: list[str], max_fit_rows: int | None, seed: int) -> tuple[dict, dict]:
     """Validation metrics of the LDLP and of each baseline, fitted on (a seeded subsample of) the training
     rows with the same [e; f] inputs. Returns (results, {"fit_rows", "seconds"})."""
-    from ldlp.baselines import evaluate_all
+    from ldlp.training.baselines import evaluate_all
 
     tokens, feats, y_train = dm.train.tensors
     fit_rows = torch.arange(len(y_train))
@@ -401,7 +372,7 @@ def run_ldlp_training(cfg) -> dict | None:
     from threadpoolctl import threadpool_limits
 
     from eagle_backbone.loading import load_target
-    from ldlp.baselines import write_metrics
+    from ldlp.training.baselines import write_metrics
 
     tc, mc = cfg.ldlp_training, cfg.ldlp
     L.seed_everything(cfg.seed, workers=True)
@@ -457,7 +428,7 @@ def run_ldlp_training(cfg) -> dict | None:
                                                    list(ev.baselines), ev.max_fit_rows, int(cfg.seed))
     timing = None
     if ev.benchmark:
-        from ldlp.bench import benchmark_ldlp
+        from ldlp.bench.policy_cost import benchmark_ldlp
 
         torch.set_num_threads(decoding_threads)
         timing = benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps)

@@ -1,0 +1,201 @@
+"""Evaluate one draft-length policy on one prompt set, next to the autoregressive baseline.
+
+``evaluate(cfg)`` (the library behind ``scripts/evaluate.py``):
+
+1. loads the pair (``cfg.model``) and the prompts (``cfg.data``), both cached per process: a Hydra
+   multirun evaluates many policies in one process, so each is loaded once;
+2. builds the policy (``cfg.policy`` via ``hydra.utils.instantiate``) and hands it the models if it
+   wants them (``bind``: the oracle);
+3. warms up, then picks the autoregressive (AR) baseline: the faster of this project's
+   ``autoregressive_generate`` and transformers' ``model.generate`` (both are timed on the first prompts
+   once per process and model; the faster is kept);
+4. runs ``repeats`` rounds over the prompts, the AR baseline and the speculative run interleaved prompt
+   by prompt (their order alternating), so slow phases of a noisy machine hit both alike;
+5. reports medians over the rounds of the timings, and the (deterministic) counters of the first round;
+   under greedy decoding checks that every speculative output equals the AR output (lossless).
+
+The result is a flat dict (see :data:`RESULT_KEYS`) written as ``results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.metrics import total
+from ldlp.bench.loaders import (
+    apply_tuned,
+    build_policy,
+    config_key,
+    load_pair_cached,
+    load_prompts,
+    machine_info,
+    sampling_config,
+)
+from ldlp.bench.runners import ar_runner, choose_ar_baseline, engine_runner, peer_runner, progress_bar
+
+log = logging.getLogger(__name__)
+
+RESULT_KEYS = ("policy", "gamma", "dataset", "n_prompts", "temperature", "new_tokens", "wall_s", "tokens_per_s",
+               "ar_tokens_per_s", "speedup", "tau", "target_forwards", "drafted_tokens", "wasted_tokens", "draft_s",
+               "target_s", "policy_s", "lossless")
+
+# -- loading (cached per process) --------------------------------------------------------------------------
+
+
+# -- one generation of each kind ------------------------------------------------------------------------
+
+
+# -- the evaluation -------------------------------------------------------------------------------------
+
+
+def _median(values):
+    return float(statistics.median(values)) if values else None
+
+
+def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = None) -> dict:
+    """Run the evaluation described by ``cfg`` (model, data, policy, generation, evaluation, seed)."""
+    from ldlp.bench.peer import TransformersAssisted
+
+    ev = cfg.evaluation
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(cfg.seed))
+    max_new_tokens = int(cfg.generation.max_new_tokens)
+    if max_new_tokens < 1:
+        raise ValueError(f"generation.max_new_tokens must be >= 1, got {max_new_tokens}")
+    repeats = int(ev.repeats)
+    if repeats < 1:
+        raise ValueError(f"evaluation.repeats must be >= 1, got {repeats}")
+    sampling = sampling_config(cfg.generation)
+
+    pair = load_pair_cached(cfg.model)
+    prompts = load_prompts(cfg.data, pair.tokenizer)
+    policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name)
+    policy = build_policy(policy_cfg)
+    policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
+
+    if isinstance(policy, TransformersAssisted):
+        if cfg.model.drafter_kind != "draft_lm":
+            raise ValueError(f"policy={policy_name} runs transformers' assisted generation, which needs a standalone "
+                             f"draft LM (model=embedded_draft_lm), not model.drafter_kind={cfg.model.drafter_kind}")
+        if not sampling.greedy:
+            raise ValueError(f"policy={policy_name}: the transformers peer is compared under greedy decoding only "
+                             "(generation.temperature=0)")
+        spec_runner = peer_runner(policy, pair)
+        engine = "transformers"
+    else:
+        if hasattr(policy, "bind"):
+            policy.bind(pair.target, pair.candidates, max_new_tokens, sampling)
+        spec_runner = engine_runner(policy_name, SpeculativeDecoder(pair.target, pair.candidates, policy), sampling)
+        engine = "ours"
+
+    ar_key = config_key(cfg.model) + config_key(cfg.data) + f"{max_new_tokens}{sampling}"
+    ar_info = choose_ar_baseline(pair.target, prompts, max_new_tokens, sampling, str(ev.ar_baseline),
+                                 int(ev.calibration_prompts), ar_key)
+    baseline = ar_runner(ar_info["impl"], pair.target, sampling)
+
+    seed = int(cfg.seed)
+    for _, prompt in prompts[: int(ev.warmup)]:  # warm-up: first calls allocate, later ones are what we time
+        spec_runner.run(prompt, min(16, max_new_tokens), seed)
+        baseline.run(prompt, min(16, max_new_tokens), seed)
+
+    spec_stats = [[None] * len(prompts) for _ in range(repeats)]
+    ar_stats = [[None] * len(prompts) for _ in range(repeats)]
+    spec_out, ar_out = [None] * len(prompts), [None] * len(prompts)
+    progress = progress_bar(repeats * len(prompts), policy_name, bool(ev.get("progress", True)))
+    for r in range(repeats):
+        for k, (_, prompt) in enumerate(prompts):
+            s = seed + k  # the same seed for a prompt in every round: sampled outputs repeat too
+            order = ((baseline, ar_stats, ar_out), (spec_runner, spec_stats, spec_out))
+            for runner, stats, outs in (order if (r + k) % 2 == 0 else order[::-1]):
+                tokens, st = runner.run(prompt, max_new_tokens, s)
+                stats[r][k] = st
+                if r == 0:
+                    outs[k] = tokens
+            progress.update(1)
+    progress.close()
+
+    lossless, mismatches = None, []
+    if sampling.greedy and bool(ev.check_lossless):
+        mismatches = [prompts[k][0] for k in range(len(prompts)) if spec_out[k] != ar_out[k]]
+        lossless = not mismatches
+        if mismatches:
+            log.warning("policy %s: %d outputs differ from the AR output (prompts %s)", policy_name, len(mismatches),
+                        mismatches[:5])
+
+    rounds = [total(row) for row in spec_stats]
+    ar_rounds = [total(row) for row in ar_stats]
+    first = rounds[0]
+    steps = max(1, first.target_forwards - 1)
+    gamma = None if getattr(policy, "adaptive", True) else int(policy.fixed_gamma)
+    result = {
+        "policy": policy_name,
+        "gamma": gamma,
+        "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)),
+        "n_prompts": len(prompts),
+        "temperature": sampling.temperature,
+        "new_tokens": first.new_tokens,
+        "wall_s": _median([x.wall_s for x in rounds]),
+        "tokens_per_s": _median([x.tokens_per_s for x in rounds]),
+        "ar_tokens_per_s": _median([x.tokens_per_s for x in ar_rounds]),
+        "speedup": _median([x.tokens_per_s / y.tokens_per_s for x, y in zip(rounds, ar_rounds) if y.tokens_per_s]),
+        "tau": first.tau,
+        "target_forwards": first.target_forwards,
+        "drafted_tokens": first.drafted_tokens,
+        "wasted_tokens": first.wasted_tokens,
+        "draft_s": _median([x.draft_s for x in rounds]),
+        "target_s": _median([x.target_s for x in rounds]),
+        "policy_s": _median([x.policy_s for x in rounds]) if engine == "ours" else None,
+        "lossless": lossless,
+        # context for the table and for reruns
+        "engine": engine,
+        "model": str(cfg.model.get("name", "")),
+        "drafter_kind": str(cfg.model.drafter_kind),
+        "data_path": str(cfg.data.path),
+        "max_new_tokens": max_new_tokens,
+        "acceptance_rate": first.acceptance_rate,
+        "mean_drafted_per_step": first.drafted_tokens / steps,
+        "ar_new_tokens": ar_rounds[0].new_tokens,
+        "ar_impl": ar_info["impl"],
+        "ar_choice": ar_info,
+        "repeats": repeats,
+        "interleaved": True,
+        "tokens_per_s_rounds": [x.tokens_per_s for x in rounds],
+        "ar_tokens_per_s_rounds": [x.tokens_per_s for x in ar_rounds],
+        "lossless_mismatches": mismatches,
+        "policy_config": OmegaConf.to_container(policy_cfg, resolve=True),
+        "tuned_from": str(cfg.tuned_from) if tuned else None,
+        "seed": seed,
+        "machine": machine_info(),
+    }
+    if engine == "transformers":  # its counters come from forward hooks, see ldlp/peer.py
+        result["policy_s"] = None
+    if out_dir is not None:
+        write_results(result, out_dir)
+    return result
+
+
+def write_results(result: dict, out_dir: str | Path) -> Path:
+    """``results.json`` in ``out_dir``, written atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out / "results.json")
+    return out / "results.json"
+
+
+def one_line(result: dict) -> str:
+    g = "" if result["gamma"] is None else f" γ={result['gamma']}"
+    loss = {True: "lossless", False: "NOT LOSSLESS", None: "unchecked"}[result["lossless"]]
+    return (f"{result['policy']}{g} [{result['model']}] on {result['dataset']} ({result['n_prompts']} prompts): "
+            f"{result['tokens_per_s']:.1f} tok/s vs AR {result['ar_tokens_per_s']:.1f} = {result['speedup']:.2f}x, "
+            f"τ={result['tau']:.2f}, wasted {result['wasted_tokens']}, {loss}")

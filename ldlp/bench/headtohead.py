@@ -1,0 +1,184 @@
+"""Head to head: a few policies timed in one process, prompt by prompt, with a paired comparison.
+
+A sweep times every policy in its own run, minutes apart; on a shared machine the speed drifts by
+more than the few percent that separate good draft-length policies, and the best of eight noisy
+static rows is itself biased upwards. Here the contenders (say the static γ around the sweep's best
+and the best adaptive policies) and the AR baseline take turns on every prompt, in a rotating order,
+for several rounds. Under greedy decoding they all emit the same tokens, so the ratio of two
+contenders' seconds on the same prompt in the same round is a paired measurement; the report gives
+each contender's tokens/s, its ratio to the best static contender with a bootstrap 95% interval, and
+in how many rounds it was faster. The bootstrap resamples prompts, each with all its rounds: a policy
+gains on some prompts and loses on others, and repeating a prompt does not average that away.
+
+:func:`pool` combines several such runs of the same contenders (``scripts/pool_head_to_head.py``): the
+machine's speed, and with it the price of a target pass against a drafted token, drifts between runs
+by more than one run's interval shows, so its interval resamples runs as well as prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from eagle_backbone.engine import SpeculativeDecoder
+from ldlp.bench.loaders import apply_tuned, build_policy, load_pair_cached, load_prompts, machine_info, sampling_config
+from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
+from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
+
+log = logging.getLogger(__name__)
+
+
+def _label(name: str, policy) -> str:
+    return f"static γ={policy.fixed_gamma}" if not getattr(policy, "adaptive", True) else name
+
+
+def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, bootstrap: int = 2000) -> dict:
+    """``contenders``: (policy name, policy config) pairs; ``cfg`` as for :func:`ldlp.bench.evaluate.evaluate`
+    (model, data, generation, evaluation, seed, tuned_from). Greedy decoding only."""
+    sampling = sampling_config(cfg.generation)
+    if not sampling.greedy:
+        raise ValueError("head to head compares greedy runs (their outputs coincide): set generation.temperature=0")
+    if rounds < 1 or len(contenders) < 2:
+        raise ValueError(f"head to head needs at least 2 contenders and 1 round, got {len(contenders)} and {rounds}")
+    pair = load_pair_cached(cfg.model)
+    prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+    n, seed = int(cfg.generation.max_new_tokens), int(cfg.seed)
+    runners, labels, settings, adaptive = [], [], [], []
+    for name, pcfg in contenders:
+        pcfg, _ = apply_tuned(pcfg, cfg.get("tuned_from"), name)
+        policy = build_policy(pcfg)
+        if hasattr(policy, "bind"):
+            policy.bind(pair.target, pair.candidates, n, sampling)
+        label = _label(name, policy)
+        if label in labels:
+            raise ValueError(f"contender {label!r} is listed twice")
+        runners.append(engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, policy), sampling))
+        labels.append(label)
+        settings.append({k: v for k, v in dict(pcfg).items() if k != "_target_"})
+        adaptive.append(bool(getattr(policy, "adaptive", True)))
+    runners.append(ar_runner("ours", pair.target, sampling))
+    labels.append("AR")
+    for r in runners:  # warm-up
+        r.run(prompts[0], min(16, n), seed)
+
+    secs = np.zeros((len(runners), rounds, len(prompts)))
+    tokens = np.zeros((len(runners), len(prompts)), dtype=int)
+    counts = np.zeros((len(runners), 2), dtype=int)  # target forwards, drafted tokens (deterministic: round 0)
+    timed = []  # every speculative generation's stats: what a target pass and a drafted token cost here
+    outputs: list[list] = [[None] * len(prompts) for _ in runners]
+    progress = progress_bar(rounds * len(prompts), "head to head", bool(cfg.evaluation.get("progress", True)))
+    for r in range(rounds):
+        for k, prompt in enumerate(prompts):
+            shift = (r * len(prompts) + k) % len(runners)  # every runner takes every place in the order
+            for i in list(range(len(runners)))[shift:] + list(range(len(runners)))[:shift]:
+                out, stats = runners[i].run(prompt, n, seed + k)
+                secs[i, r, k] = stats.wall_s
+                if r == 0:
+                    outputs[i][k], tokens[i, k] = out, stats.new_tokens
+                    counts[i] += (stats.target_forwards, stats.drafted_tokens)
+                if i < len(contenders):
+                    timed.append(stats)
+            progress.update(1)
+    progress.close()
+    lossless = all(outputs[i] == outputs[-1] for i in range(len(runners) - 1))
+    if not lossless:
+        log.warning("head to head: some greedy outputs differ from the AR output")
+
+    per_round = tokens.sum(1)[:, None] / secs.sum(2)  # tokens/s of each runner in each round
+    overall = rounds * tokens.sum(1) / secs.sum((1, 2))  # every round emits the same tokens
+    names = [name for name, _ in contenders]
+    static = [i for i in range(len(contenders)) if not adaptive[i]]
+    ref = max(static, key=lambda i: overall[i]) if static else None  # the fastest static γ over all pairs
+    rng = np.random.default_rng(seed)
+    boot_k = rng.integers(0, len(prompts), size=(bootstrap, len(prompts)))  # prompts drawn with replacement
+    rows = []
+    for i, label in enumerate(labels):
+        row = {"contender": label, "policy": names[i] if i < len(contenders) else "ar",
+               "adaptive": adaptive[i] if i < len(contenders) else None,
+               "setting": settings[i] if i < len(contenders) else None,
+               "tokens_per_s": float(overall[i]), "speedup": float(overall[i] / overall[-1]),
+               "tokens_per_s_rounds": per_round[i].tolist(), "tau": float(tokens[i].sum() / counts[i, 0]),
+               "drafted_tokens": int(counts[i, 1]),
+               "wasted_tokens": int(counts[i, 1] - (tokens[i].sum() - counts[i, 0]))}
+        if ref is not None and i != ref and i < len(contenders):
+            # seconds of the reference over seconds of this contender on the same pairs: > 1 means faster
+            boot = secs[ref][:, boot_k].sum((0, 2)) / secs[i][:, boot_k].sum((0, 2))
+            row.update(vs_best_static=float(secs[ref].sum() / secs[i].sum()),
+                       ci95=[float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+                       rounds_faster=int((secs[i].sum(1) < secs[ref].sum(1)).sum()))
+        rows.append(row)
+    result = {"rows": rows, "reference": labels[ref] if ref is not None else None, "rounds": rounds,
+              "n_prompts": len(prompts), "max_new_tokens": n, "new_tokens": int(tokens[-1].sum()),
+              "lossless": lossless, "tuned_from": str(cfg.get("tuned_from")) if cfg.get("tuned_from") else None,
+              "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "machine": machine_info(),
+              "model": str(cfg.model.get("name", "")), "labels": labels, "seconds": secs.tolist(),
+              "tokens": tokens.tolist(), "costs": _costs(timed)}
+    result.update(verdict(result))
+    return result
+
+
+def _costs(stats) -> dict | None:
+    """Seconds per target pass, drafted token and accepted token, fitted to the timed generations (the
+    replay tuner's cost model, measured in the comparison's own setting); None when they cannot separate."""
+    from ldlp.bench.replay import fit_costs
+
+    try:
+        return fit_costs(stats).as_dict()
+    except ValueError:
+        return None
+
+
+def verdict(result: dict) -> dict:
+    """The best adaptive contender (the oracle is not one) against the best static one, and the share of
+    the oracle's headroom over the best static contender that it captures (when the oracle ran)."""
+    rows = result["rows"]
+    best, out = best_adaptive(rows, "vs_best_static")
+    if best is None:
+        return {}
+    ref = next(r for r in rows if r["contender"] == result["reference"])
+    oracle = next((r for r in rows if r["policy"] == "oracle"), None)
+    captured = headroom_captured(best["tokens_per_s"], ref["tokens_per_s"], oracle and oracle["tokens_per_s"])
+    if captured is not None:
+        out["headroom_captured"] = captured
+    return out
+
+
+def markdown(result: dict) -> str:
+    ref = result["reference"]
+    lines = [f"### Head to head ({result['model']})", "",
+             f"{len(result['rows']) - 1} contenders and the AR baseline take turns on every prompt (rotating order) "
+             f"for {result['rounds']} rounds in one process: {result['n_prompts']} prompts of {result['dataset']}, "
+             f"{result['max_new_tokens']} new tokens at most, greedy. `vs {ref}` is the ratio of seconds on the same "
+             "(round, prompt) pairs (> 1: faster than the best static contender), with a bootstrap 95% interval "
+             "that resamples prompts (each with all its rounds); tokens/s are totals over all pairs.", "",
+             f"| contender | setting | τ | wasted | tokens/s | speedup vs AR | vs {ref} | 95% interval | rounds faster |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        setting = ", ".join(f"{k}={v}" for k, v in (r.get("setting") or {}).items() if k != "path") or "–"
+        vs = f"{r['vs_best_static']:.3f}" if "vs_best_static" in r else ("1 (reference)" if r["contender"] == ref
+                                                                          else "–")
+        ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
+        faster = f"{r['rounds_faster']}/{result['rounds']}" if "rounds_faster" in r else "–"
+        wasted = r["wasted_tokens"] if r["contender"] != "AR" else "–"
+        lines.append(f"| {r['contender']} | {setting} | {r['tau']:.2f} | {wasted} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {vs} | {ci} | {faster} |")
+    lines.append("")
+    if "best_adaptive" in result:
+        lines.append(verdict_line(result, ref, "best adaptive"))
+    if "headroom_captured" in result:
+        lines.append(f"- headroom captured: **{100 * result['headroom_captured']:.0f}%** of (oracle − best static) "
+                     "in tokens/s, all timed in turns")
+    c = result.get("costs")
+    if c:
+        lines.append(f"- time fitted to these generations: {c['step_ms']:.2f} ms per target pass + {c['draft_ms']:.2f} ms "
+                     f"per drafted token + {c['accepted_ms']:.2f} ms per accepted token")
+    lines.append("- every greedy output equals the AR output" if result["lossless"]
+                 else "- **some greedy outputs differ from the AR output**")
+    return "\n".join(lines) + "\n"
+
+
+# -- several head-to-head runs, pooled ---------------------------------------------------------------------
+
+

@@ -1,0 +1,131 @@
+"""What every benchmark loads: the model pair, the prompts and the policies, cached per process.
+
+A Hydra multirun evaluates many policies in one process, so each pair and prompt set is loaded once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from eagle_backbone.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+_PAIRS: dict[str, object] = {}
+
+
+_PROMPTS: dict[str, list] = {}
+
+
+def config_key(node) -> str:
+    return json.dumps(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node,
+                      sort_keys=True, default=str)
+
+
+def load_pair_cached(model_cfg):
+    from eagle_backbone.loading import load_pair
+
+    key = config_key(model_cfg)
+    if key not in _PAIRS:
+        _PAIRS[key] = load_pair(model_cfg)
+    return _PAIRS[key]
+
+
+def load_prompts(data_cfg, tokenizer) -> list[tuple[str, list[int]]]:
+    """(conversation id, prompt token ids) for the prompt set ``data_cfg`` (its first ``limit`` items)."""
+    from eagle_backbone.data.conversations import build_prompts, load_conversations
+
+    key = config_key(data_cfg) + str(getattr(tokenizer, "name_or_path", id(tokenizer)))
+    if key not in _PROMPTS:
+        path = data_cfg.get("path")
+        if not path:
+            raise ValueError(f"data.path is empty (data={data_cfg.get('name')}); give a prompt file with data.path=FILE")
+        conversations = load_conversations(path, fmt=data_cfg.get("format", "auto"),
+                                           on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
+                                           sample_seed=data_cfg.get("sample_seed"))
+        prompts = build_prompts(tokenizer, conversations, data_cfg.get("max_prompt_tokens"),
+                                turns=data_cfg.get("turns", "first"), chat_template=data_cfg.get("chat_template"))
+        if not prompts:
+            raise ValueError(f"data.path={path}: no prompts (empty file or every conversation skipped)")
+        _PROMPTS[key] = [(str(cid), list(ids)) for cid, ids in prompts]
+    return _PROMPTS[key]
+
+
+# the checkpoint folders that conf/policy/*.yaml interpolate (${ldlp_path}, ...)
+CHECKPOINT_KEYS = ("ldlp_path", "ldlp_survival_path", "acceptance_path")
+
+
+def policy_config(cfg, overrides: list[str]) -> tuple[str, DictConfig]:
+    """(name, policy node) that ``scripts/evaluate.py`` would build under ``overrides`` (one ``policy=NAME``
+    and any ``policy.FIELD=...``), with ``cfg``'s checkpoint folders. For scripts that run several
+    policies; call it inside a Hydra app (its search path holds conf/)."""
+    from hydra import compose
+
+    from eagle_backbone.paths import REPO_ROOT
+
+    names = [o.split("=", 1)[1] for o in overrides if o.startswith("policy=")]
+    if len(names) != 1:
+        raise ValueError(f"{list(overrides)}: give exactly one policy=NAME (a file under conf/policy/)")
+    if not (REPO_ROOT / "conf" / "policy" / f"{names[0]}.yaml").is_file():
+        raise ValueError(f"policy={names[0]}: there is no conf/policy/{names[0]}.yaml")
+    paths = [f"{k}={cfg[k]}" for k in CHECKPOINT_KEYS if k in cfg]
+    return names[0], compose(config_name="evaluate", overrides=list(overrides) + paths).policy
+
+
+def build_policy(policy_cfg):
+    from hydra.utils import instantiate
+
+    if "_target_" not in policy_cfg:
+        raise ValueError("policy config has no _target_: pick one with policy=static|ldlp|ddd|... "
+                         "(files under conf/policy/)")
+    return instantiate(policy_cfg)
+
+
+def apply_tuned(policy_cfg, tuned_from, policy_name: str | None):
+    """``policy_cfg`` with the best replay-tuned setting of ``policy_name`` from ``tuned_from`` (the
+    tuning.json of scripts/tune_policies.py) merged in; (config, the applied setting or None)."""
+    if not tuned_from or not policy_name:
+        return policy_cfg, None
+    path = Path(tuned_from)
+    if not path.is_file():
+        raise ValueError(f"tuned_from={tuned_from}: no such file (run python scripts/tune_policies.py first)")
+    try:
+        results = json.loads(path.read_text())["results"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"tuned_from={tuned_from}: not a tuning.json of scripts/tune_policies.py ({e!r})") from None
+    from ldlp.bench.replay import best_per_policy
+
+    best = best_per_policy(results).get(policy_name)
+    if best is None or policy_name in ("static", "oracle"):
+        return policy_cfg, None
+    log.info("policy %s: tuned setting %s from %s", policy_name, best["params"], tuned_from)
+    return OmegaConf.merge(policy_cfg, best["params"]), best["params"]
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:  # the model name is more telling than "x86_64" where /proc/cpuinfo exists
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def sampling_config(gen_cfg) -> SamplingConfig:
+    return SamplingConfig(temperature=float(gen_cfg.get("temperature", 0.0)), top_k=int(gen_cfg.get("top_k", 0)),
+                          top_p=float(gen_cfg.get("top_p", 1.0)))

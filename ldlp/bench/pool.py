@@ -1,0 +1,144 @@
+"""Several head-to-head runs pooled: per-run paired ratios, a pooled ratio, and an interval that
+resamples runs, then prompts (``scripts/pool_head_to_head.py``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from eagle_backbone.io import atomic_write_json, atomic_write_text
+from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
+
+
+def contender_key(row: dict) -> str:
+    """A contender's identity across runs: its label and its setting (checkpoint paths aside)."""
+    setting = ", ".join(f"{k}={v}" for k, v in sorted((row.get("setting") or {}).items()) if k != "path")
+    return f"{row['contender']} ({setting})" if row.get("adaptive") else row["contender"]
+
+
+def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2000, seed: int = 0) -> dict:
+    """Pool head-to-head runs (``head_to_head.json`` contents).
+
+    A run measures every contender on the same (round, prompt) pairs, so ratios are paired within a
+    run; across runs the machine's speed, and with it the price of a target pass against a drafted
+    token, moves. The reference is the static contender fastest over all runs among those in every run.
+    Reported per contender (pooled over the runs it is in): its ratio to the reference in each run,
+    their median, the pooled ratio over all its pairs, and that ratio's bootstrap 95% interval, which
+    resamples runs (so the drift between runs widens it) and then prompts within each run (each prompt
+    with all its rounds). Ratios > 1 mean faster than the reference. With an oracle contender, the share
+    of its headroom that the best adaptive contender captures."""
+    if not results:
+        raise ValueError("pool: no head-to-head runs given")
+    where = names or [f"run {i + 1}" for i in range(len(results))]
+    keyed = []  # per run: contender key -> row index
+    for name, res in zip(where, results):
+        if not res.get("lossless", False):
+            raise ValueError(f"{name}: its greedy outputs differ from the AR output; a lossy run is not pooled")
+        keyed.append({contender_key(r): i for i, r in enumerate(res["rows"]) if r["contender"] != "AR"})
+    keys = list(dict.fromkeys(k for rows in keyed for k in rows))  # in order of first appearance
+    present = {k: [j for j, rows in enumerate(keyed) if k in rows] for k in keys}
+    first = {k: results[present[k][0]]["rows"][keyed[present[k][0]][k]] for k in keys}
+    secs = [{k: np.asarray(res["seconds"][i]) for k, i in rows.items()} for res, rows in zip(results, keyed)]
+    static = [k for k in keys if not first[k].get("adaptive") and len(present[k]) == len(results)]
+    if not static:
+        raise ValueError(f"pool: no static contender is in every run (contenders: {keys})")
+    ref = min(static, key=lambda k: sum(s[k].sum() for s in secs))  # the same tokens in every run
+    rng = np.random.default_rng(seed)
+    # two-level bootstrap: runs with replacement (the machine's drift between runs), then prompts within each
+    draws = [rng.integers(0, s[ref].shape[1], size=(bootstrap, s[ref].shape[1])) for s in secs]
+    # per run and contender: its seconds summed over each resample of that run's prompts, (bootstrap,)
+    resampled = [{k: v[:, d].sum((0, 2)) for k, v in s.items()} for s, d in zip(secs, draws)]
+    cols = np.arange(bootstrap)[:, None]
+
+    def boot_ratio(k):  # (bootstrap,) pooled ratios of contender k over the runs it is in
+        runs = present[k]
+        pick = np.random.default_rng([seed, *runs]).integers(0, len(runs), size=(bootstrap, len(runs)))
+        seconds = lambda c: np.stack([resampled[j][c] for j in runs])[pick, cols].sum(1)  # noqa: E731
+        return seconds(ref) / seconds(k)
+
+    out_rows = []
+    for k in keys:
+        per_run = [float(s[ref].sum() / s[k].sum()) if k in s else None for s in secs]
+        mine = [r for r in per_run if r is not None]
+        row = {"contender": k, "policy": first[k].get("policy"), "adaptive": bool(first[k].get("adaptive")),
+               "per_run": per_run, "median": float(np.median(mine)),
+               "pooled": float(sum(secs[j][ref].sum() for j in present[k]) / sum(secs[j][k].sum() for j in present[k])),
+               "tokens_per_s": [res["rows"][rows[k]]["tokens_per_s"] if k in rows else None
+                                for res, rows in zip(results, keyed)]}
+        if k != ref:
+            b = boot_ratio(k)
+            row["ci95"] = [float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))]
+            row["runs_faster"] = sum(r > 1 for r in mine)
+        out_rows.append(row)
+    out = {"runs": where, "reference": ref, "rows": out_rows,
+           "pairs": int(sum(s[ref].size for s in secs)), "bootstrap": bootstrap,
+           "ar_speedup_of_reference": [res["rows"][rows[ref]]["speedup"] for res, rows in zip(results, keyed)],
+           "costs": [res.get("costs") for res in results]}
+    best, verdict_keys = best_adaptive(out_rows, "pooled")
+    out.update(verdict_keys)
+    oracle = next((r for r in out_rows if r["policy"] == "oracle"), None)
+    captured = headroom_captured(best["pooled"], 1.0, oracle["pooled"]) if best and oracle else None
+    if captured is not None:
+        out["headroom_captured"] = captured
+    return out
+
+
+def pooled_markdown(p: dict, links: list[str] | None = None) -> str:
+    ref, n = p["reference"], len(p["runs"])
+    runs = [f"[{r}]({link})" for r, link in zip(p["runs"], links)] if links else p["runs"]
+    lines = [f"{n} head-to-head runs ({', '.join(runs)}), {p['pairs']} timed (round, prompt) pairs of the reference "
+             f"in all. Ratios are seconds of **{ref}** (the static contender fastest over all runs) over the "
+             "contender's, on the same pairs: > 1 is faster. A contender is pooled over the runs it is in (– where "
+             "it did not run); the 95% interval of its pooled ratio resamples those runs, then prompts within each.",
+             "",
+             "| contender | " + " | ".join(f"{r}" for r in p["runs"]) + " | median | pooled | 95% interval | runs faster |",
+             "|---|" + "---:|" * (n + 4)]
+    for r in p["rows"]:
+        cells = " | ".join("–" if v is None else f"{v:.3f}" for v in r["per_run"])
+        ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
+        n_in = sum(v is not None for v in r["per_run"])
+        faster = f"{r['runs_faster']}/{n_in}" if "runs_faster" in r else "reference"
+        lines.append(f"| {r['contender']} | {cells} | {r['median']:.3f} | {r['pooled']:.3f} | {ci} | {faster} |")
+    lines.append("")
+    lines.append(f"- {ref} over AR, per run: " + ", ".join(f"{s:.2f}x" for s in p["ar_speedup_of_reference"]))
+    if "best_adaptive" in p:
+        lines.append(verdict_line(p, ref, "best adaptive, pooled"))
+    if "headroom_captured" in p:
+        lines.append(f"- headroom captured: **{100 * p['headroom_captured']:.0f}%** of (oracle − {ref}), both pooled "
+                     "(over the runs each is in)")
+    if any(p["costs"]):
+        lines.append("- fitted per target pass / per drafted token, per run: " + ", ".join(
+            f"{c['step_ms']:.1f} / {c['draft_ms']:.2f} ms" if c else "–" for c in p["costs"]))
+    return "\n".join(lines) + "\n"
+
+
+def pool_folders(patterns: list[str], out_dir: str | Path, bootstrap: int = 2000, seed: int = 0) -> dict:
+    """:func:`pool` over the ``head_to_head.json`` of every folder matching ``patterns`` (globs, in sorted
+    order); writes pooled.json and pooled.md to ``out_dir``. The result's ``files`` lists the runs read."""
+    import glob
+    import json
+
+    folders = sorted({Path(f) for pat in patterns for f in glob.glob(str(pat))})
+    files = [f / "head_to_head.json" for f in folders if (f / "head_to_head.json").is_file()]
+    if not files:
+        raise ValueError(f"no head_to_head.json in folders matching {list(patterns)} "
+                         "(write them with python scripts/compare.py out_dir=...)")
+    results = []
+    for f in files:
+        try:
+            results.append(json.loads(f.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not valid JSON ({e})") from None
+        missing = [k for k in ("rows", "seconds", "lossless") if k not in results[-1]]
+        if missing:
+            raise ValueError(f"{f}: lacks {missing}; is it a head_to_head.json of scripts/compare.py?")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pooled = pool(results, [f.parent.name for f in files], bootstrap, seed)
+    links = [os.path.relpath(f.parent / "head_to_head.md", out) for f in files]
+    md = pooled_markdown(pooled, links)
+    atomic_write_json(out / "pooled.json", pooled)
+    atomic_write_text(out / "pooled.md", md)
+    return {**pooled, "files": [str(f) for f in files]}

@@ -1,0 +1,140 @@
+"""The on-disk oracle store: every reader and writer of label files, and the manifest.
+
+An oracle directory holds ``manifest.json`` (what was collected, with which models) and, per split,
+parts of ``shard_size`` sequences written by one collector (``shard_id`` of ``num_shards``):
+``{split}/{worker}.{part:05d}.rows.arrow`` (one row per index), ``.seqs.arrow`` (one row per
+sequence) and ``.json`` (counts; written last, it marks the part as complete). The Arrow files are IPC
+streams that ``datasets.Dataset.from_file`` memory-maps, so loading a collection of any size costs no
+copy and no cache. Reading labels imports neither torch models nor Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from eagle_backbone.io import atomic_replace
+
+ROWS_SUFFIX, SEQS_SUFFIX, META_SUFFIX = ".rows.arrow", ".seqs.arrow", ".json"
+
+
+def label_histogram(labels: np.ndarray, k_max: int) -> list[int]:
+    return np.bincount(np.asarray(labels, dtype=np.int64), minlength=k_max + 1)[: k_max + 1].tolist()
+
+
+def rows_features(k_max: int, feature_dim: int | None, stat_dtype: str = "float16", feature_dtype: str = "float16",
+                  state_dim: int | None = None):
+    """``datasets.Features`` of the rows table (``feature`` only when ``feature_dim`` is given; ``draft_state``,
+    the drafter states of the k_max draft steps flattened row-major, only when ``state_dim`` is given)."""
+    from datasets import Features, List, Value
+
+    cols = {
+        "seq_id": Value("int64"), "conversation_id": Value("string"), "split": Value("string"),
+        "index": Value("int32"), "last_token": Value("int32"), "label": Value("int8"), "remaining": Value("int32"),
+        "draft_top1_prob": List(Value(stat_dtype), length=k_max), "draft_entropy": List(Value(stat_dtype), length=k_max),
+        "target_prob": List(Value(stat_dtype), length=k_max),
+    }
+    if feature_dim:
+        cols["feature"] = List(Value(feature_dtype), length=feature_dim)
+    if state_dim:
+        cols["draft_state"] = List(Value(feature_dtype), length=k_max * state_dim)
+    return Features(cols)
+
+
+def sequences_features():
+    from datasets import Features, List, Value
+
+    return Features({"seq_id": Value("int64"), "conversation_id": Value("string"), "split": Value("string"),
+                     "input_ids": List(Value("int32")), "prompt_len": Value("int32"), "positions": Value("int32"),
+                     "eos": Value("bool")})
+
+
+def committed_parts(out_dir, split: str | None = None) -> list:
+    """Meta files of the complete parts under ``out_dir`` (sorted: split, worker, part)."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    metas = sorted(out.glob(f"{split or '*'}/*{META_SUFFIX}"))
+    stem = lambda m: str(m)[: -len(META_SUFFIX)]  # noqa: E731
+    return [m for m in metas if Path(stem(m) + ROWS_SUFFIX).is_file() and Path(stem(m) + SEQS_SUFFIX).is_file()]
+
+
+def _load_tables(out_dir, suffix: str, split: str | None):
+    from datasets import Dataset, concatenate_datasets
+
+    metas = committed_parts(out_dir, split)
+    if not metas:
+        raise ValueError(f"{out_dir} holds no complete oracle parts" + (f" for split {split!r}" if split else "")
+                         + ": collect them first (python scripts/collect_oracle.py)")
+    parts = [Dataset.from_file(str(m)[: -len(META_SUFFIX)] + suffix) for m in metas]
+    return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def load_oracle_rows(out_dir, split: str | None = None):
+    """All label rows as one memory-mapped ``datasets.Dataset``: seq_id, conversation_id, split, index,
+    last_token, label, remaining, draft_top1_prob, draft_entropy, target_prob (and feature and draft_state when
+    stored; draft_state is (k_max, d) flattened row-major)."""
+    return _load_tables(out_dir, ROWS_SUFFIX, split)
+
+
+def load_oracle_sequences(out_dir, split: str | None = None):
+    """One row per sequence: seq_id, conversation_id, split, input_ids (prompt + response), prompt_len,
+    positions (its number of label rows) and eos (whether the response ended with EOS)."""
+    return _load_tables(out_dir, SEQS_SUFFIX, split)
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    atomic_replace(tmp, path)
+
+
+def write_arrow(path: Path, columns: dict, features) -> None:
+    """One Arrow IPC stream, schema from ``datasets.Features`` (so ``Dataset.from_file`` reads it back)."""
+    schema = features.arrow_schema
+    arrays = []
+    for f in schema:
+        col = columns[f.name]
+        if pa.types.is_fixed_size_list(f.type):
+            flat = np.ascontiguousarray(col).reshape(-1).astype(f.type.value_type.to_pandas_dtype())
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), f.type.list_size))
+        else:
+            arrays.append(pa.array(col, type=f.type))
+    table = pa.Table.from_arrays(arrays, schema=schema)
+    tmp = path.with_name(path.name + ".tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table)
+    atomic_replace(tmp, path)
+
+
+def read_manifest(oracle_dir: str | Path) -> dict:
+    path = Path(oracle_dir) / "manifest.json"
+    if not path.is_file():
+        raise ValueError(f"{oracle_dir} has no manifest.json: is it an oracle directory? "
+                         f"(collect labels first: python scripts/collect_oracle.py)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if "k_max" not in manifest:
+        raise ValueError(f"{path}: missing key 'k_max'")
+    return manifest
+
+
+def split_by_conversation(conversation_ids: list[str], splits: list[str], val_fraction: float,
+                          seed: int) -> np.ndarray:
+    """Boolean mask of validation rows. Keeps the oracle's split when it has both train and validation
+    rows; otherwise holds out a seeded ``val_fraction`` of the conversations (never part of one)."""
+    splits = np.asarray(splits)
+    if (splits == "validation").any() and (splits == "train").any():
+        return splits == "validation"
+    convs = np.asarray(conversation_ids)
+    unique = np.unique(convs)
+    if len(unique) < 2:
+        raise ValueError(f"cannot split {len(unique)} conversation(s) into train and validation")
+    n_val = min(len(unique) - 1, max(1, round(val_fraction * len(unique))))
+    held = np.random.default_rng(seed).permutation(unique)[:n_val]
+    return np.isin(convs, held)
