@@ -1,0 +1,355 @@
+"""The batched engine (eagle_backbone/batched): greedy identity with each sequence's own batch-1 output,
+sampling exactness in a batch, per-slot cache rollback, continuous batching and bad input.
+
+Tiny float32 Llamas (tests/conftest.py); the embedded pair, where present, gives an EAGLE drafter whose
+drafts the target actually accepts. No test reads a clock."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from eagle_backbone.batched import engine as bengine
+from eagle_backbone.batched import sampling as bsampling
+from eagle_backbone.batched.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched.model import BatchedLlama
+from eagle_backbone.batched.workload import run_workload
+from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
+from eagle_backbone.sampling import SamplingConfig, probs_from_logits
+
+torch.set_num_threads(1)
+EMBEDDED = Path(__file__).resolve().parent.parent / "data" / "embedded"
+
+
+@pytest.fixture(scope="module")
+def t32():
+    return make_target(dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def eagle32(t32):
+    return make_drafter(t32, dtype=torch.float32)
+
+
+def noisy_copy(target, scale: float, seed: int = 3):
+    """A draft LM that agrees with the target often but not always."""
+    torch.manual_seed(seed)
+    m = copy.deepcopy(target.model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(scale * p.std() * torch.randn_like(p))
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def draft_lm(t32):
+    return noisy_copy(t32, 0.3)
+
+
+def prompts_of(lengths, seed=0, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class PromptGamma(DraftLengthPolicy):
+    """γ = a slot-specific constant (from its prompt length): different γ per slot, 0 included."""
+
+    name = "prompt_gamma"
+
+    def begin(self, prompt_ids):
+        self.g = len(prompt_ids) % 4
+
+    def gamma(self, ctx):
+        return self.g
+
+
+class Varying(DraftLengthPolicy):
+    """γ changes every step (0..4) and the chain may stop early: exercises keep_drafting and ragged drafts."""
+
+    name = "varying"
+
+    def gamma(self, ctx):
+        return (ctx.step * 3 + ctx.position) % 5
+
+    def keep_drafting(self, ctx, i, token, probs):
+        return float(probs.max()) > 0.05 or i < 2
+
+
+def ar(target, prompts, n):
+    return [autoregressive_generate(target, p, n).tokens for p in prompts]
+
+
+# ---- the compact forward ---------------------------------------------------------------------------
+
+
+def test_compact_forward_gives_transformers_logits(t32):
+    ids = torch.randint(4, 64, (3, 11), generator=torch.Generator().manual_seed(1))
+    ref = t32.model(ids).logits
+    m = BatchedLlama(t32.model, 32)
+    cache = m.new_cache(3)
+    pos = torch.arange(11)[None].expand(3, 11)
+    h1 = m(ids[:, :7], pos[:, :7], cache, 7)
+    h2, extra = m(ids[:, 7:], pos[:, 7:], cache, 11, hidden_layers=(0, 1))
+    logits = m.logits(torch.cat([h1, h2], 1))
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    assert len(extra) == 2 and extra[0].shape == (3, 4, 32)
+
+
+def test_per_slot_rollback_overwrites_rejected_positions(t32):
+    """Slot 0 scores 3 wrong tokens, slot 1 one; rolling back is only reusing the positions."""
+    m = BatchedLlama(t32.model, 40)
+    cache = m.new_cache(2)
+    a, b = prompts_of((6, 9), seed=2)
+    tail_a, tail_b = prompts_of((4, 4), seed=3)
+    junk = torch.tensor([[60, 61, 62], [63, 63, 63]])
+    # prefill (padded; slot 0's padding writes position 39, the scratch position)
+    tok = torch.zeros(2, 9, dtype=torch.long)
+    tok[0, :6], tok[1] = torch.tensor(a), torch.tensor(b)
+    pos = torch.arange(9)[None].repeat(2, 1)
+    pos[0, 6:] = 39
+    m(tok, pos, cache, 9)
+    m(junk, torch.tensor([[6, 7, 8], [9, 39, 39]]), cache, 10)  # drafts, then all rejected
+    h = m(torch.tensor([tail_a, tail_b]), torch.tensor([[6, 7, 8, 9], [9, 10, 11, 12]]), cache, 13)
+    got = m.logits(h)
+    for row, seq in enumerate((a + tail_a, b + tail_b)):
+        ref = t32.model(torch.tensor([seq])).logits[0, -4:]
+        torch.testing.assert_close(got[row], ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- greedy identity ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
+def test_greedy_identity_mixed_prompts_and_gammas(t32, eagle32, draft_lm, kind):
+    prompts = prompts_of((5, 12, 3, 8, 6, 1))  # γ = len % 4: 1, 0, 3, 0, 2, 1
+    drafter = eagle32 if kind == "eagle" else draft_lm
+    engine = BatchedSpeculativeEngine(t32, drafter, kind, slots=6, policy=PromptGamma)
+    out = engine.generate(prompts, 24)
+    assert [o.tokens for o in out] == ar(t32, prompts, 24)
+    assert [len(set(o.stats.draft_lengths)) for o in out][1] == 1 and out[1].stats.drafted_tokens == 0
+    if kind == "draft_lm":
+        assert sum(o.stats.accepted_tokens for o in out) > 10  # drafts were accepted, not only rejected
+
+
+def test_greedy_identity_varying_gamma_and_early_stop(t32, draft_lm):
+    prompts = prompts_of((4, 7, 10, 2))
+    engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=4, policy=Varying)
+    out = engine.generate(prompts, 30)
+    assert [o.tokens for o in out] == ar(t32, prompts, 30)
+    # same accepted lengths as today's batch-1 engine with the same policy
+    for p, o in zip(prompts, out):
+        ref = SpeculativeDecoder(t32, DraftModelCandidateGenerator(draft_lm, t32), Varying()).generate(p, 30)
+        assert o.stats.accept_lengths == ref.stats.accept_lengths
+
+
+def test_eos_inside_one_slots_draft(t32):
+    """A perfect drafter (the target itself) drafts past an EOS in slot 0; the others continue."""
+    prompts = prompts_of((5, 9, 7))
+    target = copy.copy(t32)
+    eos = ar(t32, prompts[:1], 12)[0][6]  # slot 0's 7th token becomes the EOS
+    target.eos_token_ids = {eos}
+    ref = ar(target, prompts, 20)
+    assert ref[0][-1] == eos and len(ref[0]) <= 7
+    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=StaticPolicy(4))
+    out = engine.generate(prompts, 20)
+    assert [o.tokens for o in out] == ref
+    assert any(len(r) == 20 for r in ref[1:])  # another slot ran on past slot 0's end
+    s = out[0].stats
+    assert s.accepted_tokens == sum(s.accept_lengths) and s.new_tokens == len(ref[0])
+
+
+def test_budget_reached_mid_draft(t32):
+    prompts = prompts_of((5, 9))
+    engine = BatchedSpeculativeEngine(t32, t32.model, "draft_lm", slots=2, policy=StaticPolicy(4))
+    out = engine.generate(prompts, 7)  # 1 from the prefill, then 4 drafts + 1; the next γ is capped at 0
+    assert [o.tokens for o in out] == ar(t32, prompts, 7)
+    assert all(len(o.tokens) == 7 and max(o.stats.draft_lengths) == 4 and o.stats.draft_lengths[-1] == 0
+               for o in out)
+
+
+def test_refilled_slots_continuous_batching(t32, eagle32, draft_lm):
+    prompts = prompts_of((5, 9, 3, 11, 6, 2, 8))
+    ref = ar(t32, prompts, 15)
+    for drafter, kind in ((eagle32, "eagle"), (draft_lm, "draft_lm"), (None, None)):
+        engine = BatchedSpeculativeEngine(t32, drafter, kind, slots=3, policy=PromptGamma if drafter else None)
+        res = run_workload(engine, prompts, 3, 15)
+        assert [o.tokens for o in res.outputs] == ref
+        assert len(res.token_gaps_s) == sum(len(r) - 1 for r in ref) and len(res.request_s) == len(prompts)
+
+
+@pytest.mark.skipif(not (EMBEDDED / "drafter" / "config.json").exists(), reason="no embedded pair")
+def test_embedded_eagle_accepts_and_matches_batch1():
+    """The shipped EAGLE drafter (float32): real acceptance, same accepted lengths as the batch-1 engine."""
+    from eagle_backbone.drafter import EagleDrafter
+    from eagle_backbone.target import TargetModel
+
+    target = TargetModel.from_pretrained(EMBEDDED / "target", attn_implementation="eager")
+    drafter = EagleDrafter.from_pretrained(EMBEDDED / "drafter")
+    prompts = prompts_of((9, 17, 5), seed=4, vocab=target.vocab_size)
+    engine = BatchedSpeculativeEngine(target, drafter, "eagle", slots=3, policy=StaticPolicy(3))
+    out = engine.generate(prompts, 24)
+    assert [o.tokens for o in out] == ar(target, prompts, 24)
+    for p, o in zip(prompts, out):
+        ref = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(3)).generate(p, 24)
+        assert o.stats.accept_lengths == ref.stats.accept_lengths
+    assert sum(o.stats.accepted_tokens for o in out) > 5
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+
+def test_batched_one_step_distribution_is_exact():
+    """Sum over drafts x ~ q of the accept/resample outcome, with the batched functions, equals p (per row)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(3 * torch.randn(5, 12, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(3 * torch.randn(5, 12, generator=g, dtype=torch.float64), -1)
+    q[0] = p[0]  # p == q: rejection never happens
+    q[1, :6] = 0
+    q[1] /= q[1].sum()  # q misses half the support
+    out = torch.zeros_like(p)
+    for x in range(12):
+        a = bsampling.accept_probability(p[:, x], q[:, x])
+        out[:, x] += q[:, x] * a
+        out += (q[:, x] * (1 - a))[:, None] * bsampling.residual(p, q)
+    torch.testing.assert_close(out, p, rtol=0, atol=1e-12)
+
+
+def test_counter_uniforms_are_uniform_and_per_sequence():
+    seeds = torch.arange(4000)
+    u = bsampling.uniforms(seeds, torch.zeros(4000, dtype=torch.long), torch.arange(3))
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u.flatten().float(), bins=10, min=0, max=1)
+    chi2 = float(((counts - 1200) ** 2 / 1200).sum())
+    assert chi2 < 27.9  # 9 dof, p = 0.001
+    assert torch.equal(bsampling.uniforms(seeds[7:9], torch.zeros(2, dtype=torch.long), torch.arange(3)), u[7:9])
+
+
+def _pair_distribution(target, prompt, temperature):
+    """Exact P(x1, x2) of the target's sampling, as a dict (x1, x2) -> probability."""
+    cfg = SamplingConfig(temperature=temperature)
+    with torch.no_grad():
+        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], cfg).double()
+        exact = {}
+        for x1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
+            p2 = probs_from_logits(target.model(torch.tensor([prompt + [x1]])).logits[0, -1], cfg).double()
+            for x2 in torch.nonzero(p2 > 1e-9).flatten().tolist():
+                exact[(x1, x2)] = float(p1[x1] * p2[x2])
+    return exact
+
+
+def _chi2_pvalue(samples, exact, n):
+    """Pearson chi-square of ``samples`` against ``exact``, cells with an expected count < 5 pooled."""
+    from scipy.stats import chi2
+
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    big = [k for k, v in exact.items() if v * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    return float(chi2.sf(stat, len(obs) - 1))
+
+
+def _sample_pairs(target, drafter, prompt, slots, runs, temperature):
+    """The first two tokens of sequences decoded 4 tokens deep: the second comes from a verification
+    step (γ up to 2 there), so it is a kept draft, a replacement or a bonus token."""
+    cfg = SamplingConfig(temperature=temperature)
+    out = []
+    for r in range(runs):
+        engine = BatchedSpeculativeEngine(target, drafter, "draft_lm", slots=slots, policy=Mixed, sampling=cfg)
+        seeds = [1000 * r + b for b in range(slots)]
+        out += [tuple(o.tokens[:2]) for o in engine.generate([prompt] * slots, 4, seeds=seeds)]
+    return out
+
+
+class Mixed(DraftLengthPolicy):
+    """γ from the sequence's seed-free slot order: 0, 1, 2, 3 cycling over admissions."""
+
+    name = "mixed"
+    counter = 0
+
+    def begin(self, prompt_ids):
+        Mixed.counter += 1
+        self.g = Mixed.counter % 4
+
+    def gamma(self, ctx):
+        return self.g
+
+
+@pytest.fixture(scope="module")
+def rough_drafter(t32):
+    return noisy_copy(t32, 0.6, seed=11)
+
+
+@pytest.fixture(scope="module")
+def no_eos(t32):
+    target = copy.copy(t32)
+    target.eos_token_ids = set()  # every sequence has its two tokens
+    return target
+
+
+# temperature 0.3: the tiny target's distribution is sharp enough that most mass sits in cells with
+# expected counts >= 5, which is what gives the test its power
+TEMP, RUNS = 0.3, 60
+
+
+def test_sampled_sequences_have_the_target_distribution(no_eos, rough_drafter):
+    prompt = prompts_of((6,), seed=5)[0]
+    exact = _pair_distribution(no_eos, prompt, TEMP)
+    samples = _sample_pairs(no_eos, rough_drafter, prompt, 32, RUNS, TEMP)
+    assert _chi2_pvalue(samples, exact, len(samples)) > 1e-3
+
+
+def test_chi_square_has_power_against_a_broken_residual(no_eos, rough_drafter, monkeypatch):
+    """Resampling from p instead of normalize(max(p - q, 0)) must be caught by the same test."""
+    monkeypatch.setattr(bsampling, "residual", lambda p, q: p)
+    prompt = prompts_of((6,), seed=5)[0]
+    exact = _pair_distribution(no_eos, prompt, TEMP)
+    samples = _sample_pairs(no_eos, rough_drafter, prompt, 32, RUNS, TEMP)
+    assert _chi2_pvalue(samples, exact, len(samples)) < 1e-5
+
+
+def test_a_sequences_samples_do_not_depend_on_the_batch(t32, draft_lm):
+    cfg = SamplingConfig(temperature=1.0)
+    prompts = prompts_of((5, 8, 3))
+    alone = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=1, policy=StaticPolicy(2), sampling=cfg)
+    ref = alone.generate(prompts[1:2], 16, seeds=[42])[0].tokens
+    both = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=3, policy=StaticPolicy(2), sampling=cfg)
+    out = both.generate([prompts[0], prompts[2], prompts[1]], 16, seeds=[1, 2, 42])
+    assert out[2].tokens == ref
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+class NegativeForShort(DraftLengthPolicy):
+    name = "negative"
+
+    def begin(self, prompt_ids):
+        self.g = -1 if len(prompt_ids) < 4 else 2
+
+    def gamma(self, ctx):
+        return self.g
+
+
+def test_bad_input_errors(t32, draft_lm):
+    with pytest.raises(ValueError, match="batch size"):
+        BatchedSpeculativeEngine(t32, slots=0)
+    engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=2, capacity=16)
+    with pytest.raises(ValueError, match="batch size 0"):
+        engine.generate([], 4)
+    with pytest.raises(ValueError, match="cache holds 16 positions"):
+        engine.generate([list(range(4, 24))], 4)
+    with pytest.raises(ValueError, match="more streams than"):
+        run_workload(engine, prompts_of((3, 4, 5)), 3, 4)
+    engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=2, policy=NegativeForShort)
+    with pytest.raises(ValueError, match=r"gamma=-1 for slot 1"):
+        engine.generate(prompts_of((6, 2)), 4)
