@@ -35,6 +35,8 @@ def causal_mask(q_len: int, past_len: int, dtype: torch.dtype, device) -> torch.
 
 
 class EagleDrafter(nn.Module):
+    has_own_embedding = True  # False when loaded from a checkpoint without one (tie the target's, loading.py)
+
     def __init__(self, config):
         super().__init__()
         from transformers import LlamaConfig
@@ -161,9 +163,14 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         f = path / name
         if f.exists():
             if name.endswith(".safetensors"):
+                from safetensors import SafetensorError
                 from safetensors.torch import load_file
 
-                return load_file(str(f))
+                try:
+                    return load_file(str(f))
+                except SafetensorError as e:
+                    raise ValueError(f"{f}: truncated or corrupt weight file ({e}); copy, download or train it "
+                                     "again") from None
             try:
                 return torch.load(f, map_location="cpu", weights_only=True)
             except Exception as e:  # pickle with objects other than tensors

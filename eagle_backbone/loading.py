@@ -31,8 +31,18 @@ def load_drafter(kind: str, path: str | Path, dtype: str = "float32", device: st
     if kind == "eagle":
         return EagleDrafter.from_pretrained(path, dtype=dtype, device=device)
     if kind == "draft_lm":
-        return TargetModel.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code).model
+        return TargetModel.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                           role="draft LM").model
     raise ValueError(f"model.drafter_kind must be 'eagle' or 'draft_lm', got {kind!r}")
+
+
+def tie_drafter_embedding(drafter, target: TargetModel) -> bool:
+    """Give an EAGLE drafter whose checkpoint ships no ``embed_tokens.weight`` the target's embedding (EAGLE's
+    releases share it with the target); checks the shapes. Returns whether it tied; a no-op otherwise."""
+    if isinstance(drafter, EagleDrafter) and not drafter.has_own_embedding and drafter.embed_tokens is not target.embed_tokens:
+        drafter.tie_embedding(target.embed_tokens)
+        return True
+    return False
 
 
 def make_candidates(kind: str, drafter, target: TargetModel) -> CandidateGenerator:
@@ -61,5 +71,6 @@ def load_pair(cfg) -> ModelPair:
     remote = bool(cfg.get("trust_remote_code", False))
     target = load_target(cfg)
     drafter = load_drafter(cfg.drafter_kind, cfg.drafter, cfg.dtype, cfg.device, remote)
+    tie_drafter_embedding(drafter, target)
     tokenizer = load_tokenizer(cfg.get("tokenizer") or cfg.target, remote)
     return ModelPair(target, make_candidates(cfg.drafter_kind, drafter, target), tokenizer, drafter)

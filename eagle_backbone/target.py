@@ -34,6 +34,34 @@ def new_cache(model: nn.Module):
     return DynamicCache(config=model.config)
 
 
+def raise_if_unreadable(path: Path, error: Exception) -> None:
+    """One line naming the weight file when ``error`` comes from a truncated or corrupt weight file."""
+    from safetensors import SafetensorError
+
+    if isinstance(error, SafetensorError) or "PytorchStreamReader" in str(error):
+        files = [f.name for f in sorted(Path(path).glob("*.safetensors"))] or [f.name for f in Path(path).glob("*.bin")]
+        name = Path(path) / files[0] if len(files) == 1 else f"{path}/{{{','.join(files)}}}"
+        raise ValueError(f"{name}: truncated or corrupt weight file ({type(error).__name__}: {error}); copy, download "
+                         "or train it again") from None
+
+
+def check_loading_info(path: Path, info: dict, role: str = "target") -> None:
+    """Refuse a transformers load whose report (``output_loading_info=True``) has missing, unexpected or
+    mismatched keys: one line naming the folder and the keys."""
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    mismatched = [f"{k[0]} {tuple(k[1])} vs {tuple(k[2])}" if isinstance(k, tuple) and len(k) == 3 else str(k)
+                  for k in sorted(info.get("mismatched_keys") or (), key=str)]
+    errors = [str(e).replace("\n", " ") for e in info.get("error_msgs") or ()]
+    if not (missing or unexpected or mismatched or errors):
+        return
+    parts = [f"missing keys {missing}" if missing else "", f"unexpected keys {unexpected}" if unexpected else "",
+             f"wrong shapes {mismatched}" if mismatched else "", f"errors {errors}" if errors else ""]
+    hint = (" (an EAGLE drafter folder? load it with model.drafter_kind=eagle)"
+            if any(k.startswith("fc.") for k in unexpected) else "")
+    raise ValueError(f"{role} {path}: the weights do not match {Path(path) / 'config.json'}: "
+                     + "; ".join(p for p in parts if p) + hint + "; nothing was loaded with random weights")
+
+
 class TargetModel(nn.Module):
     """A causal LM that returns ``(logits, feature)`` and knows its context length and special ids."""
 
@@ -53,16 +81,27 @@ class TargetModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                        trust_remote_code: bool = False, attn_implementation: str | None = "sdpa") -> "TargetModel":
-        """Load a local Hugging Face folder (safetensors or ``pytorch_model.bin``, never remote code by default)."""
+                        trust_remote_code: bool = False, attn_implementation: str | None = "sdpa",
+                        role: str = "target") -> "TargetModel":
+        """Load a local Hugging Face folder (safetensors or ``pytorch_model.bin``, never remote code by default).
+
+        Strict: a checkpoint with missing, unexpected or wrongly shaped weights is refused (transformers
+        would initialise the missing ones at random and carry on); an output head tied to the input
+        embedding (``tie_word_embeddings``) is not missing. ``role`` names the model in the errors."""
         from transformers import AutoModelForCausalLM
 
         path = Path(path)
         if not (path / "config.json").exists():
             raise ValueError(f"target folder {path} has no config.json (is the path right?)")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                     attn_implementation=attn_implementation)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                               attn_implementation=attn_implementation,
+                                                               output_loading_info=True)
+        except Exception as e:
+            raise_if_unreadable(path, e)
+            raise
+        check_loading_info(path, info, role)
         return cls(model.to(device))
 
     @property

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ldlp.predictor import CONFIG_FILE, WEIGHTS_FILE, read_folder, save_folder
+from ldlp.predictor import CONFIG_FILE, check_state, read_folder, save_folder
 
 STAT_NAMES = ("log_p", "cum_log_p", "step")  # the inputs after the drafter state, in order
 MIN_LOG_P = math.log(1e-6)  # log-probabilities are clipped here (a sampled token can be very unlikely)
@@ -117,10 +117,7 @@ class AcceptanceHead(nn.Module):
         path = Path(path)
         raw, state = read_folder(path, "an acceptance head", "python scripts/train_acceptance.py")
         head = cls(AcceptanceHeadConfig.from_dict(raw, str(path / CONFIG_FILE)))
-        expected = head.state_dict()
-        if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
-            raise ValueError(f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE} (hidden_size="
-                             f"{head.config.hidden_size}): tensors {({k: tuple(v.shape) for k, v in state.items()})}")
+        check_state(path, state, head.state_dict(), f"{CONFIG_FILE} (hidden_size={head.config.hidden_size})")
         head.load_state_dict(state)
         return head.eval()
 

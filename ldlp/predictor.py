@@ -62,7 +62,24 @@ def read_folder(path: str | Path, what: str, how: str) -> tuple[dict, dict]:
         raw = json.loads((path / CONFIG_FILE).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path / CONFIG_FILE}: not valid JSON ({e})") from None
-    return raw, load_file(str(path / WEIGHTS_FILE))
+    from safetensors import SafetensorError
+
+    try:
+        return raw, load_file(str(path / WEIGHTS_FILE))
+    except SafetensorError as e:
+        raise ValueError(f"{path / WEIGHTS_FILE}: truncated or corrupt weight file ({e}); train it again with "
+                         f"`{how}`") from None
+
+
+def check_state(path: str | Path, state: dict, expected: dict, implied_by: str = CONFIG_FILE) -> None:
+    """Refuse weights whose keys or shapes differ from the model ``config.json`` builds: one line naming the
+    file, the missing and unexpected keys and the wrong shapes."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [f"{k} {tuple(v.shape)} (config implies {tuple(expected[k].shape)})" for k, v in state.items()
+             if k in expected and v.shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{Path(path) / WEIGHTS_FILE} does not match {implied_by}: missing keys {missing}, "
+                         f"unexpected keys {unexpected}, wrong shapes {wrong}")
 
 
 @dataclass
@@ -259,17 +276,9 @@ class LDLP(nn.Module):
         path = Path(path)
         raw, state = read_folder(path, "an LDLP checkpoint", "python scripts/train_ldlp.py")
         model = cls(LDLPConfig.from_dict(raw, where=str(path / CONFIG_FILE)))
-        expected = model.state_dict()
-        missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-        if missing or unexpected:
-            raise ValueError(f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: missing {sorted(missing)}, "
-                             f"unexpected {sorted(unexpected)}")
-        for k, v in state.items():
-            if v.shape != expected[k].shape:
-                raise ValueError(f"{path / WEIGHTS_FILE}: tensor {k!r} has shape {tuple(v.shape)} but "
-                                 f"{CONFIG_FILE} (input_dim={model.config.input_dim}, hidden_dim="
-                                 f"{model.config.hidden_dim}, head={model.config.head!r}, k_max="
-                                 f"{model.config.k_max}) implies {tuple(expected[k].shape)}")
+        c = model.config
+        check_state(path, state, model.state_dict(), f"{CONFIG_FILE} (input_dim={c.input_dim}, hidden_dim="
+                    f"{c.hidden_dim}, head={c.head!r}, k_max={c.k_max})")
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype).eval()
 
