@@ -70,8 +70,8 @@ def test_target_with_missing_or_unexpected_weights_is_refused(tmp_path):
 
 
 def test_drafter_without_embedding_is_the_one_documented_exception(tmp_path, target, drafter):
-    from eagle_backbone.candidates import EagleCandidateGenerator
     from eagle_backbone.drafter import EagleDrafter
+    from eagle_backbone.loading import tie_drafter_embedding
 
     drafter.save_pretrained(tmp_path / "d")
     state = load_file(str(tmp_path / "d" / "model.safetensors"))
@@ -79,7 +79,7 @@ def test_drafter_without_embedding_is_the_one_documented_exception(tmp_path, tar
     save_file(state, str(tmp_path / "d" / "model.safetensors"))
     loaded = EagleDrafter.from_pretrained(tmp_path / "d", dtype=torch.float64)
     assert loaded.has_own_embedding is False
-    EagleCandidateGenerator(loaded, target)
+    assert tie_drafter_embedding(loaded, target)
     assert torch.equal(loaded.embed_tokens.weight, target.embed_tokens.weight)
     del state["fc.weight"]  # any other key missing is refused
     save_file(state, str(tmp_path / "d" / "model.safetensors"))
@@ -139,3 +139,121 @@ def test_truncated_weights_name_the_file(tmp_path, kind, drafter):
         load()
     msg = _one_line(e)
     assert str(folder / "model.safetensors") in msg and "truncated or corrupt" in msg
+
+
+# -- 1. runs on different prompt sets never share a row; 6. dropped prompts are carried and stated ---------
+
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER = REPO / "data" / "embedded" / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from eagle_backbone.drafter import EagleDrafter
+
+    root = tmp_path_factory.mktemp("pair")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(vocab=4096, d=32, layers=1, max_pos=512, eos=2))
+    target.save_pretrained(root / "target")
+    drafter = EagleDrafter.from_target_config(target.config)
+    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    drafter.save_pretrained(root / "drafter")
+    return root
+
+
+def _eval_cfg(models: Path, prompts: Path, extra=()):
+    from hydra import compose, initialize_config_dir
+
+    import eagle_backbone.paths  # noqa: F401
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="evaluate", overrides=[
+            f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
+            "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float32", "data=mt_bench",
+            f"data.path={prompts}", "generation.max_new_tokens=4", "evaluation.repeats=1", "evaluation.warmup=0",
+            "evaluation.calibration_prompts=1", "evaluation.progress=false", "threads=1", "policy=static",
+            "policy.gamma=2", *extra])
+
+
+def _question_file(path: Path, questions: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"question_id": i, "turns": [q]}) + "\n" for i, q in enumerate(questions)))
+    return path
+
+
+def test_results_json_identifies_the_prompt_file_and_counts_dropped_prompts(tiny_pair, tmp_path):
+    from ldlp.bench.evaluate import evaluate
+    from ldlp.bench.loaders import file_sha256
+
+    prompts = _question_file(tmp_path / "q.jsonl", ["Hello there.", "word " * 400, "What is 2 + 2?", "Hi."])
+    cfg = _eval_cfg(tiny_pair, prompts, ["data.limit=3", "data.sample_seed=5", "data.max_prompt_tokens=64"])
+    result = evaluate(cfg, policy_name="static", out_dir=tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["data_path"] == str(prompts) and saved["data_sha256"] == file_sha256(prompts)
+    assert (saved["limit"], saved["sample_seed"], saved["turns"]) == (3, 5, "first")
+    assert saved["n_prompts"] + saved["n_dropped"] == 3 and saved["n_dropped"] == 1
+    assert "max_prompt_tokens=64" in saved["dropped_reason"]
+    assert result["n_dropped"] == 1
+
+
+def _result(**kw) -> dict:
+    r = {"policy": "static", "gamma": 2, "model": "tiny", "drafter_kind": "eagle", "dataset": "prompts",
+         "n_prompts": 10, "n_dropped": 0, "dropped_reason": None, "temperature": 0.0, "max_new_tokens": 8,
+         "tokens_per_s": 100.0, "ar_tokens_per_s": 50.0, "speedup": 2.0, "tau": 2.0, "target_forwards": 5,
+         "wasted_tokens": 1, "drafted_tokens": 4, "new_tokens": 8, "lossless": True, "repeats": 1,
+         "data_path": "/d/humaneval.jsonl", "data_sha256": "a" * 64, "limit": None, "sample_seed": None,
+         "turns": "first", "policy_config": {"gamma": 2}}
+    r.update(kw)
+    return r
+
+
+def _write_runs(root: Path, results: list[dict]) -> Path:
+    for k, r in enumerate(results):
+        (root / f"run{k}").mkdir(parents=True)
+        (root / f"run{k}" / "results.json").write_text(json.dumps(r))
+    return root
+
+
+@pytest.mark.parametrize("field,other", [("data_path", "/d/gsm8k.jsonl"), ("data_sha256", "b" * 64), ("limit", 5),
+                                         ("sample_seed", 3), ("turns", "all")])
+def test_runs_on_different_prompt_sets_never_share_a_row(tmp_path, field, other):
+    from ldlp.report.summary import aggregate, find_results, summarize
+
+    runs = _write_runs(tmp_path / "runs", [_result(tokens_per_s=100.0), _result(**{field: other}, tokens_per_s=10.0)])
+    rows = aggregate(find_results(runs))
+    assert len(rows) == 2 and sorted(r["tokens_per_s"] for r in rows) == [10.0, 100.0]
+    out = summarize(runs, tmp_path / "out")
+    assert "never merged" in out["markdown"] and len(out["headline"]) == 2
+
+
+def test_old_results_without_the_prompt_file_hash_get_one_warning(tmp_path, caplog):
+    from ldlp.report.summary import aggregate, find_results
+
+    old = [{k: v for k, v in _result(tokens_per_s=t).items() if k not in ("data_sha256", "limit", "sample_seed")}
+           for t in (1.0, 2.0, 3.0)]
+    with caplog.at_level("WARNING", logger="ldlp.report.summary"):
+        aggregate(find_results(_write_runs(tmp_path, old)))
+    warnings = [r for r in caplog.records if "predate the prompt-file hash" in r.getMessage()]
+    assert len(warnings) == 1 and "3 of 3" in warnings[0].getMessage()
+
+
+def test_dropped_prompts_are_in_the_table_and_stated_over_5_percent(tmp_path):
+    from ldlp.report.summary import summarize
+
+    few = summarize(_write_runs(tmp_path / "few", [_result(n_prompts=99, n_dropped=1, dropped_reason="longer than "
+                                                           "max_prompt_tokens=1536")]), tmp_path / "o1")
+    header = next(line for line in few["markdown"].splitlines() if line.startswith("Prompt set"))
+    assert "1 dropped: longer than max_prompt_tokens=1536" in header and "**1 of" not in header
+    many = summarize(_write_runs(tmp_path / "many", [_result(n_prompts=56, n_dropped=24, dropped_reason="longer than "
+                                                             "max_prompt_tokens=1536")]), tmp_path / "o2")
+    header = next(line for line in many["markdown"].splitlines() if line.startswith("Prompt set"))
+    assert "**24 of 80 prompts (30%) dropped: longer than max_prompt_tokens=1536**" in header
+    assert "n_dropped" in (tmp_path / "o2" / "results.csv").read_text().splitlines()[0]
+
+
+def test_head_to_head_table_states_dropped_prompts():
+    from ldlp.bench.headtohead import dropped_note  # the head to head's header line carries it
+
+    result = {"n_prompts": 56, "n_dropped": 24, "dropped_reason": "longer than max_prompt_tokens=1536"}
+    assert dropped_note(result) == " (**24 of 80 prompts (30%) dropped: longer than max_prompt_tokens=1536**)"
+    assert dropped_note({**result, "n_prompts": 976}) == " (24 dropped: longer than max_prompt_tokens=1536)"

@@ -78,6 +78,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
 
     pair = load_pair_cached(cfg.model)
     prompts = load_prompts(cfg.data, pair.tokenizer)
+    prompt_info = dict(getattr(prompts, "info", {}))
     policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name)
     policy = build_policy(policy_cfg)
     policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
@@ -141,6 +142,8 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "gamma": gamma,
         "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)),
         "n_prompts": len(prompts),
+        "n_dropped": prompt_info.get("n_dropped", 0),  # prompts of the set left out, and why (next to n_prompts)
+        "dropped_reason": prompt_info.get("dropped_reason"),
         "temperature": sampling.temperature,
         "new_tokens": first.new_tokens,
         "wall_s": _median([x.wall_s for x in rounds]),
@@ -160,6 +163,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "model": str(cfg.model.get("name", "")),
         "drafter_kind": str(cfg.model.drafter_kind),
         "data_path": str(cfg.data.path),
+        **prompt_info,  # the prompt set's identity: data_path, data_sha256, limit, sample_seed, turns
         "max_new_tokens": max_new_tokens,
         "acceptance_rate": first.acceptance_rate,
         "mean_drafted_per_step": first.drafted_tokens / steps,

@@ -43,7 +43,8 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     if rounds < 1 or len(contenders) < 2:
         raise ValueError(f"head to head needs at least 2 contenders and 1 round, got {len(contenders)} and {rounds}")
     pair = load_pair_cached(cfg.model)
-    prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+    prompt_set = load_prompts(cfg.data, pair.tokenizer)
+    prompts = [ids for _, ids in prompt_set]
     n, seed = int(cfg.generation.max_new_tokens), int(cfg.seed)
     runners, labels, settings, adaptive = [], [], [], []
     for name, pcfg in contenders:
@@ -110,13 +111,26 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
                        rounds_faster=int((secs[i].sum(1) < secs[ref].sum(1)).sum()))
         rows.append(row)
     result = {"rows": rows, "reference": labels[ref] if ref is not None else None, "rounds": rounds,
-              "n_prompts": len(prompts), "max_new_tokens": n, "new_tokens": int(tokens[-1].sum()),
+              "n_prompts": len(prompts), **dict(getattr(prompt_set, "info", {})), "max_new_tokens": n, "new_tokens": int(tokens[-1].sum()),
               "lossless": lossless, "tuned_from": str(cfg.get("tuned_from")) if cfg.get("tuned_from") else None,
               "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "machine": machine_info(),
               "model": str(cfg.model.get("name", "")), "labels": labels, "seconds": secs.tolist(),
               "tokens": tokens.tolist(), "costs": _costs(timed)}
     result.update(verdict(result))
     return result
+
+
+def dropped_note(result: dict) -> str:
+    """`` (N dropped: why)`` after a table's prompt count; in bold with the share when above 5%."""
+    dropped, n = result.get("n_dropped"), result.get("n_prompts") or 0
+    if dropped is None:
+        return " (dropped prompts not recorded)"
+    if not dropped:
+        return ", none dropped"
+    why = result.get("dropped_reason") or "reason not recorded"
+    share = dropped / (n + dropped)
+    return (f" (**{dropped} of {n + dropped} prompts ({100 * share:.0f}%) dropped: {why}**)" if share > 0.05
+            else f" ({dropped} dropped: {why})")
 
 
 def _costs(stats) -> dict | None:
@@ -149,7 +163,8 @@ def markdown(result: dict) -> str:
     ref = result["reference"]
     lines = [f"### Head to head ({result['model']})", "",
              f"{len(result['rows']) - 1} contenders and the AR baseline take turns on every prompt (rotating order) "
-             f"for {result['rounds']} rounds in one process: {result['n_prompts']} prompts of {result['dataset']}, "
+             f"for {result['rounds']} rounds in one process: {result['n_prompts']} prompts of {result['dataset']}"
+             f"{dropped_note(result)}, "
              f"{result['max_new_tokens']} new tokens at most, greedy. `vs {ref}` is the ratio of seconds on the same "
              "(round, prompt) pairs (> 1: faster than the best static contender), with a bootstrap 95% interval "
              "that resamples prompts (each with all its rounds); tokens/s are totals over all pairs.", "",

@@ -39,8 +39,39 @@ def load_pair_cached(model_cfg):
     return _PAIRS[key]
 
 
-def load_prompts(data_cfg, tokenizer) -> list[tuple[str, list[int]]]:
-    """(conversation id, prompt token ids) for the prompt set ``data_cfg`` (its first ``limit`` items)."""
+class PromptSet(list):
+    """``[(conversation id, prompt ids), ...]`` plus ``info``: what identifies the set (the prompt file's
+    path and SHA-256, ``limit``, ``sample_seed``, ``turns``) and how many prompts were dropped and why
+    (``n_dropped``, ``dropped_reason``). Results carry ``info`` so that runs on different sets never merge."""
+
+    info: dict = {}
+
+
+def file_sha256(path: str | Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def prompt_set_info(data_cfg, n_dropped: int = 0, n_skipped: int = 0) -> dict:
+    """The identity of the prompt set ``data_cfg`` names (file path and content hash, limit, sample seed,
+    turns) and its dropped prompts; what :class:`PromptSet` carries as ``info``."""
+    path = data_cfg.get("path")
+    limit, seed, max_tokens = data_cfg.get("limit"), data_cfg.get("sample_seed"), data_cfg.get("max_prompt_tokens")
+    return {"data_path": str(path), "data_sha256": file_sha256(path) if path and Path(path).is_file() else None,
+            "limit": None if limit is None else int(limit), "sample_seed": None if seed is None else int(seed),
+            "turns": str(data_cfg.get("turns", "first")), "n_dropped": int(n_dropped),
+            "dropped_reason": f"longer than max_prompt_tokens={max_tokens}" if n_dropped else None,
+            "n_skipped_records": int(n_skipped)}
+
+
+def load_prompts(data_cfg, tokenizer) -> PromptSet:
+    """(conversation id, prompt token ids) for the prompt set ``data_cfg`` (its first ``limit`` items), as a
+    :class:`PromptSet` whose ``info`` identifies the set and counts the prompts dropped for length."""
     from eagle_backbone.data.conversations import build_prompts, load_conversations
 
     key = config_key(data_cfg) + str(getattr(tokenizer, "name_or_path", id(tokenizer)))
@@ -55,7 +86,9 @@ def load_prompts(data_cfg, tokenizer) -> list[tuple[str, list[int]]]:
                                 turns=data_cfg.get("turns", "first"), chat_template=data_cfg.get("chat_template"))
         if not prompts:
             raise ValueError(f"data.path={path}: no prompts (empty file or every conversation skipped)")
-        _PROMPTS[key] = [(str(cid), list(ids)) for cid, ids in prompts]
+        out = PromptSet((str(cid), list(ids)) for cid, ids in prompts)
+        out.info = prompt_set_info(data_cfg, getattr(prompts, "too_long", 0), getattr(conversations, "skipped", 0))
+        _PROMPTS[key] = out
     return _PROMPTS[key]
 
 

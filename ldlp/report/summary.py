@@ -12,12 +12,15 @@ come from the first run (they are deterministic). Per model, the summary also re
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 from pathlib import Path
 
 from eagle_backbone.io import atomic_write_text
 from ldlp.bench.stats import headroom_captured
+
+log = logging.getLogger(__name__)
 
 STATIC, ORACLE = "static", "oracle"
 POLICY_ORDER = ["static", "ldlp", "ldlp_ddd", "ddd", "confidence", "entropy", "heuristic", "hf_heuristic",
@@ -61,11 +64,42 @@ def find_results(paths) -> list[dict]:
     return out
 
 
+# what identifies a run's prompt set: the data config's name, the file (path and content hash), the subset
+# (limit, sample seed), the turns, and the prompts it kept; results.json carries them (ldlp.bench.evaluate)
+PROMPT_SET_KEYS = ("dataset", "data_path", "data_sha256", "limit", "sample_seed", "turns", "n_prompts")
+
+
+def _set_key(r: dict) -> str:
+    return json.dumps([r.get(k) for k in PROMPT_SET_KEYS], default=str)
+
+
+def _set_label(r: dict) -> str:
+    bits = [Path(str(r["data_path"])).name] if r.get("data_path") else []
+    if r.get("data_sha256"):
+        bits.append(f"sha256 {str(r['data_sha256'])[:12]}")
+    if r.get("limit") is not None:
+        bits.append(f"limit {r['limit']}")
+    if r.get("sample_seed") is not None:
+        bits.append(f"sample seed {r['sample_seed']}")
+    if r.get("turns") not in (None, "first"):
+        bits.append(f"turns {r['turns']}")
+    return f"{r.get('dataset')} ({', '.join(bits)})" if bits else str(r.get("dataset"))
+
+
 def _group_key(r: dict) -> str:
     settings = {k: v for k, v in (r.get("policy_config") or {}).items() if k != "_target_"}
-    return json.dumps([r.get("model"), r.get("drafter_kind"), r.get("dataset"), r.get("n_prompts"),
-                       r.get("temperature"), r.get("max_new_tokens"), r["policy"], r.get("gamma"), settings],
-                      sort_keys=True, default=str)
+    return json.dumps([r.get("model"), r.get("drafter_kind"), _set_key(r), r.get("temperature"),
+                       r.get("max_new_tokens"), r["policy"], r.get("gamma"), settings], sort_keys=True, default=str)
+
+
+def _warn_unidentified(results: list[dict]) -> None:
+    """One warning for results.json files written before runs recorded their prompt file's hash."""
+    old = [r for r in results if "data_sha256" not in r]
+    if old:
+        log.warning("summary: %d of %d results.json files predate the prompt-file hash (e.g. %s): runs of the same "
+                    "data config on different prompt files, limits, sample seeds or turns cannot be told apart among "
+                    "them and may share a row; rerun them (scripts/evaluate.py) to separate them", len(old),
+                    len(results), old[0].get("_file", "?"))
 
 
 def _median(values):
@@ -75,6 +109,7 @@ def _median(values):
 
 def aggregate(results: list[dict]) -> list[dict]:
     """One row per configuration: medians of timings over its runs, counters of its first run."""
+    _warn_unidentified(results)
     groups: dict[str, list[dict]] = {}
     for r in results:
         groups.setdefault(_group_key(r), []).append(r)
@@ -91,6 +126,7 @@ def aggregate(results: list[dict]) -> list[dict]:
         row["repeats"] = sum(int(r.get("repeats", 1)) for r in runs)
         row["settings"] = {k: v for k, v in (first.get("policy_config") or {}).items() if k != "_target_"}
         row["machine"] = first.get("machine")
+        row.update({k: first.get(k) for k in PROMPT_SET_KEYS + ("n_dropped", "dropped_reason")})
         rows.append(row)
     rows.sort(key=_row_order)
     return rows
@@ -114,8 +150,9 @@ def headline(rows: list[dict]) -> dict:
     a baseline timed alongside cancels the drift. Equivalently: tokens/s at the median AR speed.
     """
     out = {}
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model]
+    n_sets = len({_set_key(r) for r in rows})
+    for model, pset in dict.fromkeys((r["model"], _set_key(r)) for r in rows):  # runs of other prompt sets: apart
+        mine = [r for r in rows if r["model"] == model and _set_key(r) == pset]
         static = [r for r in mine if r["policy"] == STATIC and r.get(RANK_KEY) is not None]
         oracle = [r for r in mine if r["policy"] == ORACLE and r.get(RANK_KEY) is not None]
         adaptive = [r for r in mine if r["policy"] not in (STATIC, ORACLE) and r.get(RANK_KEY) is not None]
@@ -139,7 +176,9 @@ def headline(rows: list[dict]) -> dict:
         h["best_speedup"] = max(speedups, default=None)
         greedy = [r for r in mine if r.get("temperature") == 0]
         h["all_greedy_lossless"] = all(r["lossless"] is True for r in greedy) if greedy else None
-        out[model] = h
+        h["prompt_set"], h["prompt_set_key"] = _set_label(mine[0]), pset
+        name = model if n_sets == 1 else f"{model} on {h['prompt_set']}"
+        out[name if name not in out else f"{name}, {len(mine)} rows, {mine[0].get('n_prompts')} prompts"] = h
     return out
 
 
@@ -173,13 +212,17 @@ def _pct(x) -> str:
 def markdown(rows: list[dict], heads: dict, title: str = "Static vs adaptive draft length") -> str:
     lines = [f"## {title}", ""]
     first = rows[0]
-    lines.append(f"Prompt set **{first['dataset']}**, {first['n_prompts']} prompts, "
-                 f"{first['max_new_tokens']} new tokens at most, "
-                 + ("greedy decoding." if first.get("temperature") == 0 else f"temperature {first.get('temperature')}."))
-    for model, h in heads.items():
+    several = len({_set_key(r) for r in rows}) > 1
+    lines.append(_prompt_set_line(first) if not several else
+                 f"Rows of {len({_set_key(r) for r in rows})} prompt sets, each under its own heading: runs on "
+                 "different prompt files, limits, sample seeds or turns are never merged nor compared.")
+    for name, h in heads.items():
+        model = h.get("model", name)
         kind = MODEL_TITLES.get(h.get("drafter_kind"), h.get("drafter_kind"))
-        mine = [r for r in rows if r["model"] == model]
-        lines += ["", f"### {model} ({kind})", ""]
+        mine = [r for r in rows if r["model"] == model and (not several or _set_key(r) == h.get("prompt_set_key"))]
+        lines += ["", f"### {name} ({kind})", ""]
+        if several:
+            lines += [_prompt_set_line(mine[0]), ""]
         lines.append("| " + " | ".join(c[1] for c in COLUMNS) + " |")
         lines.append("|" + "|".join("---" if c[0] == "policy" else "---:" for c in COLUMNS) + "|")
         for r in mine:
@@ -224,6 +267,15 @@ def markdown(rows: list[dict], heads: dict, title: str = "Static vs adaptive dra
               f"with {m.get('torch_threads', '?')} threads" + (f", GPU {m['gpu']}" if m.get("gpu") else "")
               + f", {m.get('platform', '?')}."]
     return "\n".join(lines) + "\n"
+
+
+def _prompt_set_line(first: dict) -> str:
+    """The table's header line: the prompt set, its prompts and those dropped (stated when over 5%)."""
+    from ldlp.bench.headtohead import dropped_note
+
+    line = f"Prompt set **{_set_label(first)}**, {first.get('n_prompts')} prompts{dropped_note(first)}"
+    return (line + f", {first['max_new_tokens']} new tokens at most, "
+            + ("greedy decoding." if first.get("temperature") == 0 else f"temperature {first.get('temperature')}."))
 
 
 def _span(values: list[int]) -> str:
@@ -287,8 +339,9 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
     cols = ["model", "drafter_kind", "dataset", "policy", "gamma", "settings", "tau", "tokens_per_s",
             "ar_tokens_per_s", "speedup", "wall_s", "draft_s", "target_s", "policy_s", "target_forwards",
-            "drafted_tokens", "wasted_tokens", "new_tokens", "n_prompts", "max_new_tokens", "temperature",
-            "acceptance_rate", "mean_drafted_per_step", "lossless", "runs", "repeats", "engine", "ar_impl"]
+            "drafted_tokens", "wasted_tokens", "new_tokens", "n_prompts", "n_dropped", "dropped_reason", "max_new_tokens",
+            "temperature", "acceptance_rate", "mean_drafted_per_step", "lossless", "runs", "repeats", "engine", "ar_impl",
+            "data_path", "data_sha256", "limit", "sample_seed", "turns"]
     df = pd.DataFrame([{c: (json.dumps(r.get(c)) if c == "settings" else r.get(c)) for c in cols} for r in rows])
     tmp = path.with_name(path.name + ".tmp")
     df.to_csv(tmp, index=False)
