@@ -70,14 +70,19 @@ def write_and_read(cache: SlotCache, layer: int, k: torch.Tensor, v: torch.Tenso
     kb[r, :, positions] = k.transpose(1, 2)
     vb[r, :, positions] = v.transpose(1, 2)
     if rows is None:
-        return kb[: k.shape[0], :, :kv_len], vb[: k.shape[0], :, :kv_len]
+        # a contiguous copy: bf16 matmuls on the strided slice run ~1.6x slower than copy + matmul
+        return kb[: k.shape[0], :, :kv_len].contiguous(), vb[: k.shape[0], :, :kv_len].contiguous()
     return kb[rows, :, :kv_len], vb[rows, :, :kv_len]
 
 
-def visible(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """(R, 1, T, kv_len) bool: query at position p sees keys 0..p of its own slot."""
+def visible(positions: torch.Tensor, kv_len: int, impl: str = "sdpa", dtype=torch.float32) -> torch.Tensor:
+    """(R, 1, T, kv_len): query at position p sees keys 0..p of its own slot. A bool mask for sdpa; for
+    eager the additive mask (0 or the dtype's minimum) that transformers' eager attention adds."""
     keys = torch.arange(kv_len, device=positions.device)
-    return (keys[None, None, :] <= positions[:, :, None])[:, None]
+    mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+    if impl == "sdpa":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def _rotate_half(x):
@@ -86,7 +91,7 @@ def _rotate_half(x):
 
 
 def attention(q, k, v, mask: torch.Tensor, scaling: float, impl: str) -> torch.Tensor:
-    """q (R, Hq, T, D), k/v (R, Hkv, S, D), mask (R, 1, T, S) bool -> (R, T, Hq*D)."""
+    """q (R, Hq, T, D), k/v (R, Hkv, S, D), mask (R, 1, T, S) from :func:`visible` -> (R, T, Hq*D)."""
     R, Hq, T, D = q.shape
     Hkv = k.shape[1]
     if impl == "sdpa":
@@ -97,9 +102,7 @@ def attention(q, k, v, mask: torch.Tensor, scaling: float, impl: str) -> torch.T
     rep = Hq // Hkv
     qg = q.reshape(R, Hkv, rep * T, D)
     scores = (torch.matmul(qg, k.transpose(2, 3)) * scaling).view(R, Hkv, rep, T, -1)
-    bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(
-        ~mask, torch.finfo(scores.dtype).min)
-    scores = scores + bias[:, :, None]
+    scores = scores + mask[:, :, None]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs.view(R, Hkv, rep * T, -1), v).view(R, Hq, T, D)
     return out.transpose(1, 2).reshape(R, T, Hq * D)
@@ -165,7 +168,7 @@ class BatchedLlama:
     def forward(self, tokens, positions, cache: SlotCache, kv_len: int, rows=None, hidden_layers=()):
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions)
-        mask = visible(positions, kv_len)
+        mask = visible(positions, kv_len, self.attn, self.dtype)
         extra = []
         for li, layer in enumerate(self.layers):
             x = decoder_layer(layer, x, cos, sin, cache, li, rows, positions, kv_len, mask, self.attn)
@@ -186,9 +189,7 @@ class BatchedHFLlama(BatchedLlama):
 
     def forward(self, tokens, positions, cache, kv_len, rows=None, hidden_layers=()):
         cache.bind(rows, positions, kv_len)
-        mask = visible(positions, kv_len)
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
-            ~mask, torch.finfo(self.dtype).min)
+        bias = visible(positions, kv_len, "eager", self.dtype)
         return self.decoder(input_ids=tokens, attention_mask=bias, position_ids=positions, cache=cache,
                             use_cache=True).last_hidden_state
 
@@ -216,7 +217,7 @@ class BatchedEagleDrafter:
         h = d.fc(torch.cat([d.embed_tokens(tokens).to(features.dtype), features.to(self.dtype)], dim=-1))
         cos, sin = self.rope(positions)
         return decoder_layer(self.layer, h, cos, sin, cache, 0, rows, positions, kv_len,
-                             visible(positions, kv_len), self.attn)
+                             visible(positions, kv_len, self.attn, self.dtype), self.attn)
 
     def logits(self, h):
         return self.lm_head(h.to(self.lm_head.weight.dtype))

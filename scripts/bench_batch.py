@@ -1,0 +1,57 @@
+"""Batched speculative decoding against concurrency: batched AR, static γ and adaptive policies.
+
+    python scripts/bench_batch.py
+    python scripts/bench_batch.py concurrency=[1,4,16] 'contenders=["policy=static policy.gamma=3"]' rounds=1
+"""
+
+import logging
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+
+log = logging.getLogger("bench_batch")
+
+
+@hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from eagle_backbone.batched.bench import Contender, sweep, write
+    from eagle_backbone.runtime import set_threads
+    from ldlp.bench.loaders import build_policy, load_pair_cached, load_prompts, machine_info, policy_config, sampling_config
+
+    threads = set_threads(cfg.get("threads"))
+    pair = load_pair_cached(cfg.model)
+    prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+    contenders = [Contender("ar", "ar", 0, None)]
+    for spec in cfg.contenders:
+        name, pcfg = policy_config(cfg, str(spec).split())
+        try:
+            probe = build_policy(pcfg)
+        except (ValueError, InstantiationException) as e:  # a checkpoint this clone has not trained yet
+            why = [line for line in str(e).splitlines() if "ValueError" in line] or str(e).splitlines()[:1]
+            log.warning("skipping %s: %s", spec, why[0].strip())
+            continue
+        if hasattr(probe, "bind"):
+            log.warning("skipping %s: its begin() replays the batch-1 engine per sequence (not a batched policy)", spec)
+            continue
+        gamma = getattr(probe, "fixed_gamma", None) if not getattr(probe, "adaptive", True) else None
+        label = f"static γ={gamma}" if gamma is not None else name
+        contenders.append(Contender(label, name, gamma, lambda pcfg=pcfg: build_policy(pcfg)))
+    out = cfg.out_dir or HydraConfig.get().runtime.output_dir
+    meta = {"model": cfg.model.name, "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
+            "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
+            "threads": threads, "cpu": machine_info().get("cpu")}
+    result = sweep(pair.target, pair.drafter, cfg.model.drafter_kind, prompts, contenders,
+                   [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens), sampling_config(cfg.generation),
+                   rounds=int(cfg.rounds), seed=int(cfg.seed), batch1=list(cfg.batch1) if OmegaConf.is_list(cfg.batch1) else bool(cfg.batch1), candidates=pair.candidates,
+                   attn=str(cfg.attn), checkpoint=lambda r: write(r, out, meta, with_plot=False), log=log.info)
+    write(result, out, meta)
+    print(open(f"{out}/batch_bench.md").read())
+    print(f"wrote {out}/batch_bench.json, batch_bench.md, batch_bench.png")
+
+
+if __name__ == "__main__":
+    main()
