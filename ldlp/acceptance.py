@@ -23,7 +23,7 @@ Saved as ``config.json`` + ``model.safetensors``; :class:`ldlp.policies.Acceptan
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,7 @@ class AcceptanceHeadConfig:
     k_max: int  # trained on steps 1 .. k_max - 1 (the labels' horizon)
     C: float = 0.05  # inverse L2 strength of the logistic regression
     kind: str = "acceptance_head"
+    meta: dict = field(default_factory=dict)  # provenance (oracle collection, allow_partial): not used by the model
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "AcceptanceHeadConfig":

@@ -257,3 +257,81 @@ def test_head_to_head_table_states_dropped_prompts():
     result = {"n_prompts": 56, "n_dropped": 24, "dropped_reason": "longer than max_prompt_tokens=1536"}
     assert dropped_note(result) == " (**24 of 80 prompts (30%) dropped: longer than max_prompt_tokens=1536**)"
     assert dropped_note({**result, "n_prompts": 976}) == " (24 dropped: longer than max_prompt_tokens=1536)"
+
+
+# -- 3. training refuses an incomplete oracle collection unless allow_partial=true --------------------
+
+
+def _partial_collection(root: Path, planned: int, num_shards: int = 2) -> Path:
+    """An oracle folder (drafter states stored) whose manifest plans ``planned`` sequences; 8 are on disk."""
+    from test_acceptance import mimic_pair, prompts, write_collection
+
+    target, drafter = mimic_pair()
+    oracle = write_collection(root / "oracle", target, drafter, prompts(6, seed=1), prompts(2, seed=2))
+    for meta, n in ((oracle / "train" / "000-of-001.00000.json", 6), (oracle / "validation" / "000-of-001.00000.json", 2)):
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "sequences": n}))
+    manifest = json.loads((oracle / "manifest.json").read_text())
+    manifest.update(num_prompts=planned, config={"num_shards": num_shards})
+    (oracle / "manifest.json").write_text(json.dumps(manifest))
+    return oracle
+
+
+def test_acceptance_training_refuses_an_incomplete_collection(tmp_path):
+    from omegaconf import OmegaConf
+
+    from ldlp.training.acceptance import train_acceptance_head
+
+    oracle = _partial_collection(tmp_path, planned=13)
+    cfg = OmegaConf.create({"oracle_dir": str(oracle), "out_dir": str(tmp_path / "head"), "C": 0.5, "seed": 0,
+                            "val_fraction": 0.1, "max_examples": None, "allow_partial": False})
+    with pytest.raises(ValueError) as e:
+        train_acceptance_head(cfg)
+    msg = _one_line(e)
+    assert "5 of 13 sequences are missing" in msg and f"python scripts/collect_oracle.py out_dir={oracle}" in msg
+    assert "num_shards=2" in msg and "allow_partial=true" in msg
+    assert not (tmp_path / "head").exists()
+    cfg.allow_partial = True
+    train_acceptance_head(cfg)
+    meta = json.loads((tmp_path / "head" / "config.json").read_text())["meta"]
+    assert meta["allow_partial"] is True and meta["oracle_collection"]["missing_sequences"] == 5
+    from ldlp.acceptance import AcceptanceHead
+
+    assert AcceptanceHead.from_pretrained(tmp_path / "head").config.meta["allow_partial"] is True
+
+
+def test_a_complete_collection_trains_without_the_override(tmp_path):
+    from ldlp.labels.store import require_complete
+
+    status = require_complete(_partial_collection(tmp_path, planned=8, num_shards=1))
+    assert status["complete"] is True and status["missing_sequences"] == 0 and status["allow_partial"] is False
+
+
+def test_ldlp_training_refuses_an_incomplete_collection_and_records_the_override(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    import eagle_backbone.paths  # noqa: F401
+    from ldlp.predictor import LDLP
+    from ldlp.training.predictor import run_ldlp_training
+
+    from test_ldlp import tiny_target_folder, write_oracle
+
+    target = tiny_target_folder(tmp_path / "target")
+    oracle = write_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=6, d=32, store_features=True)
+    for meta in oracle.glob("*/*.json"):
+        meta.write_text(json.dumps({"sequences": 4 if meta.parent.name == "train" else 1}))
+    manifest = json.loads((oracle / "manifest.json").read_text())
+    (oracle / "manifest.json").write_text(json.dumps({**manifest, "num_prompts": 7, "config": {"num_shards": 1}}))
+    overrides = [f"model.target={target}", f"ldlp_training.oracle_dir={oracle}", f"ldlp_training.out_dir={tmp_path / 'o'}",
+                 f"ldlp_training.feature_cache={tmp_path / 'cache'}", "ldlp.hidden_dim=8", "trainer.max_epochs=1",
+                 "trainer.enable_progress_bar=false", "ldlp_training.evaluation.baselines=[constant]",
+                 "ldlp_training.evaluation.benchmark=false", f"logger.save_dir={tmp_path}",
+                 f"trainer.default_root_dir={tmp_path}", "threads=1"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train_ldlp", overrides=overrides)
+        cfg_partial = compose(config_name="train_ldlp", overrides=overrides + ["allow_partial=true"])
+    with pytest.raises(ValueError) as e:
+        run_ldlp_training(cfg)
+    assert "2 of 7 sequences are missing" in _one_line(e) and "allow_partial=true" in str(e.value)
+    run_ldlp_training(cfg_partial)
+    meta = LDLP.from_pretrained(tmp_path / "o").config.meta
+    assert meta["allow_partial"] is True and meta["oracle_collection"]["missing_sequences"] == 2

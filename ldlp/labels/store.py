@@ -124,6 +124,50 @@ def read_manifest(oracle_dir: str | Path) -> dict:
     return manifest
 
 
+def collection_status(oracle_dir: str | Path) -> dict:
+    """How much of the collection ``manifest.json`` plans is on disk: sequences planned (``num_prompts``,
+    every collector's together), sequences in complete parts, and the difference."""
+    manifest = read_manifest(oracle_dir)
+    metas = committed_parts(oracle_dir)
+    planned = manifest.get("num_prompts")
+    on_disk = 0
+    for m in metas if planned is not None else ():
+        try:
+            on_disk += int(json.loads(m.read_text())["sequences"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{m}: not a part's meta file ({e!r}); remove the part's three files and rerun the "
+                             "collector to redo it") from None
+    shards = int((manifest.get("config") or {}).get("num_shards") or 1)
+    return {"sequences_planned": planned, "sequences_on_disk": on_disk, "parts_on_disk": len(metas),
+            "missing_sequences": None if planned is None else max(0, int(planned) - on_disk), "num_shards": shards}
+
+
+def require_complete(oracle_dir: str | Path, allow_partial: bool = False) -> dict:
+    """Refuse an incomplete collection (fewer sequences in complete parts than the manifest plans), naming
+    how many are missing and the command that completes it; ``allow_partial`` trains on it anyway (with a
+    warning). Returns :func:`collection_status` with ``complete`` and ``allow_partial``, for the exported config."""
+    import logging
+
+    status = collection_status(oracle_dir)
+    missing = status["missing_sequences"]
+    status.update(complete=missing == 0 if missing is not None else None, allow_partial=bool(allow_partial))
+    log = logging.getLogger(__name__)
+    if missing is None:
+        log.warning("%s/manifest.json does not record num_prompts (an older collector): cannot check that the "
+                    "collection is complete", oracle_dir)
+    elif missing:
+        n = status["num_shards"]
+        cmd = f"python scripts/collect_oracle.py out_dir={oracle_dir}" + (
+            f" num_shards={n} shard_id=I, for every I in 0..{n - 1}" if n > 1 else "")
+        msg = (f"{oracle_dir}: incomplete oracle collection: {missing} of {status['sequences_planned']} sequences "
+               f"are missing ({status['sequences_on_disk']} in {status['parts_on_disk']} complete parts); complete it "
+               f"with `{cmd}` and the settings it was started with")
+        if not allow_partial:
+            raise ValueError(msg + ", or pass allow_partial=true to train on the parts there are")
+        log.warning("%s; training anyway (allow_partial=true)", msg)
+    return status
+
+
 def split_by_conversation(conversation_ids: list[str], splits: list[str], val_fraction: float,
                           seed: int) -> np.ndarray:
     """Boolean mask of validation rows. Keeps the oracle's split when it has both train and validation

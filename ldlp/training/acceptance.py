@@ -79,6 +79,9 @@ def train_acceptance_head(cfg) -> dict:
     from ldlp.labels.store import split_by_conversation
 
     t0 = time.perf_counter()
+    from ldlp.labels.store import require_complete
+
+    collection = require_complete(cfg.oracle_dir, bool(cfg.get("allow_partial", False)))
     data = load_rows(cfg.oracle_dir)
     k = data["k_max"]
     if k < 2:
@@ -94,12 +97,14 @@ def train_acceptance_head(cfg) -> dict:
         raise ValueError(f"{cfg.oracle_dir}: the training examples have one outcome only; collect more labels")
     full = np.concatenate([X, S], 1)
     model = _fit(full[train], y[train], float(cfg.C), int(cfg.seed))
-    config = AcceptanceHeadConfig(hidden_size=X.shape[1], k_max=k, C=float(cfg.C))
+    config = AcceptanceHeadConfig(hidden_size=X.shape[1], k_max=k, C=float(cfg.C),
+                                  meta={"allow_partial": collection["allow_partial"], "oracle_collection": collection})
     head = AcceptanceHead.from_sklearn(model, config)
     out = Path(cfg.out_dir)
     head.save_pretrained(out)
 
-    metrics = {"oracle_dir": str(cfg.oracle_dir), "train_examples": int(len(train)), "k_max": k, "C": float(cfg.C)}
+    metrics = {"oracle_dir": str(cfg.oracle_dir), "train_examples": int(len(train)), "k_max": k, "C": float(cfg.C),
+               "oracle_collection": collection}
     val_idx = np.flatnonzero(is_val)
     if len(val_idx):
         with torch.no_grad():

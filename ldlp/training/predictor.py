@@ -382,6 +382,9 @@ def run_ldlp_training(cfg) -> dict | None:
 
     # the model's sizes come from the oracle (k_max) and the target (d); explicit values are checked
     manifest = read_manifest(tc.oracle_dir)
+    from ldlp.labels.store import require_complete
+
+    collection = require_complete(tc.oracle_dir, bool(cfg.get("allow_partial", False)))  # before any weights load
     k_max = int(mc.k_max if mc.get("k_max") is not None else manifest["k_max"])
     if k_max < int(manifest["k_max"]):
         raise ValueError(f"ldlp.k_max={k_max} is below the oracle's k_max={manifest['k_max']} "
@@ -419,7 +422,8 @@ def run_ldlp_training(cfg) -> dict | None:
 
     meta = {"target": str(cfg.model.target), "model_name": str(cfg.model.get("name", "")),
             "oracle_dir": str(tc.oracle_dir), "under_weight": float(mc.under_weight),
-            "epochs": trainer.current_epoch, "steps": trainer.global_step, "seed": int(cfg.seed)}
+            "epochs": trainer.current_epoch, "steps": trainer.global_step, "seed": int(cfg.seed),
+            "allow_partial": collection["allow_partial"], "oracle_collection": collection}
     ldlp = load_best(module, ckpt.best_model_path or str(last), meta)
 
     ev = tc.evaluation
@@ -433,7 +437,7 @@ def run_ldlp_training(cfg) -> dict | None:
         torch.set_num_threads(decoding_threads)
         timing = benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps)
     summary = {"head": ldlp.config.head, "k_max": k_max, "input_dim": input_dim, "seed": int(cfg.seed),
-               "train_rows": len(dm.train), "val_rows": len(dm.val), "baseline_fit_rows": fits["fit_rows"],
+               "oracle_collection": collection, "train_rows": len(dm.train), "val_rows": len(dm.val), "baseline_fit_rows": fits["fit_rows"],
                "epochs": trainer.current_epoch, "steps": trainer.global_step, "train_seconds": train_s,
                "baseline_seconds": fits["seconds"], "under_weight": float(mc.under_weight), "results": results,
                "timing": timing, "config": OmegaConf.to_container(cfg.ldlp, resolve=True)}
