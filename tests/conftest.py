@@ -1,6 +1,8 @@
 """Tiny randomly initialised Llama targets and EAGLE drafters, built in float64 so that greedy ties
 between one-token and many-token forwards cannot flip an argmax."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -33,6 +35,15 @@ def make_drafter(target: TargetModel, seed=1, dtype=torch.float64) -> EagleDraft
     return d.to(dtype).eval()
 
 
+def table_rows(md: str) -> list[str]:
+    """The first cell of every body row of the Markdown tables in ``md`` (header and rule rows left
+    out): what a test checks of a generated table (one row per contender) without pinning its layout."""
+    lines = [line.strip() for line in md.splitlines() if line.strip().startswith("|")]
+    is_rule = lambda line: set(line) <= set("|-: ")  # noqa: E731
+    return [line.strip("|").split("|")[0].strip() for i, line in enumerate(lines)
+            if not is_rule(line) and not (i + 1 < len(lines) and is_rule(lines[i + 1]))]
+
+
 @pytest.fixture(scope="session")
 def target():
     return make_target()
@@ -41,3 +52,14 @@ def target():
 @pytest.fixture(scope="session")
 def drafter(target):
     return make_drafter(target)
+
+
+@pytest.fixture(scope="session")
+def embedded_corpus(tmp_path_factory) -> Path:
+    """The embedded corpus ({train,validation,test}.json and manifest.json), built once per test run by its
+    builder into a temporary folder: no test reads or writes data/embedded/corpus."""
+    from eagle_backbone.data.corpus import write_corpus
+
+    out = tmp_path_factory.mktemp("embedded_corpus")
+    write_corpus(out)
+    return out

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import table_rows
 
 from ldlp.labels.store import load_oracle_rows
 from ldlp.predictor import LDLP, LDLPConfig, asymmetric_l1, survival_nll
@@ -323,8 +324,11 @@ def test_train_script_tiny_run(script_inputs):
     assert ldlp.config.meta["target"] == str(target)
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["results"]) == {"LDLP (regression)", "constant", "linear", "logistic", "hgb"}
+    for m in metrics["results"].values():
+        assert 0 <= m["acc"] <= 1 and m["mae"] >= 0
+    assert metrics["val_rows"] > 0 and metrics["train_rows"] > 0
     assert metrics["timing"]["ldlp_us"] > 0
-    assert "| constant |" in (out / "metrics.md").read_text()
+    assert table_rows((out / "metrics.md").read_text()) == list(metrics["results"])  # one row per predictor
     assert (out / "checkpoints" / "best.ckpt").is_file()
     assert list((root / "runs" / "single").rglob("metrics.csv"))  # the CSV logger wrote
 
