@@ -1,5 +1,6 @@
 """The decoding core: target, drafters (EAGLE-1, draft LM), candidate generation, sampling and
-verification, the engine, the draft-length policy interface, metrics, loading, I/O and runtime settings.
+verification, the engine, the draft-length policy interface, metrics, loading, I/O, runtime settings and
+timing (``timing``: the one interleaved runner every comparison of timings uses).
 
 May import torch, transformers, safetensors and omegaconf; never ``ldlp``. Subpackages: ``data``
 (conversations, corpus, tokenizer), ``train`` (the embedded pair), ``batched`` (many sequences at once).

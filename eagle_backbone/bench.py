@@ -19,6 +19,7 @@ import torch
 
 from eagle_backbone.runtime import Clock
 from eagle_backbone.target import TargetModel
+from eagle_backbone.timing import interleaved
 
 
 @torch.inference_mode()
@@ -32,18 +33,23 @@ def forward_costs(targets: dict[str, TargetModel], lengths=(1, 2, 3, 4, 5, 6, 7,
     low = min(first.vocab_size - 1, 4)
     ctx = torch.randint(low, first.vocab_size, (1, context), generator=g)
     new = torch.randint(low, first.vocab_size, (1, max(lengths)), generator=g)
-    times = {name: {T: [] for T in lengths} for name in targets}
-    for r in range(reps + 1):
-        for name, target in targets.items():
-            clock = Clock(target.device)
-            for T in lengths:
-                cache = target.new_cache()
-                target(ctx.to(target.device), cache)
-                t0 = clock()
-                target(new[:, :T].to(target.device), cache)
-                if r:  # round 0 warms up
-                    times[name][T].append(clock() - t0)
-    return {name: {T: statistics.median(v) for T, v in per.items()} for name, per in times.items()}
+    clocks = {name: Clock(target.device) for name, target in targets.items()}
+
+    def forward(setting, _, k, r):
+        name, T = setting
+        target, clock = targets[name], clocks[name]
+        cache = target.new_cache()
+        target(ctx.to(target.device), cache)
+        t0 = clock()
+        target(new[:, :T].to(target.device), cache)
+        return clock() - t0
+
+    settings = [(name, T) for name in targets for T in lengths]
+    times = interleaved(settings, [None], reps + 1, forward, order="fixed")
+    out: dict[str, dict[int, float]] = {name: {} for name in targets}
+    for (name, T), per_round in zip(settings, times):
+        out[name][T] = statistics.median(row[0] for row in per_round[1:])  # round 0 warms up
+    return out
 
 
 @torch.inference_mode()

@@ -47,7 +47,8 @@ def _pick(logits: torch.Tensor, sampling: SamplingConfig, rng) -> tuple[int, tor
 
 
 class EagleCandidateGenerator(CandidateGenerator):
-    """Chain drafting with an EAGLE-1 drafter.
+    """Chain drafting with an EAGLE-1 drafter. A drafter whose checkpoint ships no embedding must have
+    the target's tied first (:func:`eagle_backbone.loading.tie_drafter_embedding`); constructing only checks.
 
     The drafter's cache holds only pairs built from *true* target features; the pairs built from its
     own predicted features during drafting are rolled back at commit and replaced by the target's
@@ -62,8 +63,9 @@ class EagleCandidateGenerator(CandidateGenerator):
                              f"{target.hidden_size}: the drafter was trained for another target")
         if drafter.vocab_size != target.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {target.vocab_size}")
-        if not getattr(drafter, "has_own_embedding", True):
-            drafter.tie_embedding(target.embed_tokens)
+        if not getattr(drafter, "has_own_embedding", True) and drafter.embed_tokens is not target.embed_tokens:
+            raise ValueError("the drafter's checkpoint ships no embedding: tie the target's to it first "
+                             "(eagle_backbone.loading.tie_drafter_embedding(drafter, target); load_pair does)")
         self.drafter, self.lm_head = drafter, target.lm_head
         self.dtype = next(drafter.fc.parameters()).dtype
 

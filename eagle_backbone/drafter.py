@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eagle_backbone.io import atomic_path, atomic_write_json
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -134,20 +136,21 @@ class EagleDrafter(nn.Module):
     def save_pretrained(self, path: str | Path, safe_serialization: bool = True, dtype: torch.dtype | None = None) -> None:
         """Write EAGLE's layout: ``config.json`` and ``model.safetensors`` (or ``pytorch_model.bin``)."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         cfg = self.config.to_dict()
         cfg.update(num_hidden_layers=1, bias=self.fc.bias is not None, architectures=["LlamaForCausalLM"])
         for key in ("_attn_implementation_autoset", "dtype", "torch_dtype"):
             cfg.pop(key, None)
-        (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        atomic_write_json(path / "config.json", cfg, newline=False, sort_keys=True)
         state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in self.state_dict().items()
                  if not k.startswith("rotary_emb.")}
         if safe_serialization:
             from safetensors.torch import save_file
 
-            save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+            with atomic_path(path / "model.safetensors") as tmp:
+                save_file(state, str(tmp), metadata={"format": "pt"})
         else:
-            torch.save(state, path / "pytorch_model.bin")
+            with atomic_path(path / "pytorch_model.bin") as tmp:
+                torch.save(state, tmp)
 
     def tie_embedding(self, embedding: nn.Embedding) -> None:
         """Use the target's embedding (for checkpoints that do not ship ``embed_tokens.weight``)."""

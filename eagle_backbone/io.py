@@ -1,31 +1,86 @@
 """Atomic file writes: a reader (or a resumed job) sees the old file or the new one, never half of one.
 
 Every writer in the project goes through here: write a temporary sibling, fsync it, rename it over
-the destination (``os.replace`` is atomic on POSIX and Windows within one file system).
+the destination (``os.replace`` is atomic on POSIX and Windows within one file system). Writers that
+want a path rather than bytes (matplotlib, pandas, pyarrow, safetensors, ``datasets.save_to_disk``)
+write to the path :func:`atomic_path` yields.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
+
+TMP_SUFFIX = ".tmp"  # the temporary sibling of ``name`` is ``name.tmp`` (``stem.tmp.suffix`` with keep_suffix)
+
+
+def _fsync_tree(path: Path) -> None:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
+    for f in files:
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
 
 
 def atomic_replace(tmp: str | Path, final: str | Path) -> None:
-    """Flush ``tmp`` to disk, then rename it to ``final`` (files or folders)."""
-    tmp = Path(tmp)
-    if tmp.is_file():
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+    """Flush ``tmp`` to disk, then rename it to ``final`` (a file, or a folder: an existing folder at
+    ``final`` is removed first)."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    if tmp.is_dir() and final.is_dir():
+        shutil.rmtree(final)
     os.replace(tmp, final)
+
+
+def tmp_path(path: str | Path, keep_suffix: bool = False) -> Path:
+    """The temporary sibling :func:`atomic_path` writes ``path`` through."""
+    path = Path(path)
+    if keep_suffix:  # e.g. matplotlib picks the format by the suffix
+        return path.with_name(path.stem + TMP_SUFFIX + path.suffix)
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
+@contextmanager
+def atomic_path(path: str | Path, keep_suffix: bool = False):
+    """Yield a temporary sibling of ``path`` to write (a file or a folder); when the block ends without
+    an error it is flushed and renamed to ``path``, otherwise it is removed.
+
+    >>> with atomic_path(out / "plot.png", keep_suffix=True) as tmp:
+    ...     fig.savefig(tmp)
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path, keep_suffix)
+    _remove(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    atomic_replace(tmp, path)
+
+
+def remove_leftovers(folder: str | Path, pattern: str = "*") -> list[Path]:
+    """Delete the temporary files of killed writes matching ``pattern`` under ``folder``; returns them."""
+    stale = sorted(Path(folder).glob(pattern + TMP_SUFFIX))
+    for p in stale:
+        _remove(p)
+    return stale
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    atomic_replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
     return path
 
 
@@ -33,6 +88,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | Path, obj, **kwargs) -> Path:
+def atomic_write_json(path: str | Path, obj, newline: bool = True, **kwargs) -> Path:
+    """``json.dumps(obj, indent=2, **kwargs)``, plus a final newline unless ``newline=False``."""
     kwargs.setdefault("indent", 2)
-    return atomic_write_text(path, json.dumps(obj, **kwargs) + "\n")
+    return atomic_write_text(path, json.dumps(obj, **kwargs) + ("\n" if newline else ""))

@@ -1,4 +1,5 @@
-"""The method: draft-length predictors (LDLP, acceptance head) and the policies that use them.
+"""The method: draft-length predictors (LDLP, acceptance head), the policies that use them, and what a
+predictor costs next to a decoding step (``policy_cost``).
 
 Stages, in data-flow order: ``labels`` (oracle draft lengths) → ``training`` (fit the predictors) →
 policies here → ``bench`` (time them against static γ) → ``report`` (tables and pages); ``pipeline``

@@ -36,7 +36,7 @@ from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
 from ldlp.acceptance import clip_log_p
 
 __all__ = ["StaticPolicy", "LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy",
-           "AcceptancePolicy", "HeuristicPolicy", "OraclePolicy", "POLICY_CLASSES", "DraftLengthPolicy"]
+           "AcceptancePolicy", "HeuristicPolicy", "OraclePolicy", "DraftLengthPolicy"]
 
 
 def _check_cap(name: str, max_gamma) -> int:
@@ -298,7 +298,3 @@ class _Recorder(StaticPolicy):
 
     def observe(self, ctx, drafted, accepted) -> None:
         self.accepted_at[ctx.position] = accepted
-
-
-POLICY_CLASSES = {cls.name: cls for cls in (StaticPolicy, LDLPPolicy, DDDPolicy, LDLPDDDPolicy, ConfidencePolicy,
-                                            EntropyPolicy, AcceptancePolicy, HeuristicPolicy, OraclePolicy)}

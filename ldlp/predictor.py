@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -29,24 +28,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_backbone.io import atomic_path, atomic_write_json
+
 HEADS = ("regression", "classification", "distribution")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
 def save_folder(out_dir: str | Path, config: dict, state: dict) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (float32), each atomically (tmp file, then rename);
+    """Write ``config.json`` and ``model.safetensors`` (float32), each atomically (:mod:`eagle_backbone.io`);
     the weights go last, so their presence marks a complete folder."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, out / CONFIG_FILE)
-    tmp = out / (WEIGHTS_FILE + ".tmp")
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS_FILE)
+    atomic_write_json(out / CONFIG_FILE, config)
+    with atomic_path(out / WEIGHTS_FILE) as tmp:
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in state.items()}, str(tmp),
+                  metadata={"format": "pt"})
     return out
 
 
@@ -266,7 +264,7 @@ class LDLP(nn.Module):
     # -- checkpoints ---------------------------------------------------------------------------------
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` (each atomically: tmp file, then rename)."""
+        """Write ``config.json`` and ``model.safetensors`` (each atomically)."""
         return save_folder(out_dir, asdict(self.config), self.state_dict())
 
     @classmethod

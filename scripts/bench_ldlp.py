@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
 from eagle_backbone.loading import load_target
-from ldlp.bench.policy_cost import benchmark_ldlp
+from ldlp.policy_cost import benchmark_ldlp
 from ldlp.predictor import LDLP
 
 

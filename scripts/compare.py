@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.bench.headtohead import head_to_head, markdown
+from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
 from ldlp.bench.loaders import policy_config
 
 
@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> None:
     result = head_to_head(cfg, contenders, int(cfg.rounds), int(cfg.bootstrap))
     out = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = markdown(result)
+    md = head_to_head_markdown(result)
     (out / "head_to_head.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "head_to_head.md").write_text(md)
     print(md)

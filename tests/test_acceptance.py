@@ -16,7 +16,7 @@ from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.replay import CostModel, OracleRows, replay
 from ldlp.labels.collect import WorkItem, _part_columns
-from ldlp.labels.oracle import greedy_oracle
+from oracle_helpers import greedy_oracle
 from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json
 from ldlp.policies import AcceptancePolicy
 from ldlp.training.acceptance import _fit, examples, load_rows, train_acceptance_head

@@ -7,6 +7,7 @@ import torch
 from conftest import make_target
 
 from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.loading import tie_drafter_embedding
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
@@ -72,7 +73,10 @@ def test_checkpoint_without_bias_or_embedding(tmp_path):
     drafter = EagleDrafter.from_pretrained(tmp_path, dtype=torch.float64)
     assert drafter.fc.bias is None
     target = make_target()
-    EagleCandidateGenerator(drafter, target)  # ties the target's embedding
+    with pytest.raises(ValueError, match="tie_drafter_embedding"):  # the constructor checks, never ties
+        EagleCandidateGenerator(drafter, target)
+    assert tie_drafter_embedding(drafter, target)
+    EagleCandidateGenerator(drafter, target)
     assert drafter.embed_tokens is target.embed_tokens
 
 

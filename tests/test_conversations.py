@@ -10,8 +10,6 @@ from eagle_backbone.data.conversations import (
     build_prompts,
     held_out,
     load_conversations,
-    make_prompts,
-    read_conversations,
 )
 
 SHAREGPT = [
@@ -84,7 +82,8 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, line_no):
 def test_skip_mode_counts_and_keeps_the_good_records(tmp_path, caplog):
     path = write(tmp_path / "bad.jsonl", "\n".join(line for line, _ in BAD_LINES) + "\n")
     with caplog.at_level("WARNING"):
-        convs, skipped = read_conversations(path, on_error="skip")
+        convs = load_conversations(path, on_error="skip")
+        skipped = convs.skipped
     assert [c["id"] for c in convs] == ["1", "9"]
     assert skipped == 7
     assert "skipped 7 malformed record(s)" in caplog.text and str(path) in caplog.text
@@ -171,7 +170,8 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
     lengths = {cid: len(ids) for cid, ids in build_prompts(tokenizer, convs, None, turns="all")}
     cap = lengths["a@turn1"] - 1
     with caplog.at_level("WARNING"):
-        prompts, dropped = make_prompts(tokenizer, convs, cap, turns="all")
+        prompts = build_prompts(tokenizer, convs, cap, turns="all")
+        dropped = prompts.too_long
     assert "a@turn1" not in [cid for cid, _ in prompts] and all(len(ids) <= cap for _, ids in prompts)
     assert dropped == sum(1 for v in lengths.values() if v > cap) and "dropped" in caplog.text
     with pytest.raises(ValueError, match="data.turns"):
@@ -200,7 +200,9 @@ def test_embedded_corpus_is_built_when_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "EMBEDDED_DIR", tmp_path)
     real = corpus.write_corpus
     monkeypatch.setattr(corpus, "write_corpus", lambda d: real(d, corpus.CorpusConfig(max_modules=4)))
-    convs = load_conversations(tmp_path / "corpus" / "train.json")
+    with pytest.raises(FileNotFoundError, match="scripts/build_corpus.py"):  # reading alone never builds it
+        load_conversations(tmp_path / "corpus" / "train.json")
+    convs = load_conversations(tmp_path / "corpus" / "train.json", build_if_missing=True)
     assert convs and (tmp_path / "corpus" / "validation.json").exists()
     with pytest.raises(FileNotFoundError):  # other folders are never built
         load_conversations(tmp_path / "elsewhere" / "train.json")

@@ -113,7 +113,7 @@ def test_shipped_pair_is_lossless_on_held_out_prompts():
     cfg = _shipped_model_config()  # as the main command loads it (bfloat16, eager attention)
     pair = load_pair(cfg)
     lm_pair = load_pair({**cfg, "drafter": str(EMBEDDED_DIR / "draft_lm"), "drafter_kind": "draft_lm"})
-    test = load_conversations(EMBEDDED_DIR / "corpus" / "test.json", limit=40)
+    test = load_conversations(EMBEDDED_DIR / "corpus" / "test.json", limit=40, build_if_missing=True)
     prompts = build_prompts(pair.tokenizer, test, 512)[::10][:3]
     accepted = 0
     for _, p in prompts:

@@ -13,7 +13,8 @@ from conftest import make_drafter, make_target
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy
-from ldlp.labels.oracle import greedy_oracle, oracle_labels, oracle_labels_sequential, recompute_features
+from ldlp.labels.oracle import oracle_labels, oracle_labels_sequential, recompute_features
+from oracle_helpers import greedy_oracle
 from ldlp.labels.store import load_oracle_rows, load_oracle_sequences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -204,7 +205,7 @@ def compose(root, out_dir, *overrides):
         return hydra_compose("collect_oracle", overrides=[
             f"model.target={root}/target", f"model.tokenizer={root}/target", f"model.drafter={root}/drafter",
             f"data.path={root}/train.json", f"data.validation_path={root}/validation.json", "data.limit=null",
-            "data.validation_limit=null", "data.max_new_tokens=10", "k_max=4", "shard_size=3", "progress=false",
+            "data.validation_limit=null", "generation.max_new_tokens=10", "k_max=4", "shard_size=3", "progress=false",
             f"out_dir={out_dir}", *overrides])
 
 
@@ -336,7 +337,7 @@ def test_embedded_pair_end_to_end(tmp_path):
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = hydra_compose("collect_oracle", overrides=[
-            "data.limit=2", "data.validation_path=null", "data.max_new_tokens=16", "data.turns=first",
+            "data.limit=2", "data.validation_path=null", "generation.max_new_tokens=16", "data.turns=first",
             f"out_dir={tmp_path}", "progress=false"])
     report = collect_oracle(cfg)
     assert report["sequences"] == 2 and report["positions"] > 0

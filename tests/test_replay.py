@@ -9,7 +9,7 @@ from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
 from ldlp.bench.replay import CostModel, OracleRows, fit_costs, grid, replay, stand_in_probs, tune
-from ldlp.labels.oracle import greedy_oracle
+from oracle_helpers import greedy_oracle
 from ldlp.policies import ConfidencePolicy, DDDPolicy, HeuristicPolicy
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [6]]

@@ -8,7 +8,8 @@ top-level keys of a ShareGPT record are kept). Accepted files (``fmt="auto"`` te
 * MT-bench / Spec-Bench ``question.jsonl``: ``{"question_id", "turns": [str, ...]}``, each turn a user turn;
 * plain prompts: ``.txt`` (one per non-empty line), a JSON array of strings, or ``.jsonl`` lines that
   are strings or ``{"prompt": ...}`` / ``{"text": ...}`` objects;
-* the embedded corpus (ShareGPT ``.json``; built on first use if its folder is missing).
+* the embedded corpus (ShareGPT ``.json``), once ``python scripts/build_corpus.py`` has built it (or
+  through an explicit ``build_if_missing=True``: reading never builds it otherwise).
 
 Files are parsed with :mod:`json` rather than ``datasets.load_dataset("json")`` so that a bad record is
 reported with its file and line, and can be skipped (``on_error="skip"``) without losing the rest.
@@ -63,19 +64,59 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
                                          chat_template=chat_template)
 
 
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+                chat_template: str | None = None) -> list[int]:
+    """Token ids of the rendered chat, where the template's own special tokens (BOS, EOS, ...) are special
+    and the messages' text never is: a literal ``</s>`` or ``<s>`` in a message is encoded as the text it
+    is (``split_special_tokens``), not as the EOS or BOS id.
+
+    Messages without a special token's string are tokenized as the whole rendering (as before). Otherwise
+    each special string in a message is hidden behind a placeholder while the template renders, the
+    rendering is cut at the special tokens left (the template's), and the text between them, the
+    messages' strings restored, is tokenized with ``split_special_tokens=True``: a tokenizer cuts its input
+    at special tokens anyway, so the template's text tokenizes as it would have."""
+    specials = sorted({str(s) for s in tokenizer.all_special_tokens if s}, key=len, reverse=True)
+    if not any(s in str(m.get("content", "")) for m in messages for s in specials):
+        text = render(tokenizer, messages, add_generation_prompt, chat_template)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    hidden: dict[str, str] = {}
+
+    def hide(text: str) -> str:
+        for s in specials:  # longest first: "</s>" before "<s>" would matter if one contained the other
+            if s in text:
+                text = text.replace(s, hidden.setdefault(s, f"\ue000{len(hidden)}\ue001"))
+        return text
+
+    rendered = render(tokenizer, [{**m, "content": hide(str(m.get("content", "")))} for m in messages],
+                      add_generation_prompt, chat_template)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, specials)) + ")", rendered):
+        if piece in specials:  # the template's own marker
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        elif piece:
+            for s, placeholder in hidden.items():
+                piece = piece.replace(placeholder, s)
+            ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
+
+
 # ---- loading --------------------------------------------------------------------------------------
 
 
-def _embedded_corpus_if_missing(path: Path) -> None:
-    """The embedded corpus is generated (gitignored): build it on first use, it is deterministic and quick."""
+def _missing_embedded_corpus(path: Path, build_if_missing: bool) -> None:
+    """The embedded corpus is generated (gitignored) by ``python scripts/build_corpus.py``. A reader of a
+    missing corpus file builds it only when asked to (``build_if_missing``); otherwise it says how to."""
     from eagle_backbone.paths import EMBEDDED_DIR
 
     corpus_dir = EMBEDDED_DIR / "corpus"
     if path.exists() or path.parent.resolve() != corpus_dir.resolve():
         return
+    if not build_if_missing:
+        raise FileNotFoundError(f"{path} does not exist: the embedded corpus is generated, build it first with "
+                                "`python scripts/build_corpus.py` (deterministic, a few seconds)")
     from eagle_backbone.data.corpus import write_corpus
 
-    log.info("%s is missing: building the embedded corpus into %s (python scripts/build_corpus.py)", path, corpus_dir)
+    log.info("%s is missing: building the embedded corpus into %s (build_if_missing=True)", path, corpus_dir)
     write_corpus(corpus_dir)
 
 
@@ -196,21 +237,28 @@ def _raw_records(path: Path, fmt: str):
         yield f"{path}:{line_no} (record {k})", f"{stem}:{k}", rec
 
 
+class Conversations(list):
+    """A list of ShareGPT conversations that also tells how many malformed records were ``skipped``."""
+
+    skipped: int = 0
+
+
+class Prompts(list):
+    """A list of ``(conversation_id, prompt_ids)`` that also tells how many prompts were dropped as ``too_long``."""
+
+    too_long: int = 0
+
+
 def load_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: int | None = None,
-                       sample_seed: int | None = None) -> list[dict]:
-    """Conversations from a ShareGPT / MT-bench / prompt-list file (see :func:`read_conversations`)."""
-    return read_conversations(path, fmt, on_error, limit, sample_seed)[0]
-
-
-def read_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: int | None = None,
-                       sample_seed: int | None = None) -> tuple[list[dict], int]:
-    """Conversations from a ShareGPT / MT-bench / prompt-list file, in ShareGPT layout, and the
-    number of malformed records skipped.
+                       sample_seed: int | None = None, build_if_missing: bool = False) -> Conversations:
+    """Conversations from a ShareGPT / MT-bench / prompt-list file, in ShareGPT layout; the list's
+    ``skipped`` is the number of malformed records skipped.
 
     ``on_error="raise"`` stops at the first malformed record with a message naming file and line;
     ``"skip"`` drops malformed records, counts them and logs the count (plus the first few reasons).
     ``limit`` keeps the first N valid conversations, or with ``sample_seed`` a seeded random sample of
     N (kept in file order). An empty file, or one without a single valid record, is always an error.
+    A missing embedded-corpus file is built only with ``build_if_missing=True``.
     """
     if fmt not in FORMATS:
         raise ValueError(f"data.format must be one of {FORMATS}, got {fmt!r}")
@@ -219,7 +267,7 @@ def read_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: 
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise ValueError(f"data.limit must be null or an integer >= 1, got {limit!r}")
     path = Path(path)
-    _embedded_corpus_if_missing(path)
+    _missing_embedded_corpus(path, build_if_missing)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     out, skipped, reasons = [], 0, []
@@ -243,7 +291,9 @@ def read_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: 
     if limit is not None and sample_seed is not None and len(out) > limit:
         keep = sorted(random.Random(sample_seed).sample(range(len(out)), limit))
         out = [out[i] for i in keep]
-    return out, skipped
+    out = Conversations(out)
+    out.skipped = skipped
+    return out
 
 
 def held_out(conversation_id: str, percent: float, seed: int = 0) -> bool:
@@ -266,15 +316,9 @@ def resolve_chat_template(tokenizer, chat_template: str | None) -> str | None:
 
 
 def build_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int | None, turns: str = "first",
-                  chat_template: str | None = None) -> list[tuple[str, list[int]]]:
-    """Prompt token ids, ``[(conversation_id, prompt_ids), ...]`` (see :func:`make_prompts`)."""
-    return make_prompts(tokenizer, conversations, max_prompt_tokens, turns, chat_template)[0]
-
-
-def make_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int | None, turns: str = "first",
-                 chat_template: str | None = None) -> tuple[list[tuple[str, list[int]]], int]:
-    """Token ids of the prompts in ``conversations``, ``[(conversation_id, prompt_ids), ...]``, and the
-    number of prompts dropped for length.
+                  chat_template: str | None = None) -> Prompts:
+    """Token ids of the prompts in ``conversations``, ``[(conversation_id, prompt_ids), ...]``; the list's
+    ``too_long`` is the number of prompts dropped for length.
 
     A prompt is the chat-template rendering of the dialogue up to a user turn (earlier assistant
     answers taken from the data) plus the generation prompt. ``turns="first"`` gives one prompt per
@@ -301,10 +345,9 @@ def make_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int | 
             if k > 0 and rest[k - 1]["role"] != "assistant":
                 break  # no answer to the previous user turn in the data
             try:
-                text = render(tokenizer, system + rest[: k + 1], add_generation_prompt=True, chat_template=template)
+                ids = encode_chat(tokenizer, system + rest[: k + 1], add_generation_prompt=True, chat_template=template)
             except Exception as e:  # jinja's TemplateError and friends: name the conversation
                 raise ValueError(f"conversation {conv['id']!r}: the chat template failed ({type(e).__name__}: {e})") from None
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 too_long += 1
                 if turns == "all":
@@ -316,4 +359,6 @@ def make_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int | 
                 break
     if too_long:
         log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%s", too_long, max_prompt_tokens)
-    return prompts, too_long
+    prompts = Prompts(prompts)
+    prompts.too_long = too_long
+    return prompts

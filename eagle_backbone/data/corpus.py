@@ -26,6 +26,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_backbone.io import atomic_write_json, atomic_write_text
+
 SPLITS = ("train", "validation", "test")
 # Packages whose text is mostly tests, generated tables or GUI glue: little signal, lots of bytes.
 _SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "site-packages",
@@ -177,9 +179,7 @@ def write_corpus(out_dir: str | os.PathLike, cfg: CorpusConfig = CorpusConfig())
     out.mkdir(parents=True, exist_ok=True)
     splits = build_corpus(cfg)
     for split, convs in splits.items():
-        tmp = out / f".{split}.json.tmp"
-        tmp.write_text(json.dumps(convs, ensure_ascii=False), encoding="utf-8")
-        tmp.replace(out / f"{split}.json")
+        atomic_write_text(out / f"{split}.json", json.dumps(convs, ensure_ascii=False))
     manifest = {
         "python_version": sys.version.split()[0],
         "seed": cfg.seed,
@@ -187,5 +187,5 @@ def write_corpus(out_dir: str | os.PathLike, cfg: CorpusConfig = CorpusConfig())
         "counts": {s: len(c) for s, c in splits.items()},
         "chars": {s: sum(len(t["value"]) for c in v for t in c["conversations"]) for s, v in splits.items()},
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    atomic_write_json(out / "manifest.json", manifest, newline=False)
     return manifest

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from eagle_backbone.io import atomic_path
+
 # Vicuna v1.1 layout: "{system} USER: {q} ASSISTANT: {a}</s>USER: ...". An explicit system turn
 # replaces the default system prompt. The generation prompt ends at "ASSISTANT:" so the first
 # answer token carries its leading space, exactly as in training text.
@@ -39,5 +41,6 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | os
     )
     tok.train_from_iterator(texts, trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=VICUNA_CHAT_TEMPLATE, **SPECIAL_TOKENS)
-    hf.save_pretrained(str(out_dir))
+    with atomic_path(out_dir) as tmp:
+        hf.save_pretrained(str(tmp))
     return hf

@@ -13,7 +13,6 @@ a 7B target on a GPU alike.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import lightning as L
@@ -21,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle_backbone.drafter import EagleDrafter
+from eagle_backbone.io import atomic_write_json
+from eagle_backbone.runtime import set_threads
 from eagle_backbone.target import TargetModel
 
 
@@ -81,8 +82,7 @@ def run_drafter_training(root_cfg) -> dict:
 
     cfg = root_cfg.drafter_training
     L.seed_everything(root_cfg.seed, workers=True)
-    if root_cfg.get("threads"):
-        torch.set_num_threads(root_cfg.threads)
+    set_threads(root_cfg.get("threads"))
 
     tokenizer = load_tokenizer(cfg.tokenizer)
     dm = LMDataModule(tokenizer, cfg.train_path, cfg.validation_path, cfg.block_size, cfg.batch_size,
@@ -101,6 +101,6 @@ def run_drafter_training(root_cfg) -> dict:
     if trainer.is_global_zero:
         out = Path(cfg.out_dir)
         module.drafter.save_pretrained(out, safe_serialization=True, dtype=getattr(torch, cfg.export_dtype))
-        (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_json(out / "training_summary.json", summary, newline=False)
     return summary
 

@@ -6,7 +6,6 @@ packed into fixed blocks (the usual ``group_texts`` recipe), then a ``LlamaForCa
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -16,6 +15,8 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from eagle_backbone.data.conversations import render, to_messages
+from eagle_backbone.io import atomic_path, atomic_write_json
+from eagle_backbone.runtime import Clock, set_threads
 
 
 def packed_blocks(tokenizer, conversations: list[dict], block_size: int, num_proc: int | None = None,
@@ -106,17 +107,12 @@ class CausalLMModule(L.LightningModule):
 
 def export_hf(model, tokenizer, out_dir: str | Path, dtype: str = "bfloat16") -> None:
     """Save a Hugging Face folder (safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model = model.to(getattr(torch, dtype))
     model.config.dtype = dtype
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    with atomic_path(out_dir) as tmp:  # the whole folder, so a killed export leaves the old one
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     model.to(torch.float32)
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss)
 
 
 def run_lm_training(cfg) -> dict:
@@ -125,8 +121,7 @@ def run_lm_training(cfg) -> dict:
     from transformers import AutoTokenizer
 
     L.seed_everything(cfg.seed, workers=True)
-    if cfg.get("threads"):
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.get("threads"))
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     if len(tokenizer) != cfg.lm.config.vocab_size:
         raise ValueError(f"tokenizer at {cfg.tokenizer} has {len(tokenizer)} tokens but lm.config.vocab_size "
@@ -144,15 +139,13 @@ def run_lm_training(cfg) -> dict:
                "config": OmegaConf.to_container(cfg.lm.config, resolve=True)}
     if trainer.is_global_zero:
         export_hf(module.model, tokenizer, cfg.lm.out_dir, cfg.export_dtype)
-        (Path(cfg.lm.out_dir) / "training_summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_json(Path(cfg.lm.out_dir) / "training_summary.json", summary, newline=False)
     return summary
 
 
 def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume: bool):
     """Fit with a ``last.ckpt`` every 50 steps in ``ckpt_dir``, resuming from it when asked; then
     validate. Returns (trainer, validation metrics, seconds this run)."""
-    import time
-
     import hydra
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
@@ -161,7 +154,8 @@ def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume:
     trainer = hydra.utils.instantiate(trainer_cfg, logger=hydra.utils.instantiate(logger_cfg),
                                       callbacks=[ckpt, LearningRateMonitor("step")])
     last = ckpt_dir / "last.ckpt"
-    start = time.time()
+    clock = Clock()
+    start = clock()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume and last.exists() else None)
     val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-    return trainer, val, time.time() - start
+    return trainer, val, clock() - start

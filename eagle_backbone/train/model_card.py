@@ -12,7 +12,6 @@ import json
 import math
 import platform
 import statistics
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,10 +21,13 @@ from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandida
 from eagle_backbone.data.conversations import build_prompts, load_conversations, render, to_messages
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.loading import load_tokenizer
 from eagle_backbone.metrics import total
 from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.runtime import Clock, set_threads
 from eagle_backbone.target import TargetModel, rollback
+from eagle_backbone.timing import interleaved
 from eagle_backbone.train.lm import packed_blocks
 
 
@@ -76,22 +78,23 @@ def step_costs(target: TargetModel, drafter: EagleDrafter, draft_lm, prompt: lis
     lm_cache = new_cache(draft_lm)
     draft_lm(input_ids=ids, cache=lm_cache, use_cache=True)
     n, tok = ids.shape[1], ids[:, -1:]
-    times = {"target": [], "eagle": [], "draft_lm": []}
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        target(tok, t_cache)
-        t1 = time.perf_counter()
-        target.lm_head(drafter(tok, h[:, -1:], d_cache))
-        t2 = time.perf_counter()
-        draft_lm(input_ids=tok, cache=lm_cache, use_cache=True)
-        t3 = time.perf_counter()
-        rollback(t_cache, n)
-        rollback(d_cache, n - 1)
-        rollback(lm_cache, n)
-        times["target"].append(t1 - t0)
-        times["eagle"].append(t2 - t1)
-        times["draft_lm"].append(t3 - t2)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    clock = Clock()
+    steps = {  # one step of each model, and the cache length it goes back to (not timed)
+        "target": (lambda: target(tok, t_cache), t_cache, n),
+        "eagle": (lambda: target.lm_head(drafter(tok, h[:, -1:], d_cache)), d_cache, n - 1),
+        "draft_lm": (lambda: draft_lm(input_ids=tok, cache=lm_cache, use_cache=True), lm_cache, n),
+    }
+
+    def one_step(name, _, k, r):
+        step, cache, length = steps[name]
+        t0 = clock()
+        step()
+        seconds = clock() - t0
+        rollback(cache, length)
+        return seconds
+
+    times = interleaved(list(steps), [None], reps, one_step, order="fixed")
+    med = {name: statistics.median(row[0] for row in per) for name, per in zip(steps, times)}
     return {"target_step_s": med["target"], "eagle_step_s": med["eagle"], "draft_lm_step_s": med["draft_lm"],
             "c_eagle": med["eagle"] / med["target"], "c_draft_lm": med["draft_lm"] / med["target"]}
 
@@ -100,22 +103,17 @@ def static_gamma_table(target, candidates: dict, prompts: list[list[int]], gamma
                        repeats: int) -> tuple[dict, list[dict]]:
     """AR and each (drafter, γ) on the same prompts, interleaved prompt by prompt; medians over repeats."""
     configs = [("ar", None, None)] + [(name, cand, g) for name, cand in candidates.items() for g in gammas]
-    runs: dict[tuple, list] = {(name, g): [] for name, _, g in configs}
-    lossless = True
-    for _ in range(repeats):
-        per = {(name, g): [] for name, _, g in configs}
-        for p in prompts:
-            ref = None
-            for name, cand, g in configs:
-                if cand is None:
-                    out = autoregressive_generate(target, p, max_new_tokens)
-                    ref = out.tokens
-                else:
-                    out = SpeculativeDecoder(target, cand, StaticPolicy(g)).generate(p, max_new_tokens)
-                    lossless &= out.tokens == ref
-                per[(name, g)].append(out.stats)
-        for key, stats in per.items():
-            runs[key].append(total(stats))
+
+    def generate(config, p, k, r):
+        _, cand, g = config
+        if cand is None:
+            return autoregressive_generate(target, p, max_new_tokens)
+        return SpeculativeDecoder(target, cand, StaticPolicy(g)).generate(p, max_new_tokens)
+
+    outs = interleaved(configs, prompts, repeats, generate, order="fixed")
+    lossless = all(out.tokens == ar.tokens for per in outs[1:] for row, ar_row in zip(per, outs[0])
+                   for out, ar in zip(row, ar_row))
+    runs = {(name, g): [total([o.stats for o in row]) for row in per] for (name, _, g), per in zip(configs, outs)}
     ar_tps = statistics.median(s.tokens_per_s for s in runs[("ar", None)])
     rows = []
     for (name, g), stats in runs.items():
@@ -137,8 +135,7 @@ def greedy_samples(target, tokenizer, prompts: list[tuple[str, list[int]]], n: i
 
 def build_model_card(cfg) -> dict:
     torch.manual_seed(cfg.seed)
-    if cfg.get("threads"):
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.get("threads"))
     root = Path(cfg.embedded_dir)
     tokenizer = load_tokenizer(root / "tokenizer")
     target = TargetModel.from_pretrained(root / "target")
@@ -198,8 +195,8 @@ def build_model_card(cfg) -> dict:
     for key in ("config",):
         for part in ("target", "draft_lm", "drafter"):
             card[part].pop(key, None)
-    (root / "model_card.json").write_text(json.dumps(card, indent=2))
-    (root / "MODEL_CARD.md").write_text(render_card(card))
+    atomic_write_json(root / "model_card.json", card, newline=False)
+    atomic_write_text(root / "MODEL_CARD.md", render_card(card))
     return card
 
 

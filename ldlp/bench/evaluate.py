@@ -5,7 +5,8 @@
 1. loads the pair (``cfg.model``) and the prompts (``cfg.data``), both cached per process: a Hydra
    multirun evaluates many policies in one process, so each is loaded once;
 2. builds the policy (``cfg.policy`` via ``hydra.utils.instantiate``) and hands it the models if it
-   wants them (``bind``: the oracle);
+   wants them (``bind``: the oracle); a config may instead build a peer (:class:`ldlp.bench.peer.PeerSpec`,
+   recognised by its ``kind``), another implementation that runs in place of this engine;
 3. warms up, then picks the autoregressive (AR) baseline: the faster of this project's
    ``autoregressive_generate`` and transformers' ``model.generate`` (both are timed on the first prompts
    once per process and model; the faster is kept);
@@ -19,17 +20,17 @@ The result is a flat dict (see :data:`RESULT_KEYS`) written as ``results.json``.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import statistics
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.io import atomic_write_json
 from eagle_backbone.metrics import total
+from eagle_backbone.runtime import set_threads
+from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import (
     apply_tuned,
     build_policy,
@@ -39,7 +40,15 @@ from ldlp.bench.loaders import (
     machine_info,
     sampling_config,
 )
-from ldlp.bench.runners import ar_runner, choose_ar_baseline, engine_runner, peer_runner, progress_bar
+from ldlp.bench.runners import (
+    ar_runner,
+    choose_ar_baseline,
+    engine_runner,
+    peer_runner,
+    progress_bar,
+)
+from ldlp.bench.peer import is_peer
+from ldlp.bench.stats import median
 
 log = logging.getLogger(__name__)
 
@@ -47,26 +56,10 @@ RESULT_KEYS = ("policy", "gamma", "dataset", "n_prompts", "temperature", "new_to
                "ar_tokens_per_s", "speedup", "tau", "target_forwards", "drafted_tokens", "wasted_tokens", "draft_s",
                "target_s", "policy_s", "lossless")
 
-# -- loading (cached per process) --------------------------------------------------------------------------
-
-
-# -- one generation of each kind ------------------------------------------------------------------------
-
-
-# -- the evaluation -------------------------------------------------------------------------------------
-
-
-def _median(values):
-    return float(statistics.median(values)) if values else None
-
-
 def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = None) -> dict:
     """Run the evaluation described by ``cfg`` (model, data, policy, generation, evaluation, seed)."""
-    from ldlp.bench.peer import TransformersAssisted
-
     ev = cfg.evaluation
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
+    set_threads(cfg.get("threads"))
     torch.manual_seed(int(cfg.seed))
     max_new_tokens = int(cfg.generation.max_new_tokens)
     if max_new_tokens < 1:
@@ -83,15 +76,10 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     policy = build_policy(policy_cfg)
     policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
 
-    if isinstance(policy, TransformersAssisted):
-        if cfg.model.drafter_kind != "draft_lm":
-            raise ValueError(f"policy={policy_name} runs transformers' assisted generation, which needs a standalone "
-                             f"draft LM (model=embedded_draft_lm), not model.drafter_kind={cfg.model.drafter_kind}")
-        if not sampling.greedy:
-            raise ValueError(f"policy={policy_name}: the transformers peer is compared under greedy decoding only "
-                             "(generation.temperature=0)")
+    if is_peer(policy):  # another implementation runs in place of this engine (ldlp.bench.peer.PeerSpec)
+        policy.check(str(cfg.model.drafter_kind), sampling.greedy, policy_name)
         spec_runner = peer_runner(policy, pair)
-        engine = "transformers"
+        engine = policy.engine
     else:
         if hasattr(policy, "bind"):
             policy.bind(pair.target, pair.candidates, max_new_tokens, sampling)
@@ -108,21 +96,15 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         spec_runner.run(prompt, min(16, max_new_tokens), seed)
         baseline.run(prompt, min(16, max_new_tokens), seed)
 
-    spec_stats = [[None] * len(prompts) for _ in range(repeats)]
-    ar_stats = [[None] * len(prompts) for _ in range(repeats)]
-    spec_out, ar_out = [None] * len(prompts), [None] * len(prompts)
     progress = progress_bar(repeats * len(prompts), policy_name, bool(ev.get("progress", True)))
-    for r in range(repeats):
-        for k, (_, prompt) in enumerate(prompts):
-            s = seed + k  # the same seed for a prompt in every round: sampled outputs repeat too
-            order = ((baseline, ar_stats, ar_out), (spec_runner, spec_stats, spec_out))
-            for runner, stats, outs in (order if (r + k) % 2 == 0 else order[::-1]):
-                tokens, st = runner.run(prompt, max_new_tokens, s)
-                stats[r][k] = st
-                if r == 0:
-                    outs[k] = tokens
-            progress.update(1)
+    # the same seed for a prompt in every round: sampled outputs repeat too
+    ar_runs, spec_runs = interleaved((baseline, spec_runner), [p for _, p in prompts], repeats,
+                                     lambda runner, prompt, k, r: runner.run(prompt, max_new_tokens, seed + k),
+                                     order="alternate", after_item=lambda: progress.update(1))
     progress.close()
+    spec_stats = [[st for _, st in row] for row in spec_runs]
+    ar_stats = [[st for _, st in row] for row in ar_runs]
+    spec_out, ar_out = [out for out, _ in spec_runs[0]], [out for out, _ in ar_runs[0]]
 
     lossless, mismatches = None, []
     if sampling.greedy and bool(ev.check_lossless):
@@ -146,17 +128,18 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "dropped_reason": prompt_info.get("dropped_reason"),
         "temperature": sampling.temperature,
         "new_tokens": first.new_tokens,
-        "wall_s": _median([x.wall_s for x in rounds]),
-        "tokens_per_s": _median([x.tokens_per_s for x in rounds]),
-        "ar_tokens_per_s": _median([x.tokens_per_s for x in ar_rounds]),
-        "speedup": _median([x.tokens_per_s / y.tokens_per_s for x, y in zip(rounds, ar_rounds) if y.tokens_per_s]),
+        "wall_s": median([x.wall_s for x in rounds]),
+        "tokens_per_s": median([x.tokens_per_s for x in rounds]),
+        "ar_tokens_per_s": median([x.tokens_per_s for x in ar_rounds]),
+        "speedup": median([x.tokens_per_s / y.tokens_per_s for x, y in zip(rounds, ar_rounds) if y.tokens_per_s]),
         "tau": first.tau,
         "target_forwards": first.target_forwards,
         "drafted_tokens": first.drafted_tokens,
         "wasted_tokens": first.wasted_tokens,
-        "draft_s": _median([x.draft_s for x in rounds]),
-        "target_s": _median([x.target_s for x in rounds]),
-        "policy_s": _median([x.policy_s for x in rounds]) if engine == "ours" else None,
+        "draft_s": median([x.draft_s for x in rounds]),
+        "target_s": median([x.target_s for x in rounds]),
+        # a peer's counters come from forward hooks (ldlp/bench/peer.py): no policy time apart
+        "policy_s": median([x.policy_s for x in rounds]) if engine == "ours" else None,
         "lossless": lossless,
         # context for the table and for reruns
         "engine": engine,
@@ -180,8 +163,6 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "seed": seed,
         "machine": machine_info(),
     }
-    if engine == "transformers":  # its counters come from forward hooks, see ldlp/peer.py
-        result["policy_s"] = None
     if out_dir is not None:
         write_results(result, out_dir)
     return result
@@ -189,12 +170,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
 
 def write_results(result: dict, out_dir: str | Path) -> Path:
     """``results.json`` in ``out_dir``, written atomically."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out / "results.json")
-    return out / "results.json"
+    return atomic_write_json(Path(out_dir) / "results.json", result)
 
 
 def one_line(result: dict) -> str:

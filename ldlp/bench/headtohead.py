@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import apply_tuned, build_policy, load_pair_cached, load_prompts, machine_info, sampling_config
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
@@ -70,18 +71,18 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     timed = []  # every speculative generation's stats: what a target pass and a drafted token cost here
     outputs: list[list] = [[None] * len(prompts) for _ in runners]
     progress = progress_bar(rounds * len(prompts), "head to head", bool(cfg.evaluation.get("progress", True)))
-    for r in range(rounds):
-        for k, prompt in enumerate(prompts):
-            shift = (r * len(prompts) + k) % len(runners)  # every runner takes every place in the order
-            for i in list(range(len(runners)))[shift:] + list(range(len(runners)))[:shift]:
-                out, stats = runners[i].run(prompt, n, seed + k)
-                secs[i, r, k] = stats.wall_s
-                if r == 0:
-                    outputs[i][k], tokens[i, k] = out, stats.new_tokens
-                    counts[i] += (stats.target_forwards, stats.drafted_tokens)
-                if i < len(contenders):
-                    timed.append(stats)
-            progress.update(1)
+
+    def turn(i, prompt, k, r):
+        out, stats = runners[i].run(prompt, n, seed + k)
+        secs[i, r, k] = stats.wall_s
+        if r == 0:
+            outputs[i][k], tokens[i, k] = out, stats.new_tokens
+            counts[i] += (stats.target_forwards, stats.drafted_tokens)
+        if i < len(contenders):
+            timed.append(stats)
+
+    # every runner takes every place in the order
+    interleaved(range(len(runners)), prompts, rounds, turn, order="rotate", after_item=lambda: progress.update(1))
     progress.close()
     lossless = all(outputs[i] == outputs[-1] for i in range(len(runners) - 1))
     if not lossless:
@@ -159,7 +160,7 @@ def verdict(result: dict) -> dict:
     return out
 
 
-def markdown(result: dict) -> str:
+def head_to_head_markdown(result: dict) -> str:
     ref = result["reference"]
     lines = [f"### Head to head ({result['model']})", "",
              f"{len(result['rows']) - 1} contenders and the AR baseline take turns on every prompt (rotating order) "

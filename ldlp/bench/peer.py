@@ -11,22 +11,43 @@ emits its accepted drafts plus one token of its own).
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
 
 from eagle_backbone.metrics import GenerationStats
+from eagle_backbone.runtime import Clock
 
 SCHEDULES = ("heuristic", "constant")
 
 
-class TransformersAssisted:
-    """Not a draft-length policy of this engine: a marker telling the evaluation to run transformers'
-    assisted generation instead (``policy=hf_heuristic`` or ``policy=hf_confidence``)."""
+class PeerSpec:
+    """What a ``policy`` config may build besides a draft-length policy: another implementation of
+    speculative decoding, which the evaluation runs in place of this engine (on the same target, draft LM
+    and prompts, next to the same AR baseline). The evaluation tells the two apart by ``kind``
+    (:func:`is_peer`), never by class; a peer declares the ``engine`` it stands for and :meth:`check`s
+    that the model and the sampling suit it."""
 
+    kind = "peer"
+    engine = "peer"
+    name = "peer"
+    adaptive = True  # the peer chooses its own draft lengths: no static γ to report
+
+    def check(self, drafter_kind: str, greedy: bool, label: str) -> None:
+        """Raise a ValueError when the peer cannot run with this drafter kind or sampling."""
+
+
+def is_peer(obj) -> bool:
+    """Whether ``obj`` (what a ``policy`` config built) is a :class:`PeerSpec` rather than a policy."""
+    return getattr(obj, "kind", None) == PeerSpec.kind
+
+
+class TransformersAssisted(PeerSpec):
+    """The peer transformers' assisted generation (``policy=hf_heuristic`` or ``policy=hf_confidence``):
+    a standalone draft LM proposes, with transformers' heuristic schedule or its confidence threshold."""
+
+    engine = "transformers"
     name = "transformers"
-    adaptive = True
 
     def __init__(self, schedule: str = "heuristic", num_assistant_tokens: int = 5,
                  confidence_threshold: float | None = None):
@@ -39,25 +60,28 @@ class TransformersAssisted:
         self.schedule, self.num_assistant_tokens = schedule, num_assistant_tokens
         self.confidence_threshold = confidence_threshold
 
+    def check(self, drafter_kind: str, greedy: bool, label: str) -> None:
+        if drafter_kind != "draft_lm":
+            raise ValueError(f"policy={label} runs transformers' assisted generation, which needs a standalone "
+                             f"draft LM (model=embedded_draft_lm), not model.drafter_kind={drafter_kind}")
+        if not greedy:
+            raise ValueError(f"policy={label}: the transformers peer is compared under greedy decoding only "
+                             "(generation.temperature=0)")
+
 
 class _ForwardMeter:
     """Counts forward calls of a module and the seconds spent in them (pre/post hooks)."""
 
-    def __init__(self, module: torch.nn.Module, cuda: bool):
-        self.calls, self.seconds, self._t0, self.cuda = 0, 0.0, 0.0, cuda
+    def __init__(self, module: torch.nn.Module, clock: Clock):
+        self.calls, self.seconds, self._t0, self.clock = 0, 0.0, 0.0, clock
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def _pre(self, module, args):
-        self._t0 = self._now()
+        self._t0 = self.clock()
 
     def _post(self, module, args, output):
         self.calls += 1
-        self.seconds += self._now() - self._t0
+        self.seconds += self.clock() - self._t0
 
     def remove(self):
         for h in self._handles:
@@ -65,9 +89,8 @@ class _ForwardMeter:
 
 
 @contextmanager
-def _metered(target_model, draft_model):
-    cuda = next(target_model.parameters()).device.type == "cuda"
-    meters = _ForwardMeter(target_model, cuda), _ForwardMeter(draft_model, cuda)
+def _metered(target_model, draft_model, clock: Clock):
+    meters = _ForwardMeter(target_model, clock), _ForwardMeter(draft_model, clock)
     try:
         yield meters
     finally:
@@ -98,12 +121,11 @@ def hf_generate(target_model, prompt_ids: list[int], max_new_tokens: int, eos_to
     if assistant_model is not None:
         _configure_assistant(assistant_model, spec or TransformersAssisted())
         kwargs["assistant_model"] = assistant_model
-    with _metered(target_model, draft) as (t_meter, d_meter):
-        t0 = time.perf_counter()
+    clock = Clock(device)
+    with _metered(target_model, draft, clock) as (t_meter, d_meter):
+        t0 = clock()
         out = target_model.generate(input_ids, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = clock() - t0
     new = out[0, len(prompt_ids):].tolist()
     for i, t in enumerate(new):  # generate pads nothing for batch size 1, but cut at EOS to be sure
         if t in eos_token_ids:

@@ -106,14 +106,11 @@ class OracleRows:
     @classmethod
     def load(cls, oracle_dir, split: str | None = "validation", with_features: bool = True) -> "OracleRows":
         """From a collection folder (``scripts/collect_oracle.py``), one split or all."""
-        from ldlp.labels.store import load_oracle_rows
+        from ldlp.labels.store import read_rows
 
-        ds = load_oracle_rows(oracle_dir, split)
-        cols = list(cls.COLUMNS) + [c for c in ("feature", "draft_state") if with_features and c in ds.column_names]
-        from ldlp.labels.store import read_manifest
-
-        budget = read_manifest(oracle_dir).get("max_new_tokens")
-        return cls(ds.select_columns(cols).with_format("numpy")[:], budget)
+        data, manifest = read_rows(oracle_dir, cls.COLUMNS, split,
+                                   optional=("feature", "draft_state") if with_features else ())
+        return cls(data, manifest.get("max_new_tokens"))
 
     @classmethod
     def from_sequences(cls, rows_per_sequence: list[dict], max_new_tokens: int | None = None) -> "OracleRows":
@@ -206,16 +203,17 @@ def fit_costs(stats) -> CostModel:
 
 def measure_costs(target, candidates, prompts, gammas=(1, 3, 5, 8), max_new_tokens: int = 64, rounds: int = 2,
                   seed: int = 0) -> tuple[CostModel, list]:
-    """Time greedy static-γ generations of the real engine (rounds interleave the γ) and fit the costs."""
+    """Time greedy static-γ generations of the real engine (the γ take turns on every prompt, for ``rounds``
+    rounds) and fit the costs; the stats come back by round, then γ, then prompt."""
     from eagle_backbone.engine import SpeculativeDecoder
     from eagle_backbone.policy import StaticPolicy
+    from eagle_backbone.timing import interleaved
 
-    SpeculativeDecoder(target, candidates, StaticPolicy(gammas[0])).generate(prompts[0], 8)  # warm-up
-    stats = []
-    for _ in range(rounds):
-        for g in gammas:
-            dec = SpeculativeDecoder(target, candidates, StaticPolicy(g))
-            stats += [dec.generate(p, max_new_tokens, seed=seed).stats for p in prompts]
+    decoders = [SpeculativeDecoder(target, candidates, StaticPolicy(g)) for g in gammas]
+    decoders[0].generate(prompts[0], 8)  # warm-up
+    runs = interleaved(decoders, prompts, rounds, lambda dec, p, k, r: dec.generate(p, max_new_tokens, seed=seed).stats,
+                       order="fixed")
+    stats = [runs[i][r][k] for r in range(rounds) for i in range(len(gammas)) for k in range(len(prompts))]
     return fit_costs(stats), stats
 
 

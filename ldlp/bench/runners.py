@@ -7,8 +7,9 @@ import logging
 from dataclasses import dataclass
 
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
-from eagle_backbone.metrics import GenerationStats, total
+from eagle_backbone.metrics import total
 from eagle_backbone.sampling import SamplingConfig
+from eagle_backbone.timing import interleaved
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,6 @@ def peer_runner(spec, pair) -> Runner:
     return Runner("transformers_assisted", run)
 
 
-def _tokens_per_s(stats: list[GenerationStats]) -> float:
-    return total(stats).tokens_per_s
-
-
 def choose_ar_baseline(target, prompts, max_new_tokens: int, sampling: SamplingConfig, choice: str,
                        calibration_prompts: int, cache_key: str) -> dict:
     """Which AR implementation is the baseline: ``choice`` if fixed, else the faster of the two on the
@@ -78,12 +75,10 @@ def choose_ar_baseline(target, prompts, max_new_tokens: int, sampling: SamplingC
     few = [p for _, p in prompts[: max(1, calibration_prompts)]]
     for r in runners:  # warm-up
         r.run(few[0], min(8, max_new_tokens), 0)
-    stats = {r.name: [] for r in runners}
-    for rep in range(2):
-        for k, prompt in enumerate(few):
-            for r in (runners if (rep + k) % 2 == 0 else runners[::-1]):
-                stats[r.name].append(r.run(prompt, max_new_tokens, 0)[1])
-    speeds = {impl: _tokens_per_s(stats[f"ar_{impl}"]) for impl in AR_IMPLS}
+    runs = interleaved(runners, few, 2, lambda r, prompt, k, rep: r.run(prompt, max_new_tokens, 0)[1],
+                       order="alternate")
+    speeds = {impl: total([st for row in per_round for st in row]).tokens_per_s
+              for impl, per_round in zip(AR_IMPLS, runs)}
     best = max(AR_IMPLS, key=lambda impl: speeds[impl])
     _AR_CHOICE[cache_key] = {"impl": best, "reason": "faster in calibration",
                              "calibration_tokens_per_s": {k: round(v, 2) for k, v in speeds.items()}}

@@ -1,4 +1,4 @@
-"""The statistics every comparison shares: the best adaptive contender, its verdict, the headroom.
+"""The statistics every comparison shares: the median, the best adaptive contender, its verdict, the headroom.
 
 One definition of each, so the head to head, the pooled runs and the sweeps' summary agree.
 """
@@ -6,6 +6,13 @@ One definition of each, so the head to head, the pooled runs and the sweeps' sum
 from __future__ import annotations
 
 import math
+import statistics
+
+
+def median(values) -> float | None:
+    """The median of the values that are not None, as a float; None when none are left."""
+    values = [v for v in values if v is not None]
+    return float(statistics.median(values)) if values else None
 
 
 def best_adaptive(rows: list[dict], ratio: str) -> tuple[dict | None, dict]:

@@ -21,16 +21,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eagle_backbone.data.conversations import held_out, make_prompts, read_conversations
+from eagle_backbone.data.conversations import build_prompts, held_out, load_conversations
 from eagle_backbone.engine import autoregressive_generate
-from eagle_backbone.io import atomic_replace
+from eagle_backbone.io import atomic_write_text, remove_leftovers
+from eagle_backbone.runtime import Clock, set_threads
 from ldlp.labels.oracle import oracle_labels
 from ldlp.labels.store import (
     META_SUFFIX,
@@ -102,16 +102,18 @@ def split_conversations(data) -> tuple[list[tuple[str, list[dict]]], dict]:
     common = dict(fmt=data.get("format", "auto"), on_error=data.get("on_error", "raise"))
     counts = {}
     if holdout:
-        convs, counts["skipped_records"] = read_conversations(data.path, **common)
+        convs = load_conversations(data.path, **common)
+        counts["skipped_records"] = convs.skipped
         val = [c for c in convs if held_out(c["id"], holdout)]
         convs = [c for c in convs if not held_out(c["id"], holdout)]
         out = [(split, _take(convs, data.get("limit"), seed)), ("validation", _take(val, data.get("validation_limit"), seed))]
     else:
-        convs, counts["skipped_records"] = read_conversations(data.path, limit=data.get("limit"), sample_seed=seed, **common)
+        convs = load_conversations(data.path, limit=data.get("limit"), sample_seed=seed, **common)
+        counts["skipped_records"] = convs.skipped
         out = [(split, convs)]
         if val_path:
-            val, skipped = read_conversations(val_path, limit=data.get("validation_limit"), sample_seed=seed, **common)
-            counts["skipped_records"] += skipped
+            val = load_conversations(val_path, limit=data.get("validation_limit"), sample_seed=seed, **common)
+            counts["skipped_records"] += val.skipped
             out.append(("validation", val))
     if len({s for s, _ in out}) != len(out):
         raise ValueError(f"data.split={split!r} collides with the validation split; name it differently")
@@ -126,9 +128,8 @@ def plan_items(data, tokenizer, max_prompt_len: int) -> tuple[list[WorkItem], di
     max_tokens = data.get("max_prompt_tokens")
     max_tokens = max_prompt_len if max_tokens is None else min(max_tokens, max_prompt_len)
     for split, convs in splits:
-        prompts, too_long = make_prompts(tokenizer, convs, max_tokens, data.get("turns", "first"),
-                                         data.get("chat_template"))
-        dropped += too_long
+        prompts = build_prompts(tokenizer, convs, max_tokens, data.get("turns", "first"), data.get("chat_template"))
+        dropped += prompts.too_long
         for cid, ids in prompts:
             items.append(WorkItem(len(items), split, cid, ids))
     counts["prompts_dropped_too_long"] = dropped
@@ -256,11 +257,11 @@ def collect_oracle(cfg) -> dict:
 
     _check_config(cfg)
     torch.manual_seed(cfg.seed)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
+    set_threads(cfg.get("threads"))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
+    clock = Clock()  # stage wall time (a CPU clock: it must not wait for the GPU between items)
+    t_start = clock()
 
     if cfg.model.drafter_kind != "eagle":
         raise ValueError(f"model.drafter_kind={cfg.model.drafter_kind!r}: the oracle labels an EAGLE drafter "
@@ -281,8 +282,7 @@ def collect_oracle(cfg) -> dict:
         diff = _diff(old.get("identity", {}), identity)
         raise ValueError(f"{out} holds a collection made with other settings ({'; '.join(diff[:8])}); continue it with "
                          "the same settings, choose another out_dir, or pass overwrite=true to start over")
-    for tmp in out.glob("*/*.tmp"):
-        tmp.unlink()  # leftovers of a killed write
+    remove_leftovers(out, "*/*")  # temporary files of a killed write
 
     items, data_counts = plan_items(cfg.data, pair.tokenizer, max_prompt_len=target.max_length - 1)
     worker = f"{cfg.shard_id:03d}-of-{cfg.num_shards:03d}"
@@ -305,13 +305,13 @@ def collect_oracle(cfg) -> dict:
     bar = tqdm(total=None, unit="pos", unit_scale=True, disable=not cfg.progress, desc=f"oracle {worker}")
     seq_total, seq_done = sum(len(p.items) for p in todo), 0
     for part in todo:
-        t0 = time.perf_counter()
+        t0 = clock()
         gen_s = 0.0
         results = []
         for it in part.items:
-            g0 = time.perf_counter()
+            g0 = clock()
             response = autoregressive_generate(target, it.prompt_ids, cfg.max_new_tokens).tokens
-            gen_s += time.perf_counter() - g0
+            gen_s += clock() - g0
             lab = oracle_labels(target, drafter, list(it.prompt_ids) + response, len(it.prompt_ids), cfg.k_max,
                                 full_target_prob=cfg.full_target_prob, max_rows_per_pass=cfg.max_rows_per_pass)
             results.append((it, response, lab))
@@ -325,7 +325,7 @@ def collect_oracle(cfg) -> dict:
         write_arrow(Path(str(stem) + ROWS_SUFFIX), rows, rows_feat)
         write_arrow(Path(str(stem) + SEQS_SUFFIX), seqs, seqs_feat)
         labels, remaining = rows["label"], rows["remaining"]
-        seconds = time.perf_counter() - t0
+        seconds = clock() - t0
         write_json(Path(str(stem) + META_SUFFIX), {
             "split": part.split, "part": part.index, "worker": worker, "seq_ids": [it.seq_id for it in part.items],
             "sequences": len(part.items), "positions": int(len(labels)),
@@ -341,7 +341,7 @@ def collect_oracle(cfg) -> dict:
         run["seconds"] += seconds
     bar.close()
     done = sum(Path(str(p.stem(out, worker)) + META_SUFFIX).is_file() for p in parts)
-    run.update(wall_seconds=time.perf_counter() - t_start, worker=worker, parts=len(parts), parts_complete=done,
+    run.update(wall_seconds=clock() - t_start, worker=worker, parts=len(parts), parts_complete=done,
                complete=done == len(parts))
     report = write_report(out, cfg.k_max, run)
     manifest["counts"] = {k: report[k] for k in ("sequences", "positions", "splits")}
@@ -409,7 +409,5 @@ def write_report(out: Path, k_max: int, run: dict | None = None) -> dict:
                       f"{run['positions']} positions in {run['wall_seconds']:.1f} s wall "
                       f"({run['positions'] / run['seconds'] if run['seconds'] else 0:.1f} positions/s); "
                       f"{run['parts_complete']}/{run['parts']} of its parts complete."]
-    tmp = out / "report.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    atomic_replace(tmp, out / "report.md")
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     return report

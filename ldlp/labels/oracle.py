@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 
 from eagle_backbone.candidates import EagleCandidateGenerator
-from eagle_backbone.engine import autoregressive_generate
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
@@ -166,7 +165,7 @@ def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_ma
     R = L - 1 - n
     if R <= 0:
         return _empty(k_max, target.hidden_size, target.dtype, target.lm_head.weight.dtype)
-    cand = EagleCandidateGenerator(drafter, target)  # validates the pair, ties the embedding if needed
+    cand = EagleCandidateGenerator(drafter, target)  # validates the pair
     lm_head, ddtype = cand.lm_head, cand.dtype
     seq = torch.tensor(s)
     index = torch.arange(n, L - 1)
@@ -268,15 +267,6 @@ def oracle_labels_sequential(target: TargetModel, drafter, input_ids, prompt_len
     for f, v in rows.items():
         out[f] = torch.stack(v) if isinstance(v[0], torch.Tensor) else torch.tensor(v)
     return out
-
-
-def greedy_oracle(target: TargetModel, drafter, prompt_ids, max_new_tokens: int, k_max: int,
-                  **kw) -> tuple[list[int], dict]:
-    """The target's greedy response to ``prompt_ids`` and its label rows (row ``i - len(prompt_ids)``
-    is index ``i``; the engine's step with ``ctx.position = p`` is index ``len(prompt_ids) + p - 1``)."""
-    prompt = list(prompt_ids)
-    response = autoregressive_generate(target, prompt, max_new_tokens).tokens
-    return response, oracle_labels(target, drafter, prompt + response, len(prompt), k_max, **kw)
 
 
 @torch.inference_mode()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from eagle_backbone.io import atomic_replace
+from eagle_backbone.io import atomic_path, atomic_write_json
 
 ROWS_SUFFIX, SEQS_SUFFIX, META_SUFFIX = ".rows.arrow", ".seqs.arrow", ".json"
 
@@ -80,6 +80,30 @@ def load_oracle_rows(out_dir, split: str | None = None):
     return _load_tables(out_dir, ROWS_SUFFIX, split)
 
 
+def require_columns(rows, columns, where, hint: str = "") -> None:
+    """Raise a ValueError naming the ``columns`` that the rows table lacks (and ``hint``: how to get them)."""
+    missing = [c for c in columns if c not in rows.column_names]
+    if missing:
+        raise ValueError(f"{where}: the oracle rows lack the columns {missing} (have {rows.column_names})"
+                         + (f"; {hint}" if hint else ""))
+
+
+def read_rows(oracle_dir, columns, split: str | None = None, optional=(), hint: str = "") -> tuple[dict, dict]:
+    """The oracle rows as numpy arrays, and the manifest: the one reader of rows into memory.
+
+    ``columns`` must be stored (else a ValueError that names them, and ``hint``), ``optional`` ones are read
+    when they are; ``draft_state`` comes back as (rows, k_max, d)."""
+    manifest = read_manifest(oracle_dir)
+    rows = load_oracle_rows(oracle_dir, split)
+    require_columns(rows, columns, oracle_dir, hint)
+    names = list(columns) + [c for c in optional if c in rows.column_names and c not in columns]
+    data = rows.select_columns(names).with_format("numpy")[:]
+    if "draft_state" in data:
+        states = np.asarray(data["draft_state"])
+        data["draft_state"] = states.reshape(len(states), int(manifest["k_max"]), -1)
+    return data, manifest
+
+
 def load_oracle_sequences(out_dir, split: str | None = None):
     """One row per sequence: seq_id, conversation_id, split, input_ids (prompt + response), prompt_len,
     positions (its number of label rows) and eos (whether the response ended with EOS)."""
@@ -87,9 +111,7 @@ def load_oracle_sequences(out_dir, split: str | None = None):
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    atomic_replace(tmp, path)
+    atomic_write_json(path, obj, newline=False, sort_keys=True, default=str)
 
 
 def write_arrow(path: Path, columns: dict, features) -> None:
@@ -104,10 +126,8 @@ def write_arrow(path: Path, columns: dict, features) -> None:
         else:
             arrays.append(pa.array(col, type=f.type))
     table = pa.Table.from_arrays(arrays, schema=schema)
-    tmp = path.with_name(path.name + ".tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+    with atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         writer.write_table(table)
-    atomic_replace(tmp, path)
 
 
 def read_manifest(oracle_dir: str | Path) -> dict:

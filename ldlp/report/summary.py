@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 from pathlib import Path
 
-from eagle_backbone.io import atomic_write_text
-from ldlp.bench.stats import headroom_captured
+from eagle_backbone.io import atomic_path, atomic_write_text
+from ldlp.bench.stats import headroom_captured, median
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +101,6 @@ def _warn_unidentified(results: list[dict]) -> None:
                     len(results), old[0].get("_file", "?"))
 
 
-def _median(values):
-    values = [v for v in values if v is not None]
-    return float(statistics.median(values)) if values else None
-
-
 def aggregate(results: list[dict]) -> list[dict]:
     """One row per configuration: medians of timings over its runs, counters of its first run."""
     _warn_unidentified(results)
@@ -119,7 +113,7 @@ def aggregate(results: list[dict]) -> list[dict]:
         row = {k: first.get(k) for k in ("policy", "gamma", "model", "drafter_kind", "dataset", "temperature",
                                           "max_new_tokens", "engine", "ar_impl")}
         row.update({k: first.get(k) for k in COUNTER_KEYS})
-        row.update({k: _median([r.get(k) for r in runs]) for k in MEDIAN_KEYS})
+        row.update({k: median([r.get(k) for r in runs]) for k in MEDIAN_KEYS})
         flags = [r.get("lossless") for r in runs]
         row["lossless"] = False if False in flags else (True if flags and all(f is True for f in flags) else None)
         row["runs"] = len(runs)
@@ -209,7 +203,7 @@ def _pct(x) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
-def markdown(rows: list[dict], heads: dict, title: str = "Static vs adaptive draft length") -> str:
+def sweep_markdown(rows: list[dict], heads: dict, title: str = "Static vs adaptive draft length") -> str:
     lines = [f"## {title}", ""]
     first = rows[0]
     several = len({_set_key(r) for r in rows}) > 1
@@ -227,7 +221,7 @@ def markdown(rows: list[dict], heads: dict, title: str = "Static vs adaptive dra
         lines.append("|" + "|".join("---" if c[0] == "policy" else "---:" for c in COLUMNS) + "|")
         for r in mine:
             lines.append("| " + " | ".join(_cell(r, k, f) for k, _, f in COLUMNS) + " |")
-        ar = _median([r.get("ar_tokens_per_s") for r in mine])
+        ar = median([r.get("ar_tokens_per_s") for r in mine])
         lines.append("")
         facts = []
         if ar:
@@ -293,7 +287,7 @@ def plot_figure(rows: list[dict]):
     fig, axes = plt.subplots(1, len(models), figsize=(8.4 * len(models), 4.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model and r.get("speedup") is not None]
-        ar = _median([r.get("ar_tokens_per_s") for r in mine]) or 1.0
+        ar = median([r.get("ar_tokens_per_s") for r in mine]) or 1.0
         value = lambda r: r["speedup"] * ar  # noqa: E731
         static = sorted((r for r in mine if r["policy"] == STATIC), key=lambda r: r["gamma"])
         gammas = [r["gamma"] for r in static] or [1, 8]
@@ -326,11 +320,9 @@ def plot(rows: list[dict], path: str | Path) -> Path:
 
     fig = plot_figure(rows)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)  # keeps the suffix: matplotlib picks the format by it
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path, keep_suffix=True) as tmp:  # matplotlib picks the format by the suffix
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 
@@ -343,9 +335,8 @@ def write_csv(rows: list[dict], path: Path) -> None:
             "temperature", "acceptance_rate", "mean_drafted_per_step", "lossless", "runs", "repeats", "engine", "ar_impl",
             "data_path", "data_sha256", "limit", "sample_seed", "turns"]
     df = pd.DataFrame([{c: (json.dumps(r.get(c)) if c == "settings" else r.get(c)) for c in cols} for r in rows])
-    tmp = path.with_name(path.name + ".tmp")
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False)
 
 
 def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft length",
@@ -357,9 +348,9 @@ def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft
     heads = headline(rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = markdown(rows, heads, title)
+    md = sweep_markdown(rows, heads, title)
     if head_to_head is not None:
-        from ldlp.bench.headtohead import markdown as head_to_head_markdown
+        from ldlp.bench.headtohead import head_to_head_markdown
 
         md += "\n" + head_to_head_markdown(head_to_head)
         heads.setdefault(head_to_head.get("model"), {})["head_to_head"] = head_to_head

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.runtime import Clock
 from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+from ldlp.labels.store import read_rows, split_by_conversation
 
 
 def examples(label: np.ndarray, remaining: np.ndarray, top1: np.ndarray, states: np.ndarray,
@@ -39,20 +40,11 @@ def examples(label: np.ndarray, remaining: np.ndarray, top1: np.ndarray, states:
 
 def load_rows(oracle_dir: str | Path) -> dict:
     """The oracle rows an acceptance head trains on (numpy), with states reshaped to (R, k_max, d)."""
-    from ldlp.labels.store import load_oracle_rows, read_manifest
-
-    manifest = read_manifest(oracle_dir)
-    ds = load_oracle_rows(oracle_dir)
-    if "draft_state" not in ds.column_names:
-        raise ValueError(f"{oracle_dir}: the oracle rows hold no draft_state column; collect them with "
-                         "`python scripts/collect_oracle.py store_draft_states=true` (a new out_dir, or "
-                         "overwrite=true)")
-    k = int(manifest["k_max"])
-    cols = ds.select_columns(["conversation_id", "split", "label", "remaining", "draft_top1_prob", "draft_state"])
-    data = cols.with_format("numpy")[:]
-    states = np.asarray(data["draft_state"])
-    data["draft_state"] = states.reshape(len(states), k, -1)
-    data["k_max"] = k
+    data, manifest = read_rows(oracle_dir, ["conversation_id", "split", "label", "remaining", "draft_top1_prob",
+                                            "draft_state"],
+                               hint="collect them with `python scripts/collect_oracle.py store_draft_states=true` "
+                                    "(a new out_dir, or overwrite=true)")
+    data["k_max"] = int(manifest["k_max"])
     return data
 
 
@@ -76,9 +68,8 @@ def _scores(y: np.ndarray, p: np.ndarray) -> dict:
 def train_acceptance_head(cfg) -> dict:
     """Fit the head on the oracle's train rows, score it on its validation rows next to the same model
     without the state (the drafter's probabilities alone), save it; returns the metrics."""
-    from ldlp.labels.store import split_by_conversation
-
-    t0 = time.perf_counter()
+    clock = Clock()
+    t0 = clock()
     from ldlp.labels.store import require_complete
 
     collection = require_complete(cfg.oracle_dir, bool(cfg.get("allow_partial", False)))
@@ -115,9 +106,9 @@ def train_acceptance_head(cfg) -> dict:
         steps = S[val_idx, 2].astype(int)
         metrics["validation_auc_by_step"] = {int(m): _scores(y[val_idx][steps == m], p_head[steps == m])["auc"]
                                              for m in np.unique(steps)}
-    metrics["seconds"] = round(time.perf_counter() - t0, 1)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    (out / "metrics.md").write_text(metrics_markdown(metrics))
+    metrics["seconds"] = round(clock() - t0, 1)
+    atomic_write_json(out / "metrics.json", metrics)
+    atomic_write_text(out / "metrics.md", metrics_markdown(metrics))
     return metrics
 
 

@@ -15,11 +15,12 @@ Baselines, fitted on (a seeded subsample of) the training rows' [e; f] features:
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
+
+from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.runtime import Clock
 
 BASELINES = ("constant", "linear", "logistic", "hgb")
 
@@ -77,7 +78,7 @@ def fit_baseline(name: str, x: np.ndarray, y: np.ndarray, k_max: int, under_weig
         if len(np.unique(y)) < 2:
             value = int(y[0])
             return lambda xs: np.full(len(xs), value, dtype=np.int64)
-        model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=300)).fit(x, y)
+        model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=3000)).fit(x, y)
         return lambda xs: model.predict(xs).astype(np.int64)
     if name == "hgb":
         q = under_weight / (1.0 + under_weight)
@@ -92,22 +93,21 @@ def evaluate_all(ldlp_pred: np.ndarray, ldlp_name: str, x_train: np.ndarray, y_t
                  seconds: dict | None = None) -> dict:
     """{predictor name: metrics} for the LDLP's predictions and each baseline, all on the validation rows
     (``seconds``, when given, receives each baseline's fit + predict time)."""
-    import time
-
+    clock = Clock()
     results = {ldlp_name: length_metrics(ldlp_pred, y_val, under_weight)}
     if max_fit_rows is not None and len(y_train) > max_fit_rows:
         keep = np.random.default_rng(seed).choice(len(y_train), max_fit_rows, replace=False)
         x_train, y_train = x_train[keep], y_train[keep]
     for name in baselines:
-        start = time.perf_counter()
+        start = clock()
         predict = fit_baseline(name, x_train, y_train, k_max, under_weight, seed)
         results[name] = length_metrics(predict(x_val), y_val, under_weight)
         if seconds is not None:
-            seconds[name] = time.perf_counter() - start
+            seconds[name] = clock() - start
     return results
 
 
-def metrics_markdown(summary: dict) -> str:
+def ldlp_metrics_markdown(summary: dict) -> str:
     results = summary["results"]
     cols = list(next(iter(results.values())).keys())
     lines = [f"# LDLP validation metrics ({summary['head']} head)", "",
@@ -129,10 +129,7 @@ def metrics_markdown(summary: dict) -> str:
 def write_metrics(out_dir: str | Path, summary: dict) -> str:
     """Write ``metrics.json`` and ``metrics.md`` (atomically) next to the exported LDLP; return the table."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    table = metrics_markdown(summary)
-    for name, text in (("metrics.json", json.dumps(summary, indent=2) + "\n"), ("metrics.md", table)):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+    table = ldlp_metrics_markdown(summary)
+    atomic_write_json(out / "metrics.json", summary)
+    atomic_write_text(out / "metrics.md", table)
     return table

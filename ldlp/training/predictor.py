@@ -24,9 +24,7 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
-import time
 from pathlib import Path
 
 import lightning as L
@@ -34,7 +32,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ldlp.labels.store import read_manifest, split_by_conversation
+from eagle_backbone.io import atomic_path, atomic_write_json
+from eagle_backbone.runtime import Clock, set_threads
+from ldlp.labels.store import (load_oracle_rows, load_oracle_sequences, read_manifest, require_columns,
+                               split_by_conversation)
 from ldlp.predictor import LDLP, LDLPConfig, ldlp_loss
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,6 @@ CACHE_VERSION = 2
 
 
 # -- oracle data -------------------------------------------------------------------------------------------
-
-
-def _oracle_loaders():
-    from ldlp.labels.store import load_oracle_rows, load_oracle_sequences
-
-    return load_oracle_rows, load_oracle_sequences
 
 
 def _fingerprint(oracle_dir: Path, target_path: str, feature_dtype: str, num_rows: int) -> str:
@@ -63,7 +58,7 @@ def _fingerprint(oracle_dir: Path, target_path: str, feature_dtype: str, num_row
     return h.hexdigest()[:16]
 
 
-def recompute_features(rows, sequences, target, feature_dtype: str = "float32", where: str = "oracle"):
+def feature_rows(rows, sequences, target, feature_dtype: str = "float32", where: str = "oracle"):
     """Yield rows (``ROW_COLUMNS`` + ``feature``) with features from one target pass per sequence.
 
     Row semantics: ``feature`` is the target feature at ``index - 1`` of the sequence's ``input_ids``,
@@ -108,11 +103,8 @@ def build_examples(oracle_dir: str | Path, target, cache_dir: str | Path | None,
 
     oracle_dir = Path(oracle_dir)
     read_manifest(oracle_dir)
-    load_rows, load_sequences = _oracle_loaders()
-    rows = load_rows(oracle_dir)
-    missing = [c for c in ("seq_id", "index") + ROW_COLUMNS if c not in rows.column_names]
-    if missing:
-        raise ValueError(f"{oracle_dir}: oracle rows lack columns {missing} (have {rows.column_names})")
+    rows = load_oracle_rows(oracle_dir)
+    require_columns(rows, ("seq_id", "index") + ROW_COLUMNS, oracle_dir)
     if "feature" in rows.column_names:
         return rows.select_columns(list(ROW_COLUMNS) + ["feature"])
     if target is None:
@@ -127,23 +119,20 @@ def build_examples(oracle_dir: str | Path, target, cache_dir: str | Path | None,
         "last_token": datasets.Value("int64"), "label": datasets.Value("int64"), "remaining": datasets.Value("int64"),
         "conversation_id": datasets.Value("string"), "split": datasets.Value("string"),
         "feature": datasets.List(datasets.Value(feature_dtype))})
-    seqs = load_sequences(oracle_dir)
+    seqs = load_oracle_sequences(oracle_dir)
 
     def gen():
-        yield from recompute_features(rows, seqs, target, feature_dtype, where=str(oracle_dir))
+        yield from feature_rows(rows, seqs, target, feature_dtype, where=str(oracle_dir))
 
     if cache_dir is None:
         return datasets.Dataset.from_generator(gen, features=features, keep_in_memory=True, fingerprint=fp)
-    tmp = cache_dir.parent / (cache_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds = datasets.Dataset.from_generator(gen, features=features, cache_dir=str(tmp / "build"), fingerprint=fp)
-    ds.save_to_disk(str(tmp / "examples"))
-    del ds
-    shutil.rmtree(tmp / "build", ignore_errors=True)
-    (tmp / "fingerprint.json").write_text(json.dumps({"fingerprint": fp, "oracle_dir": str(oracle_dir),
-                                                      "target": target_path}) + "\n")
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    os.replace(tmp, cache_dir)
+    with atomic_path(cache_dir) as tmp:  # the whole folder: a killed build leaves no half cache
+        ds = datasets.Dataset.from_generator(gen, features=features, cache_dir=str(tmp / "build"), fingerprint=fp)
+        ds.save_to_disk(str(tmp / "examples"))
+        del ds
+        shutil.rmtree(tmp / "build", ignore_errors=True)
+        atomic_write_json(tmp / "fingerprint.json", {"fingerprint": fp, "oracle_dir": str(oracle_dir),
+                                                     "target": target_path}, indent=None)
     return datasets.load_from_disk(str(cache_dir / "examples"))
 
 
@@ -369,16 +358,13 @@ def run_ldlp_training(cfg) -> dict | None:
     import hydra
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
     from omegaconf import OmegaConf
-    from threadpoolctl import threadpool_limits
 
     from eagle_backbone.loading import load_target
     from ldlp.training.baselines import write_metrics
 
     tc, mc = cfg.ldlp_training, cfg.ldlp
     L.seed_everything(cfg.seed, workers=True)
-    decoding_threads = torch.get_num_threads()  # what the engine runs with: the benchmark uses it
-    if cfg.get("threads"):
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.get("threads"))  # torch and the BLAS pools (scikit-learn's baselines), for the whole run
 
     # the model's sizes come from the oracle (k_max) and the target (d); explicit values are checked
     manifest = read_manifest(tc.oracle_dir)
@@ -414,9 +400,10 @@ def run_ldlp_training(cfg) -> dict | None:
     logger = hydra.utils.instantiate(cfg.logger)
     trainer = hydra.utils.instantiate(cfg.trainer, logger=logger, callbacks=callbacks)
     last = Path(tc.ckpt_dir) / "last.ckpt"
-    start = time.time()
+    clock = Clock()
+    start = clock()
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if cfg.get("resume") and last.exists() else None)
-    train_s = time.time() - start
+    train_s = clock() - start
     if not trainer.is_global_zero:
         return None
 
@@ -427,14 +414,12 @@ def run_ldlp_training(cfg) -> dict | None:
     ldlp = load_best(module, ckpt.best_model_path or str(last), meta)
 
     ev = tc.evaluation
-    with threadpool_limits(cfg.get("threads")):  # sklearn's OpenMP/BLAS pools obey `threads` too
-        results, fits = evaluate_against_baselines(ldlp, dm, module.embedding.cpu(), float(mc.under_weight),
-                                                   list(ev.baselines), ev.max_fit_rows, int(cfg.seed))
+    results, fits = evaluate_against_baselines(ldlp, dm, module.embedding.cpu(), float(mc.under_weight),
+                                               list(ev.baselines), ev.max_fit_rows, int(cfg.seed))
     timing = None
     if ev.benchmark:
-        from ldlp.bench.policy_cost import benchmark_ldlp
+        from ldlp.policy_cost import benchmark_ldlp
 
-        torch.set_num_threads(decoding_threads)
         timing = benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps)
     summary = {"head": ldlp.config.head, "k_max": k_max, "input_dim": input_dim, "seed": int(cfg.seed),
                "oracle_collection": collection, "train_rows": len(dm.train), "val_rows": len(dm.val), "baseline_fit_rows": fits["fit_rows"],

@@ -7,26 +7,11 @@ is an upper bound on the LDLP's share.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
+from eagle_backbone.runtime import Clock
 from eagle_backbone.target import rollback
-
-
-def _timed(fn, reps: int, sync) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls (after a few warm-up calls)."""
-    for _ in range(min(5, reps)):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from eagle_backbone.timing import median_seconds
 
 
 @torch.inference_mode()
@@ -34,7 +19,7 @@ def benchmark_ldlp(ldlp, target, context_len: int = 128, reps: int = 200, seed: 
     """Median LDLP ``predict_length`` time (batch 1) and target step time, on the target's device."""
     device = target.device
     ldlp = ldlp.to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = Clock(device)
     g = torch.Generator().manual_seed(seed)
     context_len = max(1, min(context_len, target.max_length - 1))
     ids = torch.randint(3, target.vocab_size, (1, context_len + 1), generator=g).to(device)
@@ -46,7 +31,7 @@ def benchmark_ldlp(ldlp, target, context_len: int = 128, reps: int = 200, seed: 
         target(ids[:, context_len:], cache)
         rollback(cache, context_len)
 
-    step_s = _timed(target_step, max(10, reps // 10), sync)
-    ldlp_s = _timed(lambda: ldlp.predict_length(embedding, feature), reps, sync)
+    step_s = median_seconds(target_step, max(10, reps // 10), clock=clock)
+    ldlp_s = median_seconds(lambda: ldlp.predict_length(embedding, feature), reps, clock=clock)
     return {"ldlp_us": ldlp_s * 1e6, "target_step_ms": step_s * 1e3, "ratio": ldlp_s / step_s,
             "context_len": context_len, "device": str(device), "threads": torch.get_num_threads()}
