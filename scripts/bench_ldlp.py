@@ -9,19 +9,18 @@ import json
 import hydra
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.loading import load_target
 from ldlp.policy_cost import benchmark_ldlp
 from ldlp.predictor import LDLP
 
 
-@hydra.main(config_path="../conf", config_name="train_ldlp", version_base="1.3")
+@hydra.main(config_path="../conf", config_name="bench_ldlp", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    start(cfg)
     target = load_target(cfg.model)
-    ldlp = LDLP.from_pretrained(cfg.ldlp_training.out_dir)
-    ev = cfg.ldlp_training.evaluation
-    print(json.dumps(benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps),
-                     indent=2))
+    ldlp = LDLP.from_pretrained(cfg.ldlp_path)
+    print(json.dumps(benchmark_ldlp(ldlp, target, context_len=int(cfg.context), reps=int(cfg.reps)), indent=2))
 
 
 if __name__ == "__main__":

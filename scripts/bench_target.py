@@ -10,15 +10,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.bench import batch_invariance, forward_costs
 from eagle_backbone.loading import load_target
 
 
 @hydra.main(config_path="../conf", config_name="bench_target", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    start(cfg)
     base = OmegaConf.to_container(cfg.model, resolve=True)
     configs = [base] + [{**base, **v} for v in cfg.variants]
     targets = {}

@@ -3,12 +3,13 @@
 import hydra
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.labels.collect import collect_oracle
 
 
 @hydra.main(config_path="../conf", config_name="collect_oracle", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    start(cfg)
     report = collect_oracle(cfg)
     print(f"{report['positions']} positions from {report['sequences']} sequences; mean label "
           f"{report['mean_label']:.3f}, {report['frac_at_k_max']:.1%} at k_max={report['k_max']}; "

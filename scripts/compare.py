@@ -11,17 +11,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
 from ldlp.bench.loaders import policy_config
 
 
 @hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    import torch
-
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
+    start(cfg)
     contenders = [policy_config(cfg, str(c).split()) for c in cfg.contenders]
     result = head_to_head(cfg, contenders, int(cfg.rounds), int(cfg.bootstrap))
     out = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)

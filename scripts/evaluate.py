@@ -8,12 +8,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.bench.evaluate import evaluate, one_line
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    start(cfg)
     hc = HydraConfig.get()
     result = evaluate(cfg, policy_name=hc.runtime.choices.get("policy"), out_dir=hc.runtime.output_dir)
     print(one_line(result), flush=True)

@@ -3,12 +3,13 @@
 import hydra
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.train.model_card import build_model_card
 
 
 @hydra.main(config_path="../conf", config_name="model_card", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    start(cfg)
     card = build_model_card(cfg)
     print(open(f"{cfg.embedded_dir}/MODEL_CARD.md").read())
     return card

@@ -1,19 +1,22 @@
-"""The main command: oracle labels -> LDLP -> static and adaptive sweeps -> table and plot.
+"""The main command: corpus -> oracle labels -> LDLP and acceptance head -> tuning -> sweeps -> head to head.
 
     python scripts/pipeline.py                 (the embedded pair on CPU; rerun to resume)
-    python scripts/pipeline.py force=true      (redo the sweeps)
+    python scripts/pipeline.py force=true      (redo the tuning and the sweeps)
+    python scripts/pipeline.py publish=true    (copy the tables to results/<model> and README's block)
 """
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.pipeline import run
 
 
 @hydra.main(config_path="../conf", config_name="pipeline", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    summary = run(cfg)
+    start(cfg)
+    summary = run(cfg, model=HydraConfig.get().runtime.choices.model)
     print()
     print(summary["markdown"])
     print(f"wrote {summary['md']}, {summary['csv']} and {summary['png']} in {summary['elapsed_s'] / 60:.1f} min")

@@ -7,7 +7,7 @@
 import hydra
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import repo_path
 from ldlp.bench.pool import pool_folders, pooled_markdown
 from ldlp.report.pages import publish_pooled
@@ -15,6 +15,7 @@ from ldlp.report.pages import publish_pooled
 
 @hydra.main(config_path="../conf", config_name="pool_head_to_head", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    start(cfg)
     pooled = pool_folders(list(cfg.runs), cfg.out_dir, int(cfg.bootstrap), int(cfg.seed))
     print(pooled_markdown(pooled))
     print(f"wrote {cfg.out_dir}/pooled.md")

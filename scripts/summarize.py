@@ -3,12 +3,13 @@
 import hydra
 from omegaconf import DictConfig, ListConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.report.summary import summarize
 
 
 @hydra.main(config_path="../conf", config_name="summarize", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    start(cfg)
     runs = list(cfg.runs) if isinstance(cfg.runs, ListConfig) else [cfg.runs]
     out = summarize(runs, cfg.out_dir or runs[0], title=cfg.title)
     if cfg.print_table:

@@ -4,17 +4,15 @@
 """
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.training.acceptance import metrics_markdown, train_acceptance_head
 
 
 @hydra.main(config_path="../conf", config_name="train_acceptance", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    start(cfg)
     metrics = train_acceptance_head(cfg)
     print(metrics_markdown(metrics))
     print(f"wrote {cfg.out_dir} in {metrics['seconds']} s")

@@ -3,12 +3,13 @@
 import hydra
 from omegaconf import DictConfig
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.train.drafter import run_drafter_training
 
 
 @hydra.main(config_path="../conf", config_name="train_drafter", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    start(cfg)
     print(run_drafter_training(cfg))
 
 

@@ -8,10 +8,9 @@ import json
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import REPO_ROOT
 from ldlp.bench.loaders import build_policy, load_pair_cached, load_prompts, policy_config
 from ldlp.bench.replay import CostModel, OracleRows, best_per_policy, grid, measure_costs, tune, tuning_markdown
@@ -24,8 +23,7 @@ def _builder(cfg: DictConfig, name: str):
 
 @hydra.main(config_path="../conf", config_name="tune_policies", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    start(cfg)
     pair = load_pair_cached(cfg.model)
     if cfg.costs.measure:
         prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]

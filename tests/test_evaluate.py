@@ -298,11 +298,11 @@ def test_head_to_head_static_contenders_cover_the_sweep_and_the_tuning():
     from omegaconf import OmegaConf
 
     from ldlp.bench.replay import best_per_policy
-    from ldlp.pipeline import _static_gammas
+    from ldlp.pipeline import static_contenders
 
     cfg = OmegaConf.create({"sweep": {"static_gammas": [1, 2, 3, 4, 5, 6, 7, 8]}})
     tuned = best_per_policy([{"policy": "static", "params": {"gamma": g}, "tokens_per_s": t}
                              for g, t in ((5, 180.0), (6, 190.0), (8, 170.0))])
-    assert _static_gammas(cfg, 8, tuned) == [5, 6, 7, 8]  # the tuning's best and neighbours, and the sweep's
-    assert _static_gammas(cfg, 6, tuned) == [5, 6, 7]
-    assert _static_gammas(cfg, 8, {}) == [7, 8]  # no tuning: the sweep's best and its neighbours in the sweep
+    assert static_contenders(cfg, 8, tuned) == [5, 6, 7, 8]  # the tuning's best and neighbours, and the sweep's
+    assert static_contenders(cfg, 6, tuned) == [5, 6, 7]
+    assert static_contenders(cfg, 8, {}) == [7, 8]  # no tuning: the sweep's best and its neighbours in the sweep

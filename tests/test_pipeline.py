@@ -1,0 +1,158 @@
+"""The main command (ldlp.pipeline): stages as records, fingerprints that decide what reruns, outputs under
+paths.results / paths.runs only, and the explicit publish step."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+from ldlp.pipeline import Runner, Stage, fingerprint, plan, publish, store_fingerprint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---- fingerprints decide what reruns -----------------------------------------------------------------------
+
+
+@pytest.fixture()
+def writer(tmp_path):
+    """A stand-in stage script: appends its `text=` override to out_dir/out.txt, so a test can count its runs."""
+    script = tmp_path / "write.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        args = dict(a.split("=", 1) for a in sys.argv[1:])
+        out = Path(args["out_dir"]); out.mkdir(parents=True, exist_ok=True)
+        with open(out / "out.txt", "a") as f:
+            f.write(args["text"] + "\\n")
+    """))
+    return script
+
+
+def _stages(script, tmp_path, up_text="a", reads=()):
+    up = Stage("up", "upstream", str(script), [f"out_dir={tmp_path / 'up'}", f"text={up_text}"], tmp_path / "up",
+               reads=tuple(reads))
+    down = Stage("down", "downstream", str(script), [f"out_dir={tmp_path / 'down'}", "text=d"], tmp_path / "down",
+                 after=("up",))
+    return [up, down]
+
+
+def _run_all(tmp_path, stages, force=False) -> list[str]:
+    cfg = OmegaConf.create({"force": force, "paths": {"results": str(tmp_path / "results")}})
+    runner = Runner(cfg, stages)
+    for k, s in enumerate(stages, 1):
+        runner(s, k, len(stages))
+    return runner.ran
+
+
+def test_unchanged_inputs_skip_and_a_changed_upstream_reruns_downstream(writer, tmp_path):
+    assert _run_all(tmp_path, _stages(writer, tmp_path)) == ["up", "down"]
+    assert _run_all(tmp_path, _stages(writer, tmp_path)) == []  # same inputs: both skipped
+    # the upstream's overrides change: it reruns, its output changes, so the downstream reruns too
+    assert _run_all(tmp_path, _stages(writer, tmp_path, up_text="b")) == ["up", "down"]
+    assert (tmp_path / "down" / "out.txt").read_text() == "d\nd\n"
+    # the upstream's output rewritten by hand (e.g. labels collected again outside the pipeline)
+    (tmp_path / "up" / "out.txt").write_text("other labels\n")
+    assert _run_all(tmp_path, _stages(writer, tmp_path, up_text="b")) == ["down"]
+    assert _run_all(tmp_path, _stages(writer, tmp_path, up_text="b"), force="all") == []  # groups: up, down unforced
+
+
+def test_changed_model_weights_rerun_the_stages_that_read_them(writer, tmp_path):
+    weights = tmp_path / "model"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"one")
+    assert _run_all(tmp_path, _stages(writer, tmp_path, reads=[weights])) == ["up", "down"]
+    assert _run_all(tmp_path, _stages(writer, tmp_path, reads=[weights])) == []
+    (weights / "model.safetensors").write_bytes(b"two")
+    assert _run_all(tmp_path, _stages(writer, tmp_path, reads=[weights])) == ["up", "down"]
+
+
+def test_an_interrupted_stage_runs_again_and_the_fingerprint_is_stored_next_to_its_output(writer, tmp_path):
+    stages = _stages(writer, tmp_path)
+    digest, inputs = fingerprint(stages[0], {s.name: s for s in stages})
+    store_fingerprint(stages[0], digest, inputs, complete=False)  # as a killed run leaves it
+    assert _run_all(tmp_path, stages) == ["up", "down"]
+    stored = json.loads((tmp_path / "up" / "stage.json").read_text())
+    assert stored["complete"] is True and stored["fingerprint"] == digest
+    assert stored["inputs"]["args"] == stages[0].args
+    seconds = json.loads((tmp_path / "results" / "stage_seconds.json").read_text())
+    assert set(seconds) == {"up", "down"}
+
+
+def _compose_pipeline(overrides):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="pipeline", overrides=overrides)
+
+
+def test_tuning_reruns_on_new_labels_and_everything_writes_outside_the_committed_results(tmp_path):
+    """A fresh clone regenerates the labels, so the tuning (and the adaptive sweeps) must run on them,
+    never on the committed results/<model>/tuning."""
+    cfg = _compose_pipeline([f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"])
+    stages = {s.name: s for s in plan(cfg)}
+    committed = REPO / "results"
+    for s in stages.values():
+        if s.name != "corpus":  # the corpus goes next to the shipped models (paths.embedded, gitignored)
+            assert committed not in s.out.parents and tmp_path in s.out.parents, s
+    assert "oracle" in stages["tune"].after and "tune" in stages["sweep:adaptive:1"].after
+    assert "tune" not in stages["sweep:static:1"].after  # static rows need no tuning
+    assert "tuned_from=" + str(tmp_path / "outputs" / "results" / "embedded" / "tuning" / "tuning.json") in \
+        stages["sweep:adaptive:1"].args
+    oracle = stages["oracle"]
+    oracle.out.mkdir(parents=True)
+    (oracle.out / "manifest.json").write_text("{}")
+    before, _ = fingerprint(stages["tune"], stages)
+    (oracle.out / "manifest.json").write_text('{"new": "labels"}')
+    os.utime(oracle.out / "manifest.json", ns=(1, 1))
+    after, _ = fingerprint(stages["tune"], stages)
+    assert before != after
+
+
+def test_every_stage_gets_the_configured_threads(tmp_path):
+    cfg = _compose_pipeline([f"paths.outputs={tmp_path}", "threads=1"])
+    assert all("threads=1" in s.args for s in plan(cfg))
+
+
+# ---- publish ----------------------------------------------------------------------------------------------
+
+
+def test_publish_copies_the_run_and_writes_the_pages(tmp_path):
+    results, published = tmp_path / "outputs" / "results" / "m", tmp_path / "results" / "m"
+    (results / "tuning").mkdir(parents=True)
+    (results / "results.md").write_text("## Static vs adaptive\n\n| a |\n|---|\n| 1 |\n")
+    for f in ("results.csv", "tokens_per_s.png", "summary.json", "tuning/tuning.md", "tuning/tuning.json"):
+        (results / f).write_text(f)
+    readme = tmp_path / "README.md"
+    readme.write_text("# P\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
+    rows = [{"contender": "static γ=6", "tau": 4.0, "tokens_per_s": 200.0},
+            {"contender": "ldlp", "tau": 3.9, "tokens_per_s": 204.0, "vs_best_static": 1.02, "ci95": [0.99, 1.05]},
+            {"contender": "AR", "tau": 1.0, "tokens_per_s": 100.0}]
+    summary = {"headline": {"m": {"head_to_head": {"reference": "static γ=6", "n_prompts": 60, "rounds": 2,
+                                                   "rows": rows}}},
+               "stage_seconds": {"oracle": 120.0, "sweep:static:1": 60.0}}
+    publish(results, published, readme, summary, "m", "python scripts/pipeline.py publish=true")
+    assert (published / "tuning" / "tuning.json").read_text() == "tuning/tuning.json"
+    page = (published / "README.md").read_text()
+    assert "| 1 |" in page and "(tokens_per_s.png)" in page and "3.0 min" in page
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("<!-- results:end -->\nrest\n")
+    assert "| ldlp | 3.90 | 204.0 | 1.020 | 0.990 – 1.050 |" in text and "| AR |" not in text
+    assert "(results/m/README.md)" in text
+
+
+# ---- the Python example's helper ----------------------------------------------------------------------
+
+
+def test_embedded_model_config_resolves_from_any_working_directory(tmp_path):
+    code = ("from eagle_backbone.paths import embedded_model_config; import json, pathlib; "
+            "c = embedded_model_config(); print(json.dumps({k: str(c[k]) for k in ('target', 'drafter', 'tokenizer')}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    paths = json.loads(out.stdout)
+    for p in paths.values():
+        assert Path(p).is_absolute() and Path(p).is_relative_to(REPO) and (Path(p) / "config.json").is_file()
