@@ -100,42 +100,6 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     return ids
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
-                chat_template: str | None = None) -> list[int]:
-    """Token ids of the rendered chat, where the template's own special tokens (BOS, EOS, ...) are special
-    and the messages' text never is: a literal ``</s>`` or ``<s>`` in a message is encoded as the text it
-    is (``split_special_tokens``), not as the EOS or BOS id.
-
-    Messages without a special token's string are tokenized as the whole rendering (as before). Otherwise
-    each special string in a message is hidden behind a placeholder while the template renders, the
-    rendering is cut at the special tokens left (the template's), and the text between them, the
-    messages' strings restored, is tokenized with ``split_special_tokens=True``: a tokenizer cuts its input
-    at special tokens anyway, so the template's text tokenizes as it would have."""
-    specials = sorted({str(s) for s in tokenizer.all_special_tokens if s}, key=len, reverse=True)
-    if not any(s in str(m.get("content", "")) for m in messages for s in specials):
-        text = render(tokenizer, messages, add_generation_prompt, chat_template)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    hidden: dict[str, str] = {}
-
-    def hide(text: str) -> str:
-        for s in specials:  # longest first: "</s>" before "<s>" would matter if one contained the other
-            if s in text:
-                text = text.replace(s, hidden.setdefault(s, f"\ue000{len(hidden)}\ue001"))
-        return text
-
-    rendered = render(tokenizer, [{**m, "content": hide(str(m.get("content", "")))} for m in messages],
-                      add_generation_prompt, chat_template)
-    ids: list[int] = []
-    for piece in re.split("(" + "|".join(map(re.escape, specials)) + ")", rendered):
-        if piece in specials:  # the template's own marker
-            ids.append(tokenizer.convert_tokens_to_ids(piece))
-        elif piece:
-            for s, placeholder in hidden.items():
-                piece = piece.replace(placeholder, s)
-            ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return ids
-
-
 # ---- loading --------------------------------------------------------------------------------------
 
 
