@@ -353,3 +353,45 @@ def test_bad_input_errors(t32, draft_lm):
     engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=2, policy=NegativeForShort)
     with pytest.raises(ValueError, match=r"gamma=-1 for slot 1"):
         engine.generate(prompts_of((6, 2)), 4)
+
+
+# ---- vectorised LDLP, prefill modes, profiled mode --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ldlp_path(t32, tmp_path_factory):
+    """A randomly initialised LDLP for the tiny target, saved where LDLPPolicy reads it."""
+    from ldlp.predictor import LDLP, LDLPConfig
+
+    torch.manual_seed(0)
+    model = LDLP(LDLPConfig(input_dim=2 * t32.hidden_size, hidden_dim=16, k_max=4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(20)  # spread the predictions over 0..4
+    return model.eval().save_pretrained(tmp_path_factory.mktemp("ldlp") / "tiny")
+
+
+def test_vectorised_ldlp_matches_per_slot_policy(t32, draft_lm, ldlp_path):
+    from ldlp.policies import LDLPPolicy
+
+    policy = LDLPPolicy(str(ldlp_path), max_gamma=4)
+    assert bengine.VectorisedGamma.of(policy) is not None
+    prompts = prompts_of((5, 9, 3, 7))
+    engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=4, policy=policy)
+    out = engine.generate(prompts, 20)
+    assert [o.tokens for o in out] == ar(t32, prompts, 20)
+    lengths = {g for o in out for g in o.stats.draft_lengths}
+    assert len(lengths) > 1  # the predictor varies γ
+    for p, o in zip(prompts, out):
+        ref = SpeculativeDecoder(t32, DraftModelCandidateGenerator(draft_lm, t32), policy).generate(p, 20)
+        assert o.stats.draft_lengths == ref.stats.draft_lengths
+
+
+@pytest.mark.parametrize("prefill", ["joined", "separate"])
+def test_prefill_modes_and_profile(t32, eagle32, prefill):
+    prompts = prompts_of((5, 9, 3, 11, 6))
+    engine = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=2, policy=PromptGamma, prefill=prefill,
+                                      profile=True)
+    res = run_workload(engine, prompts, 2, 12)
+    assert [o.tokens for o in res.outputs] == ar(t32, prompts, 12)
+    assert {"prefill", "draft", "verify", "read"} <= set(engine.prof.s)

@@ -147,10 +147,10 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
                              "identical": None if same is None else sum(same)})
                 log(f"round {r} C={C:>2} {c.label:<14} {engine_kind:<7} {summ['tokens_per_s']:7.1f} tok/s "
                     f"tau {summ['tau']:.2f}" + ("" if same is None else f" identical {sum(same)}/{len(same)}"))
-        result = {"rows": aggregate(runs, contenders, sampling, len(prompts)), "differences": list(diffs.values()),
-                  "runs": runs, "rounds_done": r + 1}
-        if checkpoint:
-            checkpoint(result)
+            result = {"rows": aggregate(runs, contenders, sampling, len(prompts)),
+                      "differences": list(diffs.values()), "runs": runs, "rounds_done": r + (ci + 1) / len(concurrency)}
+            if checkpoint:  # after every C: a stopped run still leaves its measured rows
+                checkpoint(result)
     return result
 
 
@@ -314,3 +314,48 @@ def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot
     if with_plot and result["rows"]:
         plot(result, out / "batch_bench.png")
     return out
+
+
+@torch.inference_mode()
+def prefill_join_cost(target, concurrency=(2, 4, 8, 16, 32), prompt_len: int = 40, context: int = 96, gamma: int = 3,
+                      reps: int = 15, seed: int = 0) -> list[dict]:
+    """When one sequence finishes and its slot takes a new prompt: is the prompt's prefill cheaper as its own
+    target forward (then the C-1 running slots' verification forward), or joined to that step's forward
+    (:func:`~eagle_backbone.batched.model.forward_groups`: projections and MLPs over all tokens at once,
+    attention per group)? Median process-CPU ms of each, interleaved, per C."""
+    from eagle_backbone.batched.model import BatchedLlama, forward_groups
+
+    g = torch.Generator().manual_seed(seed)
+    lm = BatchedLlama(target.model, context + prompt_len + gamma + 4)
+    V, dev = target.vocab_size, target.device
+    rows_out = []
+    for C in concurrency:
+        cache = lm.new_cache(C)
+        ctx = torch.randint(4, V, (C, context), generator=g).to(dev)
+        lm(ctx, torch.arange(context, device=dev)[None].expand(C, context), cache, context)
+        run = torch.arange(C - 1, device=dev)
+        new = torch.tensor([C - 1], device=dev)
+        step_tok = torch.randint(4, V, (C - 1, gamma + 1), generator=g).to(dev)
+        step_pos = (context + torch.arange(gamma + 1, device=dev))[None].expand(C - 1, gamma + 1)
+        prompt = torch.randint(4, V, (1, prompt_len), generator=g).to(dev)
+        ppos = torch.arange(prompt_len, device=dev)[None]
+        groups = [(prompt, ppos, new, prompt_len)] + ([(step_tok, step_pos, run, context + gamma + 1)] if C > 1 else [])
+        times = {"separate": [], "joined": []}
+        for i in range(reps + 2):
+            for how in ("separate", "joined") if i % 2 else ("joined", "separate"):
+                t0 = time.process_time()
+                if how == "separate":
+                    lm.logits(lm(prompt, ppos, cache, prompt_len, new)[:, -1:])
+                    if C > 1:
+                        lm.logits(lm(step_tok, step_pos, cache, context + gamma + 1, run))
+                else:
+                    hs = forward_groups(lm, groups, cache)
+                    lm.logits(hs[0][:, -1:])
+                    if C > 1:
+                        lm.logits(hs[1])
+                if i >= 2:
+                    times[how].append(1e3 * (time.process_time() - t0))
+        sep, joi = statistics.median(times["separate"]), statistics.median(times["joined"])
+        rows_out.append({"concurrency": C, "prompt_len": prompt_len, "gamma": gamma, "separate_ms": sep,
+                         "joined_ms": joi, "joined_over_separate": joi / sep})
+    return rows_out

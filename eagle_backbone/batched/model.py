@@ -3,15 +3,15 @@
 Why a forward of our own (route b) and not transformers' ``LlamaModel.forward`` with a custom cache and a
 4D mask (route a): both run on the same :class:`SlotCache` and give the same logits, but transformers'
 forward costs per call a fixed overhead of Python (output capturing, kwargs checks, mask preparation, a
-rotary recomputation) that is large next to a small model's compute. Measured on the embedded target
-(8 layers, d=384, 2 CPU threads, one step of 1 token after 256 cached ones, median of 30 interleaved;
-``python -m eagle_backbone.batched.model``):
+rotary recomputation) on top of the same matrix products. Measured on the embedded target (8 layers,
+d=384, eager attention, one thread, a one-token step after 256 cached positions, median of 30
+interleaved, process CPU time because the machine was shared; ``python -m eagle_backbone.batched.model``):
 
-    bf16 eager  B=1: route a 2.60 ms, route b 1.96 ms;  B=16: route a 5.46 ms, route b 4.88 ms
-    fp32 eager  B=1: route a 2.53 ms, route b 1.88 ms;  B=16: route a 5.35 ms, route b 4.75 ms
+    bf16  B=1: route a 12.63 ms, route b 11.49 ms (-9%);  B=16: route a 32.43 ms, route b 29.86 ms (-8%)
+    fp32  B=1: route a 13.35 ms, route b 12.16 ms (-9%);  B=16: route a 43.81 ms, route b 42.05 ms (-4%)
 
-so the compact forward is ~0.6 ms (25% at B=1) faster per call, and a step calls the target once and the
-drafter up to γ+1 times. The compact forward calls the checkpoint's own submodules (RMSNorm, q/k/v/o
+(absolute times are inflated by the other jobs on that machine; the ratios decided), and a step calls the
+target once and the drafter up to γ+1 times. The compact forward calls the checkpoint's own submodules (RMSNorm, q/k/v/o
 projections, MLP, rotary inverse frequencies): no weight is copied or re-laid out, so any Llama-family
 checkpoint (Vicuna-7B included) loads unchanged through ``AutoModelForCausalLM``, and the per-token math is
 transformers' (tests/test_batched.py checks the logits). Only attention and the cache are ours:
@@ -20,7 +20,8 @@ transformers' (tests/test_batched.py checks the logits). Only attention and the 
   once. A forward writes its keys at each row's own positions (an indexed store, no concatenation) and
   attends over the first ``kv_len`` positions; rolling a slot back is setting its length, since a query at
   position p only ever sees keys at positions <= p, and every such key was written by this or an earlier
-  accepted forward. Padding rows of a ragged input write past their slot's length and are overwritten later.
+  accepted forward. Padded entries of a ragged input write to a scratch position past every real one (the
+  engine's choice; see eagle_backbone/batched/engine.py).
 * Attention is transformers' eager math (scores in the model dtype, float32 softmax) by default: in
   bfloat16 it gives a token the same logits whether scored alone or among γ+1, as conf/model/embedded.yaml
   explains; ``attn="sdpa"`` uses torch's fused kernel with the same explicit mask.
@@ -228,7 +229,10 @@ class BatchedEagleDrafter:
 
 @torch.inference_mode()
 def measure_routes(model, batches=(1, 16), context: int = 256, reps: int = 30, seed: int = 0) -> dict:
-    """Median ms of a one-token step after ``context`` cached positions, route a vs route b, per B."""
+    """Median ms of a one-token step after ``context`` cached positions, route a vs route b, per B.
+
+    Process CPU time, not wall time: on a shared machine other jobs inflate wall time by more than the
+    difference measured here (one thread: CPU time is the compute this process spent)."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.get_output_embeddings().weight.shape[0]
     out = {}
@@ -244,10 +248,10 @@ def measure_routes(model, batches=(1, 16), context: int = 256, reps: int = 30, s
         times = {k: [] for k in runners}
         for i in range(reps + 2):
             for k, r in runners.items():
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 r.logits(r(step, spos, caches[k], context + 1))
                 if i >= 2:
-                    times[k].append(1e3 * (time.perf_counter() - t0))
+                    times[k].append(1e3 * (time.process_time() - t0))
         out[B] = {k: statistics.median(v) for k, v in times.items()}
     return out
 
@@ -257,9 +261,42 @@ if __name__ == "__main__":
 
     from eagle_backbone.paths import REPO_ROOT
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     for dtype in (torch.bfloat16, torch.float32):
         m = AutoModelForCausalLM.from_pretrained(REPO_ROOT / "data/embedded/target", dtype=dtype,
                                                  attn_implementation="eager").eval()
         for B, r in measure_routes(m).items():
             print(f"{dtype} B={B}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.items()))
+
+
+def forward_groups(lm: BatchedLlama, groups, cache: SlotCache) -> list[torch.Tensor]:
+    """One forward over several row groups, each ``(tokens (R, T), positions (R, T), rows, kv_len)``, with
+    the projections and MLPs run once over all groups' tokens packed together and attention per group:
+    how a new prompt's prefill joins a decoding step without padding the step's rows to the prompt's
+    length. Returns each group's final-normed hidden states. (Measured against a separate prefill
+    forward by :func:`eagle_backbone.batched.bench.prefill_join_cost`.)"""
+    d = lm.embed_tokens.weight.shape[1]
+    shapes = [g[0].shape for g in groups]
+    sizes = [r * t for r, t in shapes]
+    x = torch.cat([lm.embed_tokens(g[0]).reshape(-1, d) for g in groups])
+    ropes = [lm.rope(g[1]) for g in groups]
+    masks = [visible(g[1], g[3], lm.attn, lm.dtype) for g in groups]
+    for li, layer in enumerate(lm.layers):
+        attn = layer.self_attn
+        hd = attn.head_dim
+        h = layer.input_layernorm(x)
+        q_all, k_all, v_all = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        outs = []
+        for (tok, pos, rows, kv_len), (R, T), (cos, sin), mask, q, k, v in zip(
+                groups, shapes, ropes, masks, q_all.split(sizes), k_all.split(sizes), v_all.split(sizes)):
+            q = q.view(R, T, -1, hd).transpose(1, 2)
+            k = k.view(R, T, -1, hd).transpose(1, 2)
+            v = v.view(R, T, -1, hd).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = write_and_read(cache, li, k, v, rows, pos, kv_len)
+            outs.append(attention(q, keys, values, mask, attn.scaling, lm.attn).reshape(R * T, -1))
+        x = x + attn.o_proj(torch.cat(outs))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    h = lm.decoder.norm(x)
+    return [part.view(R, T, -1) for part, (R, T) in zip(h.split(sizes), shapes)]
