@@ -64,6 +64,8 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, candidates: CandidateGenerator, policy: DraftLengthPolicy | None = None):
         self.target, self.candidates = target, candidates
         self.policy = policy if policy is not None else StaticPolicy(4)
+        if hasattr(self.policy, "check_pair"):  # sizes of a policy's own model against the pair: now, not mid-run
+            self.policy.check_pair(target, candidates)
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(),

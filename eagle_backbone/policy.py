@@ -64,6 +64,10 @@ class DraftLengthPolicy:
     def observe(self, ctx: DraftContext, drafted: int, accepted: int) -> None:
         """Called after each verification."""
 
+    def check_pair(self, target, candidates) -> None:
+        """Called when a decoder is built, before any generation: raise a one-line ValueError when the
+        policy cannot serve this target and candidate generator (a predictor trained for other sizes)."""
+
 
 class StaticPolicy(DraftLengthPolicy):
     """A fixed γ every step: EAGLE's and most papers' default."""

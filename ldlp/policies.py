@@ -84,6 +84,14 @@ class LDLPPolicy(DraftLengthPolicy):
             raise ValueError(f"ldlp policy: offset must be an integer, got {offset!r}")
         self.offset = offset  # added to the prediction (AdaEAGLE drafts the predicted length; +1 hedges)
 
+    def check_pair(self, target, candidates) -> None:
+        d = self.model.config.feature_dim
+        if d != target.hidden_size:
+            raise ValueError(f"ldlp policy: {self.path}/config.json has input_dim={self.model.config.input_dim} "
+                             f"(features of size {d}) but the target's embeddings and features have size "
+                             f"{target.hidden_size}: it was trained for another target; train one for this target "
+                             "(python scripts/train_ldlp.py) or point policy.path at it")
+
     def predict(self, ctx: DraftContext) -> int:
         n = max(0, int(self.model.predict_length(ctx.embedding, ctx.feature)) + self.offset)
         return n if self.max_gamma is None else min(n, self.max_gamma)
@@ -124,6 +132,9 @@ class LDLPDDDPolicy(DraftLengthPolicy):
         self.ddd = DDDPolicy(threshold, max_gamma)
         self.max_gamma = max_gamma
         self._length = 0
+
+    def check_pair(self, target, candidates) -> None:
+        self.ldlp.check_pair(target, candidates)
 
     def gamma(self, ctx: DraftContext) -> int:
         self._length = self.ldlp.predict(ctx)
@@ -199,10 +210,23 @@ class AcceptancePolicy(DraftLengthPolicy):
                              "(`python scripts/collect_oracle.py` then `python scripts/train_acceptance.py`)")
         if not 0 <= threshold <= 1:
             raise ValueError(f"acceptance policy: threshold is a probability in [0, 1], got {threshold!r}")
+        self.path = str(path)
         self.head = _load_acceptance_head(str(path))
         self.threshold = float(threshold)
         self.max_gamma = _check_cap(self.name, max_gamma)
         self._cum = 0.0
+
+    def check_pair(self, target, candidates) -> None:
+        drafter = getattr(candidates, "drafter", None)
+        width = getattr(drafter, "hidden_size", None)
+        if width is None:
+            raise ValueError(f"acceptance policy: {self.path} reads the EAGLE drafter's states, and "
+                             f"{type(candidates).__name__} offers none: use an EAGLE drafter (model.drafter_kind=eagle)")
+        if self.head.config.hidden_size != width:
+            raise ValueError(f"acceptance policy: {self.path}/config.json has hidden_size="
+                             f"{self.head.config.hidden_size} but this drafter's states have size {width}: the head "
+                             "was trained for another drafter; train one for it (python scripts/train_acceptance.py) "
+                             "or point policy.path at it")
 
     def gamma(self, ctx: DraftContext) -> int:
         self._cum = 0.0

@@ -399,3 +399,70 @@ def test_any_loaded_tokenizer_keeps_user_markers_as_text(tmp_path):
     assert ids.count(start) == 2 and ids.count(end) == 1  # the template's: user turn, generation prompt
     assert tok.convert_tokens_to_ids("<|endoftext|>") not in ids
     assert tok.decode(ids) == f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+# -- 7. heads and drafters of the wrong size fail when the decoder is built, before any generation ------
+
+
+def test_heads_of_the_wrong_size_fail_before_any_generation(tmp_path, target, drafter):
+    from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+    from eagle_backbone.engine import SpeculativeDecoder
+    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.policies import AcceptancePolicy, LDLPDDDPolicy, LDLPPolicy
+    from ldlp.predictor import LDLP, LDLPConfig
+
+    d = target.hidden_size
+    cands = EagleCandidateGenerator(drafter, target)
+    AcceptanceHead(AcceptanceHeadConfig(hidden_size=d + 4, k_max=8)).save_pretrained(tmp_path / "acc")
+    LDLP(LDLPConfig(input_dim=2 * (d + 4))).save_pretrained(tmp_path / "ldlp")
+    for policy, what in ((AcceptancePolicy(str(tmp_path / "acc")), f"hidden_size={d + 4}"),
+                         (LDLPPolicy(str(tmp_path / "ldlp")), f"input_dim={2 * (d + 4)}"),
+                         (LDLPDDDPolicy(str(tmp_path / "ldlp")), f"input_dim={2 * (d + 4)}")):
+        with pytest.raises(ValueError) as e:
+            SpeculativeDecoder(target, cands, policy)
+        msg = _one_line(e)
+        assert what in msg and str(d) in msg and "train" in msg
+    # the right sizes build; an acceptance head with a draft LM (no drafter states) fails at once
+    AcceptanceHead(AcceptanceHeadConfig(hidden_size=d, k_max=8)).save_pretrained(tmp_path / "acc_ok")
+    SpeculativeDecoder(target, cands, AcceptancePolicy(str(tmp_path / "acc_ok")))
+    draft_lm = LlamaForCausalLM(tiny_llama_config(layers=1)).double()
+    with pytest.raises(ValueError, match="drafter_kind=eagle"):
+        SpeculativeDecoder(target, DraftModelCandidateGenerator(draft_lm, target), AcceptancePolicy(str(tmp_path / "acc_ok")))
+    # a drafter trained for another target fails when its generator is built
+    from conftest import make_drafter
+
+    other = make_drafter(make_target(d=48))
+    with pytest.raises(ValueError, match="hidden size 48 != target hidden size"):
+        EagleCandidateGenerator(other, target)
+
+
+def test_a_torn_last_checkpoint_with_resume_fails_in_one_line(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    import eagle_backbone.paths  # noqa: F401
+    from ldlp.training.predictor import run_ldlp_training
+
+    from test_ldlp import write_oracle
+
+    oracle = write_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=6, d=32, store_features=True)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    import zipfile
+
+    with zipfile.ZipFile(ckpt / "whole.ckpt", "w") as z:  # what torch.save writes: a zip archive
+        z.writestr("archive/data.pkl", b"x" * 5000)
+    data = (ckpt / "whole.ckpt").read_bytes()
+    (ckpt / "last.ckpt").write_bytes(data[: len(data) // 2])
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train_ldlp", overrides=[
+            f"model.target={tmp_path / 'no_target_needed'}", f"ldlp_training.oracle_dir={oracle}",
+            f"ldlp_training.ckpt_dir={ckpt}", "resume=true", f"logger.save_dir={tmp_path}",
+            f"trainer.default_root_dir={tmp_path}"])
+    with pytest.raises(ValueError) as e:  # before the target is loaded (there is none)
+        run_ldlp_training(cfg)
+    msg = _one_line(e)
+    assert str(ckpt / "last.ckpt") in msg and "torn or corrupt" in msg and "resume=false" in msg
+    from ldlp.training.predictor import check_checkpoint
+
+    torch.save({"state_dict": {"w": torch.zeros(3)}, "epoch": 1}, ckpt / "good.ckpt")
+    check_checkpoint(ckpt / "good.ckpt")  # a whole one passes

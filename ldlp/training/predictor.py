@@ -352,6 +352,22 @@ def log_results(logger, results: dict, timing: dict | None, step: int) -> None:
     logger.save()
 
 
+def check_checkpoint(path: Path) -> None:
+    """A Lightning checkpoint is a zip archive (torch.save): a torn or corrupt one fails its CRC check here, in
+    one line naming the file and what to do, instead of ``PytorchStreamReader failed`` inside ``fit``."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+            problem = f"member {bad} is corrupt" if bad else None
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    if problem:
+        raise ValueError(f"{path}: torn or corrupt checkpoint ({problem}); delete it to train from the start, or "
+                         "pass resume=false")
+
+
 def run_ldlp_training(cfg) -> dict | None:
     """Train, export and evaluate an LDLP as ``cfg`` says (see conf/train_ldlp.yaml); returns the summary
     on the global-zero process (None on the other DDP processes)."""
@@ -371,6 +387,8 @@ def run_ldlp_training(cfg) -> dict | None:
     from ldlp.labels.store import require_complete
 
     collection = require_complete(tc.oracle_dir, bool(cfg.get("allow_partial", False)))  # before any weights load
+    if cfg.get("resume") and (Path(tc.ckpt_dir) / "last.ckpt").exists():
+        check_checkpoint(Path(tc.ckpt_dir) / "last.ckpt")
     k_max = int(mc.k_max if mc.get("k_max") is not None else manifest["k_max"])
     if k_max < int(manifest["k_max"]):
         raise ValueError(f"ldlp.k_max={k_max} is below the oracle's k_max={manifest['k_max']} "
