@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy
-from ldlp.bench.stats import headroom_captured
+from ldlp.bench.stats import headroom_captured, percent
 
 
 @dataclass
@@ -258,10 +258,6 @@ def best_per_policy(results: list[dict]) -> dict[str, dict]:
     return best
 
 
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.0f}%"
-
-
 def tuning_markdown(results: list[dict], costs: CostModel, rows: OracleRows, where: str) -> str:
     best = best_per_policy(results)
     c = costs.as_dict()
@@ -275,7 +271,7 @@ def tuning_markdown(results: list[dict], costs: CostModel, rows: OracleRows, whe
     for name, r in sorted(best.items(), key=lambda kv: -kv[1]["tokens_per_s"]):
         setting = ", ".join(f"{k}={v}" for k, v in r["params"].items())
         lines.append(f"| {name} | {setting} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['drafted']} | "
-                     f"{r['wasted']} | {_pct(r['headroom_captured'])} |")
+                     f"{r['wasted']} | {percent(r['headroom_captured'])} |")
     lines += ["", "Every setting tried:", "", "| policy | setting | τ | modelled tokens/s | wasted |", "|---|---|---:|---:|---:|"]
     for r in results:
         setting = ", ".join(f"{k}={v}" for k, v in r["params"].items())

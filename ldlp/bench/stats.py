@@ -15,6 +15,11 @@ def median(values) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
+def percent(x: float | None) -> str:
+    """A share as a whole percentage ("37%"), "–" when there is none."""
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
 def best_adaptive(rows: list[dict], ratio: str) -> tuple[dict | None, dict]:
     """The adaptive row (the oracle is not one) with the highest ``ratio`` to the best static contender,
     and the verdict's keys: its name, gain, the gain's 95% interval and whether it excludes zero."""

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from eagle_backbone.io import atomic_path, atomic_write_text
-from ldlp.bench.stats import headroom_captured, median
+from ldlp.bench.stats import headroom_captured, median, percent
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +199,6 @@ def _policy_label(row: dict) -> str:
     return p
 
 
-def _pct(x) -> str:
-    return "–" if x is None else f"{100 * x:.0f}%"
-
-
 def sweep_markdown(rows: list[dict], heads: dict, title: str = "Static vs adaptive draft length") -> str:
     lines = [f"## {title}", ""]
     first = rows[0]
@@ -237,7 +233,7 @@ def sweep_markdown(rows: list[dict], heads: dict, title: str = "Static vs adapti
         if "oracle" in h:
             facts.append(f"oracle (upper bound): {at(h['oracle'])}")
         if "headroom_captured" in h:
-            facts.append(f"headroom captured in the sweep: {_pct(h['headroom_captured'])} of (oracle − best static); "
+            facts.append(f"headroom captured in the sweep: {percent(h['headroom_captured'])} of (oracle − best static); "
                          "rows a few percent apart are within the noise of runs timed minutes apart (the head to "
                          "head below, if run, times the leaders in turns)")
         if h.get("best_speedup") is not None:
