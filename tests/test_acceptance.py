@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import table_rows
 from omegaconf import OmegaConf
 from test_oracle import mimic_pair
 
@@ -15,11 +16,10 @@ from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandida
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.replay import CostModel, OracleRows, replay
-from ldlp.labels.collect import WorkItem, _part_columns
 from oracle_helpers import greedy_oracle
 from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json
 from ldlp.policies import AcceptancePolicy
-from ldlp.training.acceptance import _fit, examples, load_rows, train_acceptance_head
+from ldlp.training.acceptance import examples, load_rows, train_acceptance_head
 
 K_MAX, BUDGET = 8, 36
 
@@ -35,17 +35,27 @@ def mimic():
 
 
 def write_collection(out: Path, target, drafter, train_prompts, val_prompts, store_states=True) -> Path:
-    """An oracle folder as scripts/collect_oracle.py writes it: one part per split."""
+    """An oracle folder in the collector's layout (ldlp.labels.store): one part per split, the label rows of
+    each prompt's greedy response, drafter states flattened row-major."""
     d = target.hidden_size
     feats = rows_features(K_MAX, d, "float32", "float32", state_dim=d if store_states else None)
     seq_id = 0
     for split, ps in (("train", train_prompts), ("validation", val_prompts)):
-        results = []
+        rows = {c: [] for c in feats}
+        seqs = {c: [] for c in sequences_features()}
         for p in ps:
             response, lab = greedy_oracle(target, drafter, p, BUDGET, K_MAX)
-            results.append((WorkItem(seq_id, split, f"{split}{seq_id}", p), response, lab))
+            r = len(lab["label"])
+            for c, v in (("seq_id", seq_id), ("conversation_id", f"{split}{seq_id}"), ("split", split)):
+                rows[c] += [v] * r
+            for c in rows.keys() - {"seq_id", "conversation_id", "split"}:
+                rows[c].append(lab[c].flatten(1).float().numpy() if lab[c].is_floating_point() else lab[c].numpy())
+            for c, v in (("seq_id", seq_id), ("conversation_id", f"{split}{seq_id}"), ("split", split),
+                         ("input_ids", p + response), ("prompt_len", len(p)), ("positions", r),
+                         ("eos", bool(response) and response[-1] in target.eos_token_ids)):
+                seqs[c].append(v)
             seq_id += 1
-        rows, seqs = _part_columns(results, K_MAX, True, d, target.eos_token_ids, store_states)
+        rows.update({c: np.concatenate(v) for c, v in rows.items() if c not in ("seq_id", "conversation_id", "split")})
         stem = out / split / "000-of-001.00000"
         stem.parent.mkdir(parents=True, exist_ok=True)
         write_arrow(Path(str(stem) + ".rows.arrow"), rows, feats)
@@ -80,11 +90,16 @@ def test_examples_follow_the_labels_and_drop_what_the_response_cannot_tell():
 
 
 def test_folded_head_equals_the_sklearn_pipeline():
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
     rng = np.random.default_rng(0)
     X = rng.normal(size=(400, 6)).astype(np.float32) * rng.uniform(0.1, 10, size=6).astype(np.float32)
     S = np.stack([rng.uniform(-5, 0, 400), rng.uniform(-20, 0, 400), rng.integers(1, 8, 400)], 1).astype(np.float32)
     y = (X[:, 0] / 5 + S[:, 0] + rng.normal(size=400)) > -2
-    pipe = _fit(np.concatenate([X, S], 1), y, C=1.0, seed=0)
+    # the trainer's model: standardised inputs, then a logistic regression
+    pipe = make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=5000)).fit(np.concatenate([X, S], 1), y)
     head = AcceptanceHead.from_sklearn(pipe, AcceptanceHeadConfig(hidden_size=6, k_max=8))
     want = pipe.predict_proba(np.concatenate([X, S], 1))[:, 1]
     got = head(torch.from_numpy(X), torch.from_numpy(S)).numpy()
@@ -103,8 +118,9 @@ def test_training_writes_a_head_that_beats_the_drafter_probabilities(trained):
     assert 0 < val["acceptance_head"]["positive_rate"] < 1
     # the head reads the probabilities too, so on the data it was chosen for it does not do worse
     assert val["acceptance_head"]["auc"] > 0.6
-    assert json.loads((out / "metrics.json").read_text())["train_examples"] == metrics["train_examples"]
-    assert "| acceptance head |" in (out / "metrics.md").read_text()
+    assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(metrics))
+    assert set(metrics["validation_auc_by_step"]) == set(range(1, K_MAX))  # every step but the last has a next one
+    assert len(table_rows((out / "metrics.md").read_text())) == len(val)  # one row per set of inputs
 
 
 def test_head_files_round_trip_and_bad_files_fail_clearly(trained, tmp_path):

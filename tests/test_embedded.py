@@ -10,12 +10,14 @@ from eagle_backbone.data.corpus import CorpusConfig, build_corpus, corpus_hash, 
 from eagle_backbone.paths import EMBEDDED_DIR, REPO_ROOT
 
 
-def test_corpus_is_deterministic_and_split_by_module(tmp_path):
-    a = write_corpus(tmp_path / "a")
-    b = write_corpus(tmp_path / "b")
+def test_corpus_is_deterministic_and_split_by_module(tmp_path, embedded_corpus):
+    a = json.loads((embedded_corpus / "manifest.json").read_text())  # the session's build
+    b = write_corpus(tmp_path / "b")  # and another one
     assert a["sha256"] == b["sha256"] and a["python_version"]
-    assert (tmp_path / "a" / "train.json").read_bytes() == (tmp_path / "b" / "train.json").read_bytes()
-    splits = {s: json.loads((tmp_path / "a" / f"{s}.json").read_text()) for s in ("train", "validation", "test")}
+    for split in ("train", "validation", "test"):
+        assert (embedded_corpus / f"{split}.json").read_bytes() == (tmp_path / "b" / f"{split}.json").read_bytes()
+    splits = {s: json.loads((embedded_corpus / f"{s}.json").read_text()) for s in ("train", "validation", "test")}
+    assert {s: len(v) for s, v in splits.items()} == a["counts"]
     modules = {s: {c["module"] for c in convs} for s, convs in splits.items()}
     assert not modules["train"] & modules["validation"]
     assert not modules["train"] & modules["test"]
@@ -57,16 +59,19 @@ def _run(args, cwd):
     return res
 
 
-def test_tiny_training_runs(tmp_path):
+def test_tiny_training_runs(tmp_path, embedded_corpus):
     """A few steps of each training script on a tiny model: target LM, then an EAGLE drafter for it."""
     lm_dir, drafter_dir = tmp_path / "lm", tmp_path / "drafter"
-    _run(["scripts/train_lm.py", "lm=tiny", f"lm.out_dir={lm_dir}", "trainer.max_steps=2", "max_conversations=40",
+    _run(["scripts/train_lm.py", "lm=tiny", f"lm.out_dir={lm_dir}", f"corpus_dir={embedded_corpus}",
+          "trainer.max_steps=2", "max_conversations=40",
           "block_size=64", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
           "trainer.enable_progress_bar=false", f"ckpt_dir={tmp_path / 'ck1'}", f"hydra.run.dir={tmp_path / 'run1'}"],
          REPO_ROOT)
     assert (lm_dir / "model.safetensors").exists()
     _run(["scripts/train_drafter.py", f"model.target={lm_dir}", f"model.tokenizer={lm_dir}",
           f"drafter_training.out_dir={drafter_dir}", "trainer.max_steps=2", "data.limit=30",
+          f"data.path={embedded_corpus / 'train.json'}",
+          f"drafter_training.validation_path={embedded_corpus / 'validation.json'}",
           "drafter_training.block_size=64", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
           "trainer.enable_progress_bar=false", f"drafter_training.ckpt_dir={tmp_path / 'ck2'}",
           f"hydra.run.dir={tmp_path / 'run2'}"], REPO_ROOT)
@@ -104,7 +109,7 @@ def test_shipped_target_verification_logits_equal_decoding_logits_bitwise():
 
 
 @pytest.mark.skipif(not SHIPPED, reason="the embedded models are not in data/embedded yet")
-def test_shipped_pair_is_lossless_on_held_out_prompts():
+def test_shipped_pair_is_lossless_on_held_out_prompts(embedded_corpus):
     from eagle_backbone.data.conversations import build_prompts, load_conversations
     from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
     from eagle_backbone.loading import load_pair
@@ -113,7 +118,7 @@ def test_shipped_pair_is_lossless_on_held_out_prompts():
     cfg = _shipped_model_config()  # as the main command loads it (bfloat16, eager attention)
     pair = load_pair(cfg)
     lm_pair = load_pair({**cfg, "drafter": str(EMBEDDED_DIR / "draft_lm"), "drafter_kind": "draft_lm"})
-    test = load_conversations(EMBEDDED_DIR / "corpus" / "test.json", limit=40, build_if_missing=True)
+    test = load_conversations(embedded_corpus / "test.json", limit=40)
     prompts = build_prompts(pair.tokenizer, test, 512)[::10][:3]
     accepted = 0
     for _, p in prompts:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_drafter, make_target
+from conftest import make_drafter, make_target, table_rows
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
@@ -250,7 +250,11 @@ def test_collection_files_report_and_manifest(pair_dirs, full_run):
     np.testing.assert_allclose(states, ref["draft_state"].float().numpy(), atol=2e-3, rtol=2e-3)
     assert report["label_hist"] == np.bincount(rows["label"], minlength=5).tolist()
     assert report["splits"]["train"]["sequences"] == 14
-    assert (out / "report.md").read_text().count("|") > 20
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["positions"] == len(rows) and saved["label_hist"] == report["label_hist"]
+    assert {s: saved["splits"][s]["sequences"] for s in saved["splits"]} == {"train": 14, "validation": 3}
+    # report.md: a row for all splits and one per split, then one per label
+    assert table_rows((out / "report.md").read_text()) == ["all", "train", "validation", *map(str, range(5))]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["k_max"] == 4 and manifest["counts"]["positions"] == len(rows)
     assert len(manifest["models"]["target"]["files"]["model.safetensors"]["sha256"]) == 64
@@ -324,7 +328,7 @@ def test_malformed_data_in_the_collector(pair_dirs, tmp_path):
         run(pair_dirs, tmp_path / "o3", f"data.path={empty}")
 
 
-def test_embedded_pair_end_to_end(tmp_path):
+def test_embedded_pair_end_to_end(tmp_path, embedded_corpus):
     """The shipped pair on two corpus conversations, 16 new tokens (skipped until the pair is trained)."""
     for name in ("target", "drafter"):
         if not (REPO / "data" / "embedded" / name / "config.json").exists():
@@ -337,7 +341,8 @@ def test_embedded_pair_end_to_end(tmp_path):
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = hydra_compose("collect_oracle", overrides=[
-            "data.limit=2", "data.validation_path=null", "generation.max_new_tokens=16", "data.turns=first",
+            f"data.path={embedded_corpus / 'train.json'}", "data.limit=2", "data.validation_path=null",
+            "generation.max_new_tokens=16", "data.turns=first",
             f"out_dir={tmp_path}", "progress=false"])
     report = collect_oracle(cfg)
     assert report["sequences"] == 2 and report["positions"] > 0
