@@ -172,8 +172,8 @@ def _eval_cfg(models: Path, prompts: Path, extra=()):
             f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
             "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float32", "data=mt_bench",
             f"data.path={prompts}", "generation.max_new_tokens=4", "evaluation.repeats=1", "evaluation.warmup=0",
-            "evaluation.calibration_prompts=1", "evaluation.progress=false", "threads=1", "policy=static",
-            "policy.gamma=2", *extra])
+            "evaluation.calibration_prompts=1", "evaluation.progress=false", "threads=1",
+            *([] if any(x.startswith("policy=") for x in extra) else ["policy=static", "policy.gamma=2"]), *extra])
 
 
 def _question_file(path: Path, questions: list[str]) -> Path:
@@ -466,3 +466,29 @@ def test_a_torn_last_checkpoint_with_resume_fails_in_one_line(tmp_path):
 
     torch.save({"state_dict": {"w": torch.zeros(3)}, "epoch": 1}, ckpt / "good.ckpt")
     check_checkpoint(ckpt / "good.ckpt")  # a whole one passes
+
+
+# -- 8. cheap inputs are validated before any weights load --------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["data", "policy", "checkpoint"])
+def test_bad_inputs_fail_before_the_models_load(tmp_path, monkeypatch, bad):
+    import ldlp.bench.evaluate as ev
+
+    def no_weights(_):
+        raise AssertionError("the models were loaded before the cheap inputs were checked")
+
+    monkeypatch.setattr(ev, "load_pair_cached", no_weights)
+    good = _question_file(tmp_path / "q.jsonl", ["Hello there."])
+    models = tmp_path / "models"  # no weights anywhere: only the tokenizer, which has none
+    extra = {"data": [], "policy": ["policy=static", "policy.gamma=-3"],
+             "checkpoint": ["policy=ldlp", f"policy.path={tmp_path / 'no_ldlp'}"]}[bad]
+    prompts = good
+    if bad == "data":
+        prompts = tmp_path / "bad.jsonl"
+        prompts.write_text('{"question_id": 1, "turns": ["fine"]}\n{"question_id": 2, "turns": \n')
+    cfg = _eval_cfg(models, prompts, extra)
+    with pytest.raises(ValueError) as e:
+        ev.evaluate(cfg, policy_name=None)
+    msg = str(e.value)
+    assert {"data": str(prompts), "policy": "gamma", "checkpoint": "no_ldlp"}[bad] in msg

@@ -37,6 +37,7 @@ from ldlp.bench.loaders import (
     config_key,
     load_pair_cached,
     load_prompts,
+    load_tokenizer_cached,
     machine_info,
     sampling_config,
 )
@@ -69,12 +70,15 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         raise ValueError(f"evaluation.repeats must be >= 1, got {repeats}")
     sampling = sampling_config(cfg.generation)
 
-    pair = load_pair_cached(cfg.model)
-    prompts = load_prompts(cfg.data, pair.tokenizer)
+    # cheap inputs first: the prompt file (read, parsed and tokenized: the tokenizer has no weights), the
+    # policy and its checkpoints' configs; only then the weights, so a bad input fails in seconds, not after
+    # minutes of loading a 7B target
+    prompts = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
     prompt_info = dict(getattr(prompts, "info", {}))
     policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name)
     policy = build_policy(policy_cfg)
     policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
+    pair = load_pair_cached(cfg.model)
 
     if is_peer(policy):  # another implementation runs in place of this engine (ldlp.bench.peer.PeerSpec)
         policy.check(str(cfg.model.drafter_kind), sampling.greedy, policy_name)

@@ -43,8 +43,10 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         raise ValueError("head to head compares greedy runs (their outputs coincide): set generation.temperature=0")
     if rounds < 1 or len(contenders) < 2:
         raise ValueError(f"head to head needs at least 2 contenders and 1 round, got {len(contenders)} and {rounds}")
+    from ldlp.bench.loaders import load_tokenizer_cached
+
+    prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))  # the prompt file before the weights
     pair = load_pair_cached(cfg.model)
-    prompt_set = load_prompts(cfg.data, pair.tokenizer)
     prompts = [ids for _, ids in prompt_set]
     n, seed = int(cfg.generation.max_new_tokens), int(cfg.seed)
     runners, labels, settings, adaptive = [], [], [], []

@@ -39,6 +39,25 @@ def load_pair_cached(model_cfg):
     return _PAIRS[key]
 
 
+_TOKENIZERS: dict[str, object] = {}
+
+
+def load_tokenizer_cached(model_cfg):
+    """The pair's tokenizer alone (``model.tokenizer``, else the target's folder): what the prompts need,
+    read before any weights so that a bad prompt file fails in a second, not after the models load."""
+    from eagle_backbone.loading import load_tokenizer
+
+    path = model_cfg.get("tokenizer") or model_cfg.get("target")
+    remote = bool(model_cfg.get("trust_remote_code", False))
+    key = f"{path}|{remote}"
+    if key not in _TOKENIZERS:
+        if not path or (not Path(str(path)).is_dir() and Path(str(path)).is_absolute()):
+            raise ValueError(f"model.tokenizer={path}: no such folder (train or download the models first; "
+                             "nothing is fetched at run time)")
+        _TOKENIZERS[key] = load_tokenizer(path, remote)
+    return _TOKENIZERS[key]
+
+
 class PromptSet(list):
     """``[(conversation id, prompt ids), ...]`` plus ``info``: what identifies the set (the prompt file's
     path and SHA-256, ``limit``, ``sample_seed``, ``turns``) and how many prompts were dropped and why
@@ -119,7 +138,14 @@ def build_policy(policy_cfg):
     if "_target_" not in policy_cfg:
         raise ValueError("policy config has no _target_: pick one with policy=static|ldlp|ddd|... "
                          "(files under conf/policy/)")
-    return instantiate(policy_cfg)
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(policy_cfg)
+    except InstantiationException as e:  # the policy's own one-line ValueError, not hydra's wrapper
+        if isinstance(e.__cause__, ValueError):
+            raise e.__cause__ from None
+        raise
 
 
 def apply_tuned(policy_cfg, tuned_from, policy_name: str | None):
