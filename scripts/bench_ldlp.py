@@ -5,13 +5,14 @@
 """
 
 import json
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.loading import load_target
-from ldlp.policy_cost import benchmark_ldlp
+from ldlp.policy_cost import HISTORY_FILE, benchmark_ldlp
 from ldlp.predictor import LDLP
 
 
@@ -20,7 +21,9 @@ def main(cfg: DictConfig) -> None:
     start(cfg)
     target = load_target(cfg.model)
     ldlp = LDLP.from_pretrained(cfg.ldlp_path)
-    print(json.dumps(benchmark_ldlp(ldlp, target, context_len=int(cfg.context), reps=int(cfg.reps)), indent=2))
+    history = Path(cfg.ldlp_path) / HISTORY_FILE  # compared with, and recorded for, the next measurement
+    print(json.dumps(benchmark_ldlp(ldlp, target, context_len=int(cfg.context), reps=int(cfg.reps),
+                                    history=history), indent=2))
 
 
 if __name__ == "__main__":

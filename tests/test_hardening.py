@@ -492,3 +492,46 @@ def test_bad_inputs_fail_before_the_models_load(tmp_path, monkeypatch, bad):
         ev.evaluate(cfg, policy_name=None)
     msg = str(e.value)
     assert {"data": str(prompts), "policy": "gamma", "checkpoint": "no_ldlp"}[bad] in msg
+
+
+# -- 5. the LDLP timing: interleaved medians, threads respected, a step far off the last one flagged ------
+
+
+def test_ldlp_benchmark_interleaves_respects_threads_and_flags_a_step_far_off(tmp_path, target, monkeypatch):
+    from eagle_backbone.runtime import set_threads
+    from ldlp.policy_cost import HISTORY_FILE, benchmark_ldlp
+    from ldlp.predictor import LDLP, LDLPConfig
+
+    ldlp = LDLP(LDLPConfig(input_dim=2 * target.hidden_size, hidden_dim=8)).double().eval()
+    calls = []
+    predict, forward = ldlp.predict_length, type(target).forward
+    monkeypatch.setattr(ldlp, "predict_length", lambda *a: calls.append("ldlp") or predict(*a))
+    monkeypatch.setattr(type(target), "forward", lambda self, *a, **k: calls.append("target") or forward(self, *a, **k))
+    before = torch.get_num_threads()
+    set_threads(1)
+    try:
+        t = benchmark_ldlp(ldlp, target, context_len=16, reps=20, history=tmp_path / HISTORY_FILE)
+        assert torch.get_num_threads() == 1 and t["threads"] == 1  # the benchmark left the threads as set
+    finally:
+        torch.set_num_threads(before)
+    timed = calls[calls.index("target", 1):]  # after the context's prefill
+    assert t["interleaved"] and t["reps"] == 20 and timed.count("target") >= 20 and timed.count("ldlp") >= 20
+    # every repetition has one of each: the two never run in long blocks of their own
+    runs = max(len(list(g)) for _, g in __import__("itertools").groupby(timed))
+    assert runs <= 2, timed[:40]
+    assert t["flag"] is None and t["last_target_step_ms"] is None  # nothing measured before
+    history = json.loads((tmp_path / HISTORY_FILE).read_text())
+    [(setting, last)] = history.items()
+    # a recorded step 10x faster than today's: flagged, in the dict and in metrics.md
+    history[setting]["target_step_ms"] = t["target_step_ms"] / 10
+    (tmp_path / HISTORY_FILE).write_text(json.dumps(history))
+    from ldlp.policy_cost import check_step_cost
+
+    checked = check_step_cost(tmp_path / HISTORY_FILE, t, setting)
+    assert checked["flag"] and "more than 3x off" in checked["flag"] and checked["ratio_to_last"] == pytest.approx(10)
+    assert check_step_cost(tmp_path / HISTORY_FILE, {**t, "target_step_ms": t["target_step_ms"] / 5}, setting)["flag"] is None
+    from ldlp.training.baselines import ldlp_metrics_markdown
+
+    md = ldlp_metrics_markdown({"head": "regression", "val_rows": 1, "train_rows": 1, "k_max": 4, "under_weight": 3.0,
+                                "results": {"LDLP": {"mae": 1.0}}, "timing": {**t, **checked}})
+    assert "**Timing flagged**" in md and "interleaved" in md

@@ -122,7 +122,10 @@ def ldlp_metrics_markdown(summary: dict) -> str:
     if t:
         lines += ["", f"Forward time (batch 1, {t['device']}): LDLP {t['ldlp_us']:.1f} µs vs. one target decoding "
                       f"step at context {t['context_len']} {t['target_step_ms']:.2f} ms: "
-                      f"{100 * t['ratio']:.2f}% of a step."]
+                      f"{100 * t['ratio']:.2f}% of a step (medians over {t.get('reps', '?')} interleaved "
+                      f"repetitions, {t.get('threads', '?')} threads)."]
+        if t.get("flag"):
+            lines += ["", f"**Timing flagged**: {t['flag']}."]
     return "\n".join(lines) + "\n"
 
 

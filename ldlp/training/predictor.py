@@ -438,7 +438,10 @@ def run_ldlp_training(cfg) -> dict | None:
     if ev.benchmark:
         from ldlp.policy_cost import benchmark_ldlp
 
-        timing = benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps)
+        from ldlp.policy_cost import HISTORY_FILE
+
+        timing = benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps,
+                                history=Path(tc.out_dir) / HISTORY_FILE)
     summary = {"head": ldlp.config.head, "k_max": k_max, "input_dim": input_dim, "seed": int(cfg.seed),
                "oracle_collection": collection, "train_rows": len(dm.train), "val_rows": len(dm.val), "baseline_fit_rows": fits["fit_rows"],
                "epochs": trainer.current_epoch, "steps": trainer.global_step, "train_seconds": train_s,
