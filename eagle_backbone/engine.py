@@ -54,8 +54,12 @@ def _finish(new: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
     return new[:max_new_tokens]
 
 
-def _rng(seed: int | None) -> torch.Generator | None:
-    return None if seed is None else torch.Generator().manual_seed(seed)
+def _rng(seed: int | torch.Generator | None) -> torch.Generator | None:
+    """A fresh generator seeded with ``seed``; a generator passed in is used as it is (one random stream
+    over several generations: the turns of a conversation)."""
+    if seed is None or isinstance(seed, torch.Generator):
+        return seed
+    return torch.Generator().manual_seed(seed)
 
 
 class SpeculativeDecoder:

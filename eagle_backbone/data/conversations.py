@@ -244,9 +244,11 @@ class Conversations(list):
 
 
 class Prompts(list):
-    """A list of ``(conversation_id, prompt_ids)`` that also tells how many prompts were dropped as ``too_long``."""
+    """A list of ``(conversation_id, prompt_ids)`` that also tells how many prompts were dropped as ``too_long``
+    (and ``dropped``: their ids, ``conversation_id`` or ``conversation_id@turnK``)."""
 
     too_long: int = 0
+    dropped: list = []
 
 
 def load_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: int | None = None,
@@ -332,7 +334,7 @@ def build_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int |
     if turns not in ("first", "all"):
         raise ValueError(f"data.turns must be 'first' or 'all', got {turns!r}")
     template = resolve_chat_template(tokenizer, chat_template)
-    prompts, too_long = [], 0
+    prompts, too_long, dropped = [], 0, []
     for conv in conversations:
         messages = to_messages(conv["conversations"])
         system = [m for m in messages[:1] if m["role"] == "system"]
@@ -348,17 +350,18 @@ def build_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int |
                 ids = encode_chat(tokenizer, system + rest[: k + 1], add_generation_prompt=True, chat_template=template)
             except Exception as e:  # jinja's TemplateError and friends: name the conversation
                 raise ValueError(f"conversation {conv['id']!r}: the chat template failed ({type(e).__name__}: {e})") from None
+            n_before = sum(1 for x in rest[:k] if x["role"] == "user")
             if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
                 too_long += 1
+                dropped.append(conv["id"] if n_before == 0 else f"{conv['id']}@turn{n_before}")
                 if turns == "all":
                     break  # later turns only grow
                 continue
-            n_before = sum(1 for x in rest[:k] if x["role"] == "user")
             prompts.append((conv["id"] if n_before == 0 else f"{conv['id']}@turn{n_before}", ids))
             if turns == "first":
                 break
     if too_long:
         log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%s", too_long, max_prompt_tokens)
     prompts = Prompts(prompts)
-    prompts.too_long = too_long
+    prompts.too_long, prompts.dropped = too_long, dropped
     return prompts

@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle_backbone.engine import SpeculativeDecoder
-from eagle_backbone.io import atomic_write_json
+from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.metrics import total
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.timing import interleaved
@@ -36,7 +36,6 @@ from ldlp.bench.loaders import (
     build_policy,
     config_key,
     load_pair_cached,
-    load_prompts,
     load_tokenizer_cached,
     machine_info,
     sampling_config,
@@ -49,6 +48,9 @@ from ldlp.bench.runners import (
     progress_bar,
 )
 from ldlp.bench.peer import is_peer
+from ldlp.bench.answers import model_id, write_answers
+from ldlp.bench.categories import category_markdown, category_rows
+from ldlp.bench.conversation import Dialogue, load_questions, question_rows
 from ldlp.bench.stats import median
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 RESULT_KEYS = ("policy", "gamma", "dataset", "n_prompts", "temperature", "new_tokens", "wall_s", "tokens_per_s",
                "ar_tokens_per_s", "speedup", "tau", "target_forwards", "drafted_tokens", "wasted_tokens", "draft_s",
                "target_s", "policy_s", "lossless")
+
 
 def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = None) -> dict:
     """Run the evaluation described by ``cfg`` (model, data, policy, generation, evaluation, seed)."""
@@ -73,8 +76,11 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     # cheap inputs first: the prompt file (read, parsed and tokenized: the tokenizer has no weights), the
     # policy and its checkpoints' configs; only then the weights, so a bad input fails in seconds, not after
     # minutes of loading a 7B target
-    prompts = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
-    prompt_info = dict(getattr(prompts, "info", {}))
+    # questions: one fixed prompt each, or (data.turns=all on MT-bench-format files) conversations whose later
+    # turns carry the model's own earlier answers (ldlp/bench/conversation.py)
+    questions = load_questions(cfg.data, load_tokenizer_cached(cfg.model))
+    prompts = questions.first_prompts()
+    prompt_info = dict(questions.info)
     policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name)
     policy = build_policy(policy_cfg)
     policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
@@ -100,19 +106,30 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         spec_runner.run(prompt, min(16, max_new_tokens), seed)
         baseline.run(prompt, min(16, max_new_tokens), seed)
 
-    progress = progress_bar(repeats * len(prompts), policy_name, bool(ev.get("progress", True)))
-    # the same seed for a prompt in every round: sampled outputs repeat too
-    ar_runs, spec_runs = interleaved((baseline, spec_runner), [p for _, p in prompts], repeats,
-                                     lambda runner, prompt, k, r: runner.run(prompt, max_new_tokens, seed + k),
+    progress = progress_bar(repeats * len(questions), policy_name, bool(ev.get("progress", True)))
+    dialogue = Dialogue(load_tokenizer_cached(cfg.model), questions.chat_template, cfg.data.get("max_prompt_tokens"),
+                        pair.target.max_length, set(pair.target.eos_token_ids))
+    # one seeded random stream per question (all its turns), the same in every round: sampled outputs repeat too
+    ar_runs, spec_runs = interleaved((baseline, spec_runner), questions, repeats,
+                                     lambda runner, q, k, r: dialogue.run(runner, q, max_new_tokens, seed + k),
                                      order="alternate", after_item=lambda: progress.update(1))
     progress.close()
-    spec_stats = [[st for _, st in row] for row in spec_runs]
-    ar_stats = [[st for _, st in row] for row in ar_runs]
-    spec_out, ar_out = [out for out, _ in spec_runs[0]], [out for out, _ in ar_runs[0]]
+    spec_stats = [[t.stats for turns in row for t in turns] for row in spec_runs]
+    ar_stats = [[t.stats for turns in row for t in turns] for row in ar_runs]
+    spec_out = {t.prompt_id: t.tokens for turns in spec_runs[0] for t in turns}
+    ar_out = {t.prompt_id: t.tokens for turns in ar_runs[0] for t in turns}
+    check = sampling.greedy and bool(ev.check_lossless)
+    qrows = question_rows(questions, spec_runs, ar_runs, check)
+    late = sum(r["n_dropped"] for r in qrows)  # later turns whose prompt, own answers included, is too long
+    if late:
+        prompt_info["n_dropped"] = prompt_info.get("n_dropped", 0) + late
+        prompt_info["dropped_reason"] = (f"longer than max_prompt_tokens={cfg.data.get('max_prompt_tokens')} or "
+                                         "the target's context (later turns: with the history)")
+    by_category, all_categories = category_rows(qrows, questions.dropped_by_category)
 
     lossless, mismatches = None, []
-    if sampling.greedy and bool(ev.check_lossless):
-        mismatches = [prompts[k][0] for k in range(len(prompts)) if spec_out[k] != ar_out[k]]
+    if check:
+        mismatches = [pid for pid in dict.fromkeys([*spec_out, *ar_out]) if spec_out.get(pid) != ar_out.get(pid)]
         lossless = not mismatches
         if mismatches:
             log.warning("policy %s: %d outputs differ from the AR output (prompts %s)", policy_name, len(mismatches),
@@ -127,7 +144,8 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "policy": policy_name,
         "gamma": gamma,
         "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)),
-        "n_prompts": len(prompts),
+        "n_prompts": len(spec_stats[0]),  # prompts decoded: turns, when a question has several
+        "n_questions": len(questions),
         "n_dropped": prompt_info.get("n_dropped", 0),  # prompts of the set left out, and why (next to n_prompts)
         "dropped_reason": prompt_info.get("dropped_reason"),
         "temperature": sampling.temperature,
@@ -166,8 +184,20 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "tuned_from": str(cfg.tuned_from) if tuned else None,
         "seed": seed,
         "machine": machine_info(),
+        # data.turns=all on MT-bench-format files: own_answers (later turns prompted with the model's own answers)
+        "turn_mode": questions.mode,
+        "by_category": by_category,  # per category: τ, tokens/s, speedup, Spec-Bench's figures, turns dropped
+        "all_categories": all_categories,  # the same figures over every question (categories sum to it)
+        "model_id": model_id(str(cfg.model.get("name", "")), policy_name, gamma),
+        "ar_model_id": model_id(str(cfg.model.get("name", "")), "ar"),
     }
     if out_dir is not None:
+        # answer files (FastChat's judge, Spec-Bench's speed.py): ldlp/bench/answers.py
+        result["answers"] = write_answers(qrows, out_dir, result["model_id"], result["ar_model_id"])
+        table = category_markdown([(result["model_id"], by_category, all_categories)])
+        if table:
+            atomic_write_text(Path(out_dir) / "categories.md", table)
+            result["categories_md"] = str(Path(out_dir) / "categories.md")
         write_results(result, out_dir)
     return result
 

@@ -61,9 +61,11 @@ def load_tokenizer_cached(model_cfg):
 class PromptSet(list):
     """``[(conversation id, prompt ids), ...]`` plus ``info``: what identifies the set (the prompt file's
     path and SHA-256, ``limit``, ``sample_seed``, ``turns``) and how many prompts were dropped and why
-    (``n_dropped``, ``dropped_reason``). Results carry ``info`` so that runs on different sets never merge."""
+    (``n_dropped``, ``dropped_reason``; ``dropped``: their ids). Results carry ``info`` so that runs on
+    different sets never merge."""
 
     info: dict = {}
+    dropped: list = []
 
 
 def file_sha256(path: str | Path) -> str:
@@ -107,6 +109,7 @@ def load_prompts(data_cfg, tokenizer) -> PromptSet:
             raise ValueError(f"data.path={path}: no prompts (empty file or every conversation skipped)")
         out = PromptSet((str(cid), list(ids)) for cid, ids in prompts)
         out.info = prompt_set_info(data_cfg, getattr(prompts, "too_long", 0), getattr(conversations, "skipped", 0))
+        out.dropped = list(getattr(prompts, "dropped", []))  # the dropped prompts' ids (per-category counts)
         _PROMPTS[key] = out
     return _PROMPTS[key]
 

@@ -1,0 +1,136 @@
+"""Per-category figures of an evaluation and the Spec-Bench-style table.
+
+Spec-Bench reports each category (multi-turn conversation, translation, summarization, question
+answering, mathematical reasoning, retrieval-augmented generation; MT-bench's eight) apart. Its
+``evaluation/speed.py`` computes, per category and over all questions ("overall"):
+
+* tokens/s: the mean over questions of each question's ``sum(new_tokens) / sum(wall_time)``, for the
+  method and for the baseline; speedup: the ratio of those two means;
+* mean accepted tokens: the mean of the ``accept_lengths`` of every verification step.
+
+:func:`summarize_questions` gives those, and next to them this project's own figures (total tokens over
+total seconds, its speedup, τ = tokens per target forward), from the per-question records of
+:func:`ldlp.bench.conversation.question_rows` (seconds per turn: medians over the evaluation's rounds).
+Every count (questions, turns, new tokens, target forwards, seconds, turns dropped) of the categories
+sums to the overall figure.
+"""
+
+from __future__ import annotations
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def summarize_questions(rows: list[dict], n_dropped_at_load: int = 0) -> dict:
+    """The figures of a group of questions: totals (tokens over seconds, the seconds being the per-turn
+    medians), τ, Spec-Bench's mean accepted tokens and its tokens/s (the mean over questions of each
+    question's tokens over seconds) and speedup (the ratio of those means)."""
+    nt = sum(sum(r["new_tokens"]) for r in rows)
+    ar_nt = sum(sum(r["ar_new_tokens"]) for r in rows)
+    ws = sum(sum(r["wall_time"]) for r in rows)
+    ar_ws = sum(sum(r["ar_wall_time"]) for r in rows)
+    tf = sum(sum(r["target_forwards"]) for r in rows)
+    speeds = [sum(r["new_tokens"]) / sum(r["wall_time"]) for r in rows if sum(r["wall_time"]) > 0]
+    ar_speeds = [sum(r["ar_new_tokens"]) / sum(r["ar_wall_time"]) for r in rows if sum(r["ar_wall_time"]) > 0]
+    tps, ar_tps = (nt / ws if ws else None), (ar_nt / ar_ws if ar_ws else None)
+    mean_tps, ar_mean_tps = _mean(speeds), _mean(ar_speeds)
+    flags = [r["lossless"] for r in rows]
+    return {"n_questions": len(rows), "n_prompts": sum(len(r["new_tokens"]) for r in rows),
+            "n_dropped": sum(r["n_dropped"] for r in rows) + n_dropped_at_load,
+            "new_tokens": nt, "ar_new_tokens": ar_nt, "wall_s": ws, "ar_wall_s": ar_ws, "target_forwards": tf,
+            "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
+            "speedup": tps / ar_tps if tps is not None and ar_tps else None,
+            "tau": nt / tf if tf else None,
+            "mean_accepted_tokens": _mean(a for r in rows for a in r["accept_lengths"]),
+            "mean_tokens_per_s": mean_tps, "ar_mean_tokens_per_s": ar_mean_tps,
+            "specbench_speedup": mean_tps / ar_mean_tps if mean_tps is not None and ar_mean_tps else None,
+            "lossless": None if None in flags else all(flags)}
+
+
+UNCATEGORISED = "(none)"
+
+
+def category_rows(rows: list[dict], dropped_at_load: dict | None = None) -> tuple[dict, dict]:
+    """(``{category: figures}`` in the order of first appearance, the same figures over every question).
+    Questions without a category are grouped under ``(none)``; the first mapping is empty when no question
+    has a category. ``dropped_at_load``: turns dropped before decoding, per category (question dropped
+    whole for a too-long first prompt)."""
+    dropped_at_load = dict(dropped_at_load or {})
+    cats = list(dict.fromkeys([r["category"] for r in rows] + list(dropped_at_load)))
+    overall = summarize_questions(rows, sum(dropped_at_load.values()))
+    if all(c is None for c in cats):
+        return {}, overall
+    by = {}
+    for c in cats:
+        by[UNCATEGORISED if c is None else str(c)] = summarize_questions([r for r in rows if r["category"] == c],
+                                                                         dropped_at_load.get(c, 0))
+    return by, overall
+
+
+def _fmt(v, spec: str) -> str:
+    return "–" if v is None else spec.format(v)
+
+
+def category_markdown(entries: list[tuple[str, dict, dict]], heading: str = "####") -> str:
+    """The per-category tables of ``entries``, ``(policy label, by_category, overall)`` each (the
+    ``by_category`` and ``all_categories`` of a ``results.json``): a Spec-Bench-style table (one column per
+    category, one row per policy, cells are Spec-Bench's speedup, "overall" its overall speedup), the
+    turns decoded and dropped per category, then each category's τ, tokens/s and speedup next to the
+    overall row. Empty unless the entries have two categories or more (one would repeat the overall row)."""
+    entries = [e for e in entries if e[1]]
+    cats = list(dict.fromkeys(c for _, by, _ in entries for c in by))
+    if len(cats) < 2:
+        return ""
+    by0, all0 = entries[0][1], entries[0][2]
+    counts = ", ".join(f"{c} {by0[c]['n_questions']} ({by0[c]['n_prompts']} turns, {by0[c]['n_dropped']} dropped)"
+                       for c in cats if c in by0)
+    lines = [f"{heading} Per category", "",
+             "Spec-Bench's figures: a cell is the ratio of the mean over questions of tokens/s (each question's "
+             "tokens over its seconds) to the AR baseline's; \"overall\" is the same over every question; MAT is "
+             "the mean accepted tokens per verification step (the target's own token included).", "",
+             f"Questions per category (turns decoded, turns dropped for length): {counts}; in all "
+             f"{all0['n_questions']} questions, {all0['n_prompts']} turns, {all0['n_dropped']} dropped.", "",
+             "| Policy | " + " | ".join(cats) + " | overall | MAT |",
+             "|---|" + "---:|" * (len(cats) + 2)]
+    for label, by, overall in entries:
+        cells = [_fmt(by.get(c, {}).get("specbench_speedup"), "{:.2f}x") for c in cats]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {_fmt(overall.get('specbench_speedup'), '{:.2f}x')} | "
+                     f"{_fmt(overall.get('mean_accepted_tokens'), '{:.2f}')} |")
+    lines += ["", "| Policy | category | questions | turns | dropped | τ | MAT | tokens/s | AR tokens/s | speedup | "
+              "Spec-Bench speedup | lossless |", "|---|---|" + "---:|" * 9 + "---|"]
+    for label, by, overall in entries:
+        for k, (cat, f) in enumerate([("overall", overall)] + [(c, by[c]) for c in cats if c in by]):
+            loss = {True: "yes", False: "**NO**", None: "–"}[f.get("lossless")]
+            lines.append(f"| {label if k == 0 else ''} | {cat} | {f['n_questions']} | {f['n_prompts']} | "
+                         f"{f['n_dropped']} | {_fmt(f.get('tau'), '{:.2f}')} | "
+                         f"{_fmt(f.get('mean_accepted_tokens'), '{:.2f}')} | {_fmt(f.get('tokens_per_s'), '{:.1f}')} | "
+                         f"{_fmt(f.get('ar_tokens_per_s'), '{:.1f}')} | {_fmt(f.get('speedup'), '{:.2f}x')} | "
+                         f"{_fmt(f.get('specbench_speedup'), '{:.2f}x')} | {loss} |")
+    lines += ["", "tokens/s and speedup are totals (tokens over seconds, each turn's seconds the median over the "
+              "rounds); τ = tokens per target forward, prefill included."]
+    return "\n".join(lines) + "\n"
+
+
+TIMING_KEYS = ("wall_s", "ar_wall_s", "tokens_per_s", "ar_tokens_per_s", "speedup", "mean_tokens_per_s",
+               "ar_mean_tokens_per_s", "specbench_speedup")
+
+
+def merge_runs(runs: list[dict]) -> tuple[dict, dict]:
+    """(``by_category``, ``all_categories``) of several ``results.json`` of one configuration: counters of
+    the first run, timings the medians over the runs (as the summary's rows)."""
+    import statistics
+
+    def merged(figures: list[dict]) -> dict:
+        out = dict(figures[0])
+        for k in TIMING_KEYS:
+            values = [f[k] for f in figures if f.get(k) is not None]
+            out[k] = statistics.median(values) if values else None
+        return out
+
+    with_cats = [r for r in runs if r.get("all_categories")]
+    if not with_cats:
+        return {}, {}
+    by = {c: merged([r["by_category"][c] for r in with_cats if c in (r.get("by_category") or {})])
+          for c in (with_cats[0].get("by_category") or {})}
+    return by, merged([r["all_categories"] for r in with_cats])

@@ -1,0 +1,216 @@
+"""Two-turn MT-bench with the model's own answers, the per-category breakdown and the answer files (issue 14),
+on tiny random models saved to temporary folders and a small synthetic question.jsonl."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_llama_config
+from hydra import compose, initialize_config_dir
+from transformers import LlamaForCausalLM
+
+from eagle_backbone.drafter import EagleDrafter
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER = REPO / "data" / "embedded" / "tokenizer"  # committed; its vocabulary (4096) sizes the tiny models
+VOCAB = 4096
+
+QUESTIONS = [  # MT-bench layout: two user turns, a category; the last is far too long for max_prompt_tokens
+    {"question_id": 81, "category": "writing", "turns": ["Write a short poem about lists.", "Now make it rhyme."]},
+    {"question_id": 82, "category": "writing", "turns": ["Explain `os.path.join`.", "Give an example with three parts."]},
+    {"question_id": 101, "category": "coding", "turns": ["Write a function that reverses a list.",
+                                                        "Make it work for strings too."]},
+    {"question_id": 102, "category": "coding", "turns": ["What does `json.dumps` return? " * 60, "And json.loads?"]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, d=32, layers=2, max_pos=512, eos=2))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    target.save_pretrained(root / "target")
+    drafter = EagleDrafter.from_target_config(target.config)
+    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    drafter.save_pretrained(root / "drafter")
+    return root
+
+
+@pytest.fixture(scope="module")
+def question_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "question.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
+def compose_eval(models: Path, questions: Path, extra=()):
+    import eagle_backbone.paths  # noqa: F401
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="evaluate", overrides=[
+            f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
+            "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float64", "data=mt_bench",
+            f"data.path={questions}", "data.limit=null", "data.turns=all", "data.max_prompt_tokens=200",
+            "generation.max_new_tokens=10", "evaluation.repeats=2", "evaluation.progress=false", "threads=1",
+            "policy=static", "policy.gamma=3", *extra])
+
+
+@pytest.fixture(scope="module")
+def two_turn_run(tiny_models, question_file, tmp_path_factory):
+    from ldlp.bench.evaluate import evaluate
+
+    out = tmp_path_factory.mktemp("run")
+    result = evaluate(compose_eval(tiny_models, question_file), policy_name="static", out_dir=out)
+    return result, out
+
+
+def test_second_turn_is_prompted_with_the_models_own_first_answer_and_equals_ar(tiny_models, question_file):
+    from eagle_backbone.data.conversations import encode_chat
+    from eagle_backbone.engine import SpeculativeDecoder
+    from eagle_backbone.policy import StaticPolicy
+    from eagle_backbone.sampling import SamplingConfig
+    from ldlp.bench.conversation import Dialogue, load_questions
+    from ldlp.bench.loaders import load_pair_cached
+    from ldlp.bench.runners import ar_runner, engine_runner
+
+    cfg = compose_eval(tiny_models, question_file)
+    pair = load_pair_cached(cfg.model)
+    questions = load_questions(cfg.data, pair.tokenizer)
+    assert questions.mode == "own_answers" and [q.id for q in questions] == ["81", "82", "101"]
+    assert questions.info["n_dropped"] == 2 and questions.dropped_by_category == {"coding": 2}
+    greedy = SamplingConfig()
+    spec = engine_runner("static", SpeculativeDecoder(pair.target, pair.candidates, StaticPolicy(3)), greedy)
+    ar = ar_runner("ours", pair.target, greedy)
+    dialogue = Dialogue(pair.tokenizer, questions.chat_template, 200, pair.target.max_length,
+                        set(pair.target.eos_token_ids))
+    for q, raw in zip(questions, QUESTIONS):
+        s_turns, a_turns = dialogue.run(spec, q, 10, 0), dialogue.run(ar, q, 10, 0)
+        assert [t.prompt_id for t in s_turns] == [q.id, f"{q.id}@turn1"]
+        assert [t.tokens for t in s_turns] == [t.tokens for t in a_turns]  # both turns lossless
+        answer = s_turns[0].text
+        assert answer  # the model's own first answer, decoded
+        history = [{"role": "user", "content": raw["turns"][0]}, {"role": "assistant", "content": answer},
+                   {"role": "user", "content": raw["turns"][1]}]
+        assert s_turns[1].prompt_ids == encode_chat(pair.tokenizer, history, add_generation_prompt=True)
+        assert a_turns[1].prompt_ids == s_turns[1].prompt_ids  # AR decoded its own turn 1: the same answer
+        assert s_turns[1].prompt_ids[: len(s_turns[0].prompt_ids)] == s_turns[0].prompt_ids
+        assert answer in pair.tokenizer.decode(s_turns[1].prompt_ids)
+
+
+def test_two_turn_evaluation_is_lossless_and_counts_the_dropped(two_turn_run):
+    result, out = two_turn_run
+    assert result["turn_mode"] == "own_answers" and result["lossless"] is True
+    assert result["n_questions"] == 3 and result["n_prompts"] == 6 and result["n_dropped"] == 2
+    assert set(result["lossless_mismatches"]) == set()
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["by_category"]["coding"]["n_dropped"] == 2 and saved["by_category"]["writing"]["n_dropped"] == 0
+    md = (out / "categories.md").read_text()
+    assert "| writing | coding | overall |" in md.replace("Policy | ", "")
+
+
+def test_category_breakdown_sums_to_the_totals(two_turn_run):
+    result, _ = two_turn_run
+    by, overall = result["by_category"], result["all_categories"]
+    assert list(by) == ["writing", "coding"]
+    for key in ("n_questions", "n_prompts", "n_dropped", "new_tokens", "ar_new_tokens", "target_forwards"):
+        assert sum(f[key] for f in by.values()) == overall[key], key
+    for key in ("wall_s", "ar_wall_s"):
+        assert sum(f[key] for f in by.values()) == pytest.approx(overall[key])
+    assert overall["new_tokens"] == result["new_tokens"] and overall["target_forwards"] == result["target_forwards"]
+    assert overall["ar_new_tokens"] == result["ar_new_tokens"] and overall["n_dropped"] == result["n_dropped"]
+    assert overall["n_prompts"] == result["n_prompts"] and overall["tau"] == pytest.approx(result["tau"])
+    for f in [*by.values(), overall]:
+        assert f["tokens_per_s"] == pytest.approx(f["new_tokens"] / f["wall_s"])
+        assert f["speedup"] == pytest.approx(f["tokens_per_s"] / f["ar_tokens_per_s"])
+        assert f["lossless"] is True
+
+
+def specbench_speed(answers: Path, baseline: Path, task: str | None = None) -> dict:
+    """Spec-Bench's evaluation/speed.py as documented: per question tokens/s = sum(new_tokens) / sum(wall_time),
+    averaged over questions (of ``task``'s category, or all), for the method and the baseline; speedup = the
+    ratio of the means; mean accepted tokens = the mean of every accept length. (speed.py recounts the
+    baseline's tokens from its text with the tokenizer; here both use new_tokens.)"""
+    def load(path):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return [r for r in rows if task in (None, "overall") or r["category"] == task]
+
+    def speeds(rows):
+        return [sum(r["choices"][0]["new_tokens"]) / sum(r["choices"][0]["wall_time"]) for r in rows]
+
+    spec, base = load(answers), load(baseline)
+    accept = [a for r in spec for a in r["choices"][0]["accept_lengths"]]
+    return {"tokens_per_s": np.mean(speeds(spec)), "baseline_tokens_per_s": np.mean(speeds(base)),
+            "speedup": np.mean(speeds(spec)) / np.mean(speeds(base)), "mean_accepted_tokens": np.mean(accept)}
+
+
+def test_answer_files_have_the_format_and_match_the_summary(two_turn_run):
+    result, out = two_turn_run
+    spec_file, ar_file = Path(result["answers"]["speculative"]), Path(result["answers"]["ar"])
+    assert spec_file == out / "answers" / f"{result['model_id']}.jsonl" and result["model_id"] == "tiny-static-g3"
+    assert ar_file.name == "tiny-ar.jsonl"
+    for path, mid in ((spec_file, result["model_id"]), (ar_file, result["ar_model_id"])):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [x["question_id"] for x in lines] == [81, 82, 101]  # the file's own integer ids
+        for x in lines:
+            assert {"question_id", "model_id", "choices", "tstamp"} <= set(x) and x["model_id"] == mid
+            assert isinstance(x["tstamp"], float) and len(x["choices"]) == 1
+            c = x["choices"][0]
+            assert c["index"] == 0 and len(c["turns"]) == len(c["new_tokens"]) == len(c["wall_time"]) == 2
+            assert all(isinstance(t, str) for t in c["turns"]) and all(isinstance(n, int) for n in c["new_tokens"])
+            assert all(isinstance(w, float) and w > 0 for w in c["wall_time"])
+            assert all(isinstance(a, int) and a >= 1 for a in c["accept_lengths"])
+    spec = [json.loads(line) for line in spec_file.read_text().splitlines()]
+    ar = [json.loads(line) for line in ar_file.read_text().splitlines()]
+    assert sum(sum(x["choices"][0]["new_tokens"]) for x in spec) == result["new_tokens"]
+    assert sum(sum(x["choices"][0]["new_tokens"]) for x in ar) == result["ar_new_tokens"]
+    assert sum(sum(x["choices"][0]["wall_time"]) for x in spec) == pytest.approx(result["all_categories"]["wall_s"])
+    assert sum(sum(x["choices"][0]["wall_time"]) for x in ar) == pytest.approx(result["all_categories"]["ar_wall_s"])
+    assert [x["choices"][0]["turns"] for x in spec] == [x["choices"][0]["turns"] for x in ar]  # greedy: same text
+    # Spec-Bench's speed computation on our files gives our summary's figures, per category and overall
+    for task, ours in [("overall", result["all_categories"]), *result["by_category"].items()]:
+        if not ours["n_questions"]:
+            continue
+        theirs = specbench_speed(spec_file, ar_file, task)
+        assert theirs["tokens_per_s"] == pytest.approx(ours["mean_tokens_per_s"])
+        assert theirs["baseline_tokens_per_s"] == pytest.approx(ours["ar_mean_tokens_per_s"])
+        assert theirs["speedup"] == pytest.approx(ours["specbench_speedup"])
+        assert theirs["mean_accepted_tokens"] == pytest.approx(ours["mean_accepted_tokens"])
+
+
+def test_summary_writes_the_spec_bench_table(two_turn_run, tmp_path):
+    from conftest import table_rows
+    from ldlp.report.summary import summarize
+
+    result, out = two_turn_run
+    summary = summarize([out], tmp_path / "summary")
+    row = summary["rows"][0]
+    assert row["by_category"]["writing"]["new_tokens"] == result["by_category"]["writing"]["new_tokens"]
+    md = summary["markdown"]
+    assert "Per category" in md and "| writing | coding | overall | MAT |" in md
+    assert "static γ=3" in table_rows(md)
+
+
+def test_sampling_keeps_one_stream_per_conversation(tiny_models, question_file):
+    from eagle_backbone.engine import autoregressive_generate
+    from ldlp.bench.evaluate import evaluate
+    from ldlp.bench.loaders import load_pair_cached
+
+    cfg = compose_eval(tiny_models, question_file, ["generation.temperature=0.9", "evaluation.repeats=1"])
+    first = evaluate(cfg, policy_name="static")
+    again = evaluate(cfg, policy_name="static")
+    assert first["lossless"] is None and first["n_prompts"] == 6
+    for key in ("new_tokens", "target_forwards", "drafted_tokens", "ar_new_tokens"):
+        assert first[key] == again[key]  # the same seeded stream per conversation in every run
+    # a generator passed to the engine continues its stream: the second call differs from a reseeded one
+    target = load_pair_cached(cfg.model).target
+    from eagle_backbone.sampling import SamplingConfig
+
+    hot = SamplingConfig(temperature=5.0)
+    g = torch.Generator().manual_seed(7)
+    a = autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=g).tokens
+    b = autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=g).tokens
+    assert a == autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=7).tokens and a != b
