@@ -23,7 +23,7 @@ def model_folder(path: str, variable: str, key: str = "target") -> str:
     """``path`` when it holds a model (config.json); otherwise an error that names the environment variable
     and the override to set. Configs of external models use it: ``${model_folder:${oc.env:VICUNA_PATH,...},VICUNA_PATH}``."""
     if not (Path(str(path)).expanduser() / "config.json").is_file():
-        raise FileNotFoundError(f"no model at {path} (no config.json): set {variable}=/path/to/the/model "
+        raise FileNotFoundError(f"no model at {path} (no config.json): set {variable} to the model "
                                 f"folder or pass model.{key}=/path/to/it (nothing is downloaded)")
     return str(path)
 

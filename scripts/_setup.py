@@ -46,5 +46,6 @@ def start(cfg) -> int:
             try:
                 model.get(key)
             except InterpolationResolutionError as e:  # e.g. VICUNA_PATH unset: say so in one line
-                raise SystemExit(f"error: {e.__cause__ or e}") from None
+                why = str(e.__cause__ or e).split(" raised while resolving interpolation: ")[-1].splitlines()[0]
+                raise SystemExit(f"error: model.{key}: {why}") from None
     return set_threads(cfg.get("threads"))

@@ -157,3 +157,35 @@ def test_embedded_model_config_resolves_from_any_working_directory(tmp_path):
     paths = json.loads(out.stdout)
     for p in paths.values():
         assert Path(p).is_absolute() and Path(p).is_relative_to(REPO) and (Path(p) / "config.json").is_file()
+
+
+# ---- configs and scripts ----------------------------------------------------------------------------------
+
+
+def test_research_recipes_reach_only_the_scripts_that_use_them():
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        ldlp = compose(config_name="train_ldlp", overrides=["+experiment=vicuna"])
+        oracle = compose(config_name="collect_oracle", overrides=["+experiment=vicuna"])
+        evaluate = compose(config_name="evaluate", overrides=["+experiment=vicuna"])
+    assert "drafter_training" not in ldlp and "store_draft_states" not in ldlp
+    assert ldlp.trainer.accelerator == "gpu" and ldlp.ldlp_training.lr == 5.0e-5
+    assert oracle.generation.max_new_tokens == 512 and oracle.store_draft_states is False and oracle.data.limit is None
+    assert "ldlp_training" not in evaluate and evaluate.data.limit == 20 and evaluate.model.name == "vicuna-7b-v1.3"
+    # the artifact folders follow the model's name
+    assert OmegaConf.select(ldlp, "ldlp_training.out_dir").endswith("data/ldlp/vicuna-7b-v1.3")
+
+
+def _script(*args, env=None):
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env or dict(os.environ))
+
+
+def test_help_is_the_scripts_own_and_missing_vicuna_weights_say_what_to_set():
+    out = _script("scripts/train_acceptance.py", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("scripts/train_acceptance.py: train the acceptance head")
+    assert "Examples:" in out.stdout and "== Configuration groups ==" not in out.stdout
+    out = _script("scripts/evaluate.py", "model=vicuna", env=dict(os.environ, VICUNA_PATH="/nonexistent/vicuna"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == ("error: model.target: no model at /nonexistent/vicuna (no config.json): set "
+                                  "VICUNA_PATH to the model folder or pass model.target=/path/to/it (nothing is "
+                                  "downloaded)")
