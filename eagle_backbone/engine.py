@@ -54,12 +54,13 @@ def _finish(new: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
     return new[:max_new_tokens]
 
 
-def _rng(seed: int | torch.Generator | None) -> torch.Generator | None:
-    """A fresh generator seeded with ``seed``; a generator passed in is used as it is (one random stream
-    over several generations: the turns of a conversation)."""
+def _rng(seed: int | torch.Generator | None, device=None) -> torch.Generator | None:
+    """A fresh generator seeded with ``seed``, on ``device`` (the target's: sampling draws on the device the
+    probabilities are on; on a CPU the stream is the one ``torch.Generator()`` gives); a generator passed in
+    is used as it is (one random stream over several generations: the turns of a conversation)."""
     if seed is None or isinstance(seed, torch.Generator):
         return seed
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device or "cpu").manual_seed(seed)
 
 
 class SpeculativeDecoder:
@@ -79,7 +80,7 @@ class SpeculativeDecoder:
         _check_budget(max_new_tokens)
         if max_new_tokens == 0:
             return GenerationOutput([], GenerationStats())
-        rng, clock, eos = _rng(seed), Clock(target.device), target.eos_token_ids
+        rng, clock, eos = _rng(seed, target.device), Clock(target.device), target.eos_token_ids
         policy.begin(ids)
         stats = GenerationStats()
         t_start = clock()
@@ -177,7 +178,7 @@ def autoregressive_generate(target: TargetModel, prompt_ids, max_new_tokens: int
     """Plain decoding with the KV cache: one target forward per token."""
     ids = check_prompt(prompt_ids, target)
     _check_budget(max_new_tokens)
-    rng, clock, eos = _rng(seed), Clock(target.device), target.eos_token_ids
+    rng, clock, eos = _rng(seed, target.device), Clock(target.device), target.eos_token_ids
     stats = GenerationStats()
     t_start = clock()
     cache = target.new_cache()

@@ -81,7 +81,8 @@ def verify_sampling(draft: list[int], draft_probs: list[torch.Tensor], target_pr
     the resampled replacement at the first rejection, or the bonus token from p if all are kept."""
     for i, (x, q) in enumerate(zip(draft, draft_probs)):
         p = target_probs[i]
-        u = float(torch.rand((), generator=generator))
+        # on the generator's device: a generator on the target's GPU draws there (a CPU one cannot)
+        u = float(torch.rand((), generator=generator, device=generator.device if generator is not None else p.device))
         if u >= accept_probability(p, q, x):
             return i, sample(residual_distribution(p, q), generator)
     return len(draft), sample(target_probs[len(draft)], generator)

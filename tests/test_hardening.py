@@ -535,3 +535,134 @@ def test_ldlp_benchmark_interleaves_respects_threads_and_flags_a_step_far_off(tm
     md = ldlp_metrics_markdown({"head": "regression", "val_rows": 1, "train_rows": 1, "k_max": 4, "under_weight": 3.0,
                                 "results": {"LDLP": {"mae": 1.0}}, "timing": {**t, **checked}})
     assert "**Timing flagged**" in md and "interleaved" in md
+
+
+# -- speculative sampling stays exact with the EAGLE drafter and adaptive policies ---------------------
+
+
+class RandomGamma:
+    """γ drawn at random every step (from its own generator, not the sampler's)."""
+
+    name, adaptive = "random_gamma", True
+
+    def __init__(self, max_gamma=4, seed=0):
+        self.rng, self.max_gamma = torch.Generator().manual_seed(seed), max_gamma
+
+    def begin(self, prompt_ids):
+        pass
+
+    def gamma(self, ctx):
+        return int(torch.randint(0, self.max_gamma + 1, (1,), generator=self.rng))
+
+    def keep_drafting(self, ctx, i, token, probs):
+        return True
+
+    def observe(self, ctx, drafted, accepted):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle_pair(tmp_path_factory):
+    from conftest import make_drafter
+
+    target = make_target(seed=11, vocab=4, d=16, layers=1, eos=None)
+    target.eos_token_ids = set()
+    drafter = make_drafter(target, seed=5)
+    with torch.no_grad():  # a poor drafter: many rejections, so the residual matters (the power check's point)
+        drafter.fc.weight.mul_(3.0)
+    from ldlp.predictor import LDLP, LDLPConfig
+
+    torch.manual_seed(3)
+    folder = tmp_path_factory.mktemp("ldlp") / "ldlp"
+    LDLP(LDLPConfig(input_dim=32, hidden_dim=8, k_max=4)).save_pretrained(folder)
+    return target, drafter, folder
+
+
+def _policy(kind, ldlp_folder):
+    from eagle_backbone.policy import StaticPolicy
+    from ldlp.policies import ConfidencePolicy, LDLPPolicy
+
+    if kind == "static":
+        return StaticPolicy(2)
+    if kind == "random":
+        return RandomGamma()
+    if kind == "threshold":
+        return ConfidencePolicy(threshold=0.4, max_gamma=4)
+    return LDLPPolicy(str(ldlp_folder), max_gamma=4, offset=1)
+
+
+def _eagle_counts(target, drafter, policy, prompt, length, cfg, n):
+    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.engine import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), policy)
+    counts = {}
+    for seed in range(n):
+        seq = tuple(dec.generate(prompt, length, cfg, seed=seed).tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("kind", ["static", "random", "threshold", "ldlp"])
+def test_eagle_and_adaptive_policies_sample_the_target_distribution(tiny_eagle_pair, kind, temperature):
+    from test_sampling import _chi2_pvalue, _exact_sequence_distribution
+
+    from eagle_backbone.sampling import SamplingConfig
+
+    target, drafter, folder = tiny_eagle_pair
+    cfg, prompt, n = SamplingConfig(temperature=temperature), [1, 3], 600  # seeded: the p-values are fixed
+    probs = _exact_sequence_distribution(target, prompt, 3, cfg)
+    counts = _eagle_counts(target, drafter, _policy(kind, folder), prompt, 3, cfg, n)
+    assert _chi2_pvalue(counts, probs, n) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["random", "ldlp"])
+def test_a_broken_residual_is_detected_with_eagle_and_adaptive_policies(tiny_eagle_pair, monkeypatch, kind):
+    """The test above has power: with the same samples' size and seeds, resampling from p instead of
+    max(p - q, 0) gives p-values far below its acceptance level of 1e-3."""
+    from test_sampling import _chi2_pvalue, _exact_sequence_distribution
+
+    from eagle_backbone import sampling as S
+    from eagle_backbone.sampling import SamplingConfig
+
+    target, drafter, folder = tiny_eagle_pair
+    cfg, prompt, n = SamplingConfig(temperature=0.7), [1, 3], 600
+    probs = _exact_sequence_distribution(target, prompt, 3, cfg)
+    monkeypatch.setattr(S, "residual_distribution", lambda p, q: p)
+    assert _chi2_pvalue(_eagle_counts(target, drafter, _policy(kind, folder), prompt, 3, cfg, n), probs, n) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_seeded_sampling_on_the_targets_device(tiny_eagle_pair):
+    """On a GPU the random stream lives on the target's device: a seed gives the same output every time,
+    and the sampled sequences still follow the target's distribution."""
+    import copy
+
+    from test_sampling import _chi2_pvalue, _exact_sequence_distribution
+
+    from eagle_backbone.engine import autoregressive_generate
+    from eagle_backbone.sampling import SamplingConfig
+
+    target, drafter, folder = (copy.deepcopy(x) if i < 2 else x for i, x in enumerate(tiny_eagle_pair))
+    target, drafter = target.to("cuda"), drafter.to("cuda")
+    cfg, prompt, n = SamplingConfig(temperature=1.0), [1, 3], 600
+    for kind in ("static", "ldlp"):
+        policy = _policy(kind, folder)
+        if kind == "ldlp":
+            policy.model = policy.model.to("cuda")
+        counts = _eagle_counts(target, drafter, policy, prompt, 3, cfg, n)
+        again = _eagle_counts(target, drafter, _policy(kind, folder) if kind == "static" else policy, prompt, 3, cfg, n)
+        assert counts == again  # seeded: the same outputs
+        probs = _exact_sequence_distribution(target, prompt, 3, cfg)
+        assert _chi2_pvalue(counts, probs, n) > 1e-3
+    runs = [autoregressive_generate(target, prompt, 8, cfg, seed=s).tokens for s in (0, 0, 1)]
+    assert runs[0] == runs[1]
+
+
+def test_the_random_stream_is_the_targets_device_and_unchanged_on_a_cpu():
+    from eagle_backbone.engine import _rng
+
+    g = _rng(7, torch.device("cpu"))
+    assert g.device.type == "cpu"
+    assert torch.equal(torch.rand(5, generator=g), torch.rand(5, generator=torch.Generator().manual_seed(7)))
