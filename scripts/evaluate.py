@@ -18,6 +18,8 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     result = evaluate(cfg, policy_name=hc.runtime.choices.get("policy"), out_dir=hc.runtime.output_dir)
     print(one_line(result), flush=True)
+    if result.get("categories_md"):  # two categories or more: the per-category table (Spec-Bench's figures too)
+        print(open(result["categories_md"], encoding="utf-8").read(), flush=True)
 
 
 if __name__ == "__main__":

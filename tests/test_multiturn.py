@@ -214,3 +214,44 @@ def test_sampling_keeps_one_stream_per_conversation(tiny_models, question_file):
     a = autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=g).tokens
     b = autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=g).tokens
     assert a == autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=7).tokens and a != b
+
+
+def test_head_to_head_rows_carry_seconds_and_tokens_per_category(tiny_models, question_file):
+    from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
+
+    cfg = compose_eval(tiny_models, question_file, ["data.turns=first"])
+    two = compose_eval(tiny_models, question_file, ["policy.gamma=2"]).policy
+    result = head_to_head(cfg, [("static", cfg.policy), ("static", two)], rounds=2, bootstrap=20)
+    assert result["categories"] == ["writing", "writing", "coding"]  # the too-long coding question dropped
+    secs, tokens = np.array(result["seconds"]), np.array(result["tokens"])
+    for i, row in enumerate(result["rows"]):
+        by = row["by_category"]
+        assert list(by) == ["writing", "coding"] and by["coding"]["n_prompts"] == 1
+        assert sum(f["new_tokens"] for f in by.values()) == tokens[i].sum()
+        assert sum(f["seconds"] for f in by.values()) == pytest.approx(secs[i].sum() / 2)
+    assert all(f["speedup"] == pytest.approx(1.0) for f in result["rows"][-1]["by_category"].values())  # AR
+    assert "| contender | writing (2) | coding (1) |" in head_to_head_markdown(result)
+
+
+def test_spec_bench_tasks_pool_mt_bench_categories():
+    from ldlp.bench.categories import category_markdown, category_rows, specbench_tasks
+
+    def row(qid, cat, tokens, secs):
+        return {"question_id": qid, "category": cat, "n_turns": len(tokens), "turns": ["x"] * len(tokens),
+                "new_tokens": tokens, "wall_time": secs, "target_forwards": [t // 2 for t in tokens],
+                "accept_lengths": [2] * sum(t // 2 for t in tokens), "ar_new_tokens": tokens,
+                "ar_wall_time": [2 * s for s in secs], "n_dropped": 0, "lossless": True}
+
+    rows = [row("1", "writing", [10, 8], [1.0, 1.0]), row("2", "coding", [6, 6], [1.0, 0.5]),
+            row("3", "translation", [12], [2.0]), row("4", "summarization", [4], [1.0])]
+    tasks = specbench_tasks(rows, {"summarization": 3})
+    assert list(tasks) == ["mt_bench", "translation", "summarization"]
+    assert tasks["mt_bench"]["n_questions"] == 2 and tasks["summarization"]["n_dropped"] == 3
+    assert tasks["mt_bench"]["mean_tokens_per_s"] == pytest.approx((18 / 2 + 12 / 1.5) / 2)
+    assert tasks["mt_bench"]["specbench_speedup"] == pytest.approx(2.0)
+    by, overall = category_rows(rows, {"summarization": 3})
+    assert sum(f["n_dropped"] for f in by.values()) == overall["n_dropped"] == 3
+    md = category_markdown([("p", by, overall, tasks)])
+    assert "| Policy | mt_bench | translation | summarization | overall | MAT |" in md
+    assert "summarization 1 (1 turns, 3 dropped)" in md
+    assert specbench_tasks(rows[:2]) == {}  # MT-bench alone: its categories are the tasks

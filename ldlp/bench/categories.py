@@ -49,6 +49,8 @@ def summarize_questions(rows: list[dict], n_dropped_at_load: int = 0) -> dict:
 
 
 UNCATEGORISED = "(none)"
+# Spec-Bench's "multi-turn conversation" task (its speed.py's "mt_bench"): MT-bench's eight categories pooled
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
 def category_rows(rows: list[dict], dropped_at_load: dict | None = None) -> tuple[dict, dict]:
@@ -68,6 +70,22 @@ def category_rows(rows: list[dict], dropped_at_load: dict | None = None) -> tupl
     return by, overall
 
 
+def specbench_tasks(rows: list[dict], dropped_at_load: dict | None = None) -> dict:
+    """Spec-Bench's tasks when the questions mix MT-bench's categories with others (a Spec-Bench
+    ``question.jsonl``): ``mt_bench`` (MT-bench's eight categories pooled, as its speed.py does) and each other
+    category; empty otherwise (the categories are the tasks)."""
+    dropped_at_load = dict(dropped_at_load or {})
+    cats = list(dict.fromkeys([r["category"] for r in rows] + list(dropped_at_load)))
+    mt = [c for c in cats if c in MT_BENCH_CATEGORIES]
+    if not mt or len(mt) == len(cats):
+        return {}
+    task = lambda c: "mt_bench" if c in MT_BENCH_CATEGORIES else c  # noqa: E731
+    tasks = list(dict.fromkeys(task(c) for c in cats))
+    return {(UNCATEGORISED if t is None else str(t)): summarize_questions(
+                [r for r in rows if task(r["category"]) == t],
+                sum(n for c, n in dropped_at_load.items() if task(c) == t)) for t in tasks}
+
+
 def _fmt(v, spec: str) -> str:
     return "–" if v is None else spec.format(v)
 
@@ -77,11 +95,13 @@ def category_markdown(entries: list[tuple[str, dict, dict]], heading: str = "###
     ``by_category`` and ``all_categories`` of a ``results.json``): a Spec-Bench-style table (one column per
     category, one row per policy, cells are Spec-Bench's speedup, "overall" its overall speedup), the
     turns decoded and dropped per category, then each category's τ, tokens/s and speedup next to the
-    overall row. Empty unless the entries have two categories or more (one would repeat the overall row)."""
+    overall row. An entry may add a fourth item, Spec-Bench's tasks (:func:`specbench_tasks`): the first
+    table's columns are then the tasks. Empty unless the entries have two categories or more (one would repeat the overall row)."""
     entries = [e for e in entries if e[1]]
-    cats = list(dict.fromkeys(c for _, by, _ in entries for c in by))
+    cats = list(dict.fromkeys(c for e in entries for c in e[1]))
     if len(cats) < 2:
         return ""
+    tasks = list(dict.fromkeys(c for e in entries if len(e) > 3 and e[3] for c in e[3])) or cats
     by0, all0 = entries[0][1], entries[0][2]
     counts = ", ".join(f"{c} {by0[c]['n_questions']} ({by0[c]['n_prompts']} turns, {by0[c]['n_dropped']} dropped)"
                        for c in cats if c in by0)
@@ -91,15 +111,16 @@ def category_markdown(entries: list[tuple[str, dict, dict]], heading: str = "###
              "the mean accepted tokens per verification step (the target's own token included).", "",
              f"Questions per category (turns decoded, turns dropped for length): {counts}; in all "
              f"{all0['n_questions']} questions, {all0['n_prompts']} turns, {all0['n_dropped']} dropped.", "",
-             "| Policy | " + " | ".join(cats) + " | overall | MAT |",
-             "|---|" + "---:|" * (len(cats) + 2)]
-    for label, by, overall in entries:
-        cells = [_fmt(by.get(c, {}).get("specbench_speedup"), "{:.2f}x") for c in cats]
+             "| Policy | " + " | ".join(tasks) + " | overall | MAT |",
+             "|---|" + "---:|" * (len(tasks) + 2)]
+    for label, by, overall, *rest in entries:
+        by_task = rest[0] if rest and rest[0] else by  # Spec-Bench's tasks (mt_bench pooled) when there are some
+        cells = [_fmt(by_task.get(c, {}).get("specbench_speedup"), "{:.2f}x") for c in tasks]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {_fmt(overall.get('specbench_speedup'), '{:.2f}x')} | "
                      f"{_fmt(overall.get('mean_accepted_tokens'), '{:.2f}')} |")
     lines += ["", "| Policy | category | questions | turns | dropped | τ | MAT | tokens/s | AR tokens/s | speedup | "
               "Spec-Bench speedup | lossless |", "|---|---|" + "---:|" * 9 + "---|"]
-    for label, by, overall in entries:
+    for label, by, overall, *_ in entries:
         for k, (cat, f) in enumerate([("overall", overall)] + [(c, by[c]) for c in cats if c in by]):
             loss = {True: "yes", False: "**NO**", None: "–"}[f.get("lossless")]
             lines.append(f"| {label if k == 0 else ''} | {cat} | {f['n_questions']} | {f['n_prompts']} | "
@@ -116,8 +137,8 @@ TIMING_KEYS = ("wall_s", "ar_wall_s", "tokens_per_s", "ar_tokens_per_s", "speedu
                "ar_mean_tokens_per_s", "specbench_speedup")
 
 
-def merge_runs(runs: list[dict]) -> tuple[dict, dict]:
-    """(``by_category``, ``all_categories``) of several ``results.json`` of one configuration: counters of
+def merge_runs(runs: list[dict]) -> tuple[dict, dict, dict]:
+    """(``by_category``, ``all_categories``, ``by_task``) of several ``results.json`` of one configuration: counters of
     the first run, timings the medians over the runs (as the summary's rows)."""
     import statistics
 
@@ -130,7 +151,50 @@ def merge_runs(runs: list[dict]) -> tuple[dict, dict]:
 
     with_cats = [r for r in runs if r.get("all_categories")]
     if not with_cats:
-        return {}, {}
-    by = {c: merged([r["by_category"][c] for r in with_cats if c in (r.get("by_category") or {})])
-          for c in (with_cats[0].get("by_category") or {})}
-    return by, merged([r["all_categories"] for r in with_cats])
+        return {}, {}, {}
+
+    def grouped(key):
+        return {c: merged([r[key][c] for r in with_cats if c in (r.get(key) or {})])
+                for c in (with_cats[0].get(key) or {})}
+
+    return grouped("by_category"), merged([r["all_categories"] for r in with_cats]), grouped("by_task")
+
+
+def runs_by_category(categories: list, secs, tokens) -> list[dict]:
+    """Per runner of a head to head (``secs[runner][round][prompt]``, ``tokens[runner][prompt]``, the AR
+    baseline last), per category of the prompts: new tokens, seconds (summed over the category's prompts,
+    averaged over rounds), tokens/s and speedup over AR. Empty dicts when no prompt has a category."""
+    import numpy as np
+
+    secs, tokens = np.asarray(secs, dtype=float), np.asarray(tokens)
+    if all(c is None for c in categories):
+        return [{} for _ in range(len(secs))]
+    cats = list(dict.fromkeys(UNCATEGORISED if c is None else str(c) for c in categories))
+    labels = np.array([UNCATEGORISED if c is None else str(c) for c in categories])
+    out = []
+    for i in range(len(secs)):
+        by = {}
+        for c in cats:
+            mask = labels == c
+            s, ar_s = float(secs[i][:, mask].sum(1).mean()), float(secs[-1][:, mask].sum(1).mean())
+            t, ar_t = int(tokens[i][mask].sum()), int(tokens[-1][mask].sum())
+            tps, ar_tps = (t / s if s else None), (ar_t / ar_s if ar_s else None)
+            by[c] = {"n_prompts": int(mask.sum()), "new_tokens": t, "seconds": s, "tokens_per_s": tps,
+                     "speedup": tps / ar_tps if tps is not None and ar_tps else None}
+        out.append(by)
+    return out
+
+
+def runs_by_category_markdown(rows: list[dict]) -> str:
+    """One row per head-to-head contender, one column per category: its speedup over AR (empty unless there
+    are two categories or more)."""
+    cats = list(dict.fromkeys(c for r in rows for c in (r.get("by_category") or {})))
+    if len(cats) < 2:
+        return ""
+    lines = ["| contender | " + " | ".join(f"{c} ({rows[0]['by_category'][c]['n_prompts']})" for c in cats) + " |",
+             "|---|" + "---:|" * len(cats)]
+    for r in rows:
+        by = r.get("by_category") or {}
+        lines.append(f"| {r['contender']} | " + " | ".join(_fmt(by.get(c, {}).get("speedup"), "{:.2f}x") for c in cats)
+                     + " |")
+    return "\n".join(lines) + "\n"

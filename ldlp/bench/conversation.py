@@ -99,12 +99,13 @@ class Dialogue:
     max_prompt_tokens: int | None
     max_length: int
     eos_ids: set = field(default_factory=set)
+    device: object = "cpu"  # the target's: the random stream is drawn where the probabilities are
 
     def fits(self, ids: list[int]) -> bool:
         return (self.max_prompt_tokens is None or len(ids) <= self.max_prompt_tokens) and len(ids) < self.max_length
 
     def run(self, runner, q: Question, max_new_tokens: int, seed: int) -> list[Turn]:
-        rng = torch.Generator().manual_seed(int(seed))  # one random stream for the whole conversation
+        rng = torch.Generator(device=self.device).manual_seed(int(seed))  # one stream for the whole conversation
         turns = []
         if q.prompts is not None:
             for pid, ids in q.prompts:
@@ -229,3 +230,15 @@ def question_rows(questions: list[Question], spec_runs, ar_runs, check_lossless:
                "lossless": ([t.tokens for t in spec[0]] == [t.tokens for t in ar[0]]) if check_lossless else None}
         rows.append(row)
     return rows
+
+
+def prompt_categories(data_cfg, prompt_ids: list[str]) -> list[str | None]:
+    """The category of each prompt id (``ID`` or ``ID@turnK``) of the prompt set ``data_cfg`` names, from the
+    file's ``category`` (None where a record has none): what the head to head groups its seconds by."""
+    from eagle_backbone.data.conversations import load_conversations
+
+    conversations = load_conversations(data_cfg.get("path"), fmt=data_cfg.get("format", "auto"),
+                                       on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
+                                       sample_seed=data_cfg.get("sample_seed"))
+    category = {str(c["id"]): c.get("category") for c in conversations}
+    return [category.get(str(pid).split("@turn")[0]) for pid in prompt_ids]

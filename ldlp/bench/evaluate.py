@@ -49,7 +49,7 @@ from ldlp.bench.runners import (
 )
 from ldlp.bench.peer import is_peer
 from ldlp.bench.answers import model_id, write_answers
-from ldlp.bench.categories import category_markdown, category_rows
+from ldlp.bench.categories import category_markdown, category_rows, specbench_tasks
 from ldlp.bench.conversation import Dialogue, load_questions, question_rows
 from ldlp.bench.stats import median
 
@@ -108,7 +108,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
 
     progress = progress_bar(repeats * len(questions), policy_name, bool(ev.get("progress", True)))
     dialogue = Dialogue(load_tokenizer_cached(cfg.model), questions.chat_template, cfg.data.get("max_prompt_tokens"),
-                        pair.target.max_length, set(pair.target.eos_token_ids))
+                        pair.target.max_length, set(pair.target.eos_token_ids), pair.target.device)
     # one seeded random stream per question (all its turns), the same in every round: sampled outputs repeat too
     ar_runs, spec_runs = interleaved((baseline, spec_runner), questions, repeats,
                                      lambda runner, q, k, r: dialogue.run(runner, q, max_new_tokens, seed + k),
@@ -188,13 +188,15 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "turn_mode": questions.mode,
         "by_category": by_category,  # per category: τ, tokens/s, speedup, Spec-Bench's figures, turns dropped
         "all_categories": all_categories,  # the same figures over every question (categories sum to it)
+        # a Spec-Bench question.jsonl: its tasks, MT-bench's eight categories pooled as "mt_bench"; else empty
+        "by_task": specbench_tasks(qrows, questions.dropped_by_category),
         "model_id": model_id(str(cfg.model.get("name", "")), policy_name, gamma),
         "ar_model_id": model_id(str(cfg.model.get("name", "")), "ar"),
     }
     if out_dir is not None:
         # answer files (FastChat's judge, Spec-Bench's speed.py): ldlp/bench/answers.py
         result["answers"] = write_answers(qrows, out_dir, result["model_id"], result["ar_model_id"])
-        table = category_markdown([(result["model_id"], by_category, all_categories)])
+        table = category_markdown([(result["model_id"], by_category, all_categories, result["by_task"])])
         if table:
             atomic_write_text(Path(out_dir) / "categories.md", table)
             result["categories_md"] = str(Path(out_dir) / "categories.md")

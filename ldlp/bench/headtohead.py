@@ -25,6 +25,8 @@ import numpy as np
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import apply_tuned, build_policy, load_pair_cached, load_prompts, machine_info, sampling_config
+from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
+from ldlp.bench.conversation import prompt_categories
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
 
@@ -48,6 +50,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))  # the prompt file before the weights
     pair = load_pair_cached(cfg.model)
     prompts = [ids for _, ids in prompt_set]
+    categories = prompt_categories(cfg.data, [pid for pid, _ in prompt_set])  # the file's, None where it has none
     n, seed = int(cfg.generation.max_new_tokens), int(cfg.seed)
     runners, labels, settings, adaptive = [], [], [], []
     for name, pcfg in contenders:
@@ -113,12 +116,15 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
                        ci95=[float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
                        rounds_faster=int((secs[i].sum(1) < secs[ref].sum(1)).sum()))
         rows.append(row)
+    for row, by in zip(rows, runs_by_category(categories, secs, tokens)):
+        if by:  # per category: tokens, seconds per round, tokens/s, speedup over AR
+            row["by_category"] = by
     result = {"rows": rows, "reference": labels[ref] if ref is not None else None, "rounds": rounds,
               "n_prompts": len(prompts), **dict(getattr(prompt_set, "info", {})), "max_new_tokens": n, "new_tokens": int(tokens[-1].sum()),
               "lossless": lossless, "tuned_from": str(cfg.get("tuned_from")) if cfg.get("tuned_from") else None,
               "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "machine": machine_info(),
               "model": str(cfg.model.get("name", "")), "labels": labels, "seconds": secs.tolist(),
-              "tokens": tokens.tolist(), "costs": _costs(timed)}
+              "tokens": tokens.tolist(), "categories": categories, "costs": _costs(timed)}
     result.update(verdict(result))
     return result
 
@@ -194,6 +200,9 @@ def head_to_head_markdown(result: dict) -> str:
                      f"per drafted token + {c['accepted_ms']:.2f} ms per accepted token")
     lines.append("- every greedy output equals the AR output" if result["lossless"]
                  else "- **some greedy outputs differ from the AR output**")
+    cats = runs_by_category_markdown(result["rows"])
+    if cats:
+        lines += ["", "Speedup over AR per category (prompts in each), from the same turns:", "", cats.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 

@@ -121,7 +121,7 @@ def aggregate(results: list[dict]) -> list[dict]:
         row["repeats"] = sum(int(r.get("repeats", 1)) for r in runs)
         row["settings"] = {k: v for k, v in (first.get("policy_config") or {}).items() if k != "_target_"}
         row["machine"] = first.get("machine")
-        row["by_category"], row["all_categories"] = merge_runs(runs)  # per category (Spec-Bench's figures too)
+        row["by_category"], row["all_categories"], row["by_task"] = merge_runs(runs)  # per category (Spec-Bench's figures too)
         row.update({k: first.get(k) for k in PROMPT_SET_KEYS + ("n_dropped", "dropped_reason")})
         rows.append(row)
     rows.sort(key=_row_order)
@@ -245,7 +245,8 @@ def sweep_markdown(rows: list[dict], heads: dict, title: str = "Static vs adapti
                          else "**some greedy outputs differ from the AR output**")
         lines += [f"- {f}" for f in facts]
         cats = category_markdown([(_policy_label(r) + ("" if r.get("gamma") is None else f" γ={r['gamma']}"),
-                                   r["by_category"], r["all_categories"]) for r in mine if r.get("by_category")])
+                                   r["by_category"], r["all_categories"], r.get("by_task"))
+                                  for r in mine if r.get("by_category")])
         if cats:
             lines += ["", cats.rstrip("\n")]
     runs = sorted({r["runs"] for r in rows})
