@@ -35,6 +35,7 @@ from eagle_backbone.paths import CONF_DIR, REPO_ROOT
 FINGERPRINT = "stage.json"  # next to every stage's output: the fingerprint of its inputs, and whether it finished
 SKIP_IN_OUTPUTS = {FINGERPRINT, "logs", ".hydra"}  # not part of a stage's output for its downstream stages
 COMMON_CONFIGS = ("paths/*.yaml", "model/*.yaml", "hydra/help/*.yaml")
+CONTENT_HASH_LIMIT = 64 << 20  # upstream output files up to this size are hashed by content, larger ones by size and mtime
 
 
 @dataclass
@@ -91,8 +92,9 @@ def content_digest(folder: str | Path) -> dict:
 
 
 def output_digest(folder: str | Path) -> dict:
-    """{file: [size, mtime_ns]} of what a stage wrote (cheap for many large label files); a stage rerun, or a
-    folder rewritten by hand, changes it, so the stages downstream run again."""
+    """{file: sha256, or [size, mtime_ns] for files over CONTENT_HASH_LIMIT} of what a stage wrote: a stage
+    rerun with other results, or a folder rewritten by hand, changes it, so the stages downstream run
+    again; the same files written again (a deterministic rebuild) do not."""
     folder = Path(folder)
     if not folder.is_dir():
         return {}
@@ -101,7 +103,7 @@ def output_digest(folder: str | Path) -> dict:
         rel = f.relative_to(folder)
         if f.is_file() and not SKIP_IN_OUTPUTS & set(rel.parts) and not f.name.endswith(".tmp"):
             st = f.stat()
-            out[str(rel)] = [st.st_size, st.st_mtime_ns]
+            out[str(rel)] = _file_sha256(f) if st.st_size <= CONTENT_HASH_LIMIT else [st.st_size, st.st_mtime_ns]
     return out
 
 

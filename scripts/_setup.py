@@ -4,6 +4,7 @@ any work; known-harmless third-party notices silenced; a missing model folder st
 from __future__ import annotations
 
 import logging
+import warnings
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...} and ${model_folder:...})
 from eagle_backbone.runtime import set_threads
@@ -29,6 +30,14 @@ class _Drop(logging.Filter):
 
 
 def quiet_third_party() -> None:
+    # torch deprecates LeafSpec, which Lightning's own pytree helper still builds (nothing to fix here)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    try:  # transformers draws a "Loading weights" bar for every model a stage loads
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
     for name, prefix in _HARMLESS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) and f.prefix == prefix for f in logger.filters):

@@ -63,6 +63,11 @@ def test_unchanged_inputs_skip_and_a_changed_upstream_reruns_downstream(writer, 
     (tmp_path / "up" / "out.txt").write_text("other labels\n")
     assert _run_all(tmp_path, _stages(writer, tmp_path, up_text="b")) == ["down"]
     assert _run_all(tmp_path, _stages(writer, tmp_path, up_text="b"), force="all") == []  # groups: up, down unforced
+    # the same output written again (a deterministic rebuild, a fresh checkout): nothing downstream reruns
+    text = (tmp_path / "up" / "out.txt").read_text()
+    (tmp_path / "up" / "out.txt").write_text(text)
+    os.utime(tmp_path / "up" / "out.txt", ns=(1, 1))
+    assert _run_all(tmp_path, _stages(writer, tmp_path, up_text="b")) == []
 
 
 def test_changed_model_weights_rerun_the_stages_that_read_them(writer, tmp_path):
