@@ -359,3 +359,51 @@ def prefill_join_cost(target, concurrency=(2, 4, 8, 16, 32), prompt_len: int = 4
         rows_out.append({"concurrency": C, "prompt_len": prompt_len, "gamma": gamma, "separate_ms": sep,
                          "joined_ms": joi, "joined_over_separate": joi / sep})
     return rows_out
+
+
+@torch.inference_mode()
+def profile_components(target, drafter, kind, prompts, make_policy, concurrency=(1, 16), max_new_tokens: int = 32,
+                       attn: str = "eager") -> list[dict]:
+    """Per-component seconds of the engine's profiled mode (a sync before every clock read; never in the
+    timed sweep): prefill, policy, draft, verify, host read and host bookkeeping, per C."""
+    out = []
+    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    for C in concurrency:
+        eng = BatchedSpeculativeEngine(target, drafter, kind, slots=C, policy=make_policy, capacity=capacity,
+                                       attn=attn, profile=True)
+        run_workload(eng, prompts[:C], C, 8)  # warm-up
+        eng.prof.s = {}
+        res = run_workload(eng, prompts, C, max_new_tokens)
+        total = sum(eng.prof.s.values())
+        out.append({"concurrency": C, "tokens": res.new_tokens, "steps": res.steps,
+                    "seconds": {k: round(v, 4) for k, v in eng.prof.s.items()},
+                    "share": {k: round(v / total, 3) for k, v in eng.prof.s.items()}})
+    return out
+
+
+if __name__ == "__main__":
+    # python -m eagle_backbone.batched.bench OUT_DIR: the prefill-join measurement and a profiled breakdown
+    # of static γ=3 on the embedded pair (bf16, eager), written to OUT_DIR/prefill_join.json and profile.json
+    import sys
+
+    from eagle_backbone.loading import load_pair
+    from eagle_backbone.paths import REPO_ROOT
+    from eagle_backbone.policy import StaticPolicy
+
+    torch.set_num_threads(1)
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/bench_batch")
+    e = REPO_ROOT / "data" / "embedded"
+    pair = load_pair({"target": str(e / "target"), "drafter": str(e / "drafter"), "drafter_kind": "eagle",
+                      "dtype": "bfloat16", "device": "cpu", "attn_implementation": "eager", "tokenizer": str(e / "target")})
+    join = {f"prompt_len={n}": prefill_join_cost(pair.target, prompt_len=n) for n in (40, 200)}
+    atomic_write_json(out_dir / "prefill_join.json", join)
+    for n, rows in join.items():
+        for r in rows:
+            print(n, f"C={r['concurrency']:>2} separate {r['separate_ms']:.1f} ms, joined {r['joined_ms']:.1f} ms "
+                     f"({r['joined_over_separate']:.2f}x)")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, pair.target.vocab_size, (40,), generator=g).tolist() for _ in range(16)]
+    prof = profile_components(pair.target, pair.drafter, "eagle", prompts, lambda: StaticPolicy(3))
+    atomic_write_json(out_dir / "profile.json", prof)
+    for r in prof:
+        print(f"C={r['concurrency']}: " + ", ".join(f"{k} {v:.0%}" for k, v in r["share"].items()))

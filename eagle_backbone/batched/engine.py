@@ -13,8 +13,15 @@ One step, for the running slots:
    runs batched on the device.
 4. Rollback is setting lengths: the target keeps the accepted prefix, EAGLE's drafter keeps only pairs
    built from true features (the ones just fed), the draft LM keeps the tokens that were accepted.
-5. One host read per step: accept counts, emitted tokens (and the LDLP's next γ) in one packed tensor.
-   Budgets and EOS are then checked on the host; finished slots are free for the next prompt.
+5. One host read per step: accept counts, emitted tokens (and the LDLP's next γ, and the first tokens of
+   prompts admitted this step) in one packed tensor. Budgets and EOS are then checked on the host;
+   finished slots are free for the next prompt.
+
+A prompt admitted while other slots run is prefilled inside the step's target forward (projections and
+MLPs packed over both groups' tokens, attention per group): measured cheaper than its own forward
+(``prefill_join_cost`` in bench.py). The drafter's prefill needs the first token, so it is a forward of
+its own right after. Policies that read drafts (``keep_drafting``) decide on the host, one read per
+draft depth: that cost is theirs, and vectorised policies do not pay it.
 
 Positions past a slot's length are scratch: padded queries write to a trash position (the last of the
 buffers) that no real query can see. Greedy output equals each sequence's own autoregressive output
@@ -371,7 +378,11 @@ class BatchedSpeculativeEngine:
         ar = torch.arange(T, device=dev)[None]
         tl = torch.tensor([s.tlen for s in st], device=dev)
         nd = torch.tensor(drafted, device=dev)
-        tokens = torch.cat([self.seq[rows_t, tl][:, None], draft[:, : T - 1]], 1)
+        K = T - 1
+        rec = DraftRecord(draft[:, :K], nd, torch.arange(-1, K - 1, device=dev).expand(R, K),
+                          qprobs[:, :K] if qprobs is not None and K else None)
+        # a chain: each draft's parent is the one before it, so the verification input is [last, drafts]
+        tokens = torch.cat([self.seq[rows_t, tl][:, None], rec.tokens], 1)
         pos = torch.where(ar <= nd[:, None], tl[:, None] + ar, self.trash)
         kv_len = max(s.tlen + d + 1 for s, d in zip(st, drafted))
         if joined:
@@ -384,14 +395,14 @@ class BatchedSpeculativeEngine:
         seeds = torch.tensor([s.seed for s in st], device=dev)
         steps = torch.tensor([s.step + 1 for s in st], device=dev)
         if samp.greedy:
-            a, x = verify_greedy_batch(draft[:, : T - 1], nd, logits)
+            a, x = verify_greedy_batch(rec.tokens, rec.lengths, logits)
         else:
             p = probs_from_logits(logits, samp)
             u = uniforms(seeds, steps, torch.cat([ACCEPT + torch.arange(T - 1, device=dev),
                                                   torch.tensor([FINAL], device=dev)]))
-            a, x = verify_sampling_batch(draft[:, : T - 1], nd, qprobs[:, : T - 1] if T > 1 else None, p,
+            a, x = verify_sampling_batch(rec.tokens, rec.lengths, rec.probs, p,
                                          u[:, : T - 1], u[:, -1])
-        emitted = torch.cat([draft[:, : T - 1], torch.zeros_like(x)[:, None]], 1)
+        emitted = torch.cat([rec.tokens, torch.zeros_like(x)[:, None]], 1)
         emitted.scatter_(1, a[:, None], x[:, None])
         # bookkeeping on the device: tokens by position, the target feature behind the new last token
         wpos = torch.where(ar <= a[:, None], tl[:, None] + 1 + ar, self.trash)
