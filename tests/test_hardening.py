@@ -666,3 +666,52 @@ def test_the_random_stream_is_the_targets_device_and_unchanged_on_a_cpu():
     g = _rng(7, torch.device("cpu"))
     assert g.device.type == "cpu"
     assert torch.equal(torch.rand(5, generator=g), torch.rand(5, generator=torch.Generator().manual_seed(7)))
+
+
+# -- 9. resume=true replays the uninterrupted LDLP training bit for bit --------------------------------
+
+
+def test_ldlp_training_resumed_from_last_ckpt_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    import eagle_backbone.paths  # noqa: F401
+    from ldlp.predictor import LDLP
+    from ldlp.training import predictor as P
+
+    from test_ldlp import tiny_target_folder, write_oracle
+
+    target = tiny_target_folder(tmp_path / "target")
+    oracle = write_oracle(tmp_path / "oracle", n_conversations=10, rows_per_conv=6, d=32, store_features=True)
+
+    def cfg(name, *extra):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            return compose(config_name="train_ldlp", overrides=[
+                f"model.target={target}", f"ldlp_training.oracle_dir={oracle}", f"ldlp_training.out_dir={tmp_path / name}",
+                f"ldlp_training.feature_cache={tmp_path / 'cache'}", "ldlp.hidden_dim=8", "ldlp.dropout=0.1",
+                "ldlp_training.batch_size=8", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
+                "ldlp_training.evaluation.baselines=[constant]", "ldlp_training.evaluation.benchmark=false",
+                "ldlp_training.early_stopping.patience=null", f"logger.save_dir={tmp_path / name}",
+                f"trainer.default_root_dir={tmp_path / name}", "threads=1", *extra])
+
+    P.run_ldlp_training(cfg("whole"))
+
+    class Killed(Exception):
+        pass
+
+    start = P.LDLPModule.on_train_epoch_start
+
+    def kill_at_epoch_2(self):
+        if self.current_epoch == 2:
+            raise Killed  # after epoch 1's last.ckpt
+        return start(self)
+
+    monkeypatch.setattr(P.LDLPModule, "on_train_epoch_start", kill_at_epoch_2)
+    with pytest.raises(Killed):
+        P.run_ldlp_training(cfg("resumed"))
+    monkeypatch.setattr(P.LDLPModule, "on_train_epoch_start", start)
+    assert (tmp_path / "resumed" / "checkpoints" / "last.ckpt").is_file()
+    P.run_ldlp_training(cfg("resumed", "resume=true"))
+    whole, resumed = (LDLP.from_pretrained(tmp_path / n).state_dict() for n in ("whole", "resumed"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert LDLP.from_pretrained(tmp_path / "resumed").config.meta["resumed_from"].endswith("last.ckpt")
+    assert LDLP.from_pretrained(tmp_path / "whole").config.meta["resumed_from"] is None

@@ -200,12 +200,47 @@ class OracleDataModule(L.LightningDataModule):
         log.info("LDLP data: %d train rows, %d validation rows (by conversation), d=%d", tr.sum(), va.sum(), d)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=g,
+        # the order of an epoch depends on (seed, epoch) only, so a run resumed from last.ckpt sees the batches an
+        # uninterrupted one does (a DataLoader's own generator would restart at epoch 0's order)
+        return DataLoader(self.train, batch_size=self.batch_size, sampler=EpochShuffle(len(self.train), self.seed),
                           num_workers=self.num_workers, drop_last=len(self.train) > self.batch_size)
 
     def val_dataloader(self):
         return DataLoader(self.val, batch_size=max(self.batch_size, 1024), num_workers=self.num_workers)
+
+
+class EpochShuffle(torch.utils.data.Sampler):
+    """A shuffle that is a function of (seed, epoch): Lightning calls ``set_epoch`` at the start of every
+    epoch, a resumed run's too, so resuming replays the order an uninterrupted run has."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+class EpochSeed(L.Callback):
+    """Seeds torch's global generator (dropout, anything random in a step) at every epoch's start from (seed,
+    epoch): together with :class:`EpochShuffle` and the optimizer, scheduler and callback states Lightning
+    keeps in last.ckpt, a run resumed at an epoch boundary (where last.ckpt is written) is bit for bit the
+    uninterrupted run. A checkpoint written mid-epoch (``val_check_interval`` < 1 epoch) is not covered."""
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        # at the epoch's first batch, not at its start: creating the DataLoader's iterator draws from the
+        # global generator, and a resumed run creates it at another moment than an uninterrupted one
+        if batch_idx == 0:
+            torch.manual_seed((self.seed * 1_000_003 + trainer.current_epoch + 7_777_777) % 2**63)
 
 
 # -- the LightningModule -----------------------------------------------------------------------------------
@@ -412,7 +447,7 @@ def run_ldlp_training(cfg) -> dict | None:
     es = tc.early_stopping
     ckpt = ModelCheckpoint(dirpath=tc.ckpt_dir, filename="best", monitor=es.monitor, mode=es.mode, save_top_k=1,
                            save_last=True, enable_version_counter=False)
-    callbacks = [ckpt, LearningRateMonitor("step")]
+    callbacks = [ckpt, LearningRateMonitor("step"), EpochSeed(cfg.seed)]  # resume=true replays an uninterrupted run
     if es.patience is not None:
         callbacks.append(EarlyStopping(monitor=es.monitor, mode=es.mode, patience=es.patience))
     logger = hydra.utils.instantiate(cfg.logger)
@@ -420,6 +455,7 @@ def run_ldlp_training(cfg) -> dict | None:
     last = Path(tc.ckpt_dir) / "last.ckpt"
     clock = Clock()
     start = clock()
+    resumed = last.exists()  # before fit writes one
     trainer.fit(module, datamodule=dm, ckpt_path=str(last) if cfg.get("resume") and last.exists() else None)
     train_s = clock() - start
     if not trainer.is_global_zero:
@@ -428,7 +464,9 @@ def run_ldlp_training(cfg) -> dict | None:
     meta = {"target": str(cfg.model.target), "model_name": str(cfg.model.get("name", "")),
             "oracle_dir": str(tc.oracle_dir), "under_weight": float(mc.under_weight),
             "epochs": trainer.current_epoch, "steps": trainer.global_step, "seed": int(cfg.seed),
-            "allow_partial": collection["allow_partial"], "oracle_collection": collection}
+            "allow_partial": collection["allow_partial"], "oracle_collection": collection,
+            # resume=true continues bit for bit (EpochShuffle, EpochSeed, last.ckpt written at epoch ends)
+            "resumed_from": str(last) if cfg.get("resume") and resumed else None}
     ldlp = load_best(module, ckpt.best_model_path or str(last), meta)
 
     ev = tc.evaluation
