@@ -52,6 +52,7 @@ class Stage:
     configs: tuple[str, ...] = ()  # globs under conf/ of the YAML files it composes
     group: str = ""  # what force= names it by (default: its name)
     clear: bool = False  # remove ``out`` before it runs (a half-finished multirun is redone whole)
+    product: str | None = None  # a file in ``out`` without which the stage is not done, whatever stage.json says
     extra: list[str] = field(default_factory=list)  # overrides added at run time, not part of the fingerprint
 
     @property
@@ -186,24 +187,26 @@ def plan(cfg, model: str = "embedded") -> list[Stage]:
     eval_configs = ("evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml")
     stages = [
         Stage("corpus", "build the embedded conversation corpus", "build_corpus.py",
-              [f"out_dir={corpus}"] + threads, corpus, configs=("build_corpus.yaml",)),
+              [f"out_dir={corpus}"] + threads, corpus, configs=("build_corpus.yaml",), product="test.json"),
         Stage("oracle", "collect oracle draft-length labels (greedy)", "collect_oracle.py",
               [f"model={model}", f"out_dir={oracle}"] + threads + list(cfg.oracle.overrides), oracle,
-              after=("corpus",), reads=pair, configs=label_configs),
+              after=("corpus",), reads=pair, configs=label_configs, product="report.md"),
         Stage("ldlp", "train the LDLP on the oracle labels", "train_ldlp.py",
               list(cfg.ldlp.overrides) + [f"model={model}", f"ldlp_training.oracle_dir={oracle}",
                                           f"ldlp_training.out_dir={ldlp}"] + threads,
-              ldlp, after=("oracle",), reads=pair, configs=ldlp_configs),
+              ldlp, after=("oracle",), reads=pair, configs=ldlp_configs, product="model.safetensors"),
         Stage("acceptance", "train the acceptance head on the drafter states of the oracle rows", "train_acceptance.py",
               [f"model={model}", f"oracle_dir={oracle}", f"out_dir={acceptance}"] + threads
-              + list(cfg.acceptance.overrides), acceptance, after=("oracle",), configs=("train_acceptance.yaml",)),
+              + list(cfg.acceptance.overrides), acceptance, after=("oracle",), configs=("train_acceptance.yaml",),
+              product="model.safetensors"),
     ]
     if cfg.ldlp.get("survival"):
         stages.append(Stage("ldlp_survival", "train the LDLP with the survival (distribution) head", "train_ldlp.py",
                             list(cfg.ldlp.survival_overrides)
                             + [f"model={model}", f"ldlp_training.oracle_dir={oracle}",
                                f"ldlp_training.out_dir={p.ldlp_survival}", "ldlp_training.evaluation.benchmark=false"]
-                            + threads, Path(p.ldlp_survival), after=("oracle",), reads=pair, configs=ldlp_configs))
+                            + threads, Path(p.ldlp_survival), after=("oracle",), reads=pair, configs=ldlp_configs,
+                            product="model.safetensors"))
     checkpoints = tuple(s.name for s in stages if s.name in ("ldlp", "ldlp_survival", "acceptance"))
     tuned = None
     if cfg.tune.get("enabled"):
@@ -214,7 +217,7 @@ def plan(cfg, model: str = "embedded") -> list[Stage]:
                             [f"model={model}", f"oracle_dir={oracle}", f"out_dir={tune_dir}"] + _checkpoints(cfg)
                             + threads + list(cfg.tune.overrides),
                             tune_dir, after=("corpus", "oracle") + checkpoints, reads=pair,
-                            configs=("tune_policies.yaml", "data/*.yaml", "policy/*.yaml")))
+                            configs=("tune_policies.yaml", "data/*.yaml", "policy/*.yaml"), product="tuning.json"))
     common = list(cfg.sweep.overrides) + threads
     runs = Path(p.runs)
     for r in range(1, int(cfg.sweep.rounds) + 1):
@@ -298,7 +301,7 @@ def head_to_head_stage(cfg, name: str, summary: dict, stages: list[Stage], model
     return Stage("head_to_head", f"head to head: static γ={gammas} vs {', '.join(policies)} (and the oracle), "
                  "timed in turns", "compare.py", args, out, after=after, reads=by_name["oracle"].reads,
                  configs=("compare.yaml", "evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml"),
-                 group="sweeps")
+                 group="sweeps", product="head_to_head.json")
 
 
 # ---- running -----------------------------------------------------------------------------------------------
@@ -365,7 +368,8 @@ class Runner:
         stored = stored_fingerprint(stage)
         head = f"[{k}/{n}] {stage.title}"
         forced = stage.force_group in self.force
-        if stored and stored.get("complete") and stored.get("fingerprint") == digest and not forced:
+        made = stage.product is None or (stage.out / stage.product).is_file()
+        if stored and stored.get("complete") and stored.get("fingerprint") == digest and made and not forced:
             print(f"{head}: done for the same inputs, skipped", flush=True)
             return False
         why = ("forced" if forced else "first run" if stored is None
@@ -476,7 +480,10 @@ def headline_block(summary: dict, name: str, command: str, page: str) -> str:
     h2h = head.get("head_to_head")
     if h2h:
         ref = h2h["reference"]
-        lines += [f"Head to head of the main command ({h2h['n_prompts']} prompts × {h2h['rounds']} rounds, timed in "
+        from ldlp.bench.headtohead import dropped_note  # n_dropped next to n_prompts, in bold above 5%
+
+        lines += [f"Head to head of the main command ({h2h['n_prompts']} prompts{dropped_note(h2h)} × {h2h['rounds']} "
+                  "rounds, timed in "
                   f"turns, greedy; ratios of seconds on the same prompts, > 1: faster than {ref}):", "",
                   f"| contender | τ | tokens/s | vs {ref} | 95% interval |", "|---|---:|---:|---:|---:|"]
         for r in h2h["rows"]:

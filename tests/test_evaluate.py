@@ -125,8 +125,10 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         LDLP(LDLPConfig(input_dim=64, hidden_dim=8, k_max=8)).save_pretrained(cfg.paths.ldlp)
         AcceptanceHead(AcceptanceHeadConfig(hidden_size=32, k_max=8)).save_pretrained(cfg.paths.acceptance)
         stages = {s.name: s for s in plan(cfg)}
-        for name in ("corpus", "oracle", "ldlp", "acceptance"):  # given as done for their current inputs
+        for name, product in (("corpus", "test.json"), ("oracle", "report.md")):
             stages[name].out.mkdir(parents=True, exist_ok=True)
+            (stages[name].out / product).write_text("given\n")
+        for name in ("corpus", "oracle", "ldlp", "acceptance"):  # given as done for their current inputs
             store_fingerprint(stages[name], *fingerprint(stages[name], stages), complete=True)
         summary = run(cfg)
         results = tmp_path / "outputs" / "results" / "embedded"

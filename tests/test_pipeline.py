@@ -68,6 +68,11 @@ def test_unchanged_inputs_skip_and_a_changed_upstream_reruns_downstream(writer, 
     (tmp_path / "up" / "out.txt").write_text(text)
     os.utime(tmp_path / "up" / "out.txt", ns=(1, 1))
     assert _run_all(tmp_path, _stages(writer, tmp_path, up_text="b")) == []
+    # a stage's product deleted by hand: it runs again, whatever its stage.json says
+    stages = _stages(writer, tmp_path, up_text="b")
+    stages[1].product = "out.txt"
+    (tmp_path / "down" / "out.txt").unlink()
+    assert _run_all(tmp_path, stages) == ["down"]
 
 
 def test_changed_model_weights_rerun_the_stages_that_read_them(writer, tmp_path):
