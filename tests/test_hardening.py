@@ -715,3 +715,12 @@ def test_ldlp_training_resumed_from_last_ckpt_equals_an_uninterrupted_run(tmp_pa
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert LDLP.from_pretrained(tmp_path / "resumed").config.meta["resumed_from"].endswith("last.ckpt")
     assert LDLP.from_pretrained(tmp_path / "whole").config.meta["resumed_from"] is None
+
+
+def test_readme_block_states_dropped_prompts():
+    from ldlp.pipeline import headline_block
+
+    h2h = {"reference": "static γ=6", "n_prompts": 56, "n_dropped": 24, "dropped_reason": "longer than "
+           "max_prompt_tokens=1536", "rounds": 2, "rows": []}
+    block = headline_block({"headline": {"m": {"head_to_head": h2h}}}, "m", "python scripts/pipeline.py", "p.md")
+    assert "56 prompts (**24 of 80 prompts (30%) dropped: longer than max_prompt_tokens=1536**) × 2 rounds" in block
