@@ -724,3 +724,20 @@ def test_readme_block_states_dropped_prompts():
            "max_prompt_tokens=1536", "rounds": 2, "rows": []}
     block = headline_block({"headline": {"m": {"head_to_head": h2h}}}, "m", "python scripts/pipeline.py", "p.md")
     assert "56 prompts (**24 of 80 prompts (30%) dropped: longer than max_prompt_tokens=1536**) × 2 rounds" in block
+
+
+from test_oracle import pair_dirs  # noqa: E402,F401  (the fixture: a tiny pair saved like the embedded one)
+
+
+def test_a_real_collection_is_checked_against_its_manifest(tmp_path, pair_dirs):  # noqa: F811
+    """The collector's own manifest and parts: one part of four is refused, the finished collection passes."""
+    from test_oracle import run
+
+    from ldlp.labels.store import require_complete
+
+    run(pair_dirs, tmp_path, "max_parts_this_run=1")
+    with pytest.raises(ValueError, match=r"of 17 sequences are missing") as e:
+        require_complete(tmp_path)
+    assert f"python scripts/collect_oracle.py out_dir={tmp_path}" in _one_line(e)
+    run(pair_dirs, tmp_path)
+    assert require_complete(tmp_path)["complete"] is True
