@@ -741,3 +741,25 @@ def test_a_real_collection_is_checked_against_its_manifest(tmp_path, pair_dirs):
     assert f"python scripts/collect_oracle.py out_dir={tmp_path}" in _one_line(e)
     run(pair_dirs, tmp_path)
     assert require_complete(tmp_path)["complete"] is True
+
+
+def test_replay_checks_head_sizes_against_the_stored_rows(tmp_path):
+    import numpy as np
+
+    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.bench.replay import CostModel, OracleRows, replay
+    from ldlp.policies import AcceptancePolicy, LDLPPolicy
+    from ldlp.predictor import LDLP, LDLPConfig
+
+    n, k, d = 6, 4, 8
+    rows = OracleRows({"seq_id": np.zeros(n, int), "index": np.arange(n), "last_token": np.arange(n) % 5,
+                       "label": np.ones(n, int), "remaining": np.arange(n)[::-1], "draft_top1_prob": np.full((n, k), .5),
+                       "draft_entropy": np.ones((n, k)), "feature": np.zeros((n, d), np.float32),
+                       "draft_state": np.zeros((n, k * d), np.float32)})
+    AcceptanceHead(AcceptanceHeadConfig(hidden_size=d + 4, k_max=k)).save_pretrained(tmp_path / "acc")
+    LDLP(LDLPConfig(input_dim=2 * (d + 4))).save_pretrained(tmp_path / "ldlp")
+    costs = CostModel(step_s=1.0, draft_s=0.1)
+    for policy, what in ((AcceptancePolicy(str(tmp_path / "acc"), max_gamma=k), f"hidden_size={d + 4}"),
+                         (LDLPPolicy(str(tmp_path / "ldlp")), f"input_dim={2 * (d + 4)}")):
+        with pytest.raises(ValueError, match=what):
+            replay(rows, policy, costs, embed=lambda ids: torch.zeros(len(ids), d))

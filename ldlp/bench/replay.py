@@ -137,6 +137,13 @@ def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel, 
     ``ctx.draft_state`` (acceptance heads read them)."""
     c, res = rows.cols, ReplayResult()
     states = c.get("draft_state")
+    if not isinstance(policy, str) and hasattr(policy, "check_pair") and rows.has_features and states is not None:
+        # a predictor or head of other sizes than the stored rows fails here, not at the first step
+        from types import SimpleNamespace
+
+        d = np.asarray(c["feature"][0]).shape[-1]
+        policy.check_pair(SimpleNamespace(hidden_size=d),
+                          SimpleNamespace(drafter=SimpleNamespace(hidden_size=states.shape[-1])))
     for start, end in rows.sequences:
         index = c["index"][start:end]
         first = int(index[0])
