@@ -36,6 +36,7 @@ class WorkloadResult:
     queued_s: list[float] = field(default_factory=list)  # start -> admission
     first_token_s: list[float] = field(default_factory=list)  # admission -> first token
     steps: int = 0
+    cpu_s: float = 0.0  # this process's CPU time over the run (one thread: the compute it spent)
 
     @property
     def stats(self) -> GenerationStats:
@@ -53,6 +54,7 @@ class WorkloadResult:
         s = self.stats
         ms = 1e3
         return {"new_tokens": self.new_tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
+                "cpu_s": self.cpu_s, "tokens_per_cpu_s": self.new_tokens / self.cpu_s if self.cpu_s > 0 else 0.0,
                 "tau": s.tau, "steps": self.steps, "drafted_tokens": s.drafted_tokens,
                 "accepted_tokens": s.accepted_tokens,
                 "token_latency_ms_mean": ms * statistics.fmean(self.token_gaps_s) if self.token_gaps_s else 0.0,
@@ -76,7 +78,7 @@ def run_workload(engine, prompts: list[list[int]], concurrency: int, max_new_tok
     queue = list(range(len(prompts)))[::-1]
     outputs: list[GenerationOutput | None] = [None] * len(prompts)
     res = WorkloadResult([], 0.0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     in_flight: dict[int, int] = {}  # slot -> prompt index
 
     def collect(slot: int):
@@ -104,5 +106,6 @@ def run_workload(engine, prompts: list[list[int]], concurrency: int, max_new_tok
             collect(slot)
         res.steps += 1
     res.wall_s = time.perf_counter() - t0
+    res.cpu_s = time.process_time() - c0
     res.outputs = outputs
     return res
