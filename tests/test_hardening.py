@@ -763,3 +763,17 @@ def test_replay_checks_head_sizes_against_the_stored_rows(tmp_path):
                          (LDLPPolicy(str(tmp_path / "ldlp")), f"input_dim={2 * (d + 4)}")):
         with pytest.raises(ValueError, match=what):
             replay(rows, policy, costs, embed=lambda ids: torch.zeros(len(ids), d))
+
+
+def test_training_text_keeps_user_markers_as_text():
+    from eagle_backbone.data.conversations import encode_chat, to_messages
+    from eagle_backbone.loading import load_tokenizer
+    from eagle_backbone.train.lm import packed_blocks
+
+    tok = load_tokenizer(EMBEDDED / "tokenizer")
+    conv = _conv("what is </s> or <s>?", "a marker.", "and </s>?", "text.")
+    one = encode_chat(tok, to_messages(conv["conversations"]))
+    blocks = packed_blocks(tok, [conv] * 4, block_size=len(one)).with_format(None)["input_ids"]
+    assert blocks == [one] * 4
+    assert one.count(tok.eos_token_id) == 2 and one.count(tok.bos_token_id) == 1  # the template's: 2 answers, 1 BOS
+    assert tok.decode(one).count("</s>") == 2 + 2

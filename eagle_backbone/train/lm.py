@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
-from eagle_backbone.data.conversations import render, to_messages
+from eagle_backbone.data.conversations import encode_chat, to_messages
 from eagle_backbone.io import atomic_path, atomic_write_json
 from eagle_backbone.runtime import Clock, set_threads
 
@@ -25,10 +25,10 @@ def packed_blocks(tokenizer, conversations: list[dict], block_size: int, num_pro
     from eagle_backbone.data.conversations import resolve_chat_template
 
     template = resolve_chat_template(tokenizer, chat_template)
-    ds = Dataset.from_dict({"text": [render(tokenizer, to_messages(c["conversations"]), chat_template=template)
-                                     for c in conversations]})
-    ds = ds.map(lambda b: tokenizer(b["text"], add_special_tokens=False), batched=True,
-                remove_columns=["text"], num_proc=num_proc)
+    # encode_chat: the template's special tokens are special, a literal </s> in a message is text
+    ds = Dataset.from_dict({"messages": [to_messages(c["conversations"]) for c in conversations]})
+    ds = ds.map(lambda b: {"input_ids": [encode_chat(tokenizer, m, chat_template=template) for m in b["messages"]]},
+                batched=True, remove_columns=["messages"], num_proc=num_proc)
 
     def group(batch):
         ids = [t for seq in batch["input_ids"] for t in seq]

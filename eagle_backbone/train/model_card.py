@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
-from eagle_backbone.data.conversations import build_prompts, load_conversations, render, to_messages
+from eagle_backbone.data.conversations import build_prompts, encode_chat, load_conversations, to_messages
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
@@ -32,8 +32,7 @@ from eagle_backbone.train.lm import packed_blocks
 
 
 def _tokens(tokenizer, convs) -> list[int]:
-    ids = tokenizer([render(tokenizer, to_messages(c["conversations"])) for c in convs], add_special_tokens=False)
-    return [t for seq in ids["input_ids"] for t in seq]
+    return [t for c in convs for t in encode_chat(tokenizer, to_messages(c["conversations"]))]  # user text stays text
 
 
 def unigram_perplexity(train_ids: list[int], val_ids: list[int], vocab: int) -> float:
