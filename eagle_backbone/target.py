@@ -45,6 +45,29 @@ def raise_if_unreadable(path: Path, error: Exception) -> None:
                          "or train it again") from None
 
 
+def wrong_shapes(path: Path, trust_remote_code: bool = False) -> list[str]:
+    """The tensors of a folder's safetensors whose shapes differ from what its config.json builds (read from
+    the files' headers and a model on the meta device: no weights are loaded)."""
+    try:
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        out = []
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as sf:
+                for k in sf.keys():
+                    shape = tuple(sf.get_slice(k).get_shape())
+                    if k in expected and expected[k] != shape:
+                        out.append(f"{k} {shape} (config implies {expected[k]})")
+        return out or ["(see transformers' load report above)"]
+    except Exception:  # the names are a courtesy: the refusal stands without them
+        return ["(see transformers' load report above)"]
+
+
 def check_loading_info(path: Path, info: dict, role: str = "target") -> None:
     """Refuse a transformers load whose report (``output_loading_info=True``) has missing, unexpected or
     mismatched keys: one line naming the folder and the keys."""
@@ -100,6 +123,9 @@ class TargetModel(nn.Module):
                                                                output_loading_info=True)
         except Exception as e:
             raise_if_unreadable(path, e)
+            if "ignore_mismatched_sizes" in str(e):  # transformers refuses wrong shapes with a multi-line report
+                raise ValueError(f"{role} {path}: the weights do not match {path / 'config.json'}: wrong shapes "
+                                 f"{wrong_shapes(path, trust_remote_code)}") from None
             raise
         check_loading_info(path, info, role)
         return cls(model.to(device))

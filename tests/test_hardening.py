@@ -64,6 +64,13 @@ def test_target_with_missing_or_unexpected_weights_is_refused(tmp_path):
     with pytest.raises(ValueError) as e:
         TargetModel.from_pretrained(_save_llama(tmp_path / "extra", add="extra.weight"))
     assert "extra.weight" in _one_line(e) and "unexpected" in str(e.value)
+    path = _save_llama(tmp_path / "shape")
+    state = load_file(str(path / "model.safetensors"))
+    state["model.norm.weight"] = torch.ones(5)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        TargetModel.from_pretrained(path)
+    assert "model.norm.weight (5,) (config implies (32,))" in _one_line(e) and str(path) in str(e.value)
     # a tied output head is not missing: it is the embedding
     tied = TargetModel.from_pretrained(_save_llama(tmp_path / "tied", tie=True))
     assert tied.lm_head.weight.data_ptr() == tied.embed_tokens.weight.data_ptr()
