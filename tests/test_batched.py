@@ -138,6 +138,12 @@ def test_greedy_identity_mixed_prompts_and_gammas(t32, eagle32, draft_lm, kind):
         assert sum(o.stats.accepted_tokens for o in out) > 10  # drafts were accepted, not only rejected
 
 
+def test_greedy_identity_with_sdpa_attention(t32, draft_lm):
+    prompts = prompts_of((5, 12, 3))
+    engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=3, policy=PromptGamma, attn="sdpa")
+    assert [o.tokens for o in engine.generate(prompts, 16)] == ar(t32, prompts, 16)
+
+
 def test_greedy_identity_varying_gamma_and_early_stop(t32, draft_lm):
     prompts = prompts_of((4, 7, 10, 2))
     engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=4, policy=Varying)
@@ -317,12 +323,14 @@ def test_chi_square_has_power_against_a_broken_residual(no_eos, rough_drafter, m
     assert _chi2_pvalue(samples, exact, len(samples)) < 1e-5
 
 
-def test_a_sequences_samples_do_not_depend_on_the_batch(t32, draft_lm):
+@pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
+def test_a_sequences_samples_do_not_depend_on_the_batch(t32, eagle32, draft_lm, kind):
     cfg = SamplingConfig(temperature=1.0)
+    drafter = eagle32 if kind == "eagle" else draft_lm
     prompts = prompts_of((5, 8, 3))
-    alone = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=1, policy=StaticPolicy(2), sampling=cfg)
+    alone = BatchedSpeculativeEngine(t32, drafter, kind, slots=1, policy=StaticPolicy(2), sampling=cfg)
     ref = alone.generate(prompts[1:2], 16, seeds=[42])[0].tokens
-    both = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=3, policy=StaticPolicy(2), sampling=cfg)
+    both = BatchedSpeculativeEngine(t32, drafter, kind, slots=3, policy=StaticPolicy(2), sampling=cfg)
     out = both.generate([prompts[0], prompts[2], prompts[1]], 16, seeds=[1, 2, 42])
     assert out[2].tokens == ref
 
