@@ -92,3 +92,19 @@ def atomic_write_json(path: str | Path, obj, newline: bool = True, **kwargs) -> 
     """``json.dumps(obj, indent=2, **kwargs)``, plus a final newline unless ``newline=False``."""
     kwargs.setdefault("indent", 2)
     return atomic_write_text(path, json.dumps(obj, **kwargs) + ("\n" if newline else ""))
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """A Lightning checkpoint is a zip archive (torch.save): a torn or corrupt one fails its CRC check here, in
+    one line naming the file and what to do, instead of ``PytorchStreamReader failed`` inside ``fit``."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+            problem = f"member {bad} is corrupt" if bad else None
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    if problem:
+        raise ValueError(f"{path}: torn or corrupt checkpoint ({problem}); delete it to train from the start, or "
+                         "pass resume=false")

@@ -473,6 +473,14 @@ def test_a_torn_last_checkpoint_with_resume_fails_in_one_line(tmp_path):
 
     torch.save({"state_dict": {"w": torch.zeros(3)}, "epoch": 1}, ckpt / "good.ckpt")
     check_checkpoint(ckpt / "good.ckpt")  # a whole one passes
+    # the LM and drafter trainers (resume=true by default) check theirs too, before fit
+    from eagle_backbone.train.lm import fit_resumable
+
+    trainer = {"_target_": "lightning.pytorch.Trainer", "default_root_dir": str(tmp_path), "logger": False,
+               "enable_progress_bar": False}
+    with pytest.raises(ValueError) as e:
+        fit_resumable(None, None, trainer, None, ckpt, resume=True)
+    assert str(ckpt / "last.ckpt") in _one_line(e) and "torn or corrupt" in str(e.value)
 
 
 # -- 8. cheap inputs are validated before any weights load --------------------------------------------

@@ -15,7 +15,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from eagle_backbone.data.conversations import encode_chat, to_messages
-from eagle_backbone.io import atomic_path, atomic_write_json
+from eagle_backbone.io import atomic_path, atomic_write_json, check_checkpoint
 from eagle_backbone.runtime import Clock, set_threads
 
 
@@ -154,6 +154,8 @@ def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume:
     trainer = hydra.utils.instantiate(trainer_cfg, logger=hydra.utils.instantiate(logger_cfg),
                                       callbacks=[ckpt, LearningRateMonitor("step")])
     last = ckpt_dir / "last.ckpt"
+    if resume and last.exists():
+        check_checkpoint(last)  # a torn one: one line, not PytorchStreamReader's traceback
     clock = Clock()
     start = clock()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume and last.exists() else None)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from eagle_backbone.io import atomic_path, atomic_write_json
+from eagle_backbone.io import atomic_path, atomic_write_json, check_checkpoint
 from eagle_backbone.runtime import Clock, set_threads
 from ldlp.labels.store import (load_oracle_rows, load_oracle_sequences, read_manifest, require_columns,
                                split_by_conversation)
@@ -385,22 +385,6 @@ def log_results(logger, results: dict, timing: dict | None, step: int) -> None:
         cols = ["predictor"] + list(next(iter(results.values())).keys())
         logger.log_table("ldlp_metrics", columns=cols, data=[[n] + list(m.values()) for n, m in results.items()])
     logger.save()
-
-
-def check_checkpoint(path: Path) -> None:
-    """A Lightning checkpoint is a zip archive (torch.save): a torn or corrupt one fails its CRC check here, in
-    one line naming the file and what to do, instead of ``PytorchStreamReader failed`` inside ``fit``."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
-            problem = f"member {bad} is corrupt" if bad else None
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-        problem = f"{type(e).__name__}: {e}"
-    if problem:
-        raise ValueError(f"{path}: torn or corrupt checkpoint ({problem}); delete it to train from the start, or "
-                         "pass resume=false")
 
 
 def run_ldlp_training(cfg) -> dict | None:
