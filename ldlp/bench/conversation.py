@@ -144,7 +144,13 @@ def load_questions(data_cfg, tokenizer) -> QuestionSet:
     prompt list) gives own-answer questions; otherwise each prompt of
     :func:`ldlp.bench.loaders.load_prompts` is a question with one fixed prompt (ShareGPT's ``turns=all``
     takes the history answers from the data, as before). Categories come from the file's ``category``."""
-    from eagle_backbone.data.conversations import encode_chat, load_conversations, resolve_chat_template, to_messages
+    from eagle_backbone.data.conversations import (
+        ROLE_OF,
+        encode_chat,
+        load_conversations,
+        resolve_chat_template,
+        to_messages,
+    )
     from ldlp.bench.loaders import config_key, load_prompts, prompt_set_info
 
     key = config_key(data_cfg) + str(getattr(tokenizer, "name_or_path", id(tokenizer)))
@@ -158,8 +164,7 @@ def load_questions(data_cfg, tokenizer) -> QuestionSet:
                                        on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
                                        sample_seed=data_cfg.get("sample_seed"))
     category = {str(c["id"]): c.get("category") for c in conversations}
-    own = turns == "all" and not any(t["from"] in ("gpt", "assistant", "chatgpt", "bard", "bing")
-                                     for c in conversations for t in c["conversations"])
+    own = turns == "all" and not any(ROLE_OF[t["from"]] == "assistant" for c in conversations for t in c["conversations"])
     dropped: dict = {}
     if not own:
         prompts = load_prompts(data_cfg, tokenizer)
