@@ -1,14 +1,23 @@
 """Tiny randomly initialised Llama targets and EAGLE drafters, built in float64 so that greedy ties
 between one-token and many-token forwards cannot flip an argmax."""
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+# One thread per process, as the scripts' default threads=1: tiny models gain nothing from more, and on a
+# busy 2-core machine OpenMP threads waiting on each other made tests up to ten times slower (test_sampling
+# and test_policies: 634 s against 68 s). Set OMP_NUM_THREADS to choose otherwise; started scripts inherit it.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, os.environ.get("OMP_NUM_THREADS", "1"))
 
-from eagle_backbone.drafter import EagleDrafter
-from eagle_backbone.target import TargetModel
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+from eagle_backbone.drafter import EagleDrafter  # noqa: E402
+from eagle_backbone.target import TargetModel  # noqa: E402
 
 
 def tiny_llama_config(vocab=64, d=32, layers=2, max_pos=256, eos=2, **kw):
