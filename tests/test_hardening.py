@@ -792,3 +792,18 @@ def test_training_text_keeps_user_markers_as_text():
     assert blocks == [one] * 4
     assert one.count(tok.eos_token_id) == 2 and one.count(tok.bos_token_id) == 1  # the template's: 2 answers, 1 BOS
     assert tok.decode(one).count("</s>") == 2 + 2
+
+
+def test_pooling_refuses_runs_of_different_prompt_sets():
+    from test_pool import _runs
+
+    from ldlp.bench.pool import pool
+
+    runs = _runs(1.02, n_runs=2)
+    for r, sha in zip(runs, ("a" * 64, "b" * 64)):
+        r.update(model="m", dataset="prompts", data_path="/d/q.jsonl", data_sha256=sha, n_prompts=40)
+    with pytest.raises(ValueError) as e:
+        pool(runs, bootstrap=10)
+    assert "data_sha256" in _one_line(e) and "run 2 and run 1" in str(e.value)
+    runs[1]["data_sha256"] = "a" * 64
+    assert pool(runs, bootstrap=10)["reference"]

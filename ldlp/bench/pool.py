@@ -18,6 +18,29 @@ def contender_key(row: dict) -> str:
     return f"{row['contender']} ({setting})" if row.get("adaptive") else row["contender"]
 
 
+# what pooled runs must share: the model, the prompt set (file, content hash, subset, turns) and the budget
+RUN_IDENTITY = ("model", "dataset", "data_path", "data_sha256", "limit", "sample_seed", "turns", "n_prompts",
+                "max_new_tokens")
+
+
+def same_prompt_set(results: list[dict], names: list[str]) -> None:
+    """Refuse runs of different models or prompt sets (compared on the keys every run records); warn once
+    when runs predate the prompt file's hash (their files cannot be told apart then)."""
+    import logging
+
+    shared = [k for k in RUN_IDENTITY if all(k in r for r in results)]
+    for name, res in zip(names[1:], results[1:]):
+        diff = [f"{k} {results[0][k]!r} vs {res[k]!r}" for k in shared if res[k] != results[0][k]]
+        if diff:
+            raise ValueError(f"pool: {name} and {names[0]} ran different settings ({'; '.join(diff)}): pool runs of "
+                             "one model on one prompt set only")
+    old = [name for name, r in zip(names, results) if "data_sha256" not in r]
+    if old and len(results) > 1:
+        logging.getLogger(__name__).warning(
+            "pool: %d of %d runs predate the prompt-file hash (e.g. %s): their prompt files cannot be told apart",
+            len(old), len(results), old[0])
+
+
 def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2000, seed: int = 0) -> dict:
     """Pool head-to-head runs (``head_to_head.json`` contents).
 
@@ -32,6 +55,7 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
     if not results:
         raise ValueError("pool: no head-to-head runs given")
     where = names or [f"run {i + 1}" for i in range(len(results))]
+    same_prompt_set(results, where)
     keyed = []  # per run: contender key -> row index
     for name, res in zip(where, results):
         if not res.get("lossless", False):
