@@ -74,7 +74,10 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     each special string in a message is hidden behind a placeholder while the template renders, the
     rendering is cut at the special tokens left (the template's), and the text between them, the
     messages' strings restored, is tokenized with ``split_special_tokens=True``: a tokenizer cuts its input
-    at special tokens anyway, so the template's text tokenizes as it would have."""
+    at special tokens anyway, so the template's text tokenizes as it would have. (One exception: a
+    Metaspace pre-tokenizer with ``prepend_scheme="first"`` prefixes every piece tokenized alone with a word
+    boundary, which it does not do after a special token; byte-level BPE, the embedded tokenizer, and
+    Llama-1/Vicuna's, which prefixes every piece anyway, are exact.)"""
     specials = sorted({str(s) for s in tokenizer.all_special_tokens if s}, key=len, reverse=True)
     if not any(s in str(m.get("content", "")) for m in messages for s in specials):
         text = render(tokenizer, messages, add_generation_prompt, chat_template)
