@@ -659,9 +659,10 @@ def test_seeded_sampling_on_the_targets_device(tiny_eagle_pair):
     from eagle_backbone.engine import autoregressive_generate
     from eagle_backbone.sampling import SamplingConfig
 
-    target, drafter, folder = (copy.deepcopy(x) if i < 2 else x for i, x in enumerate(tiny_eagle_pair))
-    target, drafter = target.to("cuda"), drafter.to("cuda")
+    cpu_target, cpu_drafter, folder = tiny_eagle_pair
+    target, drafter = copy.deepcopy(cpu_target).to("cuda"), copy.deepcopy(cpu_drafter).to("cuda")
     cfg, prompt, n = SamplingConfig(temperature=1.0), [1, 3], 600
+    probs = _exact_sequence_distribution(cpu_target, prompt, 3, cfg)  # the same weights, enumerated on the CPU
     for kind in ("static", "ldlp"):
         policy = _policy(kind, folder)
         if kind == "ldlp":
@@ -669,7 +670,6 @@ def test_seeded_sampling_on_the_targets_device(tiny_eagle_pair):
         counts = _eagle_counts(target, drafter, policy, prompt, 3, cfg, n)
         again = _eagle_counts(target, drafter, _policy(kind, folder) if kind == "static" else policy, prompt, 3, cfg, n)
         assert counts == again  # seeded: the same outputs
-        probs = _exact_sequence_distribution(target, prompt, 3, cfg)
         assert _chi2_pvalue(counts, probs, n) > 1e-3
     runs = [autoregressive_generate(target, prompt, 8, cfg, seed=s).tokens for s in (0, 0, 1)]
     assert runs[0] == runs[1]
