@@ -108,8 +108,16 @@ def output_digest(folder: str | Path) -> dict:
     return out
 
 
+def _yaml_digest(path: Path) -> str:
+    """sha256 of a YAML file's parsed content: comments and layout do not count, keys and values do."""
+    from omegaconf import OmegaConf
+
+    content = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _config_files(globs) -> dict:
-    return {str(f.relative_to(CONF_DIR)): _file_sha256(f) for g in globs for f in sorted(CONF_DIR.glob(g))}
+    return {str(f.relative_to(CONF_DIR)): _yaml_digest(f) for g in globs for f in sorted(CONF_DIR.glob(g))}
 
 
 def fingerprint(stage: Stage, stages: dict[str, Stage]) -> tuple[str, dict]:
@@ -124,6 +132,20 @@ def fingerprint(stage: Stage, stages: dict[str, Stage]) -> tuple[str, dict]:
         inputs["python"] = sys.version
     blob = json.dumps(inputs, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest(), inputs
+
+
+def changed_inputs(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The inputs that differ between two fingerprints' inputs, e.g. ``configs/data/base.yaml`` or
+    ``after/oracle/report.md``: what a rerun is for."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new), key=str)
+        out = []
+        for k in keys:
+            if old.get(k) != new.get(k):
+                deeper = changed_inputs(old.get(k), new.get(k), f"{prefix}{k}/")
+                out += deeper if deeper else [f"{prefix}{k}"]
+        return out
+    return [] if old == new or prefix == "" else [prefix.rstrip("/")]
 
 
 def stored_fingerprint(stage: Stage) -> dict | None:
@@ -373,7 +395,9 @@ class Runner:
             print(f"{head}: done for the same inputs, skipped", flush=True)
             return False
         why = ("forced" if forced else "first run" if stored is None
-               else "continuing" if stored.get("fingerprint") == digest else "inputs changed")
+               else "continuing" if stored.get("fingerprint") == digest and not stored.get("complete")
+               else "its product is missing" if stored.get("fingerprint") == digest
+               else "changed: " + ", ".join(changed_inputs(stored.get("inputs") or {}, inputs)[:6]))
         if stage.name == "oracle" and (forced or (stored is not None and stored.get("fingerprint") != digest)):
             stage.extra = stage.extra + ["overwrite=true"]  # other inputs: the collection starts over
         print(f"{head} ({why}) ...\n  $ {' '.join(stage.command)}", flush=True)

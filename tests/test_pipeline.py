@@ -199,3 +199,19 @@ def test_help_is_the_scripts_own_and_missing_vicuna_weights_say_what_to_set():
     assert out.stderr.strip() == ("error: model.target: no model at /nonexistent/vicuna (no config.json): set "
                                   "VICUNA_PATH to the model folder or pass model.target=/path/to/it (nothing is "
                                   "downloaded)")
+
+
+def test_comments_in_a_config_change_nothing_but_a_value_does(tmp_path, monkeypatch):
+    import ldlp.pipeline as pipeline
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "a.yaml").write_text("x: 1  # one\n")
+    monkeypatch.setattr(pipeline, "CONF_DIR", conf)
+    stage = Stage("s", "s", "s.py", [], tmp_path / "out", configs=("a.yaml",))
+    first, first_inputs = fingerprint(stage, {})
+    (conf / "a.yaml").write_text("# a comment\nx: 1  # still one\n")
+    assert fingerprint(stage, {})[0] == first
+    (conf / "a.yaml").write_text("x: 2\n")
+    second, inputs = fingerprint(stage, {})
+    assert second != first and pipeline.changed_inputs(first_inputs, inputs) == ["configs/a.yaml"]
