@@ -676,11 +676,21 @@ def test_seeded_sampling_on_the_targets_device(tiny_eagle_pair):
 
 
 def test_the_random_stream_is_the_targets_device_and_unchanged_on_a_cpu():
-    from eagle_backbone.engine import _rng
+    """On a CPU target, seed=7 draws from the stream torch.Generator().manual_seed(7) gives (as before the
+    stream moved to the target's device): the same samples as passing that generator in."""
+    from eagle_backbone.candidates import DraftModelCandidateGenerator
+    from eagle_backbone.engine import SpeculativeDecoder
+    from eagle_backbone.policy import StaticPolicy
+    from eagle_backbone.sampling import SamplingConfig
 
-    g = _rng(7, torch.device("cpu"))
-    assert g.device.type == "cpu"
-    assert torch.equal(torch.rand(5, generator=g), torch.rand(5, generator=torch.Generator().manual_seed(7)))
+    target, draft = make_target(seed=11, vocab=8, d=16, layers=1), make_target(seed=12, vocab=8, d=16, layers=1)
+    target.eos_token_ids = set()
+    dec = SpeculativeDecoder(target, DraftModelCandidateGenerator(draft.model, target), StaticPolicy(2))
+    cfg = SamplingConfig(temperature=1.0)
+    for seed in (7, 8):
+        by_int = dec.generate([1, 3], 12, cfg, seed=seed).tokens
+        assert by_int == dec.generate([1, 3], 12, cfg, seed=torch.Generator().manual_seed(seed)).tokens
+    assert dec.generate([1, 3], 12, cfg, seed=7).tokens != by_int  # the seed matters: the check can fail
 
 
 # -- 9. resume=true replays the uninterrupted LDLP training bit for bit --------------------------------
