@@ -5,6 +5,7 @@
 """
 
 import logging
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -20,7 +21,14 @@ log = logging.getLogger("bench_batch")
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.batched.bench import Contender, sweep, write
     from eagle_backbone.runtime import set_threads
-    from ldlp.bench.loaders import build_policy, load_pair_cached, load_prompts, machine_info, policy_config, sampling_config
+    from ldlp.bench.loaders import (
+        build_policy,
+        load_pair_cached,
+        load_prompts,
+        machine_info,
+        policy_config,
+        sampling_config,
+    )
 
     threads = set_threads(cfg.get("threads"))
     pair = load_pair_cached(cfg.model)
@@ -49,7 +57,7 @@ def main(cfg: DictConfig) -> None:
                    rounds=int(cfg.rounds), seed=int(cfg.seed), batch1=list(cfg.batch1) if OmegaConf.is_list(cfg.batch1) else bool(cfg.batch1), candidates=pair.candidates,
                    attn=str(cfg.attn), checkpoint=lambda r: write(r, out, meta, with_plot=False), log=log.info)
     write(result, out, meta)
-    print(open(f"{out}/batch_bench.md").read())
+    print(Path(out, "batch_bench.md").read_text())
     print(f"wrote {out}/batch_bench.json, batch_bench.md, batch_bench.png")
 
 

@@ -7,19 +7,21 @@ drafts the target actually accepts. No test reads a clock."""
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_drafter, make_target
+
 from eagle_backbone.batched import engine as bengine
 from eagle_backbone.batched import sampling as bsampling
 from eagle_backbone.batched.engine import BatchedSpeculativeEngine
 from eagle_backbone.batched.model import BatchedLlama
 from eagle_backbone.batched.workload import run_workload
-from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.candidates import (
+    DraftModelCandidateGenerator,
+    EagleCandidateGenerator,
+)
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits

@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -93,12 +93,13 @@ def near_tie(target, prompt, ref, got) -> dict:
 
 
 def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contenders: list[Contender],
-          concurrency: list[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+          concurrency: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
           rounds: int = 2, seed: int = 0, batch1=True, candidates=None, attn: str = "eager",
           checkpoint: Callable[[dict], None] | None = None, log: Callable[[str], None] = print) -> dict:
     """Run the sweep; returns {"rows": [...], "differences": [...], "runs": [...]} (``checkpoint`` gets the
     partial result after every round). ``batch1``: True (AR and every static γ), False, or a list of γ
     (0 = AR) to time with today's batch-1 loop at C=1 as well."""
+    sampling = sampling or SamplingConfig()
     if not prompts:
         raise ValueError("no prompts to benchmark")
     if not contenders or contenders[0].policy != "ar":
@@ -253,17 +254,17 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     lines = ["# Batched speculative decoding: tokens/s against concurrency", ""]
     if meta:
         lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
-    lines += ["Generated tokens per wall-clock second (median over rounds); **bold**: the best static γ at that C; "
-              "(×N): ratio to batched AR at the same C.", ""]
+    lines += [("Generated tokens per wall-clock second (median over rounds); **bold**: the best static γ at that C; "
+               "(×N): ratio to batched AR at the same C."), ""]
     lines += _throughput_table(rows, "tokens_per_s") + [""] + _findings_lines(rows, "tokens_per_s", "tokens/s")
     if any(r.get("tokens_per_cpu_s") for r in rows):
-        lines += ["", "The same runs in generated tokens per CPU-second of the benchmark process (one thread): other "
-                  "jobs on a shared machine stretch wall time far more than they stretch this.", ""]
+        lines += ["", ("The same runs in generated tokens per CPU-second of the benchmark process (one thread): other "
+                       "jobs on a shared machine stretch wall time far more than they stretch this."), ""]
         lines += _throughput_table(rows, "tokens_per_cpu_s") + [""] + _findings_lines(rows, "tokens_per_cpu_s",
                                                                                           "tokens per CPU-second")
     lines += ["", "Latencies (wall clock, median over rounds) of batched AR and of the best static γ (tokens/s):", "",
-              "| C | best static γ | AR token gap ms (mean/p90) | best-γ token gap ms (mean/p90) | "
-              "AR request ms (mean/p90) | best-γ request ms (mean/p90) |", "|---:|---:|---:|---:|---:|---:|"]
+              ("| C | best static γ | AR token gap ms (mean/p90) | best-γ token gap ms (mean/p90) | "
+               "AR request ms (mean/p90) | best-γ request ms (mean/p90) |"), "|---:|---:|---:|---:|---:|---:|"]
     for C in Cs:
         b = f["best_static"].get(C)
         ar = next((x for x in batched if x["concurrency"] == C and x["policy"] == "ar"), None)
@@ -278,14 +279,14 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     if rows and rows[0]["lossless"] is not None:
         total = sum(r["n_prompts"] for r in rows)
         same = sum(r["identical"] for r in rows)
-        lines += ["", f"Greedy identity with each prompt's batch-1 AR output: {same}/{total} sequences "
-                  f"(worst round per row); rows not fully identical: {len(lossy)}."]
+        lines += ["", (f"Greedy identity with each prompt's batch-1 AR output: {same}/{total} sequences "
+                       f"(worst round per row); rows not fully identical: {len(lossy)}.")]
         d = result.get("differences", [])
         if d:
             ties = sum(bool(x["near_tie"]) for x in d)
-            lines += [f"Differing sequences: {len(d)}, of which near-ties (top-2 gap within 2 spacings of the "
-                      f"dtype at the first difference): {ties}. Largest gap: "
-                      f"{max((x['gap'] or 0) for x in d):.4g}."]
+            lines += [(f"Differing sequences: {len(d)}, of which near-ties (top-2 gap within 2 spacings of the "
+                       f"dtype at the first difference): {ties}. Largest gap: "
+                       f"{max((x['gap'] or 0) for x in d):.4g}.")]
     return "\n".join(lines) + "\n"
 
 
@@ -304,7 +305,7 @@ def plot(result: dict, path: str | Path) -> Path:
             labels.append(r["contender"])
     for lab in labels:
         xs = sorted((r["concurrency"], r["tokens_per_s"]) for r in rows if r["contender"] == lab)
-        style = dict(lw=2.2, color="black") if lab == "ar" else dict(lw=1.2, alpha=0.85)
+        style = {"lw": 2.2, "color": "black"} if lab == "ar" else {"lw": 1.2, "alpha": 0.85}
         ax.plot([x for x, _ in xs], [y for _, y in xs], marker="o", ms=3, label=lab, **style)
     for C, b in f["best_static"].items():
         ax.scatter([C], [b["tokens_per_s"]], marker="*", s=160, color="red", zorder=5)

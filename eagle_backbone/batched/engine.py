@@ -32,14 +32,25 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from eagle_backbone.batched.model import BatchedEagleDrafter, BatchedLlama, forward_groups
-from eagle_backbone.batched.sampling import (ACCEPT, DRAFT, FINAL, sample_rows, uniforms, verify_greedy_batch,
-                                             verify_sampling_batch)
+from eagle_backbone.batched.model import (
+    BatchedEagleDrafter,
+    BatchedLlama,
+    forward_groups,
+)
+from eagle_backbone.batched.sampling import (
+    ACCEPT,
+    DRAFT,
+    FINAL,
+    sample_rows,
+    uniforms,
+    verify_greedy_batch,
+    verify_sampling_batch,
+)
 from eagle_backbone.engine import GenerationOutput, check_prompt
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
@@ -71,7 +82,7 @@ class VectorisedGamma:
         self.fn, self.constant = fn, constant
 
     @staticmethod
-    def of(policy: DraftLengthPolicy) -> "VectorisedGamma | None":
+    def of(policy: DraftLengthPolicy) -> VectorisedGamma | None:
         if any(_overrides(policy, h) for h in ("keep_drafting", "observe")):
             return None
         if hasattr(policy, "gamma_batch"):
@@ -147,7 +158,7 @@ class BatchedSpeculativeEngine:
     """
 
     def __init__(self, target: TargetModel, drafter=None, kind: str | None = None, slots: int = 8,
-                 policy=None, sampling: SamplingConfig = SamplingConfig(), capacity: int | None = None,
+                 policy=None, sampling: SamplingConfig | None = None, capacity: int | None = None,
                  attn: str = "eager", prefill: str = "joined", profile: bool = False, max_draft: int = 32):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"batch size (slots) must be an integer >= 1, got {slots!r}")
@@ -155,7 +166,8 @@ class BatchedSpeculativeEngine:
             raise ValueError(f"kind must be 'eagle' or 'draft_lm' with a drafter, got {kind!r}")
         if prefill not in ("separate", "joined"):
             raise ValueError(f"prefill must be 'separate' or 'joined', got {prefill!r}")
-        self.target, self.kind, self.slots, self.sampling = target, kind if drafter is not None else None, slots, sampling
+        self.target, self.kind, self.slots = target, kind if drafter is not None else None, slots
+        self.sampling = sampling or SamplingConfig()  # greedy by default
         self.limit = min(target.max_length, capacity or target.max_length)  # positions a sequence may use
         self.trash = self.limit  # padded positions write here; no real query (position < limit) sees it
         buf = self.limit + 1
@@ -454,7 +466,7 @@ class BatchedSpeculativeEngine:
 
     def _draft(self, run, st, gammas, ctxs, draft, qprobs) -> list[int]:
         """Fill ``draft`` (R, G); returns the drafted count per row."""
-        dev, samp = self.device, self.sampling
+        dev = self.device
         R, G = draft.shape
         rows_t = torch.tensor(run, device=dev)
         # feed every running slot's pending true pairs/tokens (also γ=0 slots: the forward runs anyway)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from eagle_backbone.engine import GenerationOutput
 from eagle_backbone.metrics import GenerationStats, total
@@ -85,7 +86,7 @@ def run_workload(engine, prompts: list[list[int]], concurrency: int, max_new_tok
         s = engine.state[slot]
         outputs[s.request] = GenerationOutput(s.new, s.stats)
         times = s.token_times
-        res.token_gaps_s.extend(b - a for a, b in zip(times, times[1:]))
+        res.token_gaps_s.extend(b - a for a, b in pairwise(times))
         if times:
             res.request_s.append(times[-1] - s.t_admit)
             res.first_token_s.append(times[0] - s.t_admit)
