@@ -44,6 +44,32 @@ def make_drafter(target: TargetModel, seed=1, dtype=torch.float64) -> EagleDraft
     return d.to(dtype).eval()
 
 
+def save_tiny_pair(root: Path, vocab: int, layers: int = 2, head_scale: float | None = 8.0) -> LlamaForCausalLM:
+    """A tiny float32 Llama target (seed 0; its LM head scaled by ``head_scale`` so greedy paths are not
+    near-ties) and its EAGLE drafter sharing the target's embedding, saved to ``root/{target,drafter}`` as
+    the embedded pair is; returns the target."""
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama_config(vocab=vocab, d=32, layers=layers, max_pos=512, eos=2))
+    if head_scale:
+        with torch.no_grad():
+            target.lm_head.weight.mul_(head_scale)
+    target.save_pretrained(root / "target")
+    drafter = EagleDrafter.from_target_config(target.config)
+    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    drafter.save_pretrained(root / "drafter")
+    return target
+
+
+def compose_config(name: str, overrides: list[str]):
+    """The config ``scripts/<name>.py`` would compose under ``overrides`` (conf/ of this checkout)."""
+    from hydra import compose, initialize_config_dir
+
+    import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
 def table_rows(md: str) -> list[str]:
     """The first cell of every body row of the Markdown tables in ``md`` (header and rule rows left
     out): what a test checks of a generated table (one row per contender) without pinning its layout."""

@@ -6,11 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import table_rows, tiny_llama_config
+from conftest import compose_config, save_tiny_pair, table_rows, tiny_llama_config
 from hydra import compose, initialize_config_dir
 from transformers import LlamaForCausalLM
 
-from eagle_backbone.drafter import EagleDrafter
 from ldlp.bench.evaluate import RESULT_KEYS, evaluate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,14 +22,7 @@ def tiny_models(tmp_path_factory):
     """A tiny Llama target, an EAGLE drafter and a standalone draft LM, saved like the embedded ones, and
     ``noisy_lm``: the target with noise on its LM head, a draft LM the target accepts sometimes."""
     root = tmp_path_factory.mktemp("models")
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, d=32, layers=2, max_pos=512, eos=2))
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)
-    target.save_pretrained(root / "target")
-    drafter = EagleDrafter.from_target_config(target.config)
-    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
-    drafter.save_pretrained(root / "drafter")
+    target = save_tiny_pair(root, VOCAB)
     torch.manual_seed(2)
     LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, d=32, layers=1, max_pos=512, eos=2)).save_pretrained(root / "draft_lm")
     g = torch.Generator().manual_seed(0)
@@ -60,10 +52,7 @@ def overrides(models: Path, prompts: Path, draft_lm: bool = False) -> list[str]:
 
 
 def compose_eval(extra: list[str]):
-    import eagle_backbone.paths  # noqa: F401
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="evaluate", overrides=extra)
+    return compose_config("evaluate", extra)
 
 
 def test_evaluate_writes_every_key_and_is_lossless(tiny_models, prompt_file, tmp_path):

@@ -1,15 +1,14 @@
 """Issue 13: silent wrong results and errors that were tracebacks. Each test fails on the code before its fix."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import compose_config, make_target, save_tiny_pair, tiny_llama_config
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from conftest import make_target, tiny_llama_config
 from eagle_backbone.paths import REPO_ROOT
 
 EMBEDDED = REPO_ROOT / "data" / "embedded"
@@ -157,30 +156,18 @@ TOKENIZER = REPO / "data" / "embedded" / "tokenizer"
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    from eagle_backbone.drafter import EagleDrafter
-
     root = tmp_path_factory.mktemp("pair")
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(tiny_llama_config(vocab=4096, d=32, layers=1, max_pos=512, eos=2))
-    target.save_pretrained(root / "target")
-    drafter = EagleDrafter.from_target_config(target.config)
-    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
-    drafter.save_pretrained(root / "drafter")
+    save_tiny_pair(root, 4096, layers=1, head_scale=None)
     return root
 
 
 def _eval_cfg(models: Path, prompts: Path, extra=()):
-    from hydra import compose, initialize_config_dir
-
-    import eagle_backbone.paths  # noqa: F401
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="evaluate", overrides=[
-            f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
-            "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float32", "data=mt_bench",
-            f"data.path={prompts}", "generation.max_new_tokens=4", "evaluation.repeats=1", "evaluation.warmup=0",
-            "evaluation.calibration_prompts=1", "evaluation.progress=false", "threads=1",
-            *([] if any(x.startswith("policy=") for x in extra) else ["policy=static", "policy.gamma=2"]), *extra])
+    return compose_config("evaluate", [
+        f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
+        "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float32", "data=mt_bench",
+        f"data.path={prompts}", "generation.max_new_tokens=4", "evaluation.repeats=1", "evaluation.warmup=0",
+        "evaluation.calibration_prompts=1", "evaluation.progress=false", "threads=1",
+        *([] if any(x.startswith("policy=") for x in extra) else ["policy=static", "policy.gamma=2"]), *extra])
 
 
 def _question_file(path: Path, questions: list[str]) -> Path:
@@ -315,12 +302,11 @@ def test_a_complete_collection_trains_without_the_override(tmp_path):
 
 def test_ldlp_training_refuses_an_incomplete_collection_and_records_the_override(tmp_path):
     from hydra import compose, initialize_config_dir
+    from test_ldlp import tiny_target_folder, write_oracle
 
     import eagle_backbone.paths  # noqa: F401
     from ldlp.predictor import LDLP
     from ldlp.training.predictor import run_ldlp_training
-
-    from test_ldlp import tiny_target_folder, write_oracle
 
     target = tiny_target_folder(tmp_path / "target")
     oracle = write_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=6, d=32, store_features=True)
@@ -445,11 +431,10 @@ def test_heads_of_the_wrong_size_fail_before_any_generation(tmp_path, target, dr
 
 def test_a_torn_last_checkpoint_with_resume_fails_in_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
+    from test_ldlp import write_oracle
 
     import eagle_backbone.paths  # noqa: F401
     from ldlp.training.predictor import run_ldlp_training
-
-    from test_ldlp import write_oracle
 
     oracle = write_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=6, d=32, store_features=True)
     ckpt = tmp_path / "ckpt"
@@ -698,12 +683,11 @@ def test_the_random_stream_is_the_targets_device_and_unchanged_on_a_cpu():
 
 def test_ldlp_training_resumed_from_last_ckpt_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_dir
+    from test_ldlp import tiny_target_folder, write_oracle
 
     import eagle_backbone.paths  # noqa: F401
     from ldlp.predictor import LDLP
     from ldlp.training import predictor as P
-
-    from test_ldlp import tiny_target_folder, write_oracle
 
     target = tiny_target_folder(tmp_path / "target")
     oracle = write_oracle(tmp_path / "oracle", n_conversations=10, rows_per_conv=6, d=32, store_features=True)

@@ -7,11 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama_config
-from hydra import compose, initialize_config_dir
-from transformers import LlamaForCausalLM
-
-from eagle_backbone.drafter import EagleDrafter
+from conftest import compose_config, save_tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "data" / "embedded" / "tokenizer"  # committed; its vocabulary (4096) sizes the tiny models
@@ -29,14 +25,7 @@ QUESTIONS = [  # MT-bench layout: two user turns, a category; the last is far to
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, d=32, layers=2, max_pos=512, eos=2))
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)
-    target.save_pretrained(root / "target")
-    drafter = EagleDrafter.from_target_config(target.config)
-    drafter.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
-    drafter.save_pretrained(root / "drafter")
+    save_tiny_pair(root, VOCAB)
     return root
 
 
@@ -48,15 +37,12 @@ def question_file(tmp_path_factory):
 
 
 def compose_eval(models: Path, questions: Path, extra=()):
-    import eagle_backbone.paths  # noqa: F401
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="evaluate", overrides=[
-            f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
-            "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float64", "data=mt_bench",
-            f"data.path={questions}", "data.limit=null", "data.turns=all", "data.max_prompt_tokens=200",
-            "generation.max_new_tokens=10", "evaluation.repeats=2", "evaluation.progress=false", "threads=1",
-            "policy=static", "policy.gamma=3", *extra])
+    return compose_config("evaluate", [
+        f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
+        "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float64", "data=mt_bench",
+        f"data.path={questions}", "data.limit=null", "data.turns=all", "data.max_prompt_tokens=200",
+        "generation.max_new_tokens=10", "evaluation.repeats=2", "evaluation.progress=false", "threads=1",
+        "policy=static", "policy.gamma=3", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +169,7 @@ def test_answer_files_have_the_format_and_match_the_summary(two_turn_run):
 
 def test_summary_writes_the_spec_bench_table(two_turn_run, tmp_path):
     from conftest import table_rows
+
     from ldlp.report.summary import summarize
 
     result, out = two_turn_run
