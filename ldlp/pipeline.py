@@ -371,7 +371,7 @@ def _ar_impl(run_dir: Path | None) -> str | None:
     return None
 
 
-class Runner:
+class StageRunner:
     """Runs stages in order: a stage whose stored fingerprint equals its inputs' is skipped."""
 
     def __init__(self, cfg, stages: list[Stage]):
@@ -426,7 +426,7 @@ def run(cfg, model: str = "embedded") -> dict:
 
     check_models(cfg, model)
     stages = plan(cfg, model)
-    runner = Runner(cfg, stages)
+    runner = StageRunner(cfg, stages)
     ar_impl = None  # decided (timed) by the first sweep, then fixed: later processes skip the calibration
     fixed_ar = any(o.startswith("evaluation.ar_baseline=") for o in cfg.sweep.overrides)
     h2h = cfg.get("head_to_head")

@@ -4,14 +4,14 @@
     python scripts/compare.py 'contenders=["policy=static policy.gamma=6","policy=ldlp_ddd"]' rounds=8
 """
 
-import json
 from pathlib import Path
 
 import hydra
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from eagle_backbone.io import atomic_write_json, atomic_write_text
 from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
 from ldlp.bench.loaders import policy_config
 
@@ -24,8 +24,8 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = head_to_head_markdown(result)
-    (out / "head_to_head.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out / "head_to_head.md").write_text(md)
+    atomic_write_json(out / "head_to_head.json", result, default=str)
+    atomic_write_text(out / "head_to_head.md", md)
     print(md)
     print(f"wrote {out / 'head_to_head.md'}")
 

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.pipeline import Runner, Stage, fingerprint, plan, publish, store_fingerprint
+from ldlp.pipeline import Stage, StageRunner, fingerprint, plan, publish, store_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,7 @@ def _stages(script, tmp_path, up_text="a", reads=()):
 
 def _run_all(tmp_path, stages, force=False) -> list[str]:
     cfg = OmegaConf.create({"force": force, "paths": {"results": str(tmp_path / "results")}})
-    runner = Runner(cfg, stages)
+    runner = StageRunner(cfg, stages)
     for k, s in enumerate(stages, 1):
         runner(s, k, len(stages))
     return runner.ran
