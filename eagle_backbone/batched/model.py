@@ -5,12 +5,12 @@ Why a forward of our own (route b) and not transformers' ``LlamaModel.forward`` 
 forward costs per call a fixed overhead of Python (output capturing, kwargs checks, mask preparation, a
 rotary recomputation) on top of the same matrix products. Measured on the embedded target (8 layers,
 d=384, eager attention, one thread, a one-token step after 256 cached positions, median of 30
-interleaved, process CPU time because the machine was shared; ``python -m eagle_backbone.batched.model``):
+interleaved, process CPU time; ``python -m eagle_backbone.batched.model``), on a quiet machine:
 
-    bf16  B=1: route a 12.63 ms, route b 11.49 ms (-9%);  B=16: route a 32.43 ms, route b 29.86 ms (-8%)
-    fp32  B=1: route a 13.35 ms, route b 12.16 ms (-9%);  B=16: route a 43.81 ms, route b 42.05 ms (-4%)
+    bf16  B=1: route a 11.05 ms, route b 10.17 ms (-8%);  B=16: route a 21.28 ms, route b 19.35 ms (-9%)
+    fp32  B=1: route a 10.09 ms, route b  9.34 ms (-7%);  B=16: route a 34.20 ms, route b 32.84 ms (-4%)
 
-(absolute times are inflated by the other jobs on that machine; the ratios decided), and a step calls the
+(and -9%/-8% in bf16 when the machine was loaded), and a step calls the
 target once and the drafter up to γ+1 times. The compact forward calls the checkpoint's own submodules (RMSNorm, q/k/v/o
 projections, MLP, rotary inverse frequencies): no weight is copied or re-laid out, so any Llama-family
 checkpoint (Vicuna-7B included) loads unchanged through ``AutoModelForCausalLM``, and the per-token math is
