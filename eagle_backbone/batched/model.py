@@ -10,9 +10,9 @@ interleaved, process CPU time; ``python -m eagle_backbone.batched.model``), on a
     bf16  B=1: route a 11.05 ms, route b 10.17 ms (-8%);  B=16: route a 21.28 ms, route b 19.35 ms (-9%)
     fp32  B=1: route a 10.09 ms, route b  9.34 ms (-7%);  B=16: route a 34.20 ms, route b 32.84 ms (-4%)
 
-(and -9%/-8% in bf16 when the machine was loaded), and a step calls the
-target once and the drafter up to γ+1 times. The compact forward calls the checkpoint's own submodules (RMSNorm, q/k/v/o
-projections, MLP, rotary inverse frequencies): no weight is copied or re-laid out, so any Llama-family
+(and -9%/-8% in bf16 when the machine was loaded), and a step calls the target once and the drafter up
+to γ+1 times. The compact forward calls the checkpoint's own submodules (RMSNorm, q/k/v/o projections,
+MLP, rotary inverse frequencies): no weight is copied or re-laid out, so any Llama-family
 checkpoint (Vicuna-7B included) loads unchanged through ``AutoModelForCausalLM``, and the per-token math is
 transformers' (tests/test_batched.py checks the logits). Only attention and the cache are ours:
 
