@@ -30,7 +30,8 @@ import torch
 from eagle_backbone.batched.engine import BatchedSpeculativeEngine
 from eagle_backbone.batched.workload import run_workload
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
-from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
+from eagle_backbone.runtime import set_threads
 from eagle_backbone.sampling import SamplingConfig
 
 ROW_KEYS = ("contender", "engine", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
@@ -148,14 +149,14 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
                              "identical": None if same is None else sum(same)})
                 log(f"round {r} C={C:>2} {c.label:<14} {engine_kind:<7} {summ['tokens_per_s']:7.1f} tok/s "
                     f"tau {summ['tau']:.2f}" + ("" if same is None else f" identical {sum(same)}/{len(same)}"))
-            result = {"rows": aggregate(runs, contenders, sampling, len(prompts)),
+            result = {"rows": aggregate_runs(runs, contenders, sampling, len(prompts)),
                       "differences": list(diffs.values()), "runs": runs, "rounds_done": r + (ci + 1) / len(concurrency)}
             if checkpoint:  # after every C: a stopped run still leaves its measured rows
                 checkpoint(result)
     return result
 
 
-def aggregate(runs: list[dict], contenders: list[Contender], sampling: SamplingConfig, n_prompts: int) -> list[dict]:
+def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: SamplingConfig, n_prompts: int) -> list[dict]:
     keys = []
     for x in runs:
         k = (x["contender"], x["engine"], x["concurrency"])
@@ -290,7 +291,7 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: str | Path) -> Path:
+def plot_tokens_per_s(result: dict, path: str | Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -319,12 +320,10 @@ def plot(result: dict, path: str | Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path, keep_suffix=True) as tmp:  # keeps the suffix: matplotlib picks the format by it
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    tmp.replace(path)
-    return path
+    return Path(path)
 
 
 def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot: bool = True) -> Path:
@@ -337,7 +336,7 @@ def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot
                                                      "runs": result["runs"]}, indent=2, default=str)
     atomic_write_text(out / "batch_bench.md", markdown(result, meta))
     if with_plot and result["rows"]:
-        plot(result, out / "batch_bench.png")
+        plot_tokens_per_s(result, out / "batch_bench.png")
     return out
 
 
@@ -415,7 +414,7 @@ if __name__ == "__main__":
     from eagle_backbone.paths import REPO_ROOT
     from eagle_backbone.policy import StaticPolicy
 
-    torch.set_num_threads(1)
+    set_threads(1)
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/bench_batch")
     e = REPO_ROOT / "data" / "embedded"
     pair = load_pair({"target": str(e / "target"), "drafter": str(e / "drafter"), "drafter_kind": "eagle",

@@ -260,8 +260,9 @@ if __name__ == "__main__":
     from transformers import AutoModelForCausalLM
 
     from eagle_backbone.paths import REPO_ROOT
+    from eagle_backbone.runtime import set_threads
 
-    torch.set_num_threads(1)
+    set_threads(1)
     for dtype in (torch.bfloat16, torch.float32):
         m = AutoModelForCausalLM.from_pretrained(REPO_ROOT / "data/embedded/target", dtype=dtype,
                                                  attn_implementation="eager").eval()
