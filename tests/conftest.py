@@ -60,6 +60,15 @@ def save_tiny_pair(root: Path, vocab: int, layers: int = 2, head_scale: float | 
     return target
 
 
+def pair_overrides(models: Path, dtype: str = "float64", draft_lm: bool = False) -> list[str]:
+    """The ``model.*`` overrides for a pair saved by :func:`save_tiny_pair` (with the embedded tokenizer)."""
+    tokenizer = Path(__file__).resolve().parent.parent / "data" / "embedded" / "tokenizer"
+    return [f"model.target={models / 'target'}", f"model.tokenizer={tokenizer}",
+            f"model.drafter={models / ('draft_lm' if draft_lm else 'drafter')}",
+            f"model.drafter_kind={'draft_lm' if draft_lm else 'eagle'}", f"model.name={'tiny_lm' if draft_lm else 'tiny'}",
+            f"model.dtype={dtype}"]
+
+
 def compose_config(name: str, overrides: list[str]):
     """The config ``scripts/<name>.py`` would compose under ``overrides`` (conf/ of this checkout)."""
     from hydra import compose, initialize_config_dir

@@ -6,14 +6,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, save_tiny_pair, table_rows, tiny_llama_config
+from conftest import compose_config, pair_overrides, save_tiny_pair, table_rows, tiny_llama_config
 from hydra import compose, initialize_config_dir
 from transformers import LlamaForCausalLM
 
 from ldlp.bench.evaluate import RESULT_KEYS, evaluate
 
 REPO = Path(__file__).resolve().parent.parent
-TOKENIZER = REPO / "data" / "embedded" / "tokenizer"  # committed; its vocabulary (4096) sizes the tiny models
 VOCAB = 4096
 
 
@@ -44,10 +43,7 @@ def prompt_file(tmp_path_factory):
 
 
 def overrides(models: Path, prompts: Path, draft_lm: bool = False) -> list[str]:
-    return [f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}",
-            f"model.drafter={models / ('draft_lm' if draft_lm else 'drafter')}",
-            f"model.drafter_kind={'draft_lm' if draft_lm else 'eagle'}", f"model.name={'tiny_lm' if draft_lm else 'tiny'}",
-            "model.dtype=float64", "data=mt_bench", f"data.path={prompts}", "data.limit=2",
+    return pair_overrides(models, draft_lm=draft_lm) + ["data=mt_bench", f"data.path={prompts}", "data.limit=2",
             "generation.max_new_tokens=12", "evaluation.repeats=2", "evaluation.progress=false", "threads=1"]
 
 

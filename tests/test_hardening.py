@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, make_target, save_tiny_pair, tiny_llama_config
+from conftest import compose_config, make_target, pair_overrides, save_tiny_pair, tiny_llama_config
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
@@ -151,7 +151,6 @@ def test_truncated_weights_name_the_file(tmp_path, kind, drafter):
 
 
 REPO = Path(__file__).resolve().parent.parent
-TOKENIZER = REPO / "data" / "embedded" / "tokenizer"
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +161,8 @@ def tiny_pair(tmp_path_factory):
 
 
 def _eval_cfg(models: Path, prompts: Path, extra=()):
-    return compose_config("evaluate", [
-        f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
-        "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float32", "data=mt_bench",
-        f"data.path={prompts}", "generation.max_new_tokens=4", "evaluation.repeats=1", "evaluation.warmup=0",
+    return compose_config("evaluate", pair_overrides(models, "float32") + [
+        "data=mt_bench", f"data.path={prompts}", "generation.max_new_tokens=4", "evaluation.repeats=1", "evaluation.warmup=0",
         "evaluation.calibration_prompts=1", "evaluation.progress=false", "threads=1",
         *([] if any(x.startswith("policy=") for x in extra) else ["policy=static", "policy.gamma=2"]), *extra])
 

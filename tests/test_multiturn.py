@@ -7,10 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, save_tiny_pair
+from conftest import compose_config, pair_overrides, save_tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent
-TOKENIZER = REPO / "data" / "embedded" / "tokenizer"  # committed; its vocabulary (4096) sizes the tiny models
 VOCAB = 4096
 
 QUESTIONS = [  # MT-bench layout: two user turns, a category; the last is far too long for max_prompt_tokens
@@ -37,10 +36,8 @@ def question_file(tmp_path_factory):
 
 
 def compose_eval(models: Path, questions: Path, extra=()):
-    return compose_config("evaluate", [
-        f"model.target={models / 'target'}", f"model.tokenizer={TOKENIZER}", f"model.drafter={models / 'drafter'}",
-        "model.drafter_kind=eagle", "model.name=tiny", "model.dtype=float64", "data=mt_bench",
-        f"data.path={questions}", "data.limit=null", "data.turns=all", "data.max_prompt_tokens=200",
+    return compose_config("evaluate", pair_overrides(models) + [
+        "data=mt_bench", f"data.path={questions}", "data.limit=null", "data.turns=all", "data.max_prompt_tokens=200",
         "generation.max_new_tokens=10", "evaluation.repeats=2", "evaluation.progress=false", "threads=1",
         "policy=static", "policy.gamma=3", *extra])
 

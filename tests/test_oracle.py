@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_drafter, make_target, table_rows
+from oracle_helpers import greedy_oracle
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy
 from ldlp.labels.oracle import oracle_labels, oracle_labels_sequential, recompute_features
-from oracle_helpers import greedy_oracle
 from ldlp.labels.store import load_oracle_rows, load_oracle_sequences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +134,6 @@ def test_labels_give_zero_waste_in_the_engine(mimic):
     target, drafter = mimic
     prompt, budget = [5, 9, 11, 3], 40
     response, rows = greedy_oracle(target, drafter, prompt, budget, k_max=6)
-    n = len(prompt)
     policy = LabelPolicy(lambda ctx: int(rows["label"][ctx.position - 1]))
     out = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), policy).generate(prompt, budget)
     assert out.tokens == response == autoregressive_generate(target, prompt, budget).tokens
