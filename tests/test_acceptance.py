@@ -10,13 +10,13 @@ import pytest
 import torch
 from conftest import table_rows
 from omegaconf import OmegaConf
+from oracle_helpers import greedy_oracle
 from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.replay import CostModel, OracleRows, replay
-from oracle_helpers import greedy_oracle
 from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json
 from ldlp.policies import AcceptancePolicy
 from ldlp.training.acceptance import examples, load_rows, train_acceptance_head

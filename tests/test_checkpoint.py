@@ -7,9 +7,9 @@ import torch
 from conftest import make_target
 
 from eagle_backbone.candidates import EagleCandidateGenerator
-from eagle_backbone.loading import tie_drafter_embedding
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.loading import tie_drafter_embedding
 from eagle_backbone.policy import StaticPolicy
 
 EAGLE_KEYS = ["embed_tokens.weight", "fc.weight", "fc.bias"] + [

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from oracle_helpers import greedy_oracle
 from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import EagleCandidateGenerator
@@ -9,7 +10,6 @@ from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
 from ldlp.bench.replay import CostModel, OracleRows, fit_costs, grid, replay, stand_in_probs, tune
-from oracle_helpers import greedy_oracle
 from ldlp.policies import ConfidencePolicy, DDDPolicy, HeuristicPolicy
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [6]]
