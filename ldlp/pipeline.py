@@ -478,7 +478,8 @@ def results_page(results_md: str, name: str, command: str, stage_seconds: dict, 
     links = [("results.md", "sweeps and head to head"), ("results.csv", "CSV"),
              ("tuning/tuning.md", "replay tuning on the validation labels"),
              ("head_to_head_long/pooled.md", "pooled long head-to-head runs (scripts/pool_head_to_head.py)"),
-             ("bench_target.md", "target forward costs (scripts/bench_target.py)")]
+             ("bench_target.md", "target forward costs (scripts/bench_target.py)"),
+             ("batch_bench/README.md", "batched engine against concurrency (scripts/bench_batch.py)")]
     times = ", ".join(f"{k} {v:.0f} s" for k, v in stage_seconds.items() if v is not None)
     pooled = (published / "head_to_head_long" / "pooled.md").is_file()
     lines = [f"# Results: {name}", "",
@@ -492,6 +493,13 @@ def results_page(results_md: str, name: str, command: str, stage_seconds: dict, 
              + (" The pooled long head-to-head runs ([head_to_head_long/pooled.md](head_to_head_long/pooled.md)) "
                 "are the measurement to quote." if pooled else ""),
              "", results_md.strip(), "", "![tokens/s against γ](tokens_per_s.png)", ""]
+    # the batched benchmark's plot, from the run its README names as the one to read (written by bench_batch.py)
+    batch_plot = next((f"{d}/batch_bench.png" for d in ("batch_bench_r2", "batch_bench")
+                       if (published / d / "batch_bench.png").is_file()), None)
+    if batch_plot:
+        lines += ["## Batched decoding against concurrency", "",
+                  "From `scripts/bench_batch.py` (commands and findings: [batch_bench/README.md](batch_bench/README.md)).",
+                  "", f"![tokens/s against concurrency]({batch_plot})", ""]
     return "\n".join(lines)
 
 
