@@ -10,7 +10,7 @@ each contender's tokens/s, its ratio to the best static contender with a bootstr
 in how many rounds it was faster. The bootstrap resamples prompts, each with all its rounds: a policy
 gains on some prompts and loses on others, and repeating a prompt does not average that away.
 
-:func:`pool` combines several such runs of the same contenders (``scripts/pool_head_to_head.py``): the
+:func:`ldlp.bench.pool.pool` combines several such runs of the same contenders (``scripts/pool_head_to_head.py``): the
 machine's speed, and with it the price of a target pass against a drafted token, drifts between runs
 by more than one run's interval shows, so its interval resamples runs as well as prompts.
 """
