@@ -21,6 +21,7 @@ log = logging.getLogger("bench_batch")
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.batched.bench import Contender, sweep, write
     from eagle_backbone.runtime import set_threads
+    from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.loaders import (
         build_policy,
         load_pair_cached,
@@ -32,7 +33,9 @@ def main(cfg: DictConfig) -> None:
 
     threads = set_threads(cfg.get("threads"))
     pair = load_pair_cached(cfg.model)
-    prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+    prompt_set = load_prompts(cfg.data, pair.tokenizer)
+    prompts = [ids for _, ids in prompt_set]
+    categories = prompt_categories(cfg.data, [pid for pid, _ in prompt_set])  # None where the file has none
     contenders = [Contender("ar", "ar", 0, None)]
     for spec in cfg.contenders:
         name, pcfg = policy_config(cfg, str(spec).split())
@@ -55,7 +58,8 @@ def main(cfg: DictConfig) -> None:
     result = sweep(pair.target, pair.drafter, cfg.model.drafter_kind, prompts, contenders,
                    [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens), sampling_config(cfg.generation),
                    rounds=int(cfg.rounds), seed=int(cfg.seed), batch1=list(cfg.batch1) if OmegaConf.is_list(cfg.batch1) else bool(cfg.batch1), candidates=pair.candidates,
-                   attn=str(cfg.attn), checkpoint=lambda r: write(r, out, meta, with_plot=False), log=log.info)
+                   attn=str(cfg.attn), checkpoint=lambda r: write(r, out, meta, with_plot=False), log=log.info,
+                   categories=categories)
     write(result, out, meta)
     print(Path(out, "batch_bench.md").read_text())
     print(f"wrote {out}/batch_bench.json, batch_bench.md, batch_bench.png")

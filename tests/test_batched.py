@@ -405,3 +405,32 @@ def test_prefill_modes_and_profile(t32, eagle32, prefill):
     res = run_workload(engine, prompts, 2, 12)
     assert [o.tokens for o in res.outputs] == ar(t32, prompts, 12)
     assert {"prefill", "draft", "verify", "read"} <= set(engine.prof.s)
+
+
+def test_sweep_groups_by_category(t32, eagle32):
+    """Per-category counters of a batched sweep sum back to the run's totals, and the table has one row per
+    (contender, C) with a column per category."""
+    from conftest import table_rows
+
+    from eagle_backbone.batched.bench import Contender, markdown, sweep
+
+    prompts = prompts_of((5, 9, 3, 11, 6, 2))
+    categories = ["writing", "coding", "writing", None, "coding", "writing"]  # None: left out of the grouping
+    contenders = [Contender("ar", "ar", 0, None), Contender("static γ=2", "static", 2, lambda: StaticPolicy(2))]
+    result = sweep(t32, eagle32, "eagle", prompts, contenders, [1, 3], 8, rounds=1, batch1=False,
+                   categories=categories, log=lambda _: None)
+    for row in result["rows"]:
+        key = (row["contender"], row["concurrency"])
+        run = next(x for x in result["runs"] if (x["contender"], x["concurrency"]) == key)
+        by = row["by_category"]
+        assert {c: v["n_prompts"] for c, v in by.items()} == {"writing": 3, "coding": 2}
+        assert row["lossless"] is True
+        # the uncategorised prompt is the only one missing from the categories' sums
+        assert sum(v["new_tokens"] for v in by.values()) == run["new_tokens"] - len(ar(t32, [prompts[3]], 8)[0])
+        assert all(v["tau"] >= 1.0 for v in by.values())
+    assert {r["by_category"]["writing"]["tau"] for r in result["rows"] if r["policy"] == "ar"} == {1.0}
+    md = markdown(result)
+    assert "writing (3)" in md and "coding (2)" in md
+    assert table_rows(md.split("Per prompt category")[1]) == [r["contender"] for r in result["rows"]]
+    with pytest.raises(ValueError, match="categories for"):
+        sweep(t32, eagle32, "eagle", prompts, contenders, [1], 8, rounds=1, batch1=False, categories=["x"])

@@ -36,7 +36,7 @@ from eagle_backbone.sampling import SamplingConfig
 
 ROW_KEYS = ("contender", "engine", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
             "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean", "request_latency_ms_p90",
-            "tau", "lossless", "identical", "n_prompts", "new_tokens", "rounds", "speedup_vs_ar")
+            "tau", "lossless", "identical", "n_prompts", "new_tokens", "rounds", "speedup_vs_ar", "by_category")
 
 
 @dataclass
@@ -96,10 +96,14 @@ def near_tie(target, prompt, ref, got) -> dict:
 def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contenders: list[Contender],
           concurrency: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
           rounds: int = 2, seed: int = 0, batch1=True, candidates=None, attn: str = "eager",
-          checkpoint: Callable[[dict], None] | None = None, log: Callable[[str], None] = print) -> dict:
+          checkpoint: Callable[[dict], None] | None = None, log: Callable[[str], None] = print,
+          categories: list | None = None) -> dict:
     """Run the sweep; returns {"rows": [...], "differences": [...], "runs": [...]} (``checkpoint`` gets the
     partial result after every round). ``batch1``: True (AR and every static γ), False, or a list of γ
-    (0 = AR) to time with today's batch-1 loop at C=1 as well."""
+    (0 = AR) to time with today's batch-1 loop at C=1 as well. ``categories`` (one per prompt, None where a
+    prompt has none) adds each batched run's per-category counters and request latency (``by_category``)."""
+    if categories is not None and len(categories) != len(prompts):
+        raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts: give one per prompt")
     sampling = sampling or SamplingConfig()
     if not prompts:
         raise ValueError("no prompts to benchmark")
@@ -134,6 +138,8 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
                                                    capacity=capacity, attn=attn)
                     res = run_workload(eng, prompts, C, max_new_tokens, seeds)
                     outs, summ = [o.tokens for o in res.outputs], res.summary()
+                    if categories is not None and any(c is not None for c in categories):
+                        summ["by_category"] = res.by_category(categories)
                 else:
                     outs, summ = _batch1(target, candidates, c, prompts, max_new_tokens, sampling, seed)
                 same = None
@@ -175,6 +181,10 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
         for m in ("tokens_per_s", "tokens_per_cpu_s", "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean",
                   "request_latency_ms_p90"):
             row[m] = _median([x.get(m) for x in xs])
+        if xs[0].get("by_category"):  # counters are the first round's (deterministic), latency the rounds' median
+            row["by_category"] = {cat: dict(v, request_latency_ms_mean=_median(
+                [x["by_category"][cat]["request_latency_ms_mean"] for x in xs if "by_category" in x]))
+                for cat, v in xs[0]["by_category"].items()}
         rows.append(row)
     for row in rows:
         ar = next((r for r in rows if r["policy"] == "ar" and r["engine"] == "batched"
@@ -247,6 +257,24 @@ def _findings_lines(rows: list[dict], metric: str, unit: str) -> list[str]:
     return lines
 
 
+def _category_lines(rows: list[dict]) -> list[str]:
+    """τ and mean request latency per prompt category, one row per (contender, C), when there are two or more."""
+    rows = [r for r in rows if r.get("by_category")]
+    cats = list(dict.fromkeys(c for r in rows for c in r["by_category"]))
+    if len(cats) < 2:
+        return []
+    n = rows[0]["by_category"]
+    lines = ["", ("Per prompt category (prompts in each): τ and mean request latency in ms. Every category's "
+                  "sequences share the batch's steps, so tokens/s is the batch's, above."), "",
+             "| contender | C | " + " | ".join(f"{c} ({n[c]['n_prompts']})" for c in cats) + " |",
+             "|---|---:|" + "---:|" * len(cats)]
+    for r in rows:
+        cells = [(f"{v['tau']:.2f} / {v['request_latency_ms_mean']:.0f}" if (v := r["by_category"].get(c)) else "–")
+                 for c in cats]
+        lines.append(f"| {r['contender']} | {r['concurrency']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(result: dict, meta: dict | None = None) -> str:
     rows = result["rows"]
     batched = [r for r in rows if r["engine"] == "batched"]
@@ -288,6 +316,7 @@ def markdown(result: dict, meta: dict | None = None) -> str:
             lines += [(f"Differing sequences: {len(d)}, of which near-ties (top-2 gap within 2 spacings of the "
                        f"dtype at the first difference): {ties}. Largest gap: "
                        f"{max((x['gap'] or 0) for x in d):.4g}.")]
+    lines += _category_lines(rows)
     return "\n".join(lines) + "\n"
 
 

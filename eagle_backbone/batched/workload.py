@@ -34,6 +34,7 @@ class WorkloadResult:
     wall_s: float
     token_gaps_s: list[float] = field(default_factory=list)
     request_s: list[float] = field(default_factory=list)  # admission -> last token
+    request_s_by_prompt: dict[int, float] = field(default_factory=dict)  # the same, keyed by prompt index
     queued_s: list[float] = field(default_factory=list)  # start -> admission
     first_token_s: list[float] = field(default_factory=list)  # admission -> first token
     steps: int = 0
@@ -50,6 +51,20 @@ class WorkloadResult:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def by_category(self, categories: list) -> dict[str, dict]:
+        """Per category of the prompts (``categories[i]`` for prompt i; None: uncategorised, left out): prompts,
+        new tokens, target forwards, τ and mean request latency. In a batch the sequences of all categories
+        share every step, so a category has no seconds of its own: its τ and its requests' latency are what
+        separate it."""
+        out: dict[str, dict] = {}
+        for cat in dict.fromkeys(c for c in categories if c is not None):
+            idx = [i for i, c in enumerate(categories) if c == cat]
+            s = total([self.outputs[i].stats for i in idx])
+            lat = [self.request_s_by_prompt[i] for i in idx if i in self.request_s_by_prompt]
+            out[str(cat)] = {"n_prompts": len(idx), "new_tokens": s.new_tokens, "target_forwards": s.target_forwards,
+                             "tau": s.tau, "request_latency_ms_mean": 1e3 * statistics.fmean(lat) if lat else 0.0}
+        return out
 
     def summary(self) -> dict:
         s = self.stats
@@ -89,6 +104,7 @@ def run_workload(engine, prompts: list[list[int]], concurrency: int, max_new_tok
         res.token_gaps_s.extend(b - a for a, b in pairwise(times))
         if times:
             res.request_s.append(times[-1] - s.t_admit)
+            res.request_s_by_prompt[s.request] = times[-1] - s.t_admit
             res.first_token_s.append(times[0] - s.t_admit)
         in_flight.pop(slot, None)
 
