@@ -8,11 +8,10 @@ import logging
 from pathlib import Path
 
 import hydra
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
-
-import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
 
 log = logging.getLogger("bench_batch")
 
@@ -20,7 +19,6 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.batched.bench import Contender, sweep, write
-    from eagle_backbone.runtime import set_threads
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.loaders import (
         build_policy,
@@ -31,7 +29,7 @@ def main(cfg: DictConfig) -> None:
         sampling_config,
     )
 
-    threads = set_threads(cfg.get("threads"))
+    threads = start(cfg)
     pair = load_pair_cached(cfg.model)
     prompt_set = load_prompts(cfg.data, pair.tokenizer)
     prompts = [ids for _, ids in prompt_set]
