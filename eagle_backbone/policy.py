@@ -86,3 +86,34 @@ class StaticPolicy(DraftLengthPolicy):
 
     def gamma(self, ctx: DraftContext) -> int:
         return self._gamma
+
+
+class BatchDraftPolicy(DraftLengthPolicy):
+    """A policy that decides for every slot of a batch at once: one instance is shared by the slots.
+
+    The batched engine calls, per step over the R running slots:
+
+    * ``plan(caps) -> list[int]``: the most each row may draft this step (``caps``: what budgets and the
+      context allow); all zeros is a plain decoding step for the batch, with no drafter work at all.
+    * ``keep_rows(depth, rows, states, probs) -> list[int]`` after each draft depth, for the A rows that
+      drafted at ``depth``: ``rows`` their positions in the step (host ints), ``states`` (A, d) the drafter
+      states behind ``probs`` (None for a draft LM), ``probs`` (A, V) the drafter's distributions. Per row:
+      0 = drop this draft and stop, 1 = keep it and stop, 2 = keep it and draft the next one.
+    * ``observe_rows(drafted, accepted)`` after verification, with host lists (the step's one read).
+
+    ``bind_engine(engine)`` is called once when an engine is built (the cost table is per model, dtype and
+    thread count). ``gamma``/``keep_drafting``/``observe`` remain for the batch-1 engine, where R = 1."""
+
+    batch_level = True
+
+    def bind_engine(self, engine) -> None:
+        """Called once by the batched engine that will use this policy."""
+
+    def plan(self, caps: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def keep_rows(self, depth: int, rows: list[int], states, probs: torch.Tensor) -> list[int]:
+        return [2] * len(rows)
+
+    def observe_rows(self, drafted: list[int], accepted: list[int]) -> None:
+        """Called after each verification of a batched step."""

@@ -41,6 +41,7 @@ from eagle_backbone.batched.model import (
     BatchedEagleDrafter,
     BatchedLlama,
     forward_groups,
+    unpack,
 )
 from eagle_backbone.batched.sampling import (
     ACCEPT,
@@ -53,7 +54,7 @@ from eagle_backbone.batched.sampling import (
 )
 from eagle_backbone.engine import GenerationOutput, check_prompt
 from eagle_backbone.metrics import GenerationStats
-from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
+from eagle_backbone.policy import BatchDraftPolicy, DraftContext, DraftLengthPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel
 
@@ -83,6 +84,8 @@ class VectorisedGamma:
 
     @staticmethod
     def of(policy: DraftLengthPolicy) -> VectorisedGamma | None:
+        if isinstance(policy, BatchDraftPolicy):
+            return None
         if any(_overrides(policy, h) for h in ("keep_drafting", "observe")):
             return None
         if hasattr(policy, "gamma_batch"):
@@ -122,28 +125,45 @@ class Slot:
 
 
 class _Profile:
-    """Per-component seconds in profiled mode (perf_counter after a sync; CUDA events would do on a GPU)."""
+    """Per-component seconds in profiled mode only (the timed mode never marks). On a GPU, CUDA events
+    recorded at each mark and read once at the end of the step (one synchronisation a step, not one a
+    component); on a CPU, perf_counter (the work is done when the call returns)."""
 
     def __init__(self, device, on: bool):
         self.on, self.cuda = on, device.type == "cuda"
         self.s: dict[str, float] = {}
         self._t = None
+        self._events: list[tuple[str, object, object]] = []
 
     def start(self):
-        if self.on:
-            self._sync()
+        if not self.on:
+            return
+        if self.cuda:
+            self._t = torch.cuda.Event(enable_timing=True)
+            self._t.record()
+        else:
             self._t = time.perf_counter()
 
     def mark(self, name: str):
-        if self.on:
-            self._sync()
+        if not self.on:
+            return
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self._events.append((name, self._t, e))
+            self._t = e
+        else:
             t = time.perf_counter()
             self.s[name] = self.s.get(name, 0.0) + t - self._t
             self._t = t
 
-    def _sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
+    def flush(self):
+        """Add the step's CUDA event intervals (one synchronisation)."""
+        if self.on and self._events:
+            self._events[-1][2].synchronize()
+            for name, a, b in self._events:
+                self.s[name] = self.s.get(name, 0.0) + a.elapsed_time(b) / 1e3
+            self._events = []
 
 
 class BatchedSpeculativeEngine:
@@ -192,12 +212,22 @@ class BatchedSpeculativeEngine:
             self.logits_last = torch.zeros(slots, vocab, dtype=self.dm.dtype, device=self.device)
         if self.kind is not None:
             self.dcache = self.dm.new_cache(slots)
+        self.batch_policy: BatchDraftPolicy | None = None
         if policy is None:
             self._make_policy = lambda: StaticPolicy(0)
         elif callable(policy) and not isinstance(policy, DraftLengthPolicy):
+            first = policy()
+            if isinstance(first, BatchDraftPolicy):
+                self.batch_policy = first  # one instance decides for the whole batch
             self._make_policy = policy
+        elif isinstance(policy, BatchDraftPolicy):
+            self.batch_policy = policy
         else:
             self._make_policy = lambda: copy.deepcopy(policy)
+        if self.batch_policy is not None:
+            shared = self.batch_policy
+            self._make_policy = lambda: shared
+            shared.bind_engine(self)
         self.state: list[Slot | None] = [None] * slots
         self._admitted: list[int] = []
         self.prof = _Profile(self.device, profile)
@@ -325,8 +355,10 @@ class BatchedSpeculativeEngine:
             prof.mark("prefill")
             new, run = [], self.running()
         if not run:
+            prof.flush()
             return finished
         self._spec_step(run, new, finished)
+        prof.flush()
         self.steps += 1
         return finished
 
@@ -357,11 +389,16 @@ class BatchedSpeculativeEngine:
         R = len(run)
         # 1. γ per slot (host ints; no device read for static or vectorised policies)
         gammas, ctxs = [], []
-        for b, s in zip(run, st):
-            max_gamma = max(0, min(s.max_new - len(s.new) - 1, self.limit - 1 - s.tlen, self.max_draft))
+        bp = self.batch_policy
+        caps = [max(0, min(s.max_new - len(s.new) - 1, self.limit - 1 - s.tlen, self.max_draft)) for s in st]
+        planned = bp.plan(caps if self.kind is not None else [0] * R) if bp is not None else None
+        for i, (b, s) in enumerate(zip(run, st)):
+            max_gamma = caps[i]
             vec = self._vectorised(s)
             ctx = None
-            if vec is not None and vec.constant is not None:
+            if planned is not None:
+                g = planned[i]
+            elif vec is not None and vec.constant is not None:
                 g = vec.constant
             elif vec is not None and s.gamma_next is not None:
                 g = s.gamma_next
@@ -401,9 +438,16 @@ class BatchedSpeculativeEngine:
             # the new prompts ride in this forward: projections and MLPs over all tokens at once
             group, nt = self._prefill_inputs(joined)
             h, hp = forward_groups(self.tm, [(tokens, pos, self._rows(run), kv_len), group], self.tcache)
+            logits = self.tm.logits(h)
+        elif sum(drafted) + R < R * T:
+            # ragged: the projections, MLPs and LM head score only the real tokens (a slot's γ costs the
+            # batch its own tokens, not the longest row's)
+            packed = torch.tensor([i * T + j for i, d in enumerate(drafted) for j in range(d + 1)], device=dev)
+            h = self.tm(tokens, pos, self.tcache, kv_len, self._rows(run), packed=packed)
+            logits = unpack(self.tm.logits(h.reshape(R * T, -1).index_select(0, packed)), packed, R, T)
         else:
             h = self.tm(tokens, pos, self.tcache, kv_len, self._rows(run))
-        logits = self.tm.logits(h)
+            logits = self.tm.logits(h)
         seeds = torch.tensor([s.seed for s in st], device=dev)
         steps = torch.tensor([s.step + 1 for s in st], device=dev)
         if samp.greedy:
@@ -452,7 +496,7 @@ class BatchedSpeculativeEngine:
                 s.dlen = min(s.dlen, s.tlen)
             if gnext:
                 s.gamma_next = gnext[i]
-            if _overrides(s.policy, "observe"):
+            if bp is None and _overrides(s.policy, "observe"):
                 ctx = ctxs[i] or self._context(b, s, 0)
                 s.policy.observe(ctx, drafted[i], k)
             taken = self._emit(b, s, em[i * T: i * T + k + 1], now, finished)
@@ -460,6 +504,8 @@ class BatchedSpeculativeEngine:
             if cut:
                 s.stats.accepted_tokens -= cut
                 s.stats.accept_lengths[-1] -= cut
+        if bp is not None:
+            bp.observe_rows(drafted, acc)
         if joined:
             self._first_tokens(joined, firsts, finished)
         prof.mark("host")
@@ -476,8 +522,9 @@ class BatchedSpeculativeEngine:
         seeds = torch.tensor([s.seed for s in st], device=dev)
         steps = torch.tensor([s.step + 1 for s in st], device=dev)
         tl = torch.tensor([s.tlen for s in st], device=dev)
-        keepers = [_overrides(s.policy, "keep_drafting") for s in st]
-        need_probs = any(keepers)
+        bp = self.batch_policy
+        keepers = [bp is None and _overrides(s.policy, "keep_drafting") for s in st]
+        need_probs = any(keepers) or bp is not None
         drafted = [0] * R
         active = [i for i in range(R) if gammas[i] > 0]
         eagle = self.kind == "eagle"
@@ -493,7 +540,14 @@ class BatchedSpeculativeEngine:
             for i in active:
                 drafted[i] = depth
             nxt = [i for i in active if gammas[i] > depth]
-            if need_probs:
+            if bp is not None:
+                # the batch policy keeps or drops this depth's drafts and picks the rows that go on
+                codes = bp.keep_rows(depth, active, state[idx] if eagle else None, probs)
+                for i, c in zip(active, codes):
+                    if c == 0:
+                        drafted[i] = depth - 1
+                nxt = [i for i, c in zip(active, codes) if c == 2 and gammas[i] > depth]
+            elif need_probs:
                 toks = tok.tolist()  # policies that read drafts decide on the host (their own cost)
                 cont = set(nxt)
                 for j, i in enumerate(active):

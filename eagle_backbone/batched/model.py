@@ -126,6 +126,29 @@ def decoder_layer(layer: nn.Module, x: torch.Tensor, cos, sin, cache: SlotCache,
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+def packed_decoder_layer(layer: nn.Module, x: torch.Tensor, packed: torch.Tensor, R: int, T: int, cos, sin,
+                         cache: SlotCache, li: int, rows, positions, kv_len: int, mask: torch.Tensor,
+                         impl: str) -> torch.Tensor:
+    """:func:`decoder_layer` for a ragged batch: ``x`` (N, d) holds only the real tokens, ``packed`` (N,)
+    their flat indices in the padded (R, T) layout. Projections and the MLP run over the N real tokens;
+    attention runs padded (padded queries see their own scratch keys only and are dropped)."""
+    attn = layer.self_attn
+    hd = attn.head_dim
+    h = layer.input_layernorm(x)
+
+    def padded(t):  # (N, H*D) -> (R, H, T, D), zeros at padded entries
+        full = t.new_zeros(R * T, t.shape[-1]).index_copy_(0, packed, t)
+        return full.view(R, T, -1, hd).transpose(1, 2)
+
+    q, k, v = padded(attn.q_proj(h)), padded(attn.k_proj(h)), padded(attn.v_proj(h))
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    keys, values = write_and_read(cache, li, k, v, rows, positions, kv_len)
+    out = attention(q, keys, values, mask, attn.scaling, impl).reshape(R * T, -1).index_select(0, packed)
+    x = x + attn.o_proj(out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 class RotaryTable:
     """cos/sin for positions 0..n-1 from a transformers rotary module (its inv_freq and scaling: any rope type)."""
 
@@ -166,11 +189,23 @@ class BatchedLlama:
     def new_cache(self, slots: int) -> SlotCache:
         return SlotCache(len(self.layers), slots, self.capacity, self.kv_heads, self.head_dim, self.dtype, self.device)
 
-    def forward(self, tokens, positions, cache: SlotCache, kv_len: int, rows=None, hidden_layers=()):
-        x = self.embed_tokens(tokens)
+    def forward(self, tokens, positions, cache: SlotCache, kv_len: int, rows=None, hidden_layers=(), packed=None):
+        """``packed`` (N,): flat indices of the real tokens of a ragged (R, T) input; the projections and MLPs
+        then run over those N only and the padded entries of the result are zeros."""
         cos, sin = self.rope(positions)
         mask = visible(positions, kv_len, self.attn, self.dtype)
         extra = []
+        R, T = tokens.shape
+        if packed is not None:
+            x = self.embed_tokens(tokens.reshape(-1).index_select(0, packed))
+            for li, layer in enumerate(self.layers):
+                x = packed_decoder_layer(layer, x, packed, R, T, cos, sin, cache, li, rows, positions, kv_len,
+                                         mask, self.attn)
+                if li in hidden_layers:
+                    extra.append(unpack(x, packed, R, T))
+            h = unpack(self.decoder.norm(x), packed, R, T)
+            return (h, extra) if hidden_layers else h
+        x = self.embed_tokens(tokens)
         for li, layer in enumerate(self.layers):
             x = decoder_layer(layer, x, cos, sin, cache, li, rows, positions, kv_len, mask, self.attn)
             if li in hidden_layers:
@@ -182,6 +217,11 @@ class BatchedLlama:
 
     def logits(self, h):
         return self.lm_head(h)
+
+
+def unpack(x: torch.Tensor, packed: torch.Tensor, R: int, T: int) -> torch.Tensor:
+    """(N, ...) rows at flat indices ``packed`` -> (R, T, ...), zeros elsewhere."""
+    return x.new_zeros(R * T, *x.shape[1:]).index_copy_(0, packed, x).view(R, T, *x.shape[1:])
 
 
 class BatchedHFLlama(BatchedLlama):
