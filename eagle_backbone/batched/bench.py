@@ -22,7 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,12 +31,14 @@ from eagle_backbone.batched.engine import BatchedSpeculativeEngine
 from eagle_backbone.batched.workload import run_workload
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
+from eagle_backbone.policy import DraftContext, DraftLengthPolicy
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.sampling import SamplingConfig
 
 ROW_KEYS = ("contender", "engine", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
             "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean", "request_latency_ms_p90",
-            "tau", "lossless", "identical", "n_prompts", "new_tokens", "rounds", "speedup_vs_ar", "by_category")
+            "tau", "lossless", "identical", "n_prompts", "new_tokens", "rounds", "blocks", "speedup_vs_ar", "vs",
+            "by_category")
 
 
 @dataclass
@@ -52,16 +54,17 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _batch1(target, candidates, c: Contender, prompts, max_new, sampling, seed):
-    """Today's batch-1 loop over the prompts, one after the other; (outputs, tokens/s, latencies)."""
+def _batch1(target, candidates, c: Contender, prompts, max_new, sampling, seeds):
+    """Today's batch-1 loop over the prompts, one after the other (prompt i with ``seeds[i]``); (outputs,
+    tokens/s, latencies)."""
     outs, gaps, req = [], [], []
     t0, c0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompts):
         s0 = time.perf_counter()
         if c.make is None:
-            o = autoregressive_generate(target, p, max_new, sampling=sampling, seed=seed + i)
+            o = autoregressive_generate(target, p, max_new, sampling=sampling, seed=seeds[i])
         else:
-            o = SpeculativeDecoder(target, candidates, c.make()).generate(p, max_new, sampling=sampling, seed=seed + i)
+            o = SpeculativeDecoder(target, candidates, c.make()).generate(p, max_new, sampling=sampling, seed=seeds[i])
         req.append(time.perf_counter() - s0)
         steps = max(1, o.stats.target_forwards)
         gaps.append((req[-1], len(o.tokens), steps))
@@ -70,7 +73,7 @@ def _batch1(target, candidates, c: Contender, prompts, max_new, sampling, seed):
     n = sum(len(o.tokens) for o in outs)
     # batch-1 tokens arrive a step at a time; the mean gap between a sequence's tokens is its time / tokens
     mean_gap = 1e3 * sum(r for r, _, _ in gaps) / max(1, sum(k - 1 for _, k, _ in gaps))
-    summary = {"tokens_per_s": n / wall, "tokens_per_cpu_s": n / cpu, "token_latency_ms_mean": mean_gap, "token_latency_ms_p90": None,
+    summary = {"wall_s": wall, "cpu_s": cpu, "tokens_per_s": n / wall, "tokens_per_cpu_s": n / cpu, "token_latency_ms_mean": mean_gap, "token_latency_ms_p90": None,
                "request_latency_ms_mean": 1e3 * statistics.fmean(req), "new_tokens": n,
                "request_latency_ms_p90": 1e3 * sorted(req)[int(0.9 * (len(req) - 1))],
                "tau": n / sum(o.stats.target_forwards for o in outs)}
@@ -93,18 +96,78 @@ def near_tie(target, prompt, ref, got) -> dict:
             "near_tie": gap <= 2 * spacing}
 
 
+def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
+    """Prompt indices of the workloads at one C: ``blocks`` parts (prompt i in part i mod k), fewer when a part
+    would hold fewer prompts than C streams (k = min(blocks, n // C), at least 1): a workload of fewer
+    prompts than C never has C sequences in flight."""
+    k = max(1, min(blocks, n // concurrency))
+    return [list(range(b, n, k)) for b in range(k)]
+
+
+class _ReplayedOracle(DraftLengthPolicy):
+    """A bound policy (the oracle) whose ``begin`` replays the batch-1 engine: the replays run once per
+    prompt before any clock starts (:func:`_prepare_bound`), and each slot's copy only looks its prompt up,
+    as the batch-1 evaluation leaves the replay out of the timing. Overrides only ``begin`` and ``gamma``."""
+
+    name = "oracle"
+
+    def __init__(self, done: dict, make: Callable):
+        self.done, self.make, self.inner = done, make, None
+
+    def begin(self, prompt_ids) -> None:
+        key = tuple(prompt_ids)
+        if key not in self.done:  # a prompt not prepared (e.g. a warm-up's shorter budget): replay it now
+            self.done[key] = self.make(prompt_ids)
+        self.inner = self.done[key]
+
+    def gamma(self, ctx: DraftContext) -> int:
+        return self.inner.gamma(ctx)
+
+
+def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
+    """A contender whose policy needs ``bind`` (the oracle): bind one instance per prompt to the batch-1
+    candidate generator and run its ``begin`` now; the slots' policies share the results."""
+    def one(prompt):
+        pol = c.make()
+        pol.bind(target, candidates, max_new_tokens, sampling)
+        pol.begin(prompt)
+        return pol
+
+    done = {}
+    for p in prompts:
+        if tuple(p) not in done:
+            done[tuple(p)] = one(p)
+    return Contender(c.label, c.policy, c.gamma, lambda: _ReplayedOracle(done, one))
+
+
 def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contenders: list[Contender],
           concurrency: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
           rounds: int = 2, seed: int = 0, batch1=True, candidates=None, attn: str = "eager",
           checkpoint: Callable[[dict], None] | None = None, log: Callable[[str], None] = print,
-          categories: list | None = None) -> dict:
-    """Run the sweep; returns {"rows": [...], "differences": [...], "runs": [...]} (``checkpoint`` gets the
-    partial result after every round). ``batch1``: True (AR and every static γ), False, or a list of γ
-    (0 = AR) to time with today's batch-1 loop at C=1 as well. ``categories`` (one per prompt, None where a
-    prompt has none) adds each batched run's per-category counters and request latency (``by_category``)."""
+          categories: list | None = None, temperatures: list[float] | None = None, blocks: int = 1,
+          bootstrap: int = 2000) -> dict:
+    """Run the sweep over temperature T and concurrency C; returns {"rows": [...], "differences": [...],
+    "runs": [...], "skipped": [...]} (``checkpoint`` gets the partial result after every (T, C)).
+
+    ``temperatures``: the T to sweep (default: ``sampling``'s alone; top-k and top-p stay ``sampling``'s).
+    ``blocks``: at each C the prompts are split into this many workloads (:func:`split_blocks`), each run by
+    every contender in turn, so each (round, block) gives one paired ratio of tokens/s between contenders;
+    rows carry ratios to the baselines with paired bootstrap intervals over those pairs (``bootstrap``
+    draws). ``batch1``: True (AR and every static γ), False, or a list of γ (0 = AR) to time with today's
+    batch-1 loop at C=1 as well. ``categories`` (one per prompt, None where a prompt has none) adds each
+    batched run's per-category counters and request latency (``by_category``). A contender whose policy
+    needs ``bind`` (the oracle) runs at T=0 only, bound to ``candidates`` (a batch-1 candidate generator)."""
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts: give one per prompt")
     sampling = sampling or SamplingConfig()
+    temps = [float(sampling.temperature)] if temperatures is None or len(temperatures) == 0 else [float(t) for t in temperatures]
+    bad_t = [t for t in temps if not t >= 0]
+    if bad_t:
+        raise ValueError(f"temperatures must be >= 0, got {bad_t}")
+    if len(set(temps)) != len(temps):
+        raise ValueError(f"temperatures repeat: {temps}")
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise ValueError(f"blocks must be an integer >= 1, got {blocks!r}")
     if not prompts:
         raise ValueError("no prompts to benchmark")
     if not contenders or contenders[0].policy != "ar":
@@ -114,94 +177,246 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
         raise ValueError(f"concurrency values must be integers >= 1, got {bad}")
     capacity = max(len(p) for p in prompts) + max_new_tokens + 2
     seeds = [seed + i for i in range(len(prompts))]
-    ref = None
-    if sampling.greedy:
-        log(f"reference: batch-1 autoregressive outputs of {len(prompts)} prompts")
-        ref = [autoregressive_generate(target, p, max_new_tokens).tokens for p in prompts]
-    # warm up kernels and allocators once per contender
-    for c in contenders:
-        e = BatchedSpeculativeEngine(target, drafter, kind, slots=2, policy=c.make, sampling=sampling,
-                                     capacity=capacity, attn=attn)
-        run_workload(e, prompts[:2], 2, min(8, max_new_tokens), seeds[:2])
+    bound = {c.label for c in contenders if c.make is not None and hasattr(c.make(), "bind")}
+    skipped = []
+    per_t = {}  # T -> (sampling, contenders, reference outputs)
+    for T in temps:
+        samp = replace(sampling, temperature=T)
+        cs = []
+        for c in contenders:
+            if c.label in bound and not samp.greedy:
+                skipped.append({"contender": c.label, "temperature": T, "why": "defined for greedy decoding only"})
+                log(f"skipping {c.label} at T={T}: it is defined for greedy decoding (T=0) only")
+            elif c.label in bound and candidates is None:
+                skipped.append({"contender": c.label, "temperature": T, "why": "needs a batch-1 candidate generator"})
+                log(f"skipping {c.label}: its policy replays the batch-1 engine and no candidate generator was given")
+            elif c.label in bound:
+                log(f"{c.label}: replaying the batch-1 engine on {len(prompts)} prompts (untimed)")
+                cs.append(_prepare_bound(c, target, candidates, prompts, max_new_tokens, samp))
+            else:
+                cs.append(c)
+        ref = None
+        if samp.greedy:
+            log(f"reference: batch-1 autoregressive outputs of {len(prompts)} prompts")
+            ref = [autoregressive_generate(target, p, max_new_tokens).tokens for p in prompts]
+        per_t[T] = (samp, cs, ref)
+        # warm up kernels and allocators once per contender
+        for c in cs:
+            e = BatchedSpeculativeEngine(target, drafter, kind, slots=2, policy=c.make, sampling=samp,
+                                         capacity=capacity, attn=attn)
+            run_workload(e, prompts[:2], 2, min(8, max_new_tokens), seeds[:2])
     runs = []
     diffs = {}
-    b1 = [c for c in contenders if c.policy in ("ar", "static")] if batch1 and candidates is not None else []
-    if isinstance(batch1, (list, tuple)):
-        b1 = [c for c in b1 if c.gamma in set(batch1)]
+    with_cats = categories is not None and any(c is not None for c in categories)
+    result = {"rows": [], "differences": [], "runs": runs, "skipped": skipped, "rounds_done": 0}
     for r in range(rounds):
-        for ci, C in enumerate(concurrency):
-            jobs = [("batched", c) for c in contenders] + ([("batch1", c) for c in b1] if C == 1 else [])
-            k = (r + ci) % len(jobs)
-            for engine_kind, c in jobs[k:] + jobs[:k]:
-                if engine_kind == "batched":
-                    eng = BatchedSpeculativeEngine(target, drafter, kind, slots=C, policy=c.make, sampling=sampling,
-                                                   capacity=capacity, attn=attn)
-                    res = run_workload(eng, prompts, C, max_new_tokens, seeds)
-                    outs, summ = [o.tokens for o in res.outputs], res.summary()
-                    if categories is not None and any(c is not None for c in categories):
-                        summ["by_category"] = res.by_category(categories)
-                else:
-                    outs, summ = _batch1(target, candidates, c, prompts, max_new_tokens, sampling, seed)
-                same = None
-                if ref is not None:
-                    same = [o == t for o, t in zip(outs, ref)]
-                    for i, ok in enumerate(same):
-                        if not ok and (c.label, engine_kind, C, i) not in diffs:
-                            diffs[(c.label, engine_kind, C, i)] = {
-                                "contender": c.label, "engine": engine_kind, "concurrency": C, "prompt": i,
-                                **near_tie(target, prompts[i], ref[i], outs[i])}
-                runs.append({"round": r, "contender": c.label, "engine": engine_kind, "policy": c.policy,
-                             "gamma": c.gamma, "concurrency": C, **summ,
-                             "identical": None if same is None else sum(same)})
-                log(f"round {r} C={C:>2} {c.label:<14} {engine_kind:<7} {summ['tokens_per_s']:7.1f} tok/s "
-                    f"tau {summ['tau']:.2f}" + ("" if same is None else f" identical {sum(same)}/{len(same)}"))
-            result = {"rows": aggregate_runs(runs, contenders, sampling, len(prompts)),
-                      "differences": list(diffs.values()), "runs": runs, "rounds_done": r + (ci + 1) / len(concurrency)}
-            if checkpoint:  # after every C: a stopped run still leaves its measured rows
-                checkpoint(result)
+        for ti, T in enumerate(temps):
+            samp, cs, ref = per_t[T]
+            b1 = [c for c in cs if c.policy in ("ar", "static")] if batch1 and candidates is not None else []
+            if isinstance(batch1, (list, tuple)):
+                b1 = [c for c in b1 if c.gamma in set(batch1)]
+            for ci, C in enumerate(concurrency):
+                parts = split_blocks(len(prompts), C, blocks)
+                if r == 0 and len(parts) < blocks:
+                    log(f"C={C}: {len(parts)} block(s) of >= {C} prompts (of {blocks} asked): "
+                        f"{len(prompts)} prompts cannot fill more")
+                for bi, idx in enumerate(parts):
+                    ps, sd = [prompts[i] for i in idx], [seeds[i] for i in idx]
+                    jobs = [("batched", c) for c in cs] + ([("batch1", c) for c in b1] if C == 1 else [])
+                    k = (r + ti + ci + bi) % len(jobs)
+                    for engine_kind, c in jobs[k:] + jobs[:k]:
+                        if engine_kind == "batched":
+                            eng = BatchedSpeculativeEngine(target, drafter, kind, slots=C, policy=c.make,
+                                                           sampling=samp, capacity=capacity, attn=attn)
+                            res = run_workload(eng, ps, C, max_new_tokens, sd)
+                            outs, summ = [o.tokens for o in res.outputs], res.summary()
+                            if with_cats:
+                                summ["by_category"] = res.by_category([categories[i] for i in idx])
+                        else:
+                            outs, summ = _batch1(target, candidates, c, ps, max_new_tokens, samp, sd)
+                        same = None
+                        if ref is not None:
+                            same = [o == ref[i] for o, i in zip(outs, idx)]
+                            for o, i, ok in zip(outs, idx, same):
+                                if not ok and (c.label, engine_kind, C, i) not in diffs:
+                                    diffs[(c.label, engine_kind, C, i)] = {
+                                        "contender": c.label, "engine": engine_kind, "concurrency": C, "prompt": i,
+                                        **near_tie(target, prompts[i], ref[i], o)}
+                        runs.append({"round": r, "block": bi, "contender": c.label, "engine": engine_kind,
+                                     "policy": c.policy, "gamma": c.gamma, "concurrency": C, "temperature": T,
+                                     "n_prompts": len(idx), **summ, "identical": None if same is None else sum(same)})
+                        log(f"round {r} T={T:g} C={C:>2} block {bi} {c.label:<14} {engine_kind:<7} "
+                            f"{summ['tokens_per_s']:7.1f} tok/s tau {summ['tau']:.2f}"
+                            + ("" if same is None else f" identical {sum(same)}/{len(same)}"))
+                result = {"rows": aggregate_runs(runs, contenders, sampling, len(prompts), bootstrap=bootstrap,
+                                                 seed=seed),
+                          "differences": list(diffs.values()), "runs": runs, "skipped": skipped,
+                          "rounds_done": r + (ti * len(concurrency) + ci + 1) / (len(temps) * len(concurrency))}
+                if checkpoint:  # after every (T, C): a stopped run still leaves its measured rows
+                    checkpoint(result)
     return result
 
 
-def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: SamplingConfig, n_prompts: int) -> list[dict]:
+def _combine(xs: list[dict]) -> dict:
+    """One round's blocks as one run: tokens, seconds and counters summed, τ and tokens/s recomputed,
+    latencies averaged over the blocks weighted by their prompts (p90s: the blocks' median)."""
+    tok = sum(x["new_tokens"] for x in xs)
+    n = sum(x.get("n_prompts", 1) for x in xs)
+    out = {"new_tokens": tok, "n_prompts": n}
+    wall = sum(x.get("wall_s", 0.0) or 0.0 for x in xs)
+    cpu = sum(x.get("cpu_s", 0.0) or 0.0 for x in xs)
+    out["wall_s"] = wall
+    out["tokens_per_s"] = tok / wall if wall > 0 else _median([x["tokens_per_s"] for x in xs])
+    out["tokens_per_cpu_s"] = tok / cpu if cpu > 0 else _median([x.get("tokens_per_cpu_s") for x in xs])
+    forwards = sum(x["new_tokens"] / x["tau"] for x in xs if x.get("tau"))
+    out["tau"] = tok / forwards if forwards else None
+    for m in ("token_latency_ms_mean", "request_latency_ms_mean"):
+        vals = [(x.get(m), x.get("n_prompts", 1)) for x in xs if x.get(m) is not None]
+        out[m] = sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else None
+    for m in ("token_latency_ms_p90", "request_latency_ms_p90"):
+        out[m] = _median([x.get(m) for x in xs])
+    ident = [x.get("identical") for x in xs]
+    out["identical"] = None if None in ident else sum(ident)
+    cats = [x["by_category"] for x in xs if x.get("by_category")]
+    if cats:
+        merged: dict[str, dict] = {}
+        for bc in cats:
+            for cat, v in bc.items():
+                m = merged.setdefault(cat, {"n_prompts": 0, "new_tokens": 0, "target_forwards": 0, "_lat": 0.0})
+                m["n_prompts"] += v["n_prompts"]
+                m["new_tokens"] += v["new_tokens"]
+                m["target_forwards"] += v["target_forwards"]
+                m["_lat"] += v["request_latency_ms_mean"] * v["n_prompts"]
+        out["by_category"] = {cat: {"n_prompts": m["n_prompts"], "new_tokens": m["new_tokens"],
+                                    "target_forwards": m["target_forwards"],
+                                    "tau": m["new_tokens"] / m["target_forwards"] if m["target_forwards"] else 0.0,
+                                    "request_latency_ms_mean": m["_lat"] / m["n_prompts"] if m["n_prompts"] else 0.0}
+                              for cat, m in merged.items()}
+    return out
+
+
+BASELINES = ("ar", "best_static", "batch1_static", "oracle")
+BASELINE_TITLES = {"ar": "batched AR", "best_static": "best static γ at (C, T)",
+                   "batch1_static": "batch-1 best static γ", "oracle": "oracle"}
+
+
+def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: SamplingConfig, n_prompts: int,
+                   bootstrap: int = 2000, seed: int = 0) -> list[dict]:
+    """One row per (contender, engine, C, T): each round's blocks combined (:func:`_combine`), then the median
+    over rounds (counters: the first round's); and for adaptive contenders the paired ratios to the
+    baselines (:func:`baselines`, :func:`ldlp.bench.stats.paired_ratio`)."""
     keys = []
     for x in runs:
-        k = (x["contender"], x["engine"], x["concurrency"])
+        k = (x["contender"], x["engine"], x["concurrency"], x.get("temperature", sampling.temperature))
         if k not in keys:
             keys.append(k)
     rows = []
-    for label, engine_kind, C in keys:
-        xs = [x for x in runs if (x["contender"], x["engine"], x["concurrency"]) == (label, engine_kind, C)]
-        ident = [x["identical"] for x in xs]
+    for label, engine_kind, C, T in keys:
+        xs = [x for x in runs if (x["contender"], x["engine"], x["concurrency"], x.get("temperature", sampling.temperature))
+              == (label, engine_kind, C, T)]
+        by_round = {}
+        for x in xs:
+            by_round.setdefault(x["round"], []).append(x)
+        per_round = [_combine(v) for v in by_round.values()]
+        first = per_round[0]
+        ident = [x["identical"] for x in per_round]
+        n = first["n_prompts"] if all("n_prompts" in x for x in xs) else n_prompts
         row = {"contender": label if engine_kind == "batched" else f"{label} (batch-1 engine)", "engine": engine_kind,
-               "policy": xs[0]["policy"], "gamma": xs[0]["gamma"], "concurrency": C,
-               "temperature": sampling.temperature, "n_prompts": n_prompts, "rounds": len(xs),
-               "tau": xs[0]["tau"], "new_tokens": xs[0]["new_tokens"],
+               "policy": xs[0]["policy"], "gamma": xs[0]["gamma"], "concurrency": C, "temperature": T,
+               "n_prompts": n, "rounds": len(per_round), "blocks": len({x.get("block", 0) for x in xs}),
+               "tau": first["tau"], "new_tokens": first["new_tokens"],
                "identical": None if None in ident else min(ident),
-               "lossless": None if None in ident else all(i == n_prompts for i in ident)}
+               "lossless": None if None in ident else all(i == n for i in ident)}
         for m in ("tokens_per_s", "tokens_per_cpu_s", "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean",
                   "request_latency_ms_p90"):
-            row[m] = _median([x.get(m) for x in xs])
-        if xs[0].get("by_category"):  # counters are the first round's (deterministic), latency the rounds' median
+            row[m] = _median([x.get(m) for x in per_round])
+        if first.get("by_category"):  # counters are the first round's (deterministic), latency the rounds' median
             row["by_category"] = {cat: dict(v, request_latency_ms_mean=_median(
-                [x["by_category"][cat]["request_latency_ms_mean"] for x in xs if "by_category" in x]))
-                for cat, v in xs[0]["by_category"].items()}
+                [x["by_category"][cat]["request_latency_ms_mean"] for x in per_round if cat in x.get("by_category", {})]))
+                for cat, v in first["by_category"].items()}
         rows.append(row)
     for row in rows:
         ar = next((r for r in rows if r["policy"] == "ar" and r["engine"] == "batched"
-                   and r["concurrency"] == row["concurrency"]), None)
+                   and r["concurrency"] == row["concurrency"] and r["temperature"] == row["temperature"]), None)
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] else None
+    # the one paired bootstrap of the project's comparisons
+    from ldlp.bench.stats import paired_ratio
+
+    base = baselines(rows)
+    for row in rows:
+        if row["engine"] != "batched" or row["policy"] in ("ar", "static"):
+            continue
+        b = base.get((row["temperature"], row["concurrency"]), {})
+        vs = {}
+        for name in BASELINES:
+            ref = b.get(name)
+            if ref is None or ref["contender"] == row["contender"]:
+                continue
+            mine, theirs = _pairs(runs, row["contender"], row), _pairs(runs, ref["contender"], row)
+            common = sorted(set(mine) & set(theirs))
+            if not common:
+                continue
+            stat = paired_ratio([mine[k][0] for k in common], [mine[k][1] for k in common],
+                                [theirs[k][0] for k in common], [theirs[k][1] for k in common],
+                                bootstrap=bootstrap, seed=seed)
+            vs[name] = {"contender": ref["contender"], "gamma": ref.get("gamma"), **stat}
+        row["vs"] = vs
     return rows
 
 
-def findings(rows: list[dict], metric: str = "tokens_per_s") -> dict:
-    """The numbers the issue asks for: AR scaling, best static γ per C and its gain, batch-1 parity, on
-    ``metric`` (tokens_per_s, or tokens_per_cpu_s: tokens per CPU-second of this process, which other
-    jobs on a shared machine disturb far less than wall time)."""
+def _pairs(runs: list[dict], label: str, at: dict) -> dict:
+    """{(round, block): (new tokens, wall seconds)} of a batched contender at ``at``'s C and T."""
+    return {(x["round"], x.get("block", 0)): (x["new_tokens"], x["wall_s"]) for x in runs
+            if x["contender"] == label and x["engine"] == "batched" and x["concurrency"] == at["concurrency"]
+            and x.get("temperature", at["temperature"]) == at["temperature"] and x.get("wall_s")}
+
+
+def baselines(rows: list[dict]) -> dict:
+    """{(T, C): {"ar", "best_static", "batch1_static", "oracle": the baseline's row}} among the batched rows:
+    batched AR; the static γ fastest at that (C, T), chosen in hindsight; the static γ fastest at C=1 for that
+    T, at this C (what a user tuned at batch 1 deploys; absent without C=1); the oracle (T=0 only)."""
+    batched = [r for r in rows if r["engine"] == "batched" and r.get("tokens_per_s") is not None]
+    out = {}
+    for T in dict.fromkeys(r["temperature"] for r in batched):
+        at_t = [r for r in batched if r["temperature"] == T]
+        st1 = [r for r in at_t if r["concurrency"] == 1 and r["policy"] == "static"]
+        g1 = max(st1, key=lambda r: r["tokens_per_s"])["gamma"] if st1 else None
+        for C in dict.fromkeys(r["concurrency"] for r in at_t):
+            here = [r for r in at_t if r["concurrency"] == C]
+            st = [r for r in here if r["policy"] == "static"]
+            out[(T, C)] = {
+                "ar": next((r for r in here if r["policy"] == "ar"), None),
+                "best_static": max(st, key=lambda r: r["tokens_per_s"]) if st else None,
+                "batch1_static": next((r for r in st if r["gamma"] == g1), None),
+                "oracle": next((r for r in here if r["policy"] == "oracle"), None)}
+    return out
+
+
+def temperatures_of(rows: list[dict]) -> list[float]:
+    """The temperatures of ``rows``, in the order they first appear."""
+    return list(dict.fromkeys(r.get("temperature", 0.0) for r in rows))
+
+
+def _at(rows: list[dict], temperature) -> list[dict]:
+    """The rows at ``temperature`` (None: the first temperature in ``rows``)."""
+    ts = temperatures_of(rows)
+    t = ts[0] if temperature is None and ts else temperature
+    return [r for r in rows if r.get("temperature", 0.0) == t]
+
+
+def findings(rows: list[dict], metric: str = "tokens_per_s", temperature: float | None = None) -> dict:
+    """The numbers the issues ask for at one temperature (None: the rows' first): AR scaling, best static γ
+    per C and its gain, batch-1 parity, on ``metric`` (tokens_per_s, or tokens_per_cpu_s: tokens per
+    CPU-second of this process, which other jobs on a shared machine disturb far less than wall time); and,
+    on tokens/s, the baselines per C and every adaptive contender's paired ratios to them."""
+    rows = _at(rows, temperature)
+    base_rows = rows
     rows = [dict(r, tokens_per_s=r.get(metric)) for r in rows if r.get(metric) is not None]
     batched = [r for r in rows if r["engine"] == "batched"]
     Cs = sorted({r["concurrency"] for r in batched})
     ar = {r["concurrency"]: r["tokens_per_s"] for r in batched if r["policy"] == "ar"}
-    out = {"ar_tokens_per_s": ar, "best_static": {}, "batch1_parity": {}}
+    out = {"temperature": rows[0]["temperature"] if rows else temperature, "ar_tokens_per_s": ar, "best_static": {},
+           "batch1_parity": {}}
     if 1 in ar and 16 in ar:
         out["ar_c16_over_c1"] = ar[16] / ar[1]
     for C in Cs:
@@ -217,11 +432,20 @@ def findings(rows: list[dict], metric: str = "tokens_per_s") -> dict:
             if new:
                 out["batch1_parity"][new["contender"]] = {"batched_c1": new["tokens_per_s"], "batch1": r["tokens_per_s"],
                                                           "ratio": new["tokens_per_s"] / r["tokens_per_s"]}
+    if metric == "tokens_per_s":
+        out["baselines"] = {C: {name: {"contender": b["contender"], "gamma": b["gamma"], "tokens_per_s": b["tokens_per_s"]}
+                                for name, b in v.items() if b is not None}
+                            for (_, C), v in sorted(baselines(base_rows).items(), key=lambda kv: kv[0][1])}
+        out["ratios"] = {}
+        for r in base_rows:
+            if r.get("vs"):
+                out["ratios"].setdefault(r["contender"], {})[r["concurrency"]] = r["vs"]
     return out
 
 
 def _throughput_table(rows: list[dict], metric: str) -> list[str]:
-    """One line per contender, one column per C: ``metric`` and its ratio to batched AR; best static γ bold."""
+    """One line per contender, one column per C: ``metric`` and its ratio to batched AR; best static γ bold
+    (``rows``: one temperature's)."""
     f = findings(rows, metric)
     batched = [dict(r, value=r.get(metric)) for r in rows if r["engine"] == "batched" and r.get(metric) is not None]
     Cs = sorted({r["concurrency"] for r in batched})
@@ -257,6 +481,47 @@ def _findings_lines(rows: list[dict], metric: str, unit: str) -> list[str]:
     return lines
 
 
+def ratio_cell(v: dict | None) -> str:
+    """A paired ratio as "1.052 (0.981–1.123)", with * when its interval does not resolve 5% (half-width
+    above 0.05), or the ratio alone and its pair count when there are too few pairs for an interval."""
+    if not v:
+        return "–"
+    if v.get("ci95") is None:
+        return f"{v['ratio']:.3f} ({v['pairs']} pair)"
+    lo, hi = v["ci95"]
+    return f"{v['ratio']:.3f} ({lo:.3f}–{hi:.3f})" + ("" if v["resolves_5pct"] else "*")
+
+
+def _baseline_lines(rows: list[dict]) -> list[str]:
+    """The baselines per C and every adaptive contender's paired ratios to them (``rows``: one temperature's)."""
+    f = findings(rows)
+    adaptive = [r for r in rows if r.get("vs")]
+    if not f.get("baselines"):
+        return []
+    g = lambda b: f" γ={b['gamma']}" if b.get("gamma") is not None else ""
+    lines = ["", "Baselines per C: " + "; ".join(
+        f"C={C}: " + ", ".join(f"{BASELINE_TITLES[k]} = {b['contender']}" if k in ("best_static", "batch1_static")
+                               else f"{BASELINE_TITLES[k]} {b['tokens_per_s']:.1f}" for k, b in v.items())
+        for C, v in f["baselines"].items()) + "."]
+    if not adaptive:
+        return lines
+    pairs = sorted({v["pairs"] for r in adaptive for v in r["vs"].values()})
+    lines += ["", (f"Paired ratios of tokens/s (contender / baseline; > 1: faster) over the (round, block) workloads "
+                   f"each ran in turns ({', '.join(map(str, pairs))} pairs), with the paired bootstrap 95% interval; "
+                   "*: the interval's half-width exceeds 0.05, so it does not resolve a 5% difference. The best "
+                   "static γ is chosen in hindsight on these same runs (the strictest baseline)."), "",
+              "| contender | C | tokens/s | τ | vs " + " | vs ".join(BASELINE_TITLES[k] for k in BASELINES) + " |",
+              "|---|---:|---:|---:|" + "---:|" * len(BASELINES)]
+    for r in sorted(adaptive, key=lambda r: (r["contender"], r["concurrency"])):
+        cells = []
+        for k in BASELINES:
+            v = r["vs"].get(k)
+            cells.append(ratio_cell(v) + (g(v) if v and k in ("best_static", "batch1_static") else ""))
+        lines.append(f"| {r['contender']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tau']:.2f} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def _category_lines(rows: list[dict]) -> list[str]:
     """τ and mean request latency per prompt category, one row per (contender, C), when there are two or more."""
     rows = [r for r in rows if r.get("by_category")]
@@ -275,17 +540,14 @@ def _category_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def markdown(result: dict, meta: dict | None = None) -> str:
-    rows = result["rows"]
+def _temperature_section(result: dict, rows: list[dict]) -> list[str]:
     batched = [r for r in rows if r["engine"] == "batched"]
     Cs = sorted({r["concurrency"] for r in batched})
     f = findings(rows)
-    lines = ["# Batched speculative decoding: tokens/s against concurrency", ""]
-    if meta:
-        lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
-    lines += [("Generated tokens per wall-clock second (median over rounds); **bold**: the best static γ at that C; "
-               "(×N): ratio to batched AR at the same C."), ""]
+    lines = [("Generated tokens per wall-clock second (median over rounds; each round's blocks summed); **bold**: "
+              "the best static γ at that C; (×N): ratio to batched AR at the same C."), ""]
     lines += _throughput_table(rows, "tokens_per_s") + [""] + _findings_lines(rows, "tokens_per_s", "tokens/s")
+    lines += _baseline_lines(rows)
     if any(r.get("tokens_per_cpu_s") for r in rows):
         lines += ["", ("The same runs in generated tokens per CPU-second of the benchmark process (one thread): other "
                        "jobs on a shared machine stretch wall time far more than they stretch this."), ""]
@@ -317,37 +579,43 @@ def markdown(result: dict, meta: dict | None = None) -> str:
                        f"dtype at the first difference): {ties}. Largest gap: "
                        f"{max((x['gap'] or 0) for x in d):.4g}.")]
     lines += _category_lines(rows)
+    return lines
+
+
+def markdown(result: dict, meta: dict | None = None) -> str:
+    rows = result["rows"]
+    ts = temperatures_of(rows)
+    lines = ["# Batched speculative decoding: tokens/s against concurrency", ""]
+    if meta:
+        lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+    for s in result.get("skipped", []):
+        lines += [f"Skipped {s['contender']} at T={s['temperature']:g}: {s['why']}.", ""]
+    if len(ts) == 1:
+        lines += _temperature_section(result, rows)
+    for t in ts if len(ts) > 1 else []:
+        lines += ["", f"## Temperature {t:g}" + (" (greedy)" if t == 0 else ""), ""]
+        lines += _temperature_section(result, _at(rows, t))
     return "\n".join(lines) + "\n"
 
 
-def plot_tokens_per_s(result: dict, path: str | Path) -> Path:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["engine"] == "batched"]
-    f = findings(result["rows"])
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    labels = []
-    for r in rows:
-        if r["contender"] not in labels:
-            labels.append(r["contender"])
-    for lab in labels:
-        xs = sorted((r["concurrency"], r["tokens_per_s"]) for r in rows if r["contender"] == lab)
-        style = {"lw": 2.2, "color": "black"} if lab == "ar" else {"lw": 1.2, "alpha": 0.85}
-        ax.plot([x for x, _ in xs], [y for _, y in xs], marker="o", ms=3, label=lab, **style)
-    for C, b in f["best_static"].items():
-        ax.scatter([C], [b["tokens_per_s"]], marker="*", s=160, color="red", zorder=5)
-        ax.annotate(f"γ={b['gamma']}", (C, b["tokens_per_s"]), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    return matplotlib, plt
+
+
+def _log2_axis(ax, matplotlib, Cs):
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r["concurrency"] for r in rows}))
+    ax.set_xticks(Cs)
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("concurrency C (sequences in flight)")
-    ax.set_ylabel("generated tokens/s")
-    ax.set_title("Batched speculative decoding (red star: best static γ at each C)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+
+
+def _save(fig, plt, path) -> Path:
     fig.tight_layout()
     with atomic_path(path, keep_suffix=True) as tmp:  # keeps the suffix: matplotlib picks the format by it
         fig.savefig(tmp, dpi=120)
@@ -355,17 +623,81 @@ def plot_tokens_per_s(result: dict, path: str | Path) -> Path:
     return Path(path)
 
 
+def plot_tokens_per_s(result: dict, path: str | Path) -> Path:
+    """Tokens/s against C, one line per contender, one panel per temperature (side by side, one y scale
+    each), the best static γ at each C marked with a red star."""
+    matplotlib, plt = _pyplot()
+    ts = temperatures_of(result["rows"])
+    fig, axes = plt.subplots(1, len(ts), figsize=(7.5 if len(ts) == 1 else 5.6 * len(ts), 4.8), squeeze=False)
+    for ax, t in zip(axes[0], ts):
+        at = _at(result["rows"], t)
+        rows = [r for r in at if r["engine"] == "batched"]
+        f = findings(at)
+        for lab in dict.fromkeys(r["contender"] for r in rows):
+            xs = sorted((r["concurrency"], r["tokens_per_s"]) for r in rows if r["contender"] == lab)
+            style = {"lw": 2.2, "color": "black"} if lab == "ar" else {"lw": 1.2, "alpha": 0.85}
+            ax.plot([x for x, _ in xs], [y for _, y in xs], marker="o", ms=3, label=lab, **style)
+        for C, b in f["best_static"].items():
+            ax.scatter([C], [b["tokens_per_s"]], marker="*", s=160, color="red", zorder=5)
+            ax.annotate(f"γ={b['gamma']}", (C, b["tokens_per_s"]), textcoords="offset points", xytext=(4, 6), fontsize=8)
+        _log2_axis(ax, matplotlib, sorted({r["concurrency"] for r in rows}))
+        ax.set_ylabel("generated tokens/s")
+        ax.set_title(f"T={t:g}" + (" (greedy)" if t == 0 else "") if len(ts) > 1 else
+                     "Batched speculative decoding (red star: best static γ at each C)", fontsize=10)
+        ax.legend(fontsize=7, ncol=2)
+    if len(ts) > 1:
+        fig.suptitle("Batched speculative decoding against concurrency (red star: best static γ at each C)", fontsize=11)
+    return _save(fig, plt, path)
+
+
+def plot_ratios(result: dict, path: str | Path, baseline: str = "best_static") -> Path | None:
+    """Each adaptive contender's paired ratio of tokens/s to ``baseline`` (default the best static γ at that
+    (C, T)) against C, with its bootstrap 95% interval, one panel per temperature; None when no row has one."""
+    rows = [r for r in result["rows"] if (r.get("vs") or {}).get(baseline)]
+    if not rows:
+        return None
+    matplotlib, plt = _pyplot()
+    ts = [t for t in temperatures_of(result["rows"]) if any(r["temperature"] == t for r in rows)]
+    fig, axes = plt.subplots(1, len(ts), figsize=(5.6 * len(ts), 4.4), squeeze=False, sharey=True)
+    labels = list(dict.fromkeys(r["contender"] for r in rows))
+    for ax, t in zip(axes[0], ts):
+        for k, lab in enumerate(labels):
+            pts = sorted((r["concurrency"], r["vs"][baseline]) for r in rows if r["temperature"] == t and r["contender"] == lab)
+            if not pts:
+                continue
+            shift = 2 ** (0.04 * (k - (len(labels) - 1) / 2))  # side by side, so the intervals do not overlap
+            x = [C * shift for C, _ in pts]
+            y = [v["ratio"] for _, v in pts]
+            err = [[v["ratio"] - v["ci95"][0] if v["ci95"] else 0 for _, v in pts],
+                   [v["ci95"][1] - v["ratio"] if v["ci95"] else 0 for _, v in pts]]
+            ax.errorbar(x, y, yerr=err, marker="o", ms=3, capsize=3, lw=1.2, label=lab)
+        ax.axhline(1.0, color="black", lw=1)
+        ax.axhspan(0.95, 1.05, color="grey", alpha=0.12, lw=0)
+        _log2_axis(ax, matplotlib, sorted({r["concurrency"] for r in rows}))
+        ax.set_title(f"T={t:g}" + (" (greedy)" if t == 0 else ""), fontsize=10)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"tokens/s / {BASELINE_TITLES[baseline]} (paired, 95% interval)")
+    fig.suptitle(f"Adaptive policies against the {BASELINE_TITLES[baseline]} (grey: ±5%)", fontsize=11)
+    return _save(fig, plt, path)
+
+
 def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot: bool = True) -> Path:
+    """batch_bench.json (the rows), batch_bench_runs.json (meta, findings per temperature, greedy differences,
+    skipped contenders, every (round, block) run), batch_bench.md, and with ``with_plot`` batch_bench.png
+    and batch_bench_ratio.png (when a row has a ratio to the best static γ)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = [{k: r.get(k) for k in ROW_KEYS} for r in result["rows"]]
     atomic_write_json(out / "batch_bench.json", rows, indent=2)
-    atomic_write_json(out / "batch_bench_runs.json", {"meta": meta or {}, "findings": findings(result["rows"]),
+    by_t = {str(t): findings(result["rows"], temperature=t) for t in temperatures_of(result["rows"])}
+    atomic_write_json(out / "batch_bench_runs.json", {"meta": meta or {}, "findings": by_t,
                                                      "differences": result.get("differences", []),
+                                                     "skipped": result.get("skipped", []),
                                                      "runs": result["runs"]}, indent=2, default=str)
     atomic_write_text(out / "batch_bench.md", markdown(result, meta))
     if with_plot and result["rows"]:
         plot_tokens_per_s(result, out / "batch_bench.png")
+        plot_ratios(result, out / "batch_bench_ratio.png")
     return out
 
 

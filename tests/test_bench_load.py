@@ -1,0 +1,206 @@
+"""The load sweep of the batched benchmark (issue 16, evaluation): the paired bootstrap, the C x T sweep with
+its baselines, and the oracle in a batch (CPU, tiny float32 models, seconds each)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_drafter, make_target, table_rows
+
+from eagle_backbone.batched.bench import (
+    BASELINES,
+    Contender,
+    markdown,
+    plot_ratios,
+    plot_tokens_per_s,
+    split_blocks,
+    sweep,
+    write,
+)
+from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.sampling import SamplingConfig
+from ldlp.bench.stats import paired_ratio
+from ldlp.policies import HeuristicPolicy, OraclePolicy
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def t32():
+    return make_target(dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def eagle32(t32):
+    return make_drafter(t32, dtype=torch.float32)
+
+
+def prompts_of(n, seed=0, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (int(k),), generator=g).tolist() for k in torch.randint(3, 12, (n,), generator=g)]
+
+
+def contenders():
+    return [Contender("ar", "ar", 0, None),
+            Contender("static γ=1", "static", 1, lambda: StaticPolicy(1)),
+            Contender("static γ=3", "static", 3, lambda: StaticPolicy(3)),
+            Contender("heuristic", "heuristic", None, lambda: HeuristicPolicy(2)),
+            Contender("oracle", "oracle", None, lambda: OraclePolicy(4))]
+
+
+# ---- the paired bootstrap ------------------------------------------------------------------------------------
+
+
+def test_paired_ratio_known_answers():
+    # a contender exactly 1.25x faster on every pair: the ratio and both interval ends are 1.25
+    secs = np.array([2.0, 3.0, 5.0, 1.5, 4.0])
+    tok = np.array([100, 140, 260, 80, 190])
+    out = paired_ratio(tok, secs / 1.25, tok, secs, bootstrap=500, seed=1)
+    assert out["ratio"] == pytest.approx(1.25) and out["ci95"] == pytest.approx([1.25, 1.25])
+    assert out["pairs"] == 5 and out["resolves_5pct"] is True
+    # throughput, not seconds: different token counts (sampled outputs) enter as tokens per second over all pairs
+    out = paired_ratio([30, 30], [1.0, 1.0], [20, 20], [1.0, 1.0])
+    assert out["ratio"] == pytest.approx(1.5) and out["ci95"] == pytest.approx([1.5, 1.5])
+    # one pair: a ratio, no interval
+    one = paired_ratio([10], [1.0], [10], [2.0])
+    assert one["ratio"] == pytest.approx(2.0) and one["ci95"] is None and one["resolves_5pct"] is False
+    # two pairs with seconds ratios 1 and 2 (equal tokens and baseline seconds): the resamples are {1,1}, {1,2},
+    # {2,2} with probabilities 1/4, 1/2, 1/4, giving ratios 1, 4/3 (2 s / 1.5 s), 2; the 95% interval spans 1 to 2
+    two = paired_ratio([10, 10], [2.0, 1.0], [10, 10], [2.0, 2.0], bootstrap=4000, seed=0)
+    assert two["ratio"] == pytest.approx(4 / 3) and two["ci95"] == pytest.approx([1.0, 2.0])
+
+
+def test_paired_ratio_interval_covers_and_narrows_with_pairs():
+    rng = np.random.default_rng(7)
+    widths = []
+    for n in (8, 128):
+        base = rng.uniform(1.0, 3.0, n)  # workloads of different length: pairing removes that spread
+        cont = base / 1.10 * np.exp(rng.normal(0, 0.03, n))
+        out = paired_ratio(np.full(n, 100), cont, np.full(n, 100), base, bootstrap=2000, seed=3)
+        lo, hi = out["ci95"]
+        assert lo < 1.10 < hi
+        widths.append(hi - lo)
+        assert out["resolves_5pct"] is True
+    assert widths[1] < widths[0] / 2  # about 1/sqrt(16)
+    # seeded: the same interval twice
+    a = paired_ratio([1, 2, 3], [1.0, 1.1, 0.9], [1, 2, 3], [1.2, 1.0, 1.1], seed=5)
+    assert a == paired_ratio([1, 2, 3], [1.0, 1.1, 0.9], [1, 2, 3], [1.2, 1.0, 1.1], seed=5)
+
+
+def test_paired_ratio_bad_input():
+    with pytest.raises(ValueError, match="one length"):
+        paired_ratio([1, 2], [1.0], [1, 2], [1.0, 1.0])
+    with pytest.raises(ValueError, match="no pairs"):
+        paired_ratio([], [], [], [])
+    with pytest.raises(ValueError, match="> 0"):
+        paired_ratio([1], [0.0], [1], [1.0])
+
+
+def test_split_blocks_never_leaves_c_streams_unfilled():
+    assert split_blocks(32, 1, 4) == [list(range(b, 32, 4)) for b in range(4)]
+    assert len(split_blocks(32, 16, 4)) == 2 and len(split_blocks(32, 32, 4)) == 1 and len(split_blocks(5, 8, 4)) == 1
+    assert sorted(i for part in split_blocks(30, 4, 4) for i in part) == list(range(30))
+
+
+# ---- the C x T sweep -----------------------------------------------------------------------------------------
+
+
+def test_sweep_over_concurrency_and_temperature(t32, eagle32, tmp_path):
+    """Rows for every (C, T, contender), the oracle at T=0 only, ratios to every baseline with intervals over
+    the (round, block) pairs; lossless at T=0; the same command twice gives the same counters at T > 0."""
+    prompts = prompts_of(8)
+    cand = EagleCandidateGenerator(eagle32, t32)
+    logs = []
+    kw = {"rounds": 2, "batch1": False, "candidates": cand, "temperatures": [0.0, 1.0], "blocks": 2, "seed": 3}
+    result = sweep(t32, eagle32, "eagle", prompts, contenders(), [1, 2, 4], 10, log=logs.append, **kw)
+    rows = result["rows"]
+    cells = {(r["contender"], r["concurrency"], r["temperature"]) for r in rows}
+    expected = {(c.label, C, T) for c in contenders() for C in (1, 2, 4) for T in (0.0, 1.0)}
+    assert cells == expected - {("oracle", C, 1.0) for C in (1, 2, 4)}
+    assert any("skipping oracle at T=1" in line for line in logs)
+    assert result["skipped"] == [{"contender": "oracle", "temperature": 1.0, "why": "defined for greedy decoding only"}]
+    for r in rows:
+        assert r["rounds"] == 2 and r["blocks"] == 2 and r["n_prompts"] == 8
+        assert r["lossless"] is (True if r["temperature"] == 0 else None)
+        if r["policy"] not in ("ar", "static"):
+            want = {"ar", "best_static", "batch1_static"} | ({"oracle"} if r["temperature"] == 0 and r["policy"] != "oracle"
+                                                             else set())
+            assert set(r["vs"]) == want
+            for v in r["vs"].values():
+                assert v["pairs"] == 4 and v["ci95"][0] <= v["ratio"] <= v["ci95"][1]
+    # the baselines: batch-1 best static γ is the static γ fastest at C=1, at every C
+    for T in (0.0, 1.0):
+        st1 = [r for r in rows if r["temperature"] == T and r["concurrency"] == 1 and r["policy"] == "static"]
+        g1 = max(st1, key=lambda r: r["tokens_per_s"])["gamma"]
+        for r in rows:
+            if r["temperature"] == T and r.get("vs"):
+                assert r["vs"]["batch1_static"]["gamma"] == g1
+                best = max((x for x in rows if x["temperature"] == T and x["concurrency"] == r["concurrency"]
+                            and x["policy"] == "static"), key=lambda x: x["tokens_per_s"])
+                assert r["vs"]["best_static"]["contender"] == best["contender"]
+    # sampled runs are seeded per sequence: the same command twice gives the same counters
+    again = sweep(t32, eagle32, "eagle", prompts, contenders(), [1, 2, 4], 10, log=lambda _: None, **kw)
+    counters = lambda res: sorted((r["contender"], r["concurrency"], r["temperature"], r["new_tokens"], r["tau"])
+                                  for r in res["rows"])
+    assert counters(again) == counters(result)
+    # the Markdown has a section per temperature with the baseline table; the plots draw
+    md = markdown(result)
+    assert "## Temperature 0 (greedy)" in md and "## Temperature 1" in md and "Skipped oracle at T=1" in md
+    section = md.split("## Temperature 1")[1].split("Paired ratios")[1]
+    assert table_rows(section.split("\n\n")[1]) == ["heuristic"] * 3
+    out = write(result, tmp_path)
+    assert (out / "batch_bench.png").is_file() and (out / "batch_bench_ratio.png").is_file()
+    saved = json.loads((out / "batch_bench.json").read_text())
+    assert {tuple(sorted(r["vs"])) for r in saved if r["vs"]} >= {tuple(sorted(BASELINES))}
+    runs = json.loads((out / "batch_bench_runs.json").read_text())
+    assert set(runs["findings"]) == {"0.0", "1.0"} and runs["findings"]["0.0"]["baselines"]
+
+
+def test_one_temperature_stays_as_before(t32, eagle32, tmp_path):
+    """No temperatures given: the generation's temperature alone, one block, no section headers; the
+    single-temperature plot still draws; no adaptive contender: no ratio plot."""
+    prompts = prompts_of(4)
+    cs = contenders()[:3]
+    result = sweep(t32, eagle32, "eagle", prompts, cs, [1, 2], 6, rounds=1, batch1=False, log=lambda _: None)
+    assert {r["temperature"] for r in result["rows"]} == {0.0} and {r["blocks"] for r in result["rows"]} == {1}
+    assert "## Temperature" not in markdown(result)
+    assert plot_tokens_per_s(result, tmp_path / "p.png").is_file()
+    assert plot_ratios(result, tmp_path / "r.png") is None
+    with pytest.raises(ValueError, match="blocks"):
+        sweep(t32, eagle32, "eagle", prompts, cs, [1], 6, blocks=0)
+    with pytest.raises(ValueError, match="temperatures"):
+        sweep(t32, eagle32, "eagle", prompts, cs, [1], 6, temperatures=[0.0, -1.0])
+
+
+# ---- the oracle in a batch -----------------------------------------------------------------------------------
+
+
+def test_oracle_in_a_batch_is_lossless_and_matches_its_batch1_counts(t32, eagle32):
+    """Bound to the batch-1 candidate generator, the oracle runs in the batched sweep at T=0: every sequence equals
+    its batch-1 AR output, and at every C it needs exactly the target forwards of the batch-1 oracle."""
+    prompts = prompts_of(6, seed=4)
+    cand = EagleCandidateGenerator(eagle32, t32)
+    cs = [contenders()[0], contenders()[-1]]
+    result = sweep(t32, eagle32, "eagle", prompts, cs, [1, 3, 6], 12, rounds=1, batch1=False, candidates=cand,
+                   log=lambda _: None)
+    want_tokens = sum(len(autoregressive_generate(t32, p, 12).tokens) for p in prompts)
+    batch1 = []
+    for p in prompts:
+        pol = OraclePolicy(4)
+        pol.bind(t32, cand, 12, SamplingConfig())
+        batch1.append(SpeculativeDecoder(t32, cand, pol).generate(p, 12).stats)
+    tau1 = sum(s.new_tokens for s in batch1) / sum(s.target_forwards for s in batch1)
+    oracle = [r for r in result["rows"] if r["policy"] == "oracle"]
+    assert [r["concurrency"] for r in oracle] == [1, 3, 6]
+    for r in oracle:
+        assert r["lossless"] is True and r["identical"] == len(prompts) and r["new_tokens"] == want_tokens
+        assert r["tau"] == pytest.approx(tau1)
+    # without a candidate generator it is skipped with one line, not an error
+    logs = []
+    res = sweep(t32, eagle32, "eagle", prompts[:2], cs, [1], 4, rounds=1, batch1=False, log=logs.append)
+    assert {r["policy"] for r in res["rows"]} == {"ar"} and any("skipping oracle" in line for line in logs)
