@@ -4,6 +4,7 @@ its baselines, and the oracle in a batch (CPU, tiny float32 models, seconds each
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,3 +205,41 @@ def test_oracle_in_a_batch_is_lossless_and_matches_its_batch1_counts(t32, eagle3
     logs = []
     res = sweep(t32, eagle32, "eagle", prompts[:2], cs, [1], 4, rounds=1, batch1=False, log=logs.append)
     assert {r["policy"] for r in res["rows"]} == {"ar"} and any("skipping oracle" in line for line in logs)
+
+
+# ---- the script ----------------------------------------------------------------------------------------------
+
+
+def test_bench_batch_script_sweeps_c_by_t(tmp_path):
+    """scripts/bench_batch.py on a tiny float32 pair: temperatures and blocks from the command line, a row per
+    (C, T, contender) with its baselines, the oracle at T=0 only; bad settings fail in one line before loading."""
+    import subprocess
+    import sys
+
+    from conftest import pair_overrides, save_tiny_pair
+
+    save_tiny_pair(tmp_path / "models", 4096)
+    prompts = tmp_path / "question.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "test", "turns": [q]}) + "\n" for i, q in
+                               enumerate(["Explain `os.path.join`.", "What does `json.dumps` return?",
+                                          "Reverse a list.", "Sort a dict by value."])))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "scripts/bench_batch.py", *pair_overrides(tmp_path / "models", dtype="float32"),
+           "data=mt_bench", f"data.path={prompts}", "data.limit=4", "generation.max_new_tokens=8", "rounds=1",
+           "blocks=2", "batch1=false", "concurrency=[1,2]", "temperatures=[0.0,1.0]", "threads=1", f"out_dir={out}",
+           f"hydra.run.dir={tmp_path / 'run'}",
+           'contenders=["policy=static policy.gamma=2","policy=heuristic","policy=oracle"]']
+    repo = Path(__file__).resolve().parent.parent
+    res = subprocess.run(cmd, check=False, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = json.loads((out / "batch_bench.json").read_text())
+    cells = {(r["contender"], r["concurrency"], r["temperature"]) for r in rows}
+    assert cells == {(c, C, T) for c in ("ar", "static γ=2", "heuristic", "oracle") for C in (1, 2)
+                     for T in (0.0, 1.0)} - {("oracle", 1, 1.0), ("oracle", 2, 1.0)}
+    assert all(r["lossless"] for r in rows if r["temperature"] == 0)
+    heur = [r for r in rows if r["contender"] == "heuristic"]
+    assert all({"ar", "best_static", "batch1_static"} <= set(r["vs"]) for r in heur)
+    assert all("oracle" in r["vs"] for r in heur if r["temperature"] == 0)
+    assert (out / "batch_bench_ratio.png").is_file() and "## Temperature 1" in (out / "batch_bench.md").read_text()
+    bad = subprocess.run(cmd[:-1] + ["blocks=0"], check=False, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "blocks must be an integer >= 1" in bad.stderr + bad.stdout

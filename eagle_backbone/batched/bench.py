@@ -140,6 +140,22 @@ def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sa
     return Contender(c.label, c.policy, c.gamma, lambda: _ReplayedOracle(done, one))
 
 
+def check_sweep_args(concurrency, temperatures=None, blocks: int = 1) -> list[float] | None:
+    """One ValueError line for a bad sweep setting, before any model loads; returns the temperatures as floats
+    (None when none are given: the generation's own)."""
+    bad = [c for c in concurrency if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+    if bad or not concurrency:
+        raise ValueError(f"concurrency values must be integers >= 1, got {list(concurrency)}")
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise ValueError(f"blocks must be an integer >= 1, got {blocks!r}")
+    if temperatures is None or len(temperatures) == 0:
+        return None
+    temps = [float(t) for t in temperatures]
+    if any(not t >= 0 for t in temps) or len(set(temps)) != len(temps):
+        raise ValueError(f"temperatures must be distinct numbers >= 0, got {temps}")
+    return temps
+
+
 def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contenders: list[Contender],
           concurrency: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
           rounds: int = 2, seed: int = 0, batch1=True, candidates=None, attn: str = "eager",
@@ -160,24 +176,17 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts: give one per prompt")
     sampling = sampling or SamplingConfig()
-    temps = [float(sampling.temperature)] if temperatures is None or len(temperatures) == 0 else [float(t) for t in temperatures]
-    bad_t = [t for t in temps if not t >= 0]
-    if bad_t:
-        raise ValueError(f"temperatures must be >= 0, got {bad_t}")
-    if len(set(temps)) != len(temps):
-        raise ValueError(f"temperatures repeat: {temps}")
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-        raise ValueError(f"blocks must be an integer >= 1, got {blocks!r}")
+    temps = check_sweep_args(concurrency, temperatures, blocks) or [float(sampling.temperature)]
     if not prompts:
         raise ValueError("no prompts to benchmark")
     if not contenders or contenders[0].policy != "ar":
         raise ValueError("the first contender must be batched AR (policy 'ar')")
-    bad = [c for c in concurrency if not isinstance(c, int) or c < 1]
-    if bad:
-        raise ValueError(f"concurrency values must be integers >= 1, got {bad}")
     capacity = max(len(p) for p in prompts) + max_new_tokens + 2
     seeds = [seed + i for i in range(len(prompts))]
-    bound = {c.label for c in contenders if c.make is not None and hasattr(c.make(), "bind")}
+    # policies that replay the batch-1 engine in begin() (the oracle): bind(target, candidates, ...) first;
+    # a batch-level policy (one instance deciding for all slots) is the engine's to handle
+    probes = {c.label: c.make() for c in contenders if c.make is not None}
+    bound = {k for k, p in probes.items() if hasattr(p, "bind") and not getattr(p, "batch_level", False)}
     skipped = []
     per_t = {}  # T -> (sampling, contenders, reference outputs)
     for T in temps:
