@@ -8,6 +8,7 @@ matches the one stored next to its output (docs/pipeline.md says why subprocesse
     tune        python scripts/tune_policies.py       -> paths.results/tuning  (outputs/results/<model>/tuning)
     sweeps      python scripts/evaluate.py -m ...     -> paths.runs/round-R/<sweep>
     summary     ldlp.report.summary.summarize         -> paths.results         (results.md/.csv, tokens_per_s.png)
+    bench_batch python scripts/bench_batch.py         -> paths.results/load_sweep (the load sweep's short version)
     head_to_head python scripts/compare.py            -> paths.runs/head_to_head
     publish     (publish=true only)                   -> paths.published       (results/<model>, committed) + README
 
@@ -261,7 +262,40 @@ def plan(cfg, model: str = "embedded") -> list[Stage]:
                                 "evaluate.py", ["-m", f"model={sweep_model}"] + args + common
                                 + [f"hydra.sweep.dir={out}"], out, after=("corpus",) + after, reads=reads,
                                 configs=eval_configs, group="sweeps", clear=True))
+    bench = bench_batch_stage(cfg, stages, model, pair)
+    if bench is not None:
+        stages.append(bench)
     return stages
+
+
+def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...]) -> Stage | None:
+    """The load sweep's short version (scripts/bench_batch.py): tokens/s against concurrency and temperature for
+    batched AR, static γ and the adaptive policies, with paired ratios to the baselines. A contender whose
+    conf/policy/<name>.yaml does not exist (yet) is left out, so the stage runs before every policy is written."""
+    b = cfg.get("bench_batch")
+    if not b or not b.get("enabled"):
+        return None
+    contenders = [str(c) for c in b.contenders if _policy_exists(str(c))]
+    out = Path(cfg.paths.results) / "load_sweep"
+    args = ([f"model={model}", "concurrency=[" + _list(b.concurrency) + "]",
+             "temperatures=[" + _list(b.temperatures) + "]",
+             "contenders=[" + ",".join(f'"{c}"' for c in contenders) + "]",
+             f"rounds={int(b.rounds)}", f"blocks={int(b.blocks)}", f"out_dir={out}", f"hydra.run.dir={out}"]
+            + _checkpoints(cfg) + _threads(cfg) + list(b.overrides))
+    names = {s.name for s in stages}
+    used = {c.split("=", 1)[1].split()[0] for c in contenders}
+    after = ("corpus",) + tuple(n for n in ("ldlp", "ldlp_survival", "acceptance")
+                                if n in names and (n in used or (n == "ldlp" and "ldlp_ddd" in used)))
+    return Stage("bench_batch", f"load sweep (short): C={_list(b.concurrency)} x T={_list(b.temperatures)}, "
+                 f"{len(contenders)} contenders and batched AR", "bench_batch.py", args, out, after=after, reads=pair,
+                 configs=("bench_batch.yaml", "evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml"),
+                 group="bench", product="batch_bench.json")
+
+
+def _policy_exists(spec: str) -> bool:
+    """Whether the ``policy=NAME`` of a contender string has its conf/policy/NAME.yaml."""
+    names = [o.split("=", 1)[1] for o in spec.split() if o.startswith("policy=")]
+    return len(names) == 1 and (CONF_DIR / "policy" / f"{names[0]}.yaml").is_file()
 
 
 def _tuned_best(tuned: Path | None) -> dict:
@@ -333,11 +367,11 @@ def _force_level(force) -> set[str]:
     if force in (False, None, "false", "none"):
         return set()
     if force in (True, "true", "sweeps"):
-        return {"tune", "sweeps"}  # both time this machine
+        return {"tune", "sweeps", "bench"}  # all time this machine
     if force == "all":
-        return {"corpus", "oracle", "ldlp", "ldlp_survival", "acceptance", "tune", "sweeps"}
-    raise ValueError(f"force must be false, true (redo tuning and sweeps) or all (also the labels, LDLP and "
-                     f"acceptance head), got {force!r}")
+        return {"corpus", "oracle", "ldlp", "ldlp_survival", "acceptance", "tune", "sweeps", "bench"}
+    raise ValueError(f"force must be false, true (redo tuning, sweeps and the load sweep) or all (also the labels, "
+                     f"LDLP and acceptance head), got {force!r}")
 
 
 TRAIN_COMMANDS = {"target": "python scripts/train_lm.py lm=embedded_target",
@@ -405,7 +439,7 @@ class StageRunner:
             shutil.rmtree(stage.out)  # a half-finished sweep is redone whole: its rows must share a process
         store_fingerprint(stage, digest, inputs, complete=False)
         t0 = time.perf_counter()
-        proc = subprocess.run(stage.command, cwd=REPO_ROOT, env=self.env)
+        proc = subprocess.run(stage.command, cwd=REPO_ROOT, env=self.env, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); fix it and rerun the same "
                                f"command: finished stages are skipped")
@@ -461,7 +495,8 @@ def run(cfg, model: str = "embedded") -> dict:
 
 # what publish=true copies from paths.results (outputs/, gitignored) to paths.published (results/, committed)
 PUBLISHED_FILES = ("results.md", "results.csv", "tokens_per_s.png", "summary.json", "stage_seconds.json",
-                   "tuning/tuning.md", "tuning/tuning.json")
+                   "tuning/tuning.md", "tuning/tuning.json", "load_sweep/batch_bench.md", "load_sweep/batch_bench.json",
+                   "load_sweep/batch_bench.png", "load_sweep/batch_bench_ratio.png")
 
 
 def _minutes(stage_seconds: dict) -> str:
@@ -479,7 +514,8 @@ def results_page(results_md: str, name: str, command: str, stage_seconds: dict, 
              ("tuning/tuning.md", "replay tuning on the validation labels"),
              ("head_to_head_long/pooled.md", "pooled long head-to-head runs (scripts/pool_head_to_head.py)"),
              ("bench_target.md", "target forward costs (scripts/bench_target.py)"),
-             ("batch_bench/README.md", "batched engine against concurrency (scripts/bench_batch.py)")]
+             ("batch_bench/README.md", "batched engine against concurrency (scripts/bench_batch.py)"),
+             ("load_sweep/batch_bench.md", "the main command's load sweep: policies against concurrency and temperature")]
     times = ", ".join(f"{k} {v:.0f} s" for k, v in stage_seconds.items() if v is not None)
     pooled = (published / "head_to_head_long" / "pooled.md").is_file()
     lines = [f"# Results: {name}", "",
@@ -500,6 +536,17 @@ def results_page(results_md: str, name: str, command: str, stage_seconds: dict, 
         lines += ["## Batched decoding against concurrency", "",
                   "From `scripts/bench_batch.py` (commands and findings: [batch_bench/README.md](batch_bench/README.md)).",
                   "", f"![tokens/s against concurrency]({batch_plot})", ""]
+    if (published / "load_sweep" / "batch_bench.png").is_file():
+        took = stage_seconds.get("bench_batch")
+        lines += ["## The load sweep (short version)", "",
+                  "The main command's `bench_batch` stage" + (f" ({took:.0f} s when it last ran)" if took else "")
+                  + ": batched AR, static γ and the adaptive policies against concurrency, a panel per temperature; "
+                  "the table, the baselines per (C, T) and the paired ratios with their 95% intervals: "
+                  "[load_sweep/batch_bench.md](load_sweep/batch_bench.md). A screening run (few prompts, one round); "
+                  "docs/batched.md gives the full sweep's command.", "",
+                  "![tokens/s against concurrency, per temperature](load_sweep/batch_bench.png)", ""]
+        if (published / "load_sweep" / "batch_bench_ratio.png").is_file():
+            lines += ["![adaptive / best static γ](load_sweep/batch_bench_ratio.png)", ""]
     return "\n".join(lines)
 
 
@@ -512,11 +559,12 @@ def headline_block(summary: dict, name: str, command: str, page: str) -> str:
     h2h = head.get("head_to_head")
     if h2h:
         ref = h2h["reference"]
-        from ldlp.bench.headtohead import dropped_note  # n_dropped next to n_prompts, in bold above 5%
+        # n_dropped next to n_prompts, in bold above 5%
+        from ldlp.bench.headtohead import dropped_note
 
-        lines += [f"Head to head of the main command ({h2h['n_prompts']} prompts{dropped_note(h2h)} × {h2h['rounds']} "
-                  "rounds, timed in "
-                  f"turns, greedy; ratios of seconds on the same prompts, > 1: faster than {ref}):", "",
+        lines += [(f"Head to head of the main command ({h2h['n_prompts']} prompts{dropped_note(h2h)} × {h2h['rounds']} "
+                   "rounds, timed in "
+                   f"turns, greedy; ratios of seconds on the same prompts, > 1: faster than {ref}):"), "",
                   f"| contender | τ | tokens/s | vs {ref} | 95% interval |", "|---|---:|---:|---:|---:|"]
         for r in h2h["rows"]:
             if r["contender"] == "AR":

@@ -243,3 +243,39 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
     assert (out / "batch_bench_ratio.png").is_file() and "## Temperature 1" in (out / "batch_bench.md").read_text()
     bad = subprocess.run(cmd[:-1] + ["blocks=0"], check=False, cwd=repo, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "blocks must be an integer >= 1" in bad.stderr + bad.stdout
+
+
+# ---- the main command's short version ------------------------------------------------------------------------
+
+
+def test_pipeline_plans_the_short_load_sweep_and_publishes_its_page(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from eagle_backbone.paths import CONF_DIR
+    from ldlp.pipeline import _force_level, plan, publish
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="pipeline", overrides=[f"paths.outputs={tmp_path / 'outputs'}",
+                                                         f"paths.data_dir={tmp_path / 'data'}"])
+    stage = next(s for s in plan(cfg) if s.name == "bench_batch")
+    assert stage.out == Path(cfg.paths.results) / "load_sweep" and stage.script == "bench_batch.py"
+    assert "concurrency=[1,4,16,32]" in stage.args and "temperatures=[0.0,1.0]" in stage.args
+    contenders = next(a for a in stage.args if a.startswith("contenders="))
+    for spec in cfg.bench_batch.contenders:  # a policy without its conf/policy/<name>.yaml is left out
+        name = spec.split()[0].split("=", 1)[1]
+        assert (f'"{spec}"' in contenders) == (CONF_DIR / "policy" / f"{name}.yaml").is_file()
+    assert "acceptance" in stage.after and "oracle" not in stage.after and stage.group in _force_level(True)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        off = compose(config_name="pipeline", overrides=[f"paths.outputs={tmp_path}", "bench_batch.enabled=false"])
+    assert "bench_batch" not in {s.name for s in plan(off)}
+    # publish copies the load sweep's page and plots, and the results page shows them
+    results, published = tmp_path / "res", tmp_path / "pub"
+    (results / "load_sweep").mkdir(parents=True)
+    (results / "results.md").write_text("## Static vs adaptive\n")
+    for f in ("batch_bench.md", "batch_bench.json", "batch_bench.png", "batch_bench_ratio.png"):
+        (results / "load_sweep" / f).write_text(f)
+    publish(results, published, tmp_path / "README.md", {"headline": {}, "stage_seconds": {"bench_batch": 250.0}},
+            "m", "python scripts/pipeline.py publish=true")
+    page = (published / "README.md").read_text()
+    assert (published / "load_sweep" / "batch_bench_ratio.png").is_file()
+    assert "(load_sweep/batch_bench.md)" in page and "(load_sweep/batch_bench.png)" in page and "250 s" in page

@@ -508,10 +508,12 @@ def _baseline_lines(rows: list[dict]) -> list[str]:
     if not f.get("baselines"):
         return []
     g = lambda b: f" γ={b['gamma']}" if b.get("gamma") is not None else ""
-    lines = ["", "Baselines per C: " + "; ".join(
-        f"C={C}: " + ", ".join(f"{BASELINE_TITLES[k]} = {b['contender']}" if k in ("best_static", "batch1_static")
-                               else f"{BASELINE_TITLES[k]} {b['tokens_per_s']:.1f}" for k, b in v.items())
-        for C, v in f["baselines"].items()) + "."]
+    lines = ["", "Baselines per C (tokens/s; the static γ each picks):", "",
+             "| C | " + " | ".join(BASELINE_TITLES[k] for k in BASELINES) + " |", "|---:|" + "---:|" * len(BASELINES)]
+    for C, v in f["baselines"].items():
+        lines.append(f"| {C} | " + " | ".join(
+            f"{v[k]['tokens_per_s']:.1f}" + (f" (γ={v[k]['gamma']})" if v[k].get("gamma") not in (None, 0) else "")
+            if k in v else "–" for k in BASELINES) + " |")
     if not adaptive:
         return lines
     pairs = sorted({v["pairs"] for r in adaptive for v in r["vs"].values()})
