@@ -279,3 +279,28 @@ def test_pipeline_plans_the_short_load_sweep_and_publishes_its_page(tmp_path):
     page = (published / "README.md").read_text()
     assert (published / "load_sweep" / "batch_bench_ratio.png").is_file()
     assert "(load_sweep/batch_bench.md)" in page and "(load_sweep/batch_bench.png)" in page and "250 s" in page
+
+
+def test_a_batch_level_policy_runs_in_the_sweep(t32, eagle32):
+    """A policy deciding for the whole batch (one instance per engine, as the load-aware policy) is passed as a
+    factory like any other, runs at every (C, T), stays lossless at T=0 and gets its paired ratios."""
+    from eagle_backbone.policy import BatchDraftPolicy
+
+    class HalfCap(BatchDraftPolicy):
+        name = "half_cap"
+        engines = 0
+
+        def bind_engine(self, engine):
+            HalfCap.engines += 1
+
+        def plan(self, caps):
+            return [min(2, c) if len(caps) > 1 else min(4, c) for c in caps]
+
+    cs = contenders()[:3] + [Contender("half_cap", "half_cap", None, HalfCap)]
+    result = sweep(t32, eagle32, "eagle", prompts_of(6, seed=2), cs, [1, 3], 10, rounds=1, batch1=False,
+                   temperatures=[0.0, 0.7], blocks=2, log=lambda _: None)
+    rows = [r for r in result["rows"] if r["contender"] == "half_cap"]
+    assert {(r["concurrency"], r["temperature"]) for r in rows} == {(1, 0.0), (3, 0.0), (1, 0.7), (3, 0.7)}
+    assert all(r["lossless"] for r in rows if r["temperature"] == 0)
+    assert all({"ar", "best_static", "batch1_static"} <= set(r["vs"]) for r in rows)
+    assert HalfCap.engines >= 4  # a fresh instance per engine (per workload), never one shared across runs
