@@ -501,6 +501,18 @@ def ratio_cell(v: dict | None) -> str:
     return f"{v['ratio']:.3f} ({lo:.3f}–{hi:.3f})" + ("" if v["resolves_5pct"] else "*")
 
 
+def verdict_counts(values: list[dict | None]) -> str:
+    """How many paired ratios are faster (interval above 1), slower (below 1), tied (containing 1) and
+    without an interval, and how many intervals resolve 5%: "2 faster, 1 tied, 1 without interval; 2/3 resolve 5%"."""
+    vs = [v for v in values if v]
+    with_ci = [v for v in vs if v.get("ci95")]
+    n = {"faster": sum(v["ci95"][0] > 1 for v in with_ci), "slower": sum(v["ci95"][1] < 1 for v in with_ci)}
+    n["tied"] = len(with_ci) - n["faster"] - n["slower"]
+    n["without interval"] = len(vs) - len(with_ci)
+    text = ", ".join(f"{k} {v}" if k == "without interval" else f"{v} {k}" for k, v in n.items() if v)
+    return (text or "none") + (f"; {sum(v['resolves_5pct'] for v in with_ci)}/{len(with_ci)} resolve 5%" if with_ci else "")
+
+
 def _baseline_lines(rows: list[dict]) -> list[str]:
     """The baselines per C and every adaptive contender's paired ratios to them (``rows``: one temperature's)."""
     f = findings(rows)
@@ -530,6 +542,9 @@ def _baseline_lines(rows: list[dict]) -> list[str]:
             cells.append(ratio_cell(v) + (g(v) if v and k in ("best_static", "batch1_static") else ""))
         lines.append(f"| {r['contender']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tau']:.2f} | "
                      + " | ".join(cells) + " |")
+    lines += ["", "Against the best static γ at each C (95% interval): " + "; ".join(
+        f"{lab}: " + verdict_counts([r["vs"].get("best_static") for r in adaptive if r["contender"] == lab])
+        for lab in dict.fromkeys(r["contender"] for r in adaptive)) + "."]
     return lines
 
 
