@@ -1,11 +1,18 @@
 """The concurrency sweep behind ``scripts/bench_batch.py``: tokens/s and latencies of batched AR, static γ
 and adaptive policies at concurrency C, on a continuous-batching workload, with greedy losslessness.
 
-For every round, every C and every contender (their order rotating between rounds and C, so that a
-slow phase of a shared machine hits all alike) the whole prompt set runs through
-:func:`~eagle_backbone.batched.workload.run_workload` with C streams in flight. At C=1 today's batch-1
-loop (``SpeculativeDecoder`` / ``autoregressive_generate``) runs interleaved with them at the same γ, for
-the "no slower at batch 1" comparison. Rows report medians over rounds.
+For every round, every temperature T, every C and every block of the prompts (``blocks`` workloads, fewer
+when a block would hold fewer prompts than C), every contender runs the block through
+:func:`~eagle_backbone.batched.workload.run_workload` with C streams in flight, in turns (the order rotating
+between rounds, T, C and blocks, so that a slow phase of a shared machine hits all alike). At C=1 today's
+batch-1 loop (``SpeculativeDecoder`` / ``autoregressive_generate``) runs interleaved with them at the same γ,
+for the "no slower at batch 1" comparison. Rows report each round's blocks summed, medians over rounds.
+
+Each (round, block) is one paired measurement: per (C, T) every adaptive contender's ratio of tokens/s to
+the baselines (batched AR, the best static γ at that (C, T) in hindsight, the static γ best at C=1 used at
+every C, the oracle at T=0) comes with a paired bootstrap 95% interval over those pairs
+(:func:`ldlp.bench.stats.paired_ratio`). The oracle replays the batch-1 engine per prompt before the clocks
+start and runs at T=0 only.
 
 Greedy losslessness is checked against each prompt's own batch-1 autoregressive output. In bfloat16 a
 batched matrix product may round differently from a one-row one; every differing sequence is then
@@ -13,7 +20,7 @@ reported with the target's top-2 logit gap at the first differing position (on t
 next to bfloat16's spacing at that logit's magnitude: a difference is a near-tie when the gap is within it.
 
 This module takes built models, prompts and policy factories; loading them from configs is the script's.
-matplotlib is imported only to draw the plot.
+matplotlib is imported only to draw the plots.
 """
 
 from __future__ import annotations
