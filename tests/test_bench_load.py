@@ -304,3 +304,21 @@ def test_a_batch_level_policy_runs_in_the_sweep(t32, eagle32):
     assert all(r["lossless"] for r in rows if r["temperature"] == 0)
     assert all({"ar", "best_static", "batch1_static"} <= set(r["vs"]) for r in rows)
     assert HalfCap.engines >= 4  # a fresh instance per engine (per workload), never one shared across runs
+
+
+def test_blocks_combine_back_to_the_whole_prompt_set(t32, eagle32):
+    """Split into blocks, a round's counters (tokens, τ, per-category counts, greedy identity) equal the
+    whole set's: blocks change how the timing is paired, not what is decoded."""
+    prompts = prompts_of(8, seed=5)
+    cats = ["a", "b"] * 4
+    cs = contenders()[:3]
+    kw = {"rounds": 1, "batch1": False, "categories": cats, "log": lambda _: None}
+    one = sweep(t32, eagle32, "eagle", prompts, cs, [1, 2], 9, blocks=1, **kw)["rows"]
+    four = sweep(t32, eagle32, "eagle", prompts, cs, [1, 2], 9, blocks=4, **kw)["rows"]
+    key = lambda r: (r["contender"], r["concurrency"])
+    assert [r["blocks"] for r in four] == [4, 4, 4, 4, 4, 4] and {r["blocks"] for r in one} == {1}
+    for a, b in zip(sorted(one, key=key), sorted(four, key=key)):
+        assert (a["new_tokens"], a["identical"], a["lossless"]) == (b["new_tokens"], b["identical"], b["lossless"])
+        assert a["tau"] == pytest.approx(b["tau"])
+        assert {c: (v["n_prompts"], v["new_tokens"], v["target_forwards"]) for c, v in a["by_category"].items()} == \
+            {c: (v["n_prompts"], v["new_tokens"], v["target_forwards"]) for c, v in b["by_category"].items()}
