@@ -105,6 +105,7 @@ class BatchDraftPolicy(DraftLengthPolicy):
     thread count). ``gamma``/``keep_drafting``/``observe`` remain for the batch-1 engine, where R = 1."""
 
     batch_level = True
+    reads_drafts = True  # False: keep_rows is never called (and greedy drafting skips the softmax)
 
     def bind_engine(self, engine) -> None:
         """Called once by the batched engine that will use this policy."""

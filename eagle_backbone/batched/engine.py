@@ -187,6 +187,7 @@ class BatchedSpeculativeEngine:
         if prefill not in ("separate", "joined"):
             raise ValueError(f"prefill must be 'separate' or 'joined', got {prefill!r}")
         self.target, self.kind, self.slots = target, kind if drafter is not None else None, slots
+        self.drafter, self.attn = drafter, attn  # as given (a batch policy builds engines like this one to profile)
         self.sampling = sampling or SamplingConfig()  # greedy by default
         self.limit = min(target.max_length, capacity or target.max_length)  # positions a sequence may use
         self.trash = self.limit  # padded positions write here; no real query (position < limit) sees it
@@ -524,7 +525,8 @@ class BatchedSpeculativeEngine:
         tl = torch.tensor([s.tlen for s in st], device=dev)
         bp = self.batch_policy
         keepers = [bp is None and _overrides(s.policy, "keep_drafting") for s in st]
-        need_probs = any(keepers) or bp is not None
+        reads = bp is not None and bp.reads_drafts
+        need_probs = any(keepers) or reads
         drafted = [0] * R
         active = [i for i in range(R) if gammas[i] > 0]
         eagle = self.kind == "eagle"
@@ -540,14 +542,14 @@ class BatchedSpeculativeEngine:
             for i in active:
                 drafted[i] = depth
             nxt = [i for i in active if gammas[i] > depth]
-            if bp is not None:
+            if reads:
                 # the batch policy keeps or drops this depth's drafts and picks the rows that go on
                 codes = bp.keep_rows(depth, active, state[idx] if eagle else None, probs)
                 for i, c in zip(active, codes):
                     if c == 0:
                         drafted[i] = depth - 1
                 nxt = [i for i, c in zip(active, codes) if c == 2 and gammas[i] > depth]
-            elif need_probs:
+            elif need_probs and bp is None:
                 toks = tok.tolist()  # policies that read drafts decide on the host (their own cost)
                 cont = set(nxt)
                 for j, i in enumerate(active):

@@ -1,0 +1,216 @@
+"""A measured cost model of one batched speculative step, for load-aware draft-length policies.
+
+What a step costs depends on the load: the target's verification forward for R slots scoring N tokens
+in all (nearly free while the target is memory-bound, linear once it is compute-bound), a drafter
+forward per draft depth for the rows still drafting, the drafter's catch-up forward over the tokens
+accepted last step, and the engine's own bookkeeping. :func:`profile_costs` measures these once per
+machine, model, dtype and thread count, on the engine's own forwards (packed ragged verification, the
+slot caches, a realistic cached context), interleaved and repeated, medians kept; :class:`CostTable`
+interpolates them. ``python scripts/profile_cost.py`` writes the table; policies that find none for
+their key profile on first use and cache it (a couple of minutes on the embedded pair).
+
+Keys: ``model`` (its name), ``dtype``, ``device`` type, ``threads`` (torch intra-op threads), torch version.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle_backbone.io import atomic_write_json
+
+SLOTS = (1, 2, 4, 8, 16, 32)
+TOKENS_PER_SLOT = (1, 2, 3, 5, 9)  # scored tokens a slot: the last token plus γ drafts
+
+
+def cost_key(model_name: str, dtype: torch.dtype, device, threads: int) -> dict:
+    return {"model": str(model_name), "dtype": str(dtype).replace("torch.", ""), "device": torch.device(device).type,
+            "threads": int(threads), "torch": torch.__version__.split("+")[0]}
+
+
+def table_path(cost_dir: str | Path, key: dict) -> Path:
+    return Path(cost_dir) / f"{key['dtype']}-{key['device']}-t{key['threads']}.json"
+
+
+def _interp(xs, ys, x: float) -> float:
+    """Piecewise-linear interpolation in a sorted grid, extrapolating linearly past its ends."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class CostTable:
+    """Milliseconds, measured: ``target[r][t]`` the verification forward (with LM head) of ``slots[r]``
+    rows scoring ``tokens[t]`` tokens each; ``draft[r]`` one draft depth (forward, LM head, softmax) over
+    ``slots[r]`` rows; ``feed[r][t]`` the drafter's catch-up forward of ``tokens[t]`` tokens a row;
+    ``overhead[r]`` the engine's bookkeeping a step (a measured engine step minus its forwards)."""
+
+    key: dict
+    slots: list[int]
+    tokens: list[int]
+    target: list[list[float]]
+    draft: list[float]
+    feed: list[list[float]]
+    overhead: list[float]
+    meta: dict = field(default_factory=dict)
+
+    def _by_slots(self, R: float, per_row: list[float]) -> float:
+        return max(0.0, _interp(self.slots, per_row, R))
+
+    def target_ms(self, R: int, N: float) -> float:
+        """The verification forward of R rows scoring N tokens in all (packed: the cost follows N)."""
+        per_row = [_interp(self.tokens, row, N / R) for row in self.target]
+        return self._by_slots(R, per_row)
+
+    def draft_ms(self, A: int) -> float:
+        """One draft depth over A rows (0 rows: no forward)."""
+        return self._by_slots(A, self.draft) if A > 0 else 0.0
+
+    def feed_ms(self, R: int, tokens_per_row: float) -> float:
+        return self._by_slots(R, [_interp(self.tokens, row, tokens_per_row) for row in self.feed])
+
+    def overhead_ms(self, R: int) -> float:
+        return self._by_slots(R, self.overhead)
+
+    def save(self, path: str | Path) -> Path:
+        atomic_write_json(path, asdict(self))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, key: dict | None = None) -> CostTable:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a readable cost table ({type(e).__name__}: {e})") from None
+        missing = [k for k in cls.__dataclass_fields__ if k != "meta" and k not in raw]
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if missing or unknown:
+            raise ValueError(f"{path}: cost table with missing keys {missing} / unknown keys {unknown}")
+        table = cls(**raw)
+        if key is not None and {k: table.key.get(k) for k in key} != key:
+            raise ValueError(f"{path}: profiled for {table.key}, not {key} (profile again: python scripts/profile_cost.py)")
+        return table
+
+
+def _median_ms(fns: dict, reps: int) -> dict:
+    """Each callable ``reps`` times, interleaved (cell order rotating), median milliseconds."""
+    names = list(fns)
+    times: dict = {n: [] for n in names}
+    for r in range(reps + 1):  # the first pass warms up
+        order = names[r % len(names):] + names[: r % len(names)]
+        for n in order:
+            t0 = time.perf_counter()
+            fns[n]()
+            if fns[n].__dict__.get("cuda"):
+                torch.cuda.synchronize()
+            if r:
+                times[n].append(1e3 * (time.perf_counter() - t0))
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+@torch.inference_mode()
+def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT, context: int = 128,
+                  reps: int = 5, seed: int = 0, log=print) -> CostTable:
+    """Measure a :class:`CostTable` with engines from ``engine_factory(slots)`` (a
+    :class:`~eagle_backbone.batched.engine.BatchedSpeculativeEngine` with a drafter and no policy)."""
+    g = torch.Generator().manual_seed(seed)
+    target_ms, draft_ms, feed_ms, overhead_ms = [], [], [], []
+    t_start = time.perf_counter()
+    for R in slots:
+        eng = engine_factory(R)
+        dev, V = eng.device, eng.target.vocab_size
+        cuda = dev.type == "cuda"
+        ctx = torch.randint(4, V, (R, context), generator=g).to(dev)
+        pos = torch.arange(context, device=dev)[None].expand(R, context)
+        eng.tm(ctx, pos, eng.tcache, context)
+        eagle = eng.kind == "eagle"
+        if eagle:
+            feats = torch.randn(R, context, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype)
+            eng.dm(ctx, feats, pos, eng.dcache, context)
+        elif eng.kind is not None:
+            eng.dm(ctx, pos, eng.dcache, context)
+        fns = {}
+
+        def target_fn(t):
+            tok = torch.randint(4, V, (R, t), generator=g).to(dev)
+            p = (context + torch.arange(t, device=dev))[None].expand(R, t)
+
+            def run():
+                eng.tm.logits(eng.tm(tok, p, eng.tcache, context + t))
+            return run
+
+        def feed_fn(t):
+            tok = torch.randint(4, V, (R, t), generator=g).to(dev)
+            p = (context + torch.arange(t, device=dev))[None].expand(R, t)
+            f = torch.randn(R, t, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
+
+            def run():
+                if eagle:
+                    out = eng.dm(tok, f, p, eng.dcache, context + t)
+                    eng.dm.logits(out[:, -1])
+                else:
+                    eng.dm.logits(eng.dm(tok, p, eng.dcache, context + t)[:, -1])
+            return run
+
+        def draft_fn():
+            tok = torch.randint(4, V, (R, 1), generator=g).to(dev)
+            p = torch.full((R, 1), context, device=dev)
+            s = torch.randn(R, 1, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
+
+            def run():
+                out = eng.dm(tok, s, p, eng.dcache, context + 1) if eagle else eng.dm(tok, p, eng.dcache, context + 1)
+                torch.softmax(eng.dm.logits(out[:, 0]).float(), -1)
+            return run
+
+        for t in tokens:
+            fns[("target", t)] = target_fn(t)
+            if eng.kind is not None:
+                fns[("feed", t)] = feed_fn(t)
+        if eng.kind is not None:
+            fns[("draft",)] = draft_fn()
+        for f in fns.values():
+            f.cuda = cuda
+        med = _median_ms(fns, reps)
+        target_ms.append([med[("target", t)] for t in tokens])
+        feed_ms.append([med.get(("feed", t), 0.0) for t in tokens])
+        draft_ms.append(med.get(("draft",), 0.0))
+        # the engine's own bookkeeping: plain decoding steps of R slots minus their target forward
+        prompts = torch.randint(4, V, (R, context), generator=g).tolist()
+        for b in range(R):
+            eng.admit(b, prompts[b], reps + 3, seed=b)
+        eng.step()
+        steps = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            eng.step()
+            steps.append(1e3 * (time.perf_counter() - t0))
+        overhead_ms.append(max(0.0, statistics.median(steps) - med[("target", 1)]))
+        log(f"cost profile: {R} slots: target {target_ms[-1][0]:.2f}..{target_ms[-1][-1]:.2f} ms, "
+            f"draft depth {draft_ms[-1]:.2f} ms, overhead {overhead_ms[-1]:.2f} ms")
+    meta = {"context": context, "reps": reps, "seconds": round(time.perf_counter() - t_start, 1)}
+    return CostTable(key, list(slots), list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, meta)
+
+
+def load_or_profile(cost_dir: str | Path, key: dict, engine_factory, profile_if_missing: bool = True,
+                    log=print) -> CostTable:
+    """The cached table for ``key`` under ``cost_dir``, profiling (and caching) it when missing."""
+    path = table_path(cost_dir, key)
+    if path.is_file():
+        return CostTable.load(path, key)
+    if not profile_if_missing:
+        raise ValueError(f"no cost table at {path} for {key}: run python scripts/profile_cost.py "
+                         "(or let the policy profile it: profile_if_missing=true)")
+    log(f"no cost table at {path}: profiling this machine once (python scripts/profile_cost.py does the same)")
+    table = profile_costs(engine_factory, key, log=log)
+    table.save(path)
+    return table
