@@ -322,3 +322,17 @@ def test_blocks_combine_back_to_the_whole_prompt_set(t32, eagle32):
         assert a["tau"] == pytest.approx(b["tau"])
         assert {c: (v["n_prompts"], v["new_tokens"], v["target_forwards"]) for c, v in a["by_category"].items()} == \
             {c: (v["n_prompts"], v["new_tokens"], v["target_forwards"]) for c, v in b["by_category"].items()}
+
+
+def test_policy_interpolations_follow_the_running_config(tmp_path):
+    """A policy node composed with the default model (as policy_config composes it) reads the running script's
+    model and paths once bound with resolve_in."""
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.batched.bench import resolve_in
+
+    composed = OmegaConf.create({"model": {"name": "embedded"}, "policy": {"_target_": "x", "model": "${model.name}",
+                                                                           "dir": "${out}/${model.name}"}, "out": "/a"})
+    running = OmegaConf.create({"model": {"name": "tiny"}, "out": str(tmp_path), "policy": {"gamma": 3}})
+    node = resolve_in(running, composed.policy)
+    assert node.model == "tiny" and node.dir == f"{tmp_path}/tiny" and "gamma" not in node
