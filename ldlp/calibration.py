@@ -27,23 +27,28 @@ def logit(p: torch.Tensor) -> torch.Tensor:
 
 
 class OnlineLogitCalibration:
-    """p' = sigmoid(w * logit(p) + c), (w, c) fitted online by SGD on the log-loss of observed outcomes.
+    """p' = sigmoid(w * logit(p) + c), (w, c) fitted online by Newton steps on the log-loss of observed outcomes.
 
-    ``lr``: step size of one update (on the mean gradient of a verification's observations); ``w_range``
-    bounds the slope so that a burst of one outcome cannot flip the estimator's ranking."""
+    Each update adds the observations' gradient and Hessian (2x2) to a running Hessian that forgets at
+    rate ``decay`` per update (recent text weighs more) and starts at ``prior`` times the identity around
+    (w, c) = (1, 0): a few dozen outcomes move the correction, and a burst of one outcome cannot run away.
+    ``w`` stays in ``w_range``: 0 means the estimator carries no information (a constant rate); the
+    correction never inverts its ranking."""
 
-    def __init__(self, lr: float = 0.05, w_range: tuple[float, float] = (0.25, 4.0), device=None):
-        if not lr > 0:
-            raise ValueError(f"online calibration: lr must be > 0, got {lr!r}")
+    def __init__(self, decay: float = 0.98, prior: float = 4.0, w_range: tuple[float, float] = (0.0, 4.0),
+                 device=None):
+        if not 0 < decay <= 1 or not prior > 0:
+            raise ValueError(f"online calibration: need 0 < decay <= 1 and prior > 0, got {decay!r}, {prior!r}")
         lo, hi = w_range
-        if not 0 < lo <= 1 <= hi:
-            raise ValueError(f"online calibration: w_range must satisfy 0 < lo <= 1 <= hi, got {w_range!r}")
-        self.lr, self.w_range = float(lr), (float(lo), float(hi))
+        if not 0 <= lo <= 1 <= hi:
+            raise ValueError(f"online calibration: w_range must satisfy 0 <= lo <= 1 <= hi, got {w_range!r}")
+        self.decay, self.w_range = float(decay), (float(lo), float(hi))
         self.params = torch.tensor([1.0, 0.0], device=device)  # (w, c)
+        self.hessian = prior * torch.eye(2, device=device)
         self.observations = torch.zeros((), device=device)  # count of outcomes seen (a device scalar)
 
     def to(self, device) -> OnlineLogitCalibration:
-        self.params = self.params.to(device)
+        self.params, self.hessian = self.params.to(device), self.hessian.to(device)
         self.observations = self.observations.to(device)
         return self
 
@@ -53,20 +58,19 @@ class OnlineLogitCalibration:
         return torch.sigmoid(w * logit(p) + c)
 
     def update(self, p_est: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """One SGD step on the observations: ``p_est`` the estimator's raw probabilities, ``kept`` 1/0
-        outcomes, ``mask`` which entries were observed (default: all). Shapes broadcast together."""
-        z = logit(p_est)
-        y = kept.float()
-        m = torch.ones_like(z) if mask is None else mask.float()
-        n = m.sum()
-        w, c = self.params[0], self.params[1]
-        err = (torch.sigmoid(w * z + c) - y) * m  # d(log-loss)/d(logit')
-        denom = n.clamp_min(1.0)
-        grad = torch.stack([(err * z).sum() / denom, err.sum() / denom])
-        new = self.params - self.lr * grad
+        """One Newton step on the observations: ``p_est`` the estimator's raw probabilities, ``kept`` 1/0
+        outcomes (or soft ones), ``mask`` which entries were observed (default: all). Shapes broadcast."""
+        z = logit(p_est).flatten()
+        y = kept.float().flatten().expand_as(z)
+        m = torch.ones_like(z) if mask is None else mask.float().flatten().expand_as(z)
+        X = torch.stack([z, torch.ones_like(z)], 1)  # (n, 2)
+        pr = torch.sigmoid(X @ self.params)
+        grad = X.T @ ((pr - y) * m)
+        self.hessian = self.decay * self.hessian + (X * (pr * (1 - pr) * m)[:, None]).T @ X
+        new = self.params - torch.linalg.solve(self.hessian, grad)
         new[0] = new[0].clamp(*self.w_range)
         self.params = new
-        self.observations = self.observations + n
+        self.observations = self.observations + m.sum()
 
     def state(self) -> dict:
         """(w, c) and the count of outcomes seen, as Python numbers (a host read: for reports only)."""

@@ -58,7 +58,7 @@ class LoadAwarePolicy(BatchDraftPolicy):
 
     def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, estimator: str = "confidence",
                  mode: str = "marginal", max_gamma: int = 8, threshold: float = 0.5, recalibrate: bool = True,
-                 lr: float = 0.05, prior: float = 0.7, explore_every: int = 32, profile_if_missing: bool = True,
+                 decay: float = 0.98, prior: float = 0.7, explore_every: int = 32, profile_if_missing: bool = True,
                  cost_table: str | None = None):
         if mode not in MODES:
             raise ValueError(f"load_aware policy: mode must be one of {MODES}, got {mode!r}")
@@ -75,7 +75,7 @@ class LoadAwarePolicy(BatchDraftPolicy):
         self.estimator_spec, self.mode, self.max_gamma = estimator, mode, max_gamma
         self.threshold, self.recalibrate, self.explore_every = float(threshold), bool(recalibrate), int(explore_every)
         self.profile_if_missing, self.cost_table_path = bool(profile_if_missing), cost_table
-        self.calibration = OnlineLogitCalibration(lr=lr)
+        self.calibration = OnlineLogitCalibration(decay=decay)
         self.accept_rate = float(prior)  # running P(draft kept) over observed drafts (an EMA)
         self.feed_tokens = 2.0  # running tokens a row feeds the drafter per step (accepted + 1)
         self.costs: CostTable | None = None
@@ -89,10 +89,8 @@ class LoadAwarePolicy(BatchDraftPolicy):
     def bind_engine(self, engine) -> None:
         if engine.kind is None:
             return  # nothing to draft with: every step is plain decoding
-        temperature = 0.0 if engine.sampling.greedy else float(engine.sampling.temperature)
-        if abs(temperature - self.temperature) > 1e-6:
-            raise ValueError(f"load_aware policy: configured for temperature {self.temperature} but the engine "
-                             f"samples at {temperature} (set policy.temperature or generation.temperature)")
+        # the engine's sampling is what the estimates must be calibrated for (a sweep over T reuses one config)
+        self.temperature = 0.0 if engine.sampling.greedy else float(engine.sampling.temperature)
         from eagle_backbone.batched.engine import BatchedSpeculativeEngine
 
         def factory(R: int):
@@ -208,16 +206,14 @@ class LoadAwarePolicy(BatchDraftPolicy):
         st["T"] += c.draft_ms(A)  # this depth's drafter forward is spent
         m = (c.target_ms(R, st["N"] + A) - c.target_ms(R, st["N"])) / A  # ms a scored token, at this size
         codes = [0] * A
-        kept = []
-        for j in sorted(range(A), key=lambda j: -S[j]):
-            if S[j] * st["T"] < st["E"] * m:  # S / m below the step's rate E / T: not worth scoring
-                break
+        order = sorted(range(A), key=lambda j: -S[j])
+        kept = order[: marginal_prefix([S[j] for j in order], st["E"], st["T"], m)]
+        for j in kept:
             st["E"] += S[j]
             st["N"] += 1
             st["T"] += m
             st["S"][rows[j]] = S[j]
             codes[j] = 1
-            kept.append(j)
         # who drafts on: the best prefix of the predicted next survivals, net of the next depth's forward
         nxt = sorted((j for j in kept if st["caps"][rows[j]] > depth), key=lambda j: -S[j] * a[j])
         rate, best_k, best_net, value = st["E"] / st["T"], 0, 0.0, 0.0
@@ -273,6 +269,30 @@ class LoadAwarePolicy(BatchDraftPolicy):
     @property
     def reads_drafts(self) -> bool:  # the ablation without per-slot estimates reads no drafts
         return self.mode != "step"
+
+
+def marginal_prefix(values_desc: list[float], E: float, T: float, m: float) -> int:
+    """How many of ``values_desc`` (expected tokens, sorted descending, each costing ``m`` ms) to add to a
+    plan of E expected tokens in T ms so that E / T is largest: add while value / m is at least the rate
+    so far (each addition then raises the rate, and the first that would lower it ends the prefix)."""
+    k = 0
+    for v in values_desc:
+        if v * T < E * m:
+            break
+        E, T, k = E + v, T + m, k + 1
+    return k
+
+
+def allocate_budget(survivals: list[list[float]], E: float, T: float, m: float) -> list[int]:
+    """γ per row when every survival S_bi is known up front (rows' lists nonincreasing): the global top
+    budget (DSpark, vLLM's adaptive verification): candidates ranked by S over the whole batch, the
+    prefix that maximises (E + Σ S) / (T + m · count). The policy applies the same rule depth by depth."""
+    cands = sorted(((s, i, b) for b, row in enumerate(survivals) for i, s in enumerate(row)),
+                   key=lambda c: (-c[0], c[1]))
+    gammas = [0] * len(survivals)
+    for _, _, b in cands[: marginal_prefix([c[0] for c in cands], E, T, m)]:
+        gammas[b] += 1
+    return gammas
 
 
 def load_head_for_temperature(folder: str, temperature: float):
