@@ -93,9 +93,9 @@ class LoadAwarePolicy(BatchDraftPolicy):
         self.temperature = 0.0 if engine.sampling.greedy else float(engine.sampling.temperature)
         from eagle_backbone.batched.engine import BatchedSpeculativeEngine
 
-        def factory(R: int):
-            return BatchedSpeculativeEngine(engine.target, engine.drafter, engine.kind, slots=R, capacity=192,
-                                            attn=engine.attn)
+        def factory(R: int, policy=None):
+            return BatchedSpeculativeEngine(engine.target, engine.drafter, engine.kind, slots=R, capacity=256,
+                                            attn=engine.attn, policy=policy)
 
         self._setup(engine.target, engine.kind, factory)
 
@@ -108,8 +108,8 @@ class LoadAwarePolicy(BatchDraftPolicy):
         kind = getattr(candidates, "kind", None)
         drafter = getattr(candidates, "drafter", None) if kind == "eagle" else getattr(candidates, "model", None)
 
-        def factory(R: int):
-            return BatchedSpeculativeEngine(target, drafter, kind, slots=R, capacity=192)
+        def factory(R: int, policy=None):
+            return BatchedSpeculativeEngine(target, drafter, kind, slots=R, capacity=256, policy=policy)
 
         self._setup(target, kind, factory)
 
@@ -138,7 +138,7 @@ class LoadAwarePolicy(BatchDraftPolicy):
         value, t_draft = 0.0, c.feed_ms(R, self.feed_tokens)
         for g in range(1, cap + 1):
             value += accept ** g
-            t_draft += c.draft_ms(R)
+            t_draft += c.draft_ms(R, R)
             rate = R * (1 + value) / (c.overhead_ms(R) + t_draft + c.target_ms(R, R * (g + 1)))
             if rate > best_rate:
                 best_g, best_rate = g, rate
@@ -203,7 +203,7 @@ class LoadAwarePolicy(BatchDraftPolicy):
         st, c = self._step, self.costs
         R = st["R"]
         A = len(rows)
-        st["T"] += c.draft_ms(A)  # this depth's drafter forward is spent
+        st["T"] += c.draft_ms(A, R)  # this depth's drafter forward is spent
         m = (c.target_ms(R, st["N"] + A) - c.target_ms(R, st["N"])) / A  # ms a scored token, at this size
         codes = [0] * A
         order = sorted(range(A), key=lambda j: -S[j])
@@ -219,7 +219,7 @@ class LoadAwarePolicy(BatchDraftPolicy):
         rate, best_k, best_net, value = st["E"] / st["T"], 0, 0.0, 0.0
         for k, j in enumerate(nxt, 1):
             value += S[j] * a[j]
-            net = value - rate * (k * m + c.draft_ms(k))
+            net = value - rate * (k * m + c.draft_ms(k, R))
             if net > best_net:
                 best_k, best_net = k, net
         for j in nxt[:best_k]:

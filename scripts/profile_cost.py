@@ -19,10 +19,11 @@ def main(cfg: DictConfig) -> None:
     pair = load_pair_cached(cfg.model)
     target, kind = pair.target, cfg.model.drafter_kind
     key = cost_key(cfg.model.name, target.dtype, target.device, threads)
-    capacity = int(cfg.context) + max(cfg.tokens_per_slot) + 8
+    capacity = int(cfg.context) + 5 * (int(cfg.reps) + 3) + max(cfg.tokens_per_slot) + 8
 
-    def factory(R: int):
-        return BatchedSpeculativeEngine(target, pair.drafter, kind, slots=R, capacity=capacity, attn=str(cfg.attn))
+    def factory(R: int, policy=None):
+        return BatchedSpeculativeEngine(target, pair.drafter, kind, slots=R, capacity=capacity, attn=str(cfg.attn),
+                                        policy=policy)
 
     table = profile_costs(factory, key, slots=list(cfg.slots), tokens=list(cfg.tokens_per_slot),
                           context=int(cfg.context), reps=int(cfg.reps), seed=int(cfg.seed))

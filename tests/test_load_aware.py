@@ -164,7 +164,8 @@ def test_sampled_sequences_have_the_target_distribution(tmp_path, t32):
 
 def test_cost_table_profiles_round_trips_and_refuses_another_key(tmp_path, t32, eagle32):
     key = cost_key("tiny", t32.dtype, t32.device, 1)
-    tab = profile_costs(lambda R: BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=R, capacity=64),
+    tab = profile_costs(lambda R, policy=None: BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=R, capacity=64,
+                                                                        policy=policy),
                         key, slots=(1, 2), tokens=(1, 3), context=16, reps=1, log=lambda *_: None)
     assert len(tab.target) == 2 and all(len(r) == 2 and min(r) > 0 for r in tab.target) and min(tab.draft) > 0
     path = tab.save(table_path(tmp_path, key))

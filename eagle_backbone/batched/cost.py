@@ -52,7 +52,9 @@ class CostTable:
     """Milliseconds, measured: ``target[r][t]`` the verification forward (with LM head) of ``slots[r]``
     rows scoring ``tokens[t]`` tokens each; ``draft[r]`` one draft depth (forward, LM head, softmax) over
     ``slots[r]`` rows; ``feed[r][t]`` the drafter's catch-up forward of ``tokens[t]`` tokens a row;
-    ``overhead[r]`` the engine's bookkeeping a step (a measured engine step minus its forwards)."""
+    ``overhead[r]`` the engine's bookkeeping a step (a measured plain decoding step minus its forward);
+    ``depth_overhead[r]`` the bookkeeping a draft depth adds (measured speculative steps minus their
+    forwards and ``overhead``, per depth)."""
 
     key: dict
     slots: list[int]
@@ -61,6 +63,7 @@ class CostTable:
     draft: list[float]
     feed: list[list[float]]
     overhead: list[float]
+    depth_overhead: list[float] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
 
     def _by_slots(self, R: float, per_row: list[float]) -> float:
@@ -71,9 +74,13 @@ class CostTable:
         per_row = [_interp(self.tokens, row, N / R) for row in self.target]
         return self._by_slots(R, per_row)
 
-    def draft_ms(self, A: int) -> float:
-        """One draft depth over A rows (0 rows: no forward)."""
-        return self._by_slots(A, self.draft) if A > 0 else 0.0
+    def draft_ms(self, A: int, R: int | None = None) -> float:
+        """One draft depth over A rows (0 rows: no forward), with the engine's bookkeeping for a depth
+        in a step of R running rows (default A)."""
+        if A <= 0:
+            return 0.0
+        extra = self._by_slots(R or A, self.depth_overhead) if self.depth_overhead else 0.0
+        return self._by_slots(A, self.draft) + extra
 
     def feed_ms(self, R: int, tokens_per_row: float) -> float:
         return self._by_slots(R, [_interp(self.tokens, row, tokens_per_row) for row in self.feed])
@@ -92,7 +99,7 @@ class CostTable:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a readable cost table ({type(e).__name__}: {e})") from None
-        missing = [k for k in cls.__dataclass_fields__ if k != "meta" and k not in raw]
+        missing = [k for k in cls.__dataclass_fields__ if k not in ("meta", "depth_overhead") and k not in raw]
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if missing or unknown:
             raise ValueError(f"{path}: cost table with missing keys {missing} / unknown keys {unknown}")
@@ -120,11 +127,13 @@ def _median_ms(fns: dict, reps: int) -> dict:
 
 @torch.inference_mode()
 def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT, context: int = 128,
-                  reps: int = 5, seed: int = 0, log=print) -> CostTable:
-    """Measure a :class:`CostTable` with engines from ``engine_factory(slots)`` (a
-    :class:`~eagle_backbone.batched.engine.BatchedSpeculativeEngine` with a drafter and no policy)."""
+                  reps: int = 7, seed: int = 0, log=print) -> CostTable:
+    """Measure a :class:`CostTable` with engines from ``engine_factory(slots, policy)`` (a
+    :class:`~eagle_backbone.batched.engine.BatchedSpeculativeEngine` with a drafter)."""
+    from eagle_backbone.policy import StaticPolicy
+
     g = torch.Generator().manual_seed(seed)
-    target_ms, draft_ms, feed_ms, overhead_ms = [], [], [], []
+    target_ms, draft_ms, feed_ms, overhead_ms, depth_ms = [], [], [], [], []
     t_start = time.perf_counter()
     for R in slots:
         eng = engine_factory(R)
@@ -184,21 +193,35 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
         target_ms.append([med[("target", t)] for t in tokens])
         feed_ms.append([med.get(("feed", t), 0.0) for t in tokens])
         draft_ms.append(med.get(("draft",), 0.0))
-        # the engine's own bookkeeping: plain decoding steps of R slots minus their target forward
+        # the engine's own bookkeeping: measured steps of R slots minus their forwards, plain decoding
+        # (gamma 0) and speculative (gamma = depth: the extra a depth adds, drafts and accepts counted)
         prompts = torch.randint(4, V, (R, context), generator=g).tolist()
-        for b in range(R):
-            eng.admit(b, prompts[b], reps + 3, seed=b)
-        eng.step()
-        steps = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            eng.step()
-            steps.append(1e3 * (time.perf_counter() - t0))
-        overhead_ms.append(max(0.0, statistics.median(steps) - med[("target", 1)]))
+        spent = {}
+        for gamma in (0, 4) if eng.kind is not None else (0,):
+            e = engine_factory(R, StaticPolicy(gamma))
+            for b in range(R):
+                e.admit(b, prompts[b], 5 * (reps + 3), seed=b)
+            e.step()
+            steps, accepted = [], []
+            for _ in range(reps):
+                before = [len(e.state[b].new) for b in range(R)]
+                t0 = time.perf_counter()
+                e.step()
+                steps.append(1e3 * (time.perf_counter() - t0))
+                accepted.append(sum(len(e.state[b].new) - n for b, n in zip(range(R), before)) / R)
+            spent[gamma] = (statistics.median(steps), statistics.mean(accepted))
+        ar_ms = spent[0][0]
+        overhead_ms.append(max(0.0, ar_ms - med[("target", 1)]))
+        if 4 in spent:
+            step_ms, per_row = spent[4]
+            t_feed = _interp(list(tokens), feed_ms[-1], per_row)
+            forwards = t_feed + 4 * draft_ms[-1] + _interp(list(tokens), target_ms[-1], 5)
+            depth_ms.append(max(0.0, (step_ms - forwards - overhead_ms[-1]) / 4))
         log(f"cost profile: {R} slots: target {target_ms[-1][0]:.2f}..{target_ms[-1][-1]:.2f} ms, "
-            f"draft depth {draft_ms[-1]:.2f} ms, overhead {overhead_ms[-1]:.2f} ms")
+            f"draft depth {draft_ms[-1]:.2f} ms, overhead {overhead_ms[-1]:.2f} ms a step"
+            + (f" + {depth_ms[-1]:.2f} ms a depth" if depth_ms else ""))
     meta = {"context": context, "reps": reps, "seconds": round(time.perf_counter() - t_start, 1)}
-    return CostTable(key, list(slots), list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, meta)
+    return CostTable(key, list(slots), list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, depth_ms, meta)
 
 
 def load_or_profile(cost_dir: str | Path, key: dict, engine_factory, profile_if_missing: bool = True,
