@@ -286,8 +286,11 @@ def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...
     used = {c.split("=", 1)[1].split()[0] for c in contenders}
     after = ("corpus",) + tuple(n for n in ("ldlp", "ldlp_survival", "acceptance")
                                 if n in names and (n in used or (n == "ldlp" and "ldlp_ddd" in used)))
+    # the load-aware policy's measured cost table (scripts/profile_cost.py) is an input like the weights
+    cost = cfg.paths.get("cost") if any(u.startswith("load_aware") for u in used) else None
     return Stage("bench_batch", f"load sweep (short): C={_list(b.concurrency)} x T={_list(b.temperatures)}, "
-                 f"{len(contenders)} contenders and batched AR", "bench_batch.py", args, out, after=after, reads=pair,
+                 f"{len(contenders)} contenders and batched AR", "bench_batch.py", args, out, after=after,
+                 reads=pair + ((str(cost),) if cost else ()),
                  configs=("bench_batch.yaml", "evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml"),
                  group="bench", product="batch_bench.json")
 
