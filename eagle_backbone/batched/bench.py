@@ -44,7 +44,7 @@ from eagle_backbone.sampling import SamplingConfig
 
 ROW_KEYS = ("contender", "engine", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
             "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean", "request_latency_ms_p90",
-            "tau", "lossless", "identical", "n_prompts", "new_tokens", "rounds", "blocks", "speedup_vs_ar", "vs",
+            "tau", "lossless", "identical", "n_prompts", "new_tokens", "rounds", "blocks", "speedup_vs_ar", "vs", "policy_share",
             "by_category")
 
 
@@ -258,6 +258,8 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
                                                            sampling=samp, capacity=capacity, attn=attn)
                             res = run_workload(eng, ps, C, max_new_tokens, sd)
                             outs, summ = [o.tokens for o in res.outputs], res.summary()
+                            if hasattr(eng.batch_policy, "own_s"):  # a batch policy's own seconds in the run
+                                summ["policy_s"] = eng.batch_policy.own_s
                             if with_cats:
                                 summ["by_category"] = res.by_category([categories[i] for i in idx])
                         else:
@@ -294,6 +296,8 @@ def _combine(xs: list[dict]) -> dict:
     wall = sum(x.get("wall_s", 0.0) or 0.0 for x in xs)
     cpu = sum(x.get("cpu_s", 0.0) or 0.0 for x in xs)
     out["wall_s"] = wall
+    own = [x["policy_s"] for x in xs if x.get("policy_s") is not None]
+    out["policy_share"] = sum(own) / wall if own and wall > 0 else None  # the policy's own time / the run's
     out["tokens_per_s"] = tok / wall if wall > 0 else _median([x["tokens_per_s"] for x in xs])
     out["tokens_per_cpu_s"] = tok / cpu if cpu > 0 else _median([x.get("tokens_per_cpu_s") for x in xs])
     forwards = sum(x["new_tokens"] / x["tau"] for x in xs if x.get("tau"))
@@ -356,7 +360,7 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
                "identical": None if None in ident else min(ident),
                "lossless": None if None in ident else all(i == n for i in ident)}
         for m in ("tokens_per_s", "tokens_per_cpu_s", "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean",
-                  "request_latency_ms_p90"):
+                  "request_latency_ms_p90", "policy_share"):
             row[m] = _median([x.get(m) for x in per_round])
         if first.get("by_category"):  # counters are the first round's (deterministic), latency the rounds' median
             row["by_category"] = {cat: dict(v, request_latency_ms_mean=_median(
@@ -640,6 +644,15 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     for t in ts if len(ts) > 1 else []:
         lines += ["", f"## Temperature {t:g}" + (" (greedy)" if t == 0 else ""), ""]
         lines += _temperature_section(result, _at(rows, t))
+    shares = [r for r in rows if r.get("policy_share") is not None]
+    if shares:
+        lines += ["", "## The batch policies' own time", "",
+                  "Seconds inside the policy (plan, estimates and their host reads, allocation, observation) over the "
+                  "run's wall seconds, worst (C, T) per contender:", ""]
+        for lab in dict.fromkeys(r["contender"] for r in shares):
+            worst = max((r for r in shares if r["contender"] == lab), key=lambda r: r["policy_share"])
+            lines.append(f"- {lab}: {100 * worst['policy_share']:.2f}% (C={worst['concurrency']}, "
+                         f"T={worst['temperature']:g})")
     return "\n".join(lines) + "\n"
 
 
