@@ -129,3 +129,101 @@ class AcceptanceHead(nn.Module):
 
 
 
+
+
+# ---- per-position acceptance: P(draft i kept | drafts 1..i-1 kept), greedy or sampled -------------------
+
+PROB_FEATURE_NAMES = ("log_top1", "entropy", "sum_sq")  # computed from the drafter's distribution q
+DRAFT_STAT_NAMES = (*PROB_FEATURE_NAMES, "depth")  # the inputs after the drafter state, in order
+
+
+def prob_features(probs: torch.Tensor) -> torch.Tensor:
+    """(n, V) drafter distributions -> (n, 3) float32: log of the top-1 probability (clipped at
+    ``MIN_LOG_P``), entropy, and ``sum q^2`` (the chance two draws agree). Tensor ops only: the collector
+    stores these and :class:`DraftAcceptanceHead` recomputes them, so both read one definition."""
+    q = probs.float()
+    top1 = q.max(dim=-1).values
+    log_top1 = torch.log(top1.clamp_min(math.exp(MIN_LOG_P)))
+    entropy = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)
+    sum_sq = (q * q).sum(-1)
+    return torch.stack([log_top1, entropy, sum_sq], dim=-1)
+
+
+@dataclass
+class DraftAcceptanceHeadConfig:
+    hidden_size: int  # d, the drafter state's width
+    temperature: float  # the sampling temperature its labels were collected at (0 = greedy)
+    k_max: int  # trained on depths 1 .. k_max
+    C: float = 0.05  # inverse L2 strength of the logistic regression
+    kind: str = "draft_acceptance"
+    meta: dict = field(default_factory=dict)  # provenance (label folders, metrics): not used by the model
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> DraftAcceptanceHeadConfig:
+        if d.get("kind") != "draft_acceptance":
+            raise ValueError(f"{where}: kind={d.get('kind')!r}, not a draft acceptance head")
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+
+class DraftAcceptanceHead(nn.Module):
+    """a_i = P(draft i, drawn from ``probs``, is kept | drafts 1..i-1 were kept), batched on the device.
+
+    ``head(states (n, d), probs (n, V), depth (n,) or int) -> (n,) float32``: a logistic regression on the
+    drafter state that produced ``probs`` and on :func:`prob_features` of ``probs`` and the depth, the
+    standardisation folded into the weights. Tensor ops only (no host read), so one call scores every
+    batch row at once. Greedy heads (temperature 0) estimate P(drafter argmax == target argmax); sampled
+    heads estimate ``beta = sum_x min(p(x), q(x))``, the speculative-sampling acceptance probability.
+    """
+
+    def __init__(self, config: DraftAcceptanceHeadConfig):
+        super().__init__()
+        self.config = config
+        self.temperature = float(config.temperature)
+        self.state_weight = nn.Parameter(torch.zeros(config.hidden_size), requires_grad=False)
+        self.stat_weight = nn.Parameter(torch.zeros(len(DRAFT_STAT_NAMES)), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+    def logit_from_stats(self, states: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        """Logits from ``states`` (n, d) and ``stats`` (n, 4) = [prob_features, depth]."""
+        return states.float() @ self.state_weight + stats.float() @ self.stat_weight + self.bias
+
+    def logit(self, states: torch.Tensor, probs: torch.Tensor, depth) -> torch.Tensor:
+        feats = prob_features(probs)
+        depth = torch.as_tensor(depth, device=feats.device).to(torch.float32).expand(feats.shape[0])
+        return self.logit_from_stats(states, torch.cat([feats, depth[:, None]], dim=1))
+
+    def forward(self, states: torch.Tensor, probs: torch.Tensor, depth) -> torch.Tensor:
+        return torch.sigmoid(self.logit(states, probs, depth))
+
+    @classmethod
+    def from_sklearn(cls, pipeline, config: DraftAcceptanceHeadConfig) -> DraftAcceptanceHead:
+        """From a fitted ``StandardScaler -> LogisticRegression`` pipeline on [state, stats] columns."""
+        scaler, clf = pipeline[0], pipeline[-1]
+        scale = np.where(scaler.scale_ > 0, scaler.scale_, 1.0)
+        w = clf.coef_[0] / scale
+        b = float(clf.intercept_[0] - (w * scaler.mean_).sum())
+        head = cls(config)
+        d = config.hidden_size
+        with torch.no_grad():
+            head.state_weight.copy_(torch.from_numpy(w[:d]))
+            head.stat_weight.copy_(torch.from_numpy(w[d:]))
+            head.bias.fill_(b)
+        return head.eval()
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        return save_folder(out_dir, asdict(self.config), self.state_dict())
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> DraftAcceptanceHead:
+        path = Path(path)
+        raw, state = read_folder(path, "a draft acceptance head", "python scripts/train_draft_acceptance.py")
+        head = cls(DraftAcceptanceHeadConfig.from_dict(raw, str(path / CONFIG_FILE)))
+        check_state(path, state, head.state_dict(), f"{CONFIG_FILE} (hidden_size={head.config.hidden_size})")
+        head.load_state_dict(state)
+        return head.eval()

@@ -44,6 +44,28 @@ def rows_features(k_max: int, feature_dim: int | None, stat_dtype: str = "float1
     return Features(cols)
 
 
+def acceptance_rows_features(k_max: int, state_dim: int | None, stat_dtype: str = "float32",
+                              state_dtype: str = "float16"):
+    """``datasets.Features`` of a per-position acceptance collection's rows table
+    (:mod:`ldlp.labels.acceptance_labels`): per row, ``k_max`` values per depth of the drafted token, the
+    drafter's probability features, the acceptance probability ``beta``, whether the draft was kept, and
+    whether every earlier draft was (``valid``); ``draft_state`` (k_max, d) flattened when ``state_dim``."""
+    from datasets import Features, List, Value
+
+    per_depth = lambda dtype: List(Value(dtype), length=k_max)
+    cols = {
+        "seq_id": Value("int64"), "conversation_id": Value("string"), "split": Value("string"),
+        "index": Value("int32"), "last_token": Value("int32"), "draft_tokens": per_depth("int32"),
+        "draft_prob": per_depth(stat_dtype), "target_prob": per_depth(stat_dtype),
+        "draft_log_top1": per_depth(stat_dtype), "draft_entropy": per_depth(stat_dtype),
+        "draft_sum_sq": per_depth(stat_dtype), "beta": per_depth(stat_dtype),
+        "kept": per_depth("int8"), "valid": per_depth("int8"),
+    }
+    if state_dim:
+        cols["draft_state"] = List(Value(state_dtype), length=k_max * state_dim)
+    return Features(cols)
+
+
 def sequences_features():
     from datasets import Features, List, Value
 

@@ -1,0 +1,20 @@
+"""Collect per-position acceptance labels: compose a config, call the library (see conf/collect_acceptance.yaml)."""
+
+import hydra
+from omegaconf import DictConfig
+
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from ldlp.labels.acceptance_labels import collect_acceptance
+
+
+@hydra.main(config_path="../conf", config_name="collect_acceptance", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    start(cfg)
+    report = collect_acceptance(cfg)
+    beta = ", ".join("–" if b is None else f"{b:.2f}" for b in report["mean_beta_by_depth"])
+    print(f"{report['positions']} positions from {report['sequences']} sequences at temperature "
+          f"{report['temperature']}; mean beta by depth {beta} -> {cfg.out_dir}/report.md")
+
+
+if __name__ == "__main__":
+    main()
