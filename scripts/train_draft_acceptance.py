@@ -1,0 +1,23 @@
+"""Train the per-position acceptance heads and report their calibration: compose a config, call the library.
+
+    python scripts/train_draft_acceptance.py
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from ldlp.report.calibration import write_draft_acceptance_report
+from ldlp.training.draft_acceptance import train_at_temperature
+
+
+@hydra.main(config_path="../conf", config_name="train_draft_acceptance", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    start(cfg)
+    results = [train_at_temperature(cfg, float(t)) for t in cfg.temperatures]
+    write_draft_acceptance_report(results, cfg.out_root, int(cfg.n_bins))
+    print(open(f"{cfg.out_root}/calibration.md").read())
+
+
+if __name__ == "__main__":
+    main()
