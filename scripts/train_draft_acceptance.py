@@ -3,6 +3,8 @@
     python scripts/train_draft_acceptance.py
 """
 
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
@@ -16,7 +18,7 @@ def main(cfg: DictConfig) -> None:
     start(cfg)
     results = [train_at_temperature(cfg, float(t)) for t in cfg.temperatures]
     write_draft_acceptance_report(results, cfg.out_root, int(cfg.n_bins))
-    print(open(f"{cfg.out_root}/calibration.md").read())
+    print((Path(cfg.out_root) / "calibration.md").read_text())
 
 
 if __name__ == "__main__":

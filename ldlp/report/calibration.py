@@ -62,7 +62,7 @@ def scores(p: np.ndarray, beta: np.ndarray, n_bins: int = 10) -> dict:
             "brier": float(brier_score_loss(y, pp, sample_weight=w)),
             "ece": expected_calibration_error(p, beta, n_bins),
             "auc": float(roc_auc_score(y, pp, sample_weight=w)) if both else None,
-            "mean_predicted": float(p.mean()), "mean_label": float(beta.mean()), "examples": int(len(p)),
+            "mean_predicted": float(p.mean()), "mean_label": float(beta.mean()), "examples": len(p),
             "reliability": reliability(p, beta, n_bins)}
 
 
@@ -109,11 +109,11 @@ def write_draft_acceptance_report(results: list[dict], out_root: str | Path, n_b
     out_root = Path(out_root)
     summary = {"n_bins": n_bins, "temperatures": []}
     lines = ["# Per-position acceptance heads: calibration", "",
-             "Estimates of a_i = P(draft i kept | drafts 1..i-1 kept) scored against the labels (greedy: drafter "
-             "argmax == target argmax; sampled: beta = sum min(p, q)), on held-out rows of the training domain and on "
-             f"out-of-domain prompts. ECE over {n_bins} equal-width bins. `head + online recalibration` replays each "
-             "stream in order through a fresh `ldlp.calibration.OnlineLogitCalibration`, predicting every position "
-             "before its outcome (the seeded keep decision) updates it.", "",
+             ("Estimates of a_i = P(draft i kept | drafts 1..i-1 kept) scored against the labels (greedy: drafter "
+              "argmax == target argmax; sampled: beta = sum min(p, q)), on held-out rows of the training domain and on "
+              f"out-of-domain prompts. ECE over {n_bins} equal-width bins. `head + online recalibration` replays each "
+              "stream in order through a fresh `ldlp.calibration.OnlineLogitCalibration`, predicting every position "
+              "before its outcome (the seeded keep decision) updates it."), "",
              "| T | set | estimator | log loss | Brier | ECE | AUC | mean estimate | mean label | examples |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
@@ -122,9 +122,9 @@ def write_draft_acceptance_report(results: list[dict], out_root: str | Path, n_b
         metrics["sets"] = {}
         curves = {}
         md = [f"## Draft acceptance head, temperature {t}", "",
-              f"{res['train_examples']} training examples, k_max = {res['k_max']}, C = {res['C']}; online "
-              f"recalibration options {res['online_calibration'] or 'OnlineLogitCalibration defaults'}. "
-              "Reliability diagram: [reliability.png](reliability.png).", "",
+              (f"{res['train_examples']} training examples, k_max = {res['k_max']}, C = {res['C']}; online "
+               f"recalibration options {res['online_calibration'] or 'OnlineLogitCalibration defaults'}. "
+               "Reliability diagram: [reliability.png](reliability.png)."), "",
               "| set | estimator | log loss | Brier | ECE | AUC | mean estimate | mean label | examples |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for set_name, s in res["sets"].items():

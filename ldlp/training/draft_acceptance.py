@@ -16,7 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ldlp.acceptance import DRAFT_STAT_NAMES, DraftAcceptanceHead, DraftAcceptanceHeadConfig
+from ldlp.acceptance import (
+    DRAFT_STAT_NAMES,
+    DraftAcceptanceHead,
+    DraftAcceptanceHeadConfig,
+)
 from ldlp.calibration import OnlineLogitCalibration
 from ldlp.labels.store import collection_status, read_rows, split_by_conversation
 
@@ -114,7 +118,7 @@ def train_at_temperature(cfg, t: float) -> dict:
     depth_mean = {int(m): float(train["beta"][train["depth"] == m].mean()) for m in np.unique(train["depth"])}
     config = DraftAcceptanceHeadConfig(hidden_size=train["states"].shape[1], temperature=float(t), k_max=data["k_max"],
                                        C=float(cfg.C), meta={"labels": str(root / cfg.in_domain / tag),
-                                                             "train_examples": int(len(idx)),
+                                                             "train_examples": len(idx),
                                                              "stat_names": list(DRAFT_STAT_NAMES)})
     head = DraftAcceptanceHead.from_sklearn(model, config)
     out = Path(cfg.out_root) / tag
@@ -144,5 +148,5 @@ def train_at_temperature(cfg, t: float) -> dict:
                                      "per-depth constant": np.array([depth_mean.get(int(m), np.nan)
                                                                      for m in ex["depth"]])},
                        "online_final": state}
-    return {"temperature": float(t), "head_dir": str(out), "train_examples": int(len(idx)),
+    return {"temperature": float(t), "head_dir": str(out), "train_examples": len(idx),
             "k_max": data["k_max"], "C": float(cfg.C), "online_calibration": online, "sets": preds}
