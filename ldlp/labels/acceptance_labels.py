@@ -40,11 +40,11 @@ from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
 from ldlp.acceptance import prob_features
 from ldlp.labels.collect import (
-    _diff,
-    _remove_collection,
     folder_digest,
     plan_items,
     plan_parts,
+    remove_collection,
+    settings_diff,
 )
 from ldlp.labels.store import (
     META_SUFFIX,
@@ -253,14 +253,14 @@ def collect_acceptance(cfg) -> dict:
     old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
     if old is not None and cfg.overwrite:
         log.warning("overwrite=true: removing the collection in %s", out)
-        _remove_collection(out)
+        remove_collection(out)
         old = None
     models = {name: folder_digest(cfg.model.get(name) or cfg.model.target, (old or {}).get("models", {}).get(name),
                                   cfg.hash_weights, tokenizer=name == "tokenizer")
               for name in ("target", "drafter", "tokenizer")}
     identity = _identity(cfg, models)
     if old is not None and old.get("identity") != identity:
-        diff = _diff(old.get("identity", {}), identity)
+        diff = settings_diff(old.get("identity", {}), identity)
         raise ValueError(f"{out} holds a collection made with other settings ({'; '.join(diff[:8])}); continue it with "
                          "the same settings, choose another out_dir, or pass overwrite=true to start over")
     remove_leftovers(out, "*/*")

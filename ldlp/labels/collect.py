@@ -196,16 +196,16 @@ def _identity(cfg, models: dict) -> dict:
     return ident
 
 
-def _diff(a, b, prefix="") -> list[str]:
+def settings_diff(a, b, prefix="") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b)):
-            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+            out += settings_diff(a.get(k), b.get(k), f"{prefix}{k}.")
         return out
     return [] if a == b else [f"{prefix[:-1]}: {a!r} -> {b!r}"]
 
 
-def _remove_collection(out: Path) -> None:
+def remove_collection(out: Path) -> None:
     for m in list(out.glob(f"*/*{META_SUFFIX}")) + list(out.glob(f"*/*{ROWS_SUFFIX}")) + list(out.glob(f"*/*{SEQS_SUFFIX}")):
         m.unlink()
     for name in ("manifest.json", "report.json", "report.md"):
@@ -272,14 +272,14 @@ def collect_oracle(cfg) -> dict:
     old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
     if old is not None and cfg.overwrite:
         log.warning("overwrite=true: removing the collection in %s", out)
-        _remove_collection(out)
+        remove_collection(out)
         old = None
     models = {name: folder_digest(cfg.model.get(name) or cfg.model.target, (old or {}).get("models", {}).get(name),
                                   cfg.hash_weights, tokenizer=name == "tokenizer")
               for name in ("target", "drafter", "tokenizer")}
     identity = _identity(cfg, models)
     if old is not None and old.get("identity") != identity:
-        diff = _diff(old.get("identity", {}), identity)
+        diff = settings_diff(old.get("identity", {}), identity)
         raise ValueError(f"{out} holds a collection made with other settings ({'; '.join(diff[:8])}); continue it with "
                          "the same settings, choose another out_dir, or pass overwrite=true to start over")
     remove_leftovers(out, "*/*")  # temporary files of a killed write
