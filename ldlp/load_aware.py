@@ -44,7 +44,7 @@ import torch
 
 from eagle_backbone.batched.cost import CostTable, cost_key, load_or_profile
 from eagle_backbone.policy import BatchDraftPolicy, DraftContext
-from ldlp.calibration import OnlineLogitCalibration
+from ldlp.calibration import EPS, OnlineLogitCalibration
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,9 @@ class LoadAwarePolicy(BatchDraftPolicy):
         self.steps = self.drafting_steps = 0
         self._idle = 0
         self._step: dict | None = None
+        self._wc = (1.0, 0.0)  # the online correction's (w, c) as host floats
+        self._pending: tuple[list, list] = ([], [])  # outcomes not yet in the correction
+        self.update_every = 32  # outcomes per Newton step of the correction
 
     # ---- setup --------------------------------------------------------------------------------------
     def bind_engine(self, engine) -> None:
@@ -131,7 +134,15 @@ class LoadAwarePolicy(BatchDraftPolicy):
 
     # ---- the allocation -----------------------------------------------------------------------------
     def best_uniform_gamma(self, R: int, cap: int, accept: float) -> int:
-        """The γ that maximises expected tokens per ms for R slots drafting alike, at acceptance ``accept``."""
+        """The γ that maximises expected tokens per ms for R slots drafting alike, at acceptance ``accept``
+        (memoised on the arguments rounded: the answer changes in steps)."""
+        key = (R, cap, round(accept, 3), round(self.feed_tokens, 1))
+        memo = self.__dict__.setdefault("_gamma_memo", {})
+        if key not in memo:
+            memo[key] = self._best_uniform_gamma(R, cap, key[2])
+        return memo[key]
+
+    def _best_uniform_gamma(self, R: int, cap: int, accept: float) -> int:
         c = self.costs
         base = c.overhead_ms(R) + c.target_ms(R, R)
         best_g, best_rate = 0, R / base
@@ -183,9 +194,11 @@ class LoadAwarePolicy(BatchDraftPolicy):
     def keep_rows(self, depth: int, rows: list[int], states, probs: torch.Tensor) -> list[int]:
         t0 = time.perf_counter()
         st = self._step
-        raw = self.estimates(depth, states, probs).cpu()  # the host read of this depth
-        a = (self.calibration.calibrate(raw) if self.recalibrate else raw.float()).tolist()
-        for i, r in zip(rows, raw.tolist()):
+        raw = self.estimates(depth, states, probs).tolist()  # the host read of this depth
+        # the correction in Python: A numbers, cheaper than a dozen small tensor ops
+        w, c = self._wc
+        a = [_corrected(r, w, c) for r in raw] if self.recalibrate else raw
+        for i, r in zip(rows, raw):
             st["raw"][i].append(r)
         S = [st["S"][i] * ai for i, ai in zip(rows, a)]
         codes = [0] * len(rows)
@@ -246,7 +259,12 @@ class LoadAwarePolicy(BatchDraftPolicy):
             w = min(1.0, len(kept) / 32)  # an EMA whose step grows with the evidence
             self.accept_rate = min(0.99, max(0.01, self.accept_rate + 0.2 * w * (rate - self.accept_rate)))
         if est and self.recalibrate:
-            self.calibration.update(torch.tensor(est), torch.tensor(seen_kept))
+            self._pending[0].extend(est)
+            self._pending[1].extend(seen_kept)
+            if len(self._pending[0]) >= self.update_every:  # a Newton step per batch of outcomes, not per step
+                self.calibration.update(torch.tensor(self._pending[0]), torch.tensor(self._pending[1]))
+                self._wc = tuple(self.calibration.params.tolist())
+                self._pending = ([], [])
         self._step = None
         self.own_s += time.perf_counter() - t0
 
@@ -269,6 +287,13 @@ class LoadAwarePolicy(BatchDraftPolicy):
     @property
     def reads_drafts(self) -> bool:  # the ablation without per-slot estimates reads no drafts
         return self.mode != "step"
+
+
+def _corrected(p: float, w: float, c: float) -> float:
+    """sigmoid(w * logit(p) + c), as :meth:`OnlineLogitCalibration.calibrate` computes it, for one float."""
+    p = min(max(p, EPS), 1 - EPS)
+    z = w * (math.log(p) - math.log1p(-p)) + c
+    return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
 
 
 def marginal_prefix(values_desc: list[float], E: float, T: float, m: float) -> int:

@@ -69,24 +69,36 @@ class CostTable:
     def _by_slots(self, R: float, per_row: list[float]) -> float:
         return max(0.0, _interp(self.slots, per_row, R))
 
+    def _memo(self, key, fn):
+        """Lookups repeat every step with the same few arguments: computed once (not saved with the table)."""
+        memo = self.__dict__.setdefault("_memo_", {})
+        if key not in memo:
+            memo[key] = fn()
+        return memo[key]
+
     def target_ms(self, R: int, N: float) -> float:
         """The verification forward of R rows scoring N tokens in all (packed: the cost follows N)."""
-        per_row = [_interp(self.tokens, row, N / R) for row in self.target]
-        return self._by_slots(R, per_row)
+        row = self._memo(("target", R), lambda: [self._by_slots(R, [r[t] for r in self.target])
+                                                 for t in range(len(self.tokens))])
+        return max(0.0, _interp(self.tokens, row, N / R))
 
     def draft_ms(self, A: int, R: int | None = None) -> float:
         """One draft depth over A rows (0 rows: no forward), with the engine's bookkeeping for a depth
         in a step of R running rows (default A)."""
         if A <= 0:
             return 0.0
-        extra = self._by_slots(R or A, self.depth_overhead) if self.depth_overhead else 0.0
-        return self._by_slots(A, self.draft) + extra
+        R = R or A
+
+        def compute():
+            extra = self._by_slots(R, self.depth_overhead) if self.depth_overhead else 0.0
+            return self._by_slots(A, self.draft) + extra
+        return self._memo(("draft", A, R), compute)
 
     def feed_ms(self, R: int, tokens_per_row: float) -> float:
         return self._by_slots(R, [_interp(self.tokens, row, tokens_per_row) for row in self.feed])
 
     def overhead_ms(self, R: int) -> float:
-        return self._by_slots(R, self.overhead)
+        return self._memo(("overhead", R), lambda: self._by_slots(R, self.overhead))
 
     def save(self, path: str | Path) -> Path:
         atomic_write_json(path, asdict(self))
