@@ -11,7 +11,7 @@ for the "no slower at batch 1" comparison. Rows report each round's blocks summe
 Each (round, block) is one paired measurement: per (C, T) every adaptive contender's ratio of tokens/s to
 the baselines (batched AR, the best static γ at that (C, T) in hindsight, the static γ best at C=1 used at
 every C, the oracle at T=0) comes with a paired bootstrap 95% interval over those pairs
-(:func:`ldlp.bench.stats.paired_ratio`). The oracle replays the batch-1 engine per prompt before the clocks
+(:func:`eagle_backbone.timing.paired_ratio`). The oracle replays the batch-1 engine per prompt before the clocks
 start and runs at T=0 only.
 
 Greedy losslessness is checked against each prompt's own batch-1 autoregressive output. In bfloat16 a
@@ -336,7 +336,7 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
                    bootstrap: int = 2000, seed: int = 0) -> list[dict]:
     """One row per (contender, engine, C, T): each round's blocks combined (:func:`_combine`), then the median
     over rounds (counters: the first round's); and for adaptive contenders the paired ratios to the
-    baselines (:func:`baselines`, :func:`ldlp.bench.stats.paired_ratio`)."""
+    baselines (:func:`baselines`, :func:`eagle_backbone.timing.paired_ratio`)."""
     keys = []
     for x in runs:
         k = (x["contender"], x["engine"], x["concurrency"], x.get("temperature", sampling.temperature))
@@ -372,7 +372,7 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
                    and r["concurrency"] == row["concurrency"] and r["temperature"] == row["temperature"]), None)
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] else None
     # the one paired bootstrap of the project's comparisons
-    from ldlp.bench.stats import paired_ratio
+    from eagle_backbone.timing import paired_ratio
 
     base = baselines(rows)
     for row in rows:
