@@ -99,6 +99,17 @@ def drafter(target):
 
 
 @pytest.fixture(scope="session")
+def t32():
+    """A tiny float32 target (the batched engine's tests: float32 makes batch identity exact)."""
+    return make_target(dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def eagle32(t32):
+    return make_drafter(t32, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def embedded_corpus(tmp_path_factory) -> Path:
     """The embedded corpus ({train,validation,test}.json and manifest.json), built once per test run by its
     builder into a temporary folder: no test reads or writes data/embedded/corpus."""

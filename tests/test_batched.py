@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
 
 from eagle_backbone.batched import engine as bengine
 from eagle_backbone.batched import sampling as bsampling
@@ -28,16 +27,6 @@ from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 
 torch.set_num_threads(1)
 EMBEDDED = Path(__file__).resolve().parent.parent / "data" / "embedded"
-
-
-@pytest.fixture(scope="module")
-def t32():
-    return make_target(dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def eagle32(t32):
-    return make_drafter(t32, dtype=torch.float32)
 
 
 def noisy_copy(target, scale: float, seed: int = 3):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_drafter, make_target, table_rows
+from conftest import table_rows
 
 from eagle_backbone.batched.bench import (
     BASELINES,
@@ -29,16 +29,6 @@ from ldlp.bench.stats import paired_ratio
 from ldlp.policies import HeuristicPolicy, OraclePolicy
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def t32():
-    return make_target(dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def eagle32(t32):
-    return make_drafter(t32, dtype=torch.float32)
 
 
 def prompts_of(n, seed=0, vocab=64):

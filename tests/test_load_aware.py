@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from conftest import make_drafter, make_target
 from test_batched import _chi2_pvalue, _pair_distribution, ar, noisy_copy, prompts_of
 
 from eagle_backbone.batched.cost import CostTable, cost_key, profile_costs, table_path
@@ -21,16 +20,6 @@ from ldlp.calibration import OnlineLogitCalibration
 from ldlp.load_aware import LoadAwarePolicy, allocate_budget, marginal_prefix
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def t32():
-    return make_target(dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def eagle32(t32):
-    return make_drafter(t32, dtype=torch.float32)
 
 
 def table(target_per_token: float, draft: float, base: float = 10.0, key=None) -> CostTable:
