@@ -19,7 +19,7 @@ log = logging.getLogger("bench_batch")
 
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from eagle_backbone.batched.bench import Contender, check_sweep_args, resolve_in, sweep, write
+    from eagle_backbone.batched.bench import Contender, check_sweep_args, sweep, write
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.loaders import (
         build_policy,
@@ -40,7 +40,6 @@ def main(cfg: DictConfig) -> None:
     contenders = [Contender("ar", "ar", 0, None)]
     for spec in cfg.contenders:
         name, pcfg = policy_config(cfg, str(spec).split())
-        pcfg = resolve_in(cfg, pcfg)  # ${model.name}, ${paths.*}: this run's model (model=...), not the default
         try:
             probe = build_policy(pcfg)
         except (ValueError, InstantiationException) as e:  # a checkpoint this clone has not trained yet

@@ -319,7 +319,7 @@ def test_policy_interpolations_follow_the_running_config(tmp_path):
     model and paths once bound with resolve_in."""
     from omegaconf import OmegaConf
 
-    from eagle_backbone.batched.bench import resolve_in
+    from ldlp.bench.loaders import resolve_in
 
     composed = OmegaConf.create({"model": {"name": "embedded"}, "policy": {"_target_": "x", "model": "${model.name}",
                                                                            "dir": "${out}/${model.name}"}, "out": "/a"})

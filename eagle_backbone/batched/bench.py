@@ -103,18 +103,6 @@ def near_tie(target, prompt, ref, got) -> dict:
             "near_tie": gap <= 2 * spacing}
 
 
-def resolve_in(cfg, node):
-    """``node`` (a policy config composed elsewhere, e.g. by ``ldlp.bench.loaders.policy_config``, whose
-    interpolations point at that composition's defaults) with its interpolations (``${model.name}``,
-    ``${paths.*}``...) bound to ``cfg``, the running script's config: a policy keyed by model or path reads
-    this run's model, not the default one."""
-    from omegaconf import OmegaConf
-
-    root = OmegaConf.to_container(cfg, resolve=False)
-    root["policy"] = OmegaConf.to_container(node, resolve=False)
-    return OmegaConf.create(root).policy
-
-
 def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
     """Prompt indices of the workloads at one C: ``blocks`` parts (prompt i in part i mod k), fewer when a part
     would hold fewer prompts than C streams (k = min(blocks, n // C), at least 1): a workload of fewer

@@ -132,7 +132,22 @@ def policy_config(cfg, overrides: list[str]) -> tuple[str, DictConfig]:
     if not (REPO_ROOT / "conf" / "policy" / f"{names[0]}.yaml").is_file():
         raise ValueError(f"policy={names[0]}: there is no conf/policy/{names[0]}.yaml")
     paths = [f"{k}={cfg[k]}" for k in CHECKPOINT_KEYS if k in cfg]
-    return names[0], compose(config_name="evaluate", overrides=list(overrides) + paths).policy
+    composed = compose(config_name="evaluate", overrides=list(overrides) + paths)
+    return names[0], resolve_in(cfg, composed.policy, defaults=composed)
+
+
+def resolve_in(cfg, node, defaults=None):
+    """``node`` (a policy config composed elsewhere, as :func:`policy_config` composes it, whose
+    interpolations point at that composition's defaults) with its interpolations (``${model.name}``,
+    ``${paths.*}``, ``${generation.*}``...) bound to ``cfg``, the running script's config: a policy keyed
+    by model or path reads this run's model, not the default one. Keys ``cfg`` lacks come from ``defaults``
+    (the composition itself)."""
+    from omegaconf import OmegaConf
+
+    root = {} if defaults is None else OmegaConf.to_container(defaults, resolve=False)
+    root.update(OmegaConf.to_container(cfg, resolve=False))
+    root["policy"] = OmegaConf.to_container(node, resolve=False)
+    return OmegaConf.create(root).policy
 
 
 def build_policy(policy_cfg):
