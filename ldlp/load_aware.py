@@ -94,29 +94,23 @@ class LoadAwarePolicy(BatchDraftPolicy):
             return  # nothing to draft with: every step is plain decoding
         # the engine's sampling is what the estimates must be calibrated for (a sweep over T reuses one config)
         self.temperature = 0.0 if engine.sampling.greedy else float(engine.sampling.temperature)
-        from eagle_backbone.batched.engine import BatchedSpeculativeEngine
-
-        def factory(R: int, policy=None):
-            return BatchedSpeculativeEngine(engine.target, engine.drafter, engine.kind, slots=R, capacity=256,
-                                            attn=engine.attn, policy=policy)
-
-        self._setup(engine.target, engine.kind, factory)
+        self._setup(engine.target, engine.drafter, engine.kind, engine.attn)
 
     def check_pair(self, target, candidates) -> None:
         """The batch-1 engine: the same policy with R = 1 (the cost table is the batched engine's)."""
-        if self.costs is not None:
-            return
+        if self.costs is None:
+            kind = getattr(candidates, "kind", None)
+            drafter = getattr(candidates, "drafter", None) if kind == "eagle" else getattr(candidates, "model", None)
+            self._setup(target, drafter, kind)
+
+    def _setup(self, target, drafter, kind, attn: str = "eager") -> None:
+        """The cost table for this machine (profiled with engines like the one to serve, when missing) and
+        the estimator."""
         from eagle_backbone.batched.engine import BatchedSpeculativeEngine
 
-        kind = getattr(candidates, "kind", None)
-        drafter = getattr(candidates, "drafter", None) if kind == "eagle" else getattr(candidates, "model", None)
-
         def factory(R: int, policy=None):
-            return BatchedSpeculativeEngine(target, drafter, kind, slots=R, capacity=256, policy=policy)
+            return BatchedSpeculativeEngine(target, drafter, kind, slots=R, capacity=256, attn=attn, policy=policy)
 
-        self._setup(target, kind, factory)
-
-    def _setup(self, target, kind, factory) -> None:
         key = cost_key(self.model_name, target.dtype, target.device, torch.get_num_threads())
         if self.cost_table_path is not None:
             self.costs = CostTable.load(self.cost_table_path, key)
