@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
@@ -41,18 +42,16 @@ def clip_log_p(p: float) -> float:
     return math.log(p) if p > 1e-6 else MIN_LOG_P
 
 
-@dataclass
-class AcceptanceHeadConfig:
-    hidden_size: int  # d, the drafter state's width
-    k_max: int  # trained on steps 1 .. k_max - 1 (the labels' horizon)
-    C: float = 0.05  # inverse L2 strength of the logistic regression
-    kind: str = "acceptance_head"
-    meta: dict = field(default_factory=dict)  # provenance (oracle collection, allow_partial): not used by the model
+class _HeadConfig:
+    """``from_dict`` of the heads' config dataclasses: the ``kind`` must be the class's own (its field's
+    default), no unknown keys."""
+
+    what: ClassVar[str]  # what the config describes ("an acceptance head"), for errors
 
     @classmethod
-    def from_dict(cls, d: dict, where: str) -> "AcceptanceHeadConfig":
-        if d.get("kind") != "acceptance_head":
-            raise ValueError(f"{where}: kind={d.get('kind')!r}, not an acceptance head")
+    def from_dict(cls, d: dict, where: str) -> Self:
+        if d.get("kind") != cls.kind:
+            raise ValueError(f"{where}: kind={d.get('kind')!r}, not {cls.what}")
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
@@ -62,15 +61,70 @@ class AcceptanceHeadConfig:
             raise ValueError(f"{where}: {e}") from None
 
 
-class AcceptanceHead(nn.Module):
-    """q = sigmoid(w_h . h + w_s . [log p, cum log p, step] + b), standardisation folded in."""
+@dataclass
+class AcceptanceHeadConfig(_HeadConfig):
+    hidden_size: int  # d, the drafter state's width
+    k_max: int  # trained on steps 1 .. k_max - 1 (the labels' horizon)
+    C: float = 0.05  # inverse L2 strength of the logistic regression
+    kind: str = "acceptance_head"
+    meta: dict = field(default_factory=dict)  # provenance (oracle collection, allow_partial): not used by the model
+    what: ClassVar[str] = "an acceptance head"
 
-    def __init__(self, config: AcceptanceHeadConfig):
+
+class _LogisticHead(nn.Module):
+    """A logistic regression on [drafter state (d), stats] with the standardisation folded into
+    ``state_weight`` (d), ``stat_weight`` (one per stat) and ``bias``: fitted by scikit-learn, saved as
+    ``config.json`` + ``model.safetensors``. A subclass names its config class, its stats and, for the error
+    on a missing folder, the script that trains one."""
+
+    config_class: type[_HeadConfig]
+    stat_names: tuple[str, ...]
+    script: str  # the script that trains one
+
+    def __init__(self, config):
         super().__init__()
         self.config = config
         self.state_weight = nn.Parameter(torch.zeros(config.hidden_size), requires_grad=False)
-        self.stat_weight = nn.Parameter(torch.zeros(len(STAT_NAMES)), requires_grad=False)
+        self.stat_weight = nn.Parameter(torch.zeros(len(self.stat_names)), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+    @classmethod
+    def from_sklearn(cls, pipeline, config) -> Self:
+        """From a fitted ``StandardScaler -> LogisticRegression`` pipeline on [state, stats] columns."""
+        scaler, clf = pipeline[0], pipeline[-1]
+        scale = np.where(scaler.scale_ > 0, scaler.scale_, 1.0)
+        w = clf.coef_[0] / scale
+        b = float(clf.intercept_[0] - (w * scaler.mean_).sum())
+        head = cls(config)
+        d = config.hidden_size
+        with torch.no_grad():
+            head.state_weight.copy_(torch.from_numpy(w[:d]))
+            head.stat_weight.copy_(torch.from_numpy(w[d:]))
+            head.bias.fill_(b)
+        return head.eval()
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        return save_folder(out_dir, asdict(self.config), self.state_dict())
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Self:
+        path = Path(path)
+        raw, state = read_folder(path, cls.config_class.what, cls.script)
+        head = cls(cls.config_class.from_dict(raw, str(path / CONFIG_FILE)))
+        check_state(path, state, head.state_dict(), f"{CONFIG_FILE} (hidden_size={head.config.hidden_size})")
+        head.load_state_dict(state)
+        return head.eval()
+
+
+class AcceptanceHead(_LogisticHead):
+    """q = sigmoid(w_h . h + w_s . [log p, cum log p, step] + b), standardisation folded in."""
+
+    config_class = AcceptanceHeadConfig
+    stat_names = STAT_NAMES
+    script = "python scripts/train_acceptance.py"
+
+    def __init__(self, config: AcceptanceHeadConfig):
+        super().__init__(config)
         self._scalars: tuple[float, ...] | None = None
 
     def logit(self, state: torch.Tensor, log_p: float, cum_log_p: float, step: int) -> float:
@@ -95,41 +149,6 @@ class AcceptanceHead(nn.Module):
         z = states.float() @ self.state_weight + stats.float() @ self.stat_weight + self.bias
         return torch.sigmoid(z)
 
-    @classmethod
-    def from_sklearn(cls, pipeline, config: AcceptanceHeadConfig) -> "AcceptanceHead":
-        """From a fitted ``StandardScaler -> LogisticRegression`` pipeline on [state, stats] columns."""
-        scaler, clf = pipeline[0], pipeline[-1]
-        scale = np.where(scaler.scale_ > 0, scaler.scale_, 1.0)
-        w = clf.coef_[0] / scale
-        b = float(clf.intercept_[0] - (w * scaler.mean_).sum())
-        head = cls(config)
-        d = config.hidden_size
-        with torch.no_grad():
-            head.state_weight.copy_(torch.from_numpy(w[:d]))
-            head.stat_weight.copy_(torch.from_numpy(w[d:]))
-            head.bias.fill_(b)
-        return head.eval()
-
-    def save_pretrained(self, out_dir: str | Path) -> Path:
-        return save_folder(out_dir, asdict(self.config), self.state_dict())
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> "AcceptanceHead":
-        path = Path(path)
-        raw, state = read_folder(path, "an acceptance head", "python scripts/train_acceptance.py")
-        head = cls(AcceptanceHeadConfig.from_dict(raw, str(path / CONFIG_FILE)))
-        check_state(path, state, head.state_dict(), f"{CONFIG_FILE} (hidden_size={head.config.hidden_size})")
-        head.load_state_dict(state)
-        return head.eval()
-
-
-
-
-
-
-
-
-
 
 # ---- per-position acceptance: P(draft i kept | drafts 1..i-1 kept), greedy or sampled -------------------
 
@@ -150,28 +169,17 @@ def prob_features(probs: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class DraftAcceptanceHeadConfig:
+class DraftAcceptanceHeadConfig(_HeadConfig):
     hidden_size: int  # d, the drafter state's width
     temperature: float  # the sampling temperature its labels were collected at (0 = greedy)
     k_max: int  # trained on depths 1 .. k_max
     C: float = 0.05  # inverse L2 strength of the logistic regression
     kind: str = "draft_acceptance"
     meta: dict = field(default_factory=dict)  # provenance (label folders, metrics): not used by the model
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str) -> DraftAcceptanceHeadConfig:
-        if d.get("kind") != "draft_acceptance":
-            raise ValueError(f"{where}: kind={d.get('kind')!r}, not a draft acceptance head")
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
-        try:
-            return cls(**d)
-        except TypeError as e:
-            raise ValueError(f"{where}: {e}") from None
+    what: ClassVar[str] = "a draft acceptance head"
 
 
-class DraftAcceptanceHead(nn.Module):
+class DraftAcceptanceHead(_LogisticHead):
     """a_i = P(draft i, drawn from ``probs``, is kept | drafts 1..i-1 were kept), batched on the device.
 
     ``head(states (n, d), probs (n, V), depth (n,) or int) -> (n,) float32``: a logistic regression on the
@@ -181,13 +189,13 @@ class DraftAcceptanceHead(nn.Module):
     heads estimate ``beta = sum_x min(p(x), q(x))``, the speculative-sampling acceptance probability.
     """
 
+    config_class = DraftAcceptanceHeadConfig
+    stat_names = DRAFT_STAT_NAMES
+    script = "python scripts/train_draft_acceptance.py"
+
     def __init__(self, config: DraftAcceptanceHeadConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.temperature = float(config.temperature)
-        self.state_weight = nn.Parameter(torch.zeros(config.hidden_size), requires_grad=False)
-        self.stat_weight = nn.Parameter(torch.zeros(len(DRAFT_STAT_NAMES)), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(()), requires_grad=False)
 
     def logit_from_stats(self, states: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
         """Logits from ``states`` (n, d) and ``stats`` (n, 4) = [prob_features, depth]."""
@@ -200,30 +208,3 @@ class DraftAcceptanceHead(nn.Module):
 
     def forward(self, states: torch.Tensor, probs: torch.Tensor, depth) -> torch.Tensor:
         return torch.sigmoid(self.logit(states, probs, depth))
-
-    @classmethod
-    def from_sklearn(cls, pipeline, config: DraftAcceptanceHeadConfig) -> DraftAcceptanceHead:
-        """From a fitted ``StandardScaler -> LogisticRegression`` pipeline on [state, stats] columns."""
-        scaler, clf = pipeline[0], pipeline[-1]
-        scale = np.where(scaler.scale_ > 0, scaler.scale_, 1.0)
-        w = clf.coef_[0] / scale
-        b = float(clf.intercept_[0] - (w * scaler.mean_).sum())
-        head = cls(config)
-        d = config.hidden_size
-        with torch.no_grad():
-            head.state_weight.copy_(torch.from_numpy(w[:d]))
-            head.stat_weight.copy_(torch.from_numpy(w[d:]))
-            head.bias.fill_(b)
-        return head.eval()
-
-    def save_pretrained(self, out_dir: str | Path) -> Path:
-        return save_folder(out_dir, asdict(self.config), self.state_dict())
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> DraftAcceptanceHead:
-        path = Path(path)
-        raw, state = read_folder(path, "a draft acceptance head", "python scripts/train_draft_acceptance.py")
-        head = cls(DraftAcceptanceHeadConfig.from_dict(raw, str(path / CONFIG_FILE)))
-        check_state(path, state, head.state_dict(), f"{CONFIG_FILE} (hidden_size={head.config.hidden_size})")
-        head.load_state_dict(state)
-        return head.eval()

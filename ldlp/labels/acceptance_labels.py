@@ -21,43 +21,29 @@ Per depth ``m`` the row records
 
 One target forward per response token (which generates it), one of ``K - 1`` tokens over the chain and
 ``K`` drafter steps per row, all on KV caches rolled back after each chain. Seeded per sequence: two runs
-give identical labels. The collector reuses the oracle collector's planning, manifest guard and part
-files (:mod:`ldlp.labels.collect`, :mod:`ldlp.labels.store`): resumable, atomic, shardable.
+give identical labels. The collector is a :class:`ldlp.labels.collect.Collector`, the driver the oracle
+collector runs too (planning, manifest guard, part files: :mod:`ldlp.labels.store`), with its own hooks:
+resumable, atomic, shardable.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eagle_backbone.io import atomic_write_text, remove_leftovers
-from eagle_backbone.runtime import Clock, set_threads
+from eagle_backbone.io import atomic_write_text
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
 from ldlp.acceptance import prob_features
-from ldlp.labels.collect import (
-    folder_digest,
-    plan_items,
-    plan_parts,
-    remove_collection,
-    settings_diff,
-)
+from ldlp.labels.collect import Collector, Part, part_columns
 from ldlp.labels.store import (
-    META_SUFFIX,
-    ROWS_SUFFIX,
-    SEQS_SUFFIX,
     acceptance_rows_features,
     committed_parts,
-    sequences_features,
-    write_arrow,
     write_json,
 )
-
-log = logging.getLogger(__name__)
 
 PER_DEPTH = ("draft_tokens", "draft_prob", "target_prob", "draft_log_top1", "draft_entropy", "draft_sum_sq",
              "beta", "kept", "valid")
@@ -174,36 +160,14 @@ def sampling_of(cfg) -> SamplingConfig:
     return SamplingConfig(temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p))
 
 
-def _identity(cfg, models: dict) -> dict:
-    from omegaconf import OmegaConf
-
-    ident = {k: cfg[k] for k in IDENTITY_KEYS}
-    ident["data"] = OmegaConf.to_container(cfg.data, resolve=True)
-    ident["model"] = {"dtype": cfg.model.dtype, "drafter_kind": cfg.model.drafter_kind,
-                      "attn_implementation": cfg.model.get("attn_implementation") or "sdpa",
-                      **{name: {f: d.get("sha256") for f, d in m["files"].items()} for name, m in models.items()}}
-    return ident
-
-
 def _part_columns(results, k_max: int, d: int, eos: set[int], store_states: bool) -> tuple[dict, dict]:
-    rows = {k: [] for k in ("seq_id", "conversation_id", "split", "index", "last_token", *PER_DEPTH, "draft_state")}
-    seqs = {k: [] for k in ("seq_id", "conversation_id", "split", "input_ids", "prompt_len", "positions", "eos")}
-    for it, response, lab in results:
-        r = len(lab["index"])
-        rows["seq_id"] += [it.seq_id] * r
-        rows["conversation_id"] += [it.conversation_id] * r
-        rows["split"] += [it.split] * r
+    rows, seqs = part_columns(results, eos)
+    rows.update({k: [] for k in ("index", "last_token", *PER_DEPTH, "draft_state")})
+    for _, _, lab in results:
         for k in ("index", "last_token", *PER_DEPTH):
             rows[k].append(lab[k].numpy())
         if store_states:
-            rows["draft_state"].append(lab["draft_state"].float().numpy().reshape(r, k_max * d))
-        seqs["seq_id"].append(it.seq_id)
-        seqs["conversation_id"].append(it.conversation_id)
-        seqs["split"].append(it.split)
-        seqs["input_ids"].append(list(it.prompt_ids) + list(response))
-        seqs["prompt_len"].append(len(it.prompt_ids))
-        seqs["positions"].append(r)
-        seqs["eos"].append(bool(response) and response[-1] in eos)
+            rows["draft_state"].append(lab["draft_state"].float().numpy().reshape(len(lab["index"]), k_max * d))
     for k in ("index", "last_token"):
         rows[k] = np.concatenate(rows[k]) if rows[k] else np.zeros(0, np.int64)
     for k in PER_DEPTH:
@@ -214,113 +178,59 @@ def _part_columns(results, k_max: int, d: int, eos: set[int], store_states: bool
     return rows, seqs
 
 
-def _check_config(cfg) -> None:
-    if not isinstance(cfg.k_max, int) or not 1 <= cfg.k_max <= 64:
-        raise ValueError(f"k_max must be an integer in 1..64, got {cfg.k_max!r}")
-    if not isinstance(cfg.num_shards, int) or cfg.num_shards < 1:
-        raise ValueError(f"num_shards must be an integer >= 1, got {cfg.num_shards!r}")
-    if not isinstance(cfg.shard_id, int) or not 0 <= cfg.shard_id < cfg.num_shards:
-        raise ValueError(f"shard_id must be in 0..num_shards-1={cfg.num_shards - 1}, got {cfg.shard_id!r}")
-    if not isinstance(cfg.shard_size, int) or cfg.shard_size < 1:
-        raise ValueError(f"shard_size (sequences per part) must be an integer >= 1, got {cfg.shard_size!r}")
-    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
-    if cfg.state_dtype not in ("float16", "float32"):
-        raise ValueError(f"state_dtype must be float16 or float32, got {cfg.state_dtype!r}")
-    sampling_of(cfg)  # temperature >= 0, top_k >= 0, top_p in (0, 1]: SamplingConfig says which is wrong
+class AcceptanceCollector(Collector):
+    """The acceptance labels' hooks: :func:`acceptance_labels` per sequence at the configured sampling,
+    valid / beta / kept sums by depth per part."""
+
+    identity_keys = IDENTITY_KEYS
+    drafter_use = "acceptance labels need an EAGLE drafter (its state is the head's input)"
+    k_max_limit = 64
+    dtype_keys = ("state_dtype",)
+
+    def check_config(self) -> None:
+        super().check_config()
+        # temperature >= 0, top_k >= 0, top_p in (0, 1]: SamplingConfig says which is wrong
+        self.sampling = sampling_of(self.cfg)
+
+    def prompt_margin(self) -> int:
+        return self.cfg.k_max
+
+    def manifest_fields(self, target) -> dict:
+        return {"kind": "draft_acceptance_labels", "k_max": self.cfg.k_max, "temperature": self.sampling.temperature,
+                "store_draft_states": self.cfg.store_draft_states}
+
+    def rows_features(self, target):
+        d = target.hidden_size
+        return acceptance_rows_features(self.cfg.k_max, d if self.cfg.store_draft_states else None,
+                                        state_dtype=self.cfg.state_dtype)
+
+    def progress(self, todo: list[Part], worker: str) -> dict:
+        return dict(total=sum(len(p.items) for p in todo), unit="seq",
+                    desc=f"acceptance t={self.sampling.temperature} {worker}")
+
+    def label_part(self, part: Part, target, drafter, bar, clock) -> tuple[dict, dict]:
+        cfg = self.cfg
+        results = []
+        for it in part.items:
+            response, lab = acceptance_labels(target, drafter, it.prompt_ids, cfg.max_new_tokens, cfg.k_max,
+                                              self.sampling, cfg.seed, it.seq_id)
+            results.append((it, response, lab))
+            bar.update(1)
+        return _part_columns(results, cfg.k_max, target.hidden_size, target.eos_token_ids, cfg.store_draft_states)
+
+    def part_stats(self, rows: dict, seqs: dict) -> dict:
+        valid = rows["valid"].astype(bool)
+        return {"valid_by_depth": valid.sum(0).tolist(),
+                "beta_sum_by_depth": np.where(valid, rows["beta"], 0).sum(0).tolist(),
+                "kept_by_depth": (valid & rows["kept"].astype(bool)).sum(0).tolist()}
+
+    def write_report(self, out: Path, run: dict) -> dict:
+        return write_report(out, self.cfg.k_max, self.sampling.temperature, run)
 
 
 def collect_acceptance(cfg) -> dict:
     """Run (or continue) one collector into ``cfg.out_dir``; returns the report over its complete parts."""
-    from omegaconf import OmegaConf
-    from tqdm.auto import tqdm
-
-    from eagle_backbone.loading import load_pair
-
-    _check_config(cfg)
-    torch.manual_seed(cfg.seed)
-    set_threads(cfg.get("threads"))
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    clock = Clock()
-    t_start = clock()
-    if cfg.model.drafter_kind != "eagle":
-        raise ValueError(f"model.drafter_kind={cfg.model.drafter_kind!r}: acceptance labels need an EAGLE drafter "
-                         "(its state is the head's input); use an eagle model config")
-    pair = load_pair(cfg.model)
-    target, drafter = pair.target, pair.drafter
-    manifest_path = out / "manifest.json"
-    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-    if old is not None and cfg.overwrite:
-        log.warning("overwrite=true: removing the collection in %s", out)
-        remove_collection(out)
-        old = None
-    models = {name: folder_digest(cfg.model.get(name) or cfg.model.target, (old or {}).get("models", {}).get(name),
-                                  cfg.hash_weights, tokenizer=name == "tokenizer")
-              for name in ("target", "drafter", "tokenizer")}
-    identity = _identity(cfg, models)
-    if old is not None and old.get("identity") != identity:
-        diff = settings_diff(old.get("identity", {}), identity)
-        raise ValueError(f"{out} holds a collection made with other settings ({'; '.join(diff[:8])}); continue it with "
-                         "the same settings, choose another out_dir, or pass overwrite=true to start over")
-    remove_leftovers(out, "*/*")
-
-    items, data_counts = plan_items(cfg.data, pair.tokenizer, max_prompt_len=target.max_length - 1 - cfg.k_max)
-    worker = f"{cfg.shard_id:03d}-of-{cfg.num_shards:03d}"
-    parts = plan_parts(items, cfg.shard_id, cfg.num_shards, cfg.shard_size)
-    sampling = sampling_of(cfg)
-    manifest = {"kind": "draft_acceptance_labels", "k_max": cfg.k_max, "temperature": sampling.temperature,
-                "store_draft_states": cfg.store_draft_states, "identity": identity, "models": models,
-                "tokenizer": str(cfg.model.tokenizer), "config": OmegaConf.to_container(cfg, resolve=True),
-                "data_counts": data_counts, "num_prompts": len(items)}
-    write_json(manifest_path, {**(old or {}), **manifest})
-
-    d = target.hidden_size
-    rows_feat = acceptance_rows_features(cfg.k_max, d if cfg.store_draft_states else None,
-                                         state_dtype=cfg.state_dtype)
-    seqs_feat = sequences_features()
-    todo = [p for p in parts if not Path(str(p.stem(out, worker)) + META_SUFFIX).is_file()]
-    log.info("%d prompts; collector %s has %d parts, %d to do", len(items), worker, len(parts), len(todo))
-    if cfg.max_parts_this_run is not None:
-        todo = todo[: cfg.max_parts_this_run]
-    run = {"parts_written": 0, "positions": 0, "sequences": 0, "seconds": 0.0}
-    bar = tqdm(total=sum(len(p.items) for p in todo), unit="seq", disable=not cfg.progress,
-               desc=f"acceptance t={sampling.temperature} {worker}")
-    for part in todo:
-        t0 = clock()
-        results = []
-        for it in part.items:
-            response, lab = acceptance_labels(target, drafter, it.prompt_ids, cfg.max_new_tokens, cfg.k_max,
-                                              sampling, cfg.seed, it.seq_id)
-            results.append((it, response, lab))
-            bar.update(1)
-        rows, seqs = _part_columns(results, cfg.k_max, d, target.eos_token_ids, cfg.store_draft_states)
-        stem = part.stem(out, worker)
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        write_arrow(Path(str(stem) + ROWS_SUFFIX), rows, rows_feat)
-        write_arrow(Path(str(stem) + SEQS_SUFFIX), seqs, seqs_feat)
-        seconds = clock() - t0
-        valid = rows["valid"].astype(bool)
-        write_json(Path(str(stem) + META_SUFFIX), {
-            "split": part.split, "part": part.index, "worker": worker, "seq_ids": [it.seq_id for it in part.items],
-            "sequences": len(part.items), "positions": len(rows["index"]),
-            "valid_by_depth": valid.sum(0).tolist(),
-            "beta_sum_by_depth": np.where(valid, rows["beta"], 0).sum(0).tolist(),
-            "kept_by_depth": (valid & rows["kept"].astype(bool)).sum(0).tolist(),
-            "seconds": seconds,
-        })
-        run["parts_written"] += 1
-        run["positions"] += len(rows["index"])
-        run["sequences"] += len(part.items)
-        run["seconds"] += seconds
-    bar.close()
-    done = sum(Path(str(p.stem(out, worker)) + META_SUFFIX).is_file() for p in parts)
-    run.update(wall_seconds=clock() - t_start, worker=worker, parts=len(parts), parts_complete=done,
-               complete=done == len(parts))
-    report = write_report(out, cfg.k_max, sampling.temperature, run)
-    manifest["counts"] = {k: report[k] for k in ("sequences", "positions")}
-    write_json(manifest_path, manifest)
-    return report
+    return AcceptanceCollector(cfg).run()
 
 
 def write_report(out: Path, k_max: int, temperature: float, run: dict | None = None) -> dict:

@@ -27,7 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_backbone.data.conversations import build_prompts, held_out, load_conversations
+from eagle_backbone.data.conversations import (
+    build_prompts,
+    held_out,
+    load_conversations,
+)
 from eagle_backbone.engine import autoregressive_generate
 from eagle_backbone.io import atomic_write_text, remove_leftovers
 from eagle_backbone.runtime import Clock, set_threads
@@ -184,18 +188,6 @@ def folder_digest(folder, previous: dict | None = None, hash_weights: bool = Tru
     return {"path": str(folder.resolve()), "files": files}
 
 
-def _identity(cfg, models: dict) -> dict:
-    from omegaconf import OmegaConf
-
-    ident = {k: cfg[k] for k in IDENTITY_KEYS}
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    ident["data"] = data
-    ident["model"] = {"dtype": cfg.model.dtype, "drafter_kind": cfg.model.drafter_kind,
-                      "attn_implementation": cfg.model.get("attn_implementation") or "sdpa",
-                      **{name: {f: d.get("sha256") for f, d in m["files"].items()} for name, m in models.items()}}
-    return ident
-
-
 def settings_diff(a, b, prefix="") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
@@ -215,16 +207,34 @@ def remove_collection(out: Path) -> None:
 # ---- the run ---------------------------------------------------------------------------------------
 
 
-def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, store_features: bool, d: int,
-                  eos: set[int], store_draft_states: bool = False) -> tuple[dict, dict]:
-    rows = {k: [] for k in ("seq_id", "conversation_id", "split", "index", "last_token", "label", "remaining",
-                            "draft_top1_prob", "draft_entropy", "target_prob", "feature", "draft_state")}
+def part_columns(results: list[tuple[WorkItem, list[int], dict]], eos: set[int]) -> tuple[dict, dict]:
+    """The columns every label collection has, from ``(item, response, labels)`` per sequence: per row
+    ``seq_id``, ``conversation_id`` and ``split`` (lists), per sequence all of :func:`sequences_features`.
+    The collector adds its own row columns to the first dict."""
+    rows = {k: [] for k in ("seq_id", "conversation_id", "split")}
     seqs = {k: [] for k in ("seq_id", "conversation_id", "split", "input_ids", "prompt_len", "positions", "eos")}
     for it, response, lab in results:
         r = len(lab["index"])
         rows["seq_id"] += [it.seq_id] * r
         rows["conversation_id"] += [it.conversation_id] * r
         rows["split"] += [it.split] * r
+        seqs["seq_id"].append(it.seq_id)
+        seqs["conversation_id"].append(it.conversation_id)
+        seqs["split"].append(it.split)
+        seqs["input_ids"].append(list(it.prompt_ids) + list(response))
+        seqs["prompt_len"].append(len(it.prompt_ids))
+        seqs["positions"].append(r)
+        seqs["eos"].append(bool(response) and response[-1] in eos)
+    return rows, seqs
+
+
+def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, store_features: bool, d: int,
+                  eos: set[int], store_draft_states: bool = False) -> tuple[dict, dict]:
+    rows, seqs = part_columns(results, eos)
+    rows.update({k: [] for k in ("index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy",
+                                 "target_prob", "feature", "draft_state")})
+    for _, _, lab in results:
+        r = len(lab["index"])
         for k in ("index", "last_token", "label", "remaining"):
             rows[k].append(lab[k].numpy())
         for k in ("draft_top1_prob", "draft_entropy", "target_prob"):
@@ -233,13 +243,6 @@ def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, s
             rows["feature"].append(lab["feature"].float().numpy().reshape(r, d))
         if store_draft_states:  # (r, k_max, d) stored row-major as one list of k_max * d values
             rows["draft_state"].append(lab["draft_state"].float().numpy().reshape(r, k_max * d))
-        seqs["seq_id"].append(it.seq_id)
-        seqs["conversation_id"].append(it.conversation_id)
-        seqs["split"].append(it.split)
-        seqs["input_ids"].append(list(it.prompt_ids) + list(response))
-        seqs["prompt_len"].append(len(it.prompt_ids))
-        seqs["positions"].append(r)
-        seqs["eos"].append(bool(response) and response[-1] in eos)
     for k in ("index", "last_token", "label", "remaining"):
         rows[k] = np.concatenate(rows[k]) if rows[k] else np.zeros(0, np.int64)
     for k, width in (("draft_top1_prob", k_max), ("draft_entropy", k_max), ("target_prob", k_max), ("feature", d),
@@ -248,121 +251,228 @@ def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, s
     return rows, seqs
 
 
-def collect_oracle(cfg) -> dict:
-    """Run (or continue) one collector; returns the report over all complete parts in ``cfg.out_dir``."""
-    from omegaconf import OmegaConf
-    from tqdm.auto import tqdm
+class Collector:
+    """The driver both label collectors share: run (or continue) one collector into ``cfg.out_dir`` and
+    return the report over its complete parts.
 
-    from eagle_backbone.loading import load_pair
+    :meth:`run` checks the config, seeds, guards the directory with ``manifest.json`` (``overwrite``, model
+    digests, the settings in ``identity_keys``), plans the prompts and this collector's parts, labels and
+    writes every part not yet complete (rows, sequences, then the meta file that marks it complete) and
+    writes the report. A subclass says what differs: ``identity_keys``, why it needs an EAGLE drafter
+    (``drafter_use``, for the error), the report keys the final manifest counts (``count_keys``) and the
+    hooks below.
+    """
 
-    _check_config(cfg)
-    torch.manual_seed(cfg.seed)
-    set_threads(cfg.get("threads"))
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    clock = Clock()  # stage wall time (a CPU clock: it must not wait for the GPU between items)
-    t_start = clock()
+    identity_keys: tuple[str, ...] = ()
+    drafter_use = "labels need an EAGLE drafter"
+    count_keys: tuple[str, ...] = ("sequences", "positions")
+    k_max_limit, k_max_why = 127, ""  # k_max in 1..k_max_limit; why the limit, for the error
+    dtype_keys: tuple[str, ...] = ()  # settings that are float16 or float32
 
-    if cfg.model.drafter_kind != "eagle":
-        raise ValueError(f"model.drafter_kind={cfg.model.drafter_kind!r}: the oracle labels an EAGLE drafter "
-                         "(features in, features out); use an eagle model config")
-    pair = load_pair(cfg.model)
-    target, drafter = pair.target, pair.drafter
-    manifest_path = out / "manifest.json"
-    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-    if old is not None and cfg.overwrite:
-        log.warning("overwrite=true: removing the collection in %s", out)
-        remove_collection(out)
-        old = None
-    models = {name: folder_digest(cfg.model.get(name) or cfg.model.target, (old or {}).get("models", {}).get(name),
-                                  cfg.hash_weights, tokenizer=name == "tokenizer")
-              for name in ("target", "drafter", "tokenizer")}
-    identity = _identity(cfg, models)
-    if old is not None and old.get("identity") != identity:
-        diff = settings_diff(old.get("identity", {}), identity)
-        raise ValueError(f"{out} holds a collection made with other settings ({'; '.join(diff[:8])}); continue it with "
-                         "the same settings, choose another out_dir, or pass overwrite=true to start over")
-    remove_leftovers(out, "*/*")  # temporary files of a killed write
+    def __init__(self, cfg):
+        self.cfg = cfg
 
-    items, data_counts = plan_items(cfg.data, pair.tokenizer, max_prompt_len=target.max_length - 1)
-    worker = f"{cfg.shard_id:03d}-of-{cfg.num_shards:03d}"
-    parts = plan_parts(items, cfg.shard_id, cfg.num_shards, cfg.shard_size)
-    manifest = {"k_max": cfg.k_max, "store_features": cfg.store_features, "feature_dim": target.hidden_size,
-                "store_draft_states": cfg.store_draft_states,
-                "identity": identity, "models": models, "tokenizer": str(cfg.model.tokenizer),
-                "config": OmegaConf.to_container(cfg, resolve=True), "data_counts": data_counts,
-                "num_prompts": len(items)}
-    write_json(manifest_path, {**(old or {}), **manifest})
+    # ---- hooks ----
 
-    rows_feat = rows_features(cfg.k_max, target.hidden_size if cfg.store_features else None, cfg.stat_dtype,
-                              cfg.feature_dtype, state_dim=target.hidden_size if cfg.store_draft_states else None)
-    seqs_feat = sequences_features()
-    todo = [p for p in parts if not Path(str(p.stem(out, worker)) + META_SUFFIX).is_file()]
-    log.info("%d prompts in the collection; collector %s has %d parts, %d to do", len(items), worker, len(parts), len(todo))
-    if cfg.max_parts_this_run is not None:
-        todo = todo[: cfg.max_parts_this_run]
-    run = {"parts_written": 0, "positions": 0, "sequences": 0, "seconds": 0.0}
-    bar = tqdm(total=None, unit="pos", unit_scale=True, disable=not cfg.progress, desc=f"oracle {worker}")
-    seq_total, seq_done = sum(len(p.items) for p in todo), 0
-    for part in todo:
-        t0 = clock()
-        gen_s = 0.0
+    def check_config(self) -> None:
+        """Raise ``ValueError`` on a setting out of range; runs before anything else."""
+        cfg = self.cfg
+        if not isinstance(cfg.k_max, int) or not 1 <= cfg.k_max <= self.k_max_limit:
+            raise ValueError(f"k_max must be an integer in 1..{self.k_max_limit}{self.k_max_why}, got {cfg.k_max!r}")
+        if not isinstance(cfg.num_shards, int) or cfg.num_shards < 1:
+            raise ValueError(f"num_shards must be an integer >= 1, got {cfg.num_shards!r}")
+        if not isinstance(cfg.shard_id, int) or not 0 <= cfg.shard_id < cfg.num_shards:
+            raise ValueError(f"shard_id must be in 0..num_shards-1={cfg.num_shards - 1}, got {cfg.shard_id!r}")
+        if not isinstance(cfg.shard_size, int) or cfg.shard_size < 1:
+            raise ValueError(f"shard_size (sequences per part) must be an integer >= 1, got {cfg.shard_size!r}")
+        if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
+        for key in self.dtype_keys:
+            if cfg[key] not in ("float16", "float32"):
+                raise ValueError(f"{key} must be float16 or float32, got {cfg[key]!r}")
+
+    def prompt_margin(self) -> int:
+        """Positions a prompt leaves free below ``target.max_length - 1`` (the labels look this far ahead)."""
+        return 0
+
+    def manifest_fields(self, target) -> dict:
+        """The manifest's leading keys (what readers of the labels check), before identity, models and counts."""
+        raise NotImplementedError
+
+    def rows_features(self, target):
+        raise NotImplementedError
+
+    def progress(self, todo: list[Part], worker: str) -> dict:
+        """``tqdm`` keyword arguments for the bar over ``todo``."""
+        raise NotImplementedError
+
+    def label_part(self, part: Part, target, drafter, bar, clock) -> tuple[dict, dict]:
+        """The rows and sequences columns of one part."""
+        raise NotImplementedError
+
+    def part_stats(self, rows: dict, seqs: dict) -> dict:
+        """The part's meta keys after ``positions``: what its report sums."""
+        return {}
+
+    def part_timings(self) -> dict:
+        """The part's meta keys after ``seconds``."""
+        return {}
+
+    def write_report(self, out: Path, run: dict) -> dict:
+        raise NotImplementedError
+
+    # ---- the driver ----
+
+    def identity(self, models: dict) -> dict:
+        from omegaconf import OmegaConf
+
+        cfg = self.cfg
+        ident = {k: cfg[k] for k in self.identity_keys}
+        ident["data"] = OmegaConf.to_container(cfg.data, resolve=True)
+        ident["model"] = {"dtype": cfg.model.dtype, "drafter_kind": cfg.model.drafter_kind,
+                          "attn_implementation": cfg.model.get("attn_implementation") or "sdpa",
+                          **{name: {f: d.get("sha256") for f, d in m["files"].items()} for name, m in models.items()}}
+        return ident
+
+    def run(self) -> dict:
+        from omegaconf import OmegaConf
+        from tqdm.auto import tqdm
+
+        from eagle_backbone.loading import load_pair
+
+        cfg = self.cfg
+        self.check_config()
+        torch.manual_seed(cfg.seed)
+        set_threads(cfg.get("threads"))
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        clock = Clock()  # stage wall time (a CPU clock: it must not wait for the GPU between items)
+        t_start = clock()
+
+        if cfg.model.drafter_kind != "eagle":
+            raise ValueError(f"model.drafter_kind={cfg.model.drafter_kind!r}: {self.drafter_use}; use an eagle "
+                             "model config")
+        pair = load_pair(cfg.model)
+        target, drafter = pair.target, pair.drafter
+        manifest_path = out / "manifest.json"
+        old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+        if old is not None and cfg.overwrite:
+            log.warning("overwrite=true: removing the collection in %s", out)
+            remove_collection(out)
+            old = None
+        models = {name: folder_digest(cfg.model.get(name) or cfg.model.target, (old or {}).get("models", {}).get(name),
+                                      cfg.hash_weights, tokenizer=name == "tokenizer")
+                  for name in ("target", "drafter", "tokenizer")}
+        identity = self.identity(models)
+        if old is not None and old.get("identity") != identity:
+            diff = settings_diff(old.get("identity", {}), identity)
+            raise ValueError(f"{out} holds a collection made with other settings ({'; '.join(diff[:8])}); continue it "
+                             "with the same settings, choose another out_dir, or pass overwrite=true to start over")
+        remove_leftovers(out, "*/*")  # temporary files of a killed write
+
+        items, data_counts = plan_items(cfg.data, pair.tokenizer,
+                                        max_prompt_len=target.max_length - 1 - self.prompt_margin())
+        worker = f"{cfg.shard_id:03d}-of-{cfg.num_shards:03d}"
+        parts = plan_parts(items, cfg.shard_id, cfg.num_shards, cfg.shard_size)
+        manifest = {**self.manifest_fields(target),
+                    "identity": identity, "models": models, "tokenizer": str(cfg.model.tokenizer),
+                    "config": OmegaConf.to_container(cfg, resolve=True), "data_counts": data_counts,
+                    "num_prompts": len(items)}
+        write_json(manifest_path, {**(old or {}), **manifest})
+
+        rows_feat, seqs_feat = self.rows_features(target), sequences_features()
+        todo = [p for p in parts if not Path(str(p.stem(out, worker)) + META_SUFFIX).is_file()]
+        log.info("%d prompts in the collection; collector %s has %d parts, %d to do", len(items), worker, len(parts),
+                 len(todo))
+        if cfg.max_parts_this_run is not None:
+            todo = todo[: cfg.max_parts_this_run]
+        run = {"parts_written": 0, "positions": 0, "sequences": 0, "seconds": 0.0}
+        bar = tqdm(**self.progress(todo, worker), disable=not cfg.progress)
+        for part in todo:
+            t0 = clock()
+            rows, seqs = self.label_part(part, target, drafter, bar, clock)
+            stem = part.stem(out, worker)
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            write_arrow(Path(str(stem) + ROWS_SUFFIX), rows, rows_feat)
+            write_arrow(Path(str(stem) + SEQS_SUFFIX), seqs, seqs_feat)
+            seconds = clock() - t0
+            positions = int(len(rows["index"]))
+            write_json(Path(str(stem) + META_SUFFIX), {
+                "split": part.split, "part": part.index, "worker": worker, "seq_ids": [it.seq_id for it in part.items],
+                "sequences": len(part.items), "positions": positions, **self.part_stats(rows, seqs),
+                "seconds": seconds, **self.part_timings(),
+            })
+            run["parts_written"] += 1
+            run["positions"] += positions
+            run["sequences"] += len(part.items)
+            run["seconds"] += seconds
+        bar.close()
+        done = sum(Path(str(p.stem(out, worker)) + META_SUFFIX).is_file() for p in parts)
+        run.update(wall_seconds=clock() - t_start, worker=worker, parts=len(parts), parts_complete=done,
+                   complete=done == len(parts))
+        report = self.write_report(out, run)
+        manifest["counts"] = {k: report[k] for k in self.count_keys}
+        write_json(manifest_path, manifest)
+        return report
+
+
+class OracleCollector(Collector):
+    """The oracle's hooks: greedy responses, :func:`oracle_labels` per position, label histograms per part."""
+
+    identity_keys = IDENTITY_KEYS
+    drafter_use = "the oracle labels an EAGLE drafter (features in, features out)"
+    count_keys = ("sequences", "positions", "splits")
+    k_max_why = " (labels are stored as int8)"
+    dtype_keys = ("feature_dtype", "stat_dtype")
+
+    def manifest_fields(self, target) -> dict:
+        cfg = self.cfg
+        return {"k_max": cfg.k_max, "store_features": cfg.store_features, "feature_dim": target.hidden_size,
+                "store_draft_states": cfg.store_draft_states}
+
+    def rows_features(self, target):
+        cfg = self.cfg
+        return rows_features(cfg.k_max, target.hidden_size if cfg.store_features else None, cfg.stat_dtype,
+                             cfg.feature_dtype, state_dim=target.hidden_size if cfg.store_draft_states else None)
+
+    def progress(self, todo: list[Part], worker: str) -> dict:
+        self._seq_total, self._seq_done = sum(len(p.items) for p in todo), 0
+        return dict(total=None, unit="pos", unit_scale=True, desc=f"oracle {worker}")
+
+    def label_part(self, part: Part, target, drafter, bar, clock) -> tuple[dict, dict]:
+        cfg = self.cfg
+        self._gen_s = 0.0
         results = []
         for it in part.items:
             g0 = clock()
             response = autoregressive_generate(target, it.prompt_ids, cfg.max_new_tokens).tokens
-            gen_s += clock() - g0
+            self._gen_s += clock() - g0
             lab = oracle_labels(target, drafter, list(it.prompt_ids) + response, len(it.prompt_ids), cfg.k_max,
                                 full_target_prob=cfg.full_target_prob, max_rows_per_pass=cfg.max_rows_per_pass)
             results.append((it, response, lab))
-            seq_done += 1
+            self._seq_done += 1
             bar.update(len(lab["index"]))
-            bar.set_postfix(seq=f"{seq_done}/{seq_total}")
-        rows, seqs = _part_columns(results, cfg.k_max, cfg.store_features, target.hidden_size, target.eos_token_ids,
-                                   cfg.store_draft_states)
-        stem = part.stem(out, worker)
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        write_arrow(Path(str(stem) + ROWS_SUFFIX), rows, rows_feat)
-        write_arrow(Path(str(stem) + SEQS_SUFFIX), seqs, seqs_feat)
-        labels, remaining = rows["label"], rows["remaining"]
-        seconds = clock() - t0
-        write_json(Path(str(stem) + META_SUFFIX), {
-            "split": part.split, "part": part.index, "worker": worker, "seq_ids": [it.seq_id for it in part.items],
-            "sequences": len(part.items), "positions": int(len(labels)),
-            "generated_tokens": int(sum(len(s) - p for s, p in zip(seqs["input_ids"], seqs["prompt_len"]))),
-            "eos": int(sum(seqs["eos"])), "label_sum": int(labels.sum()),
-            "label_hist": label_histogram(labels, cfg.k_max),
-            "label_hist_uncensored": label_histogram(labels[remaining >= cfg.k_max], cfg.k_max),
-            "seconds": seconds, "generate_seconds": gen_s,
-        })
-        run["parts_written"] += 1
-        run["positions"] += int(len(labels))
-        run["sequences"] += len(part.items)
-        run["seconds"] += seconds
-    bar.close()
-    done = sum(Path(str(p.stem(out, worker)) + META_SUFFIX).is_file() for p in parts)
-    run.update(wall_seconds=clock() - t_start, worker=worker, parts=len(parts), parts_complete=done,
-               complete=done == len(parts))
-    report = write_report(out, cfg.k_max, run)
-    manifest["counts"] = {k: report[k] for k in ("sequences", "positions", "splits")}
-    write_json(manifest_path, manifest)
-    return report
+            bar.set_postfix(seq=f"{self._seq_done}/{self._seq_total}")
+        return _part_columns(results, cfg.k_max, cfg.store_features, target.hidden_size, target.eos_token_ids,
+                             cfg.store_draft_states)
+
+    def part_stats(self, rows: dict, seqs: dict) -> dict:
+        labels, remaining, k_max = rows["label"], rows["remaining"], self.cfg.k_max
+        return {"generated_tokens": int(sum(len(s) - p for s, p in zip(seqs["input_ids"], seqs["prompt_len"]))),
+                "eos": int(sum(seqs["eos"])), "label_sum": int(labels.sum()),
+                "label_hist": label_histogram(labels, k_max),
+                "label_hist_uncensored": label_histogram(labels[remaining >= k_max], k_max)}
+
+    def part_timings(self) -> dict:
+        return {"generate_seconds": self._gen_s}
+
+    def write_report(self, out: Path, run: dict) -> dict:
+        return write_report(out, self.cfg.k_max, run)
 
 
-def _check_config(cfg) -> None:
-    if not isinstance(cfg.k_max, int) or not 1 <= cfg.k_max <= 127:
-        raise ValueError(f"k_max must be an integer in 1..127 (labels are stored as int8), got {cfg.k_max!r}")
-    if not isinstance(cfg.num_shards, int) or cfg.num_shards < 1:
-        raise ValueError(f"num_shards must be an integer >= 1, got {cfg.num_shards!r}")
-    if not isinstance(cfg.shard_id, int) or not 0 <= cfg.shard_id < cfg.num_shards:
-        raise ValueError(f"shard_id must be in 0..num_shards-1={cfg.num_shards - 1}, got {cfg.shard_id!r}")
-    if not isinstance(cfg.shard_size, int) or cfg.shard_size < 1:
-        raise ValueError(f"shard_size (sequences per part) must be an integer >= 1, got {cfg.shard_size!r}")
-    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
-    for key in ("feature_dtype", "stat_dtype"):
-        if cfg[key] not in ("float16", "float32"):
-            raise ValueError(f"{key} must be float16 or float32, got {cfg[key]!r}")
+def collect_oracle(cfg) -> dict:
+    """Run (or continue) one collector; returns the report over all complete parts in ``cfg.out_dir``."""
+    return OracleCollector(cfg).run()
 
 
 # ---- report ----------------------------------------------------------------------------------------
