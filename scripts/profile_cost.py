@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 @hydra.main(config_path="../conf", config_name="profile_cost", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from eagle_backbone.batched.cost import cost_key, profile_costs, table_path
+    from eagle_backbone.batched.cost import check_costs, check_markdown, cost_key, profile_costs, table_path
     from eagle_backbone.batched.engine import BatchedSpeculativeEngine
     from ldlp.bench.loaders import load_pair_cached
 
@@ -29,6 +29,16 @@ def main(cfg: DictConfig) -> None:
                           context=int(cfg.context), reps=int(cfg.reps), seed=int(cfg.seed))
     path = table.save(cfg.out or table_path(cfg.paths.cost, key))
     print(f"wrote {path} ({table.meta['seconds']} s)")
+    if cfg.check.enabled:
+        # the table against measured engine steps on real prompts: does it rank the γs as the machine does?
+        from eagle_backbone.io import atomic_write_text
+        from ldlp.bench.loaders import load_prompts
+
+        prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+        rows = check_costs(table, factory, prompts, slots=list(cfg.check.slots), gammas=list(cfg.check.gammas))
+        md = check_markdown(rows)
+        atomic_write_text(path.with_suffix(".check.md"), md)
+        print(md)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_batched import _chi2_pvalue, _pair_distribution, ar, noisy_copy, prompts_of
 
-from eagle_backbone.batched.cost import CostTable, cost_key, profile_costs, table_path
+from eagle_backbone.batched.cost import CostTable, check_costs, cost_key, profile_costs, table_path
 from eagle_backbone.batched.engine import BatchedSpeculativeEngine
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder
@@ -162,6 +162,13 @@ def test_cost_table_profiles_round_trips_and_refuses_another_key(tmp_path, t32, 
     with pytest.raises(ValueError, match="profiled for"):
         CostTable.load(path, {**key, "threads": 7})
     assert tab.target_ms(1, 2) == pytest.approx((tab.target[0][0] + tab.target[0][1]) / 2)
+    # the table against measured engine steps: one row per (slots, γ), both times positive
+    rows = check_costs(tab, lambda R, policy=None: BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=R, capacity=64,
+                                                                            policy=policy),
+                       prompts_of((4, 6, 5, 7, 3, 8, 6, 5), seed=1), slots=(1, 2), gammas=(0, 2), steps=2,
+                       max_new_tokens=6)
+    assert [(r["slots"], r["gamma"]) for r in rows] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in rows)
 
 
 def test_online_calibration_recovers_a_miscalibrated_estimator():

@@ -249,3 +249,63 @@ def load_or_profile(cost_dir: str | Path, key: dict, engine_factory, profile_if_
     table = profile_costs(engine_factory, key, log=log)
     table.save(path)
     return table
+
+
+@torch.inference_mode()
+def check_costs(table: CostTable, engine_factory, prompts: list[list[int]], slots=(1, 4, 16, 32), gammas=(0, 1, 2, 4),
+                steps: int = 12, max_new_tokens: int = 48) -> list[dict]:
+    """The table's predicted step times against measured ones: for each R in ``slots`` and static γ in
+    ``gammas``, real prompts decode R at a time (a finished one's slot takes the next) and ``steps`` steps with
+    all R running and none prefilling are timed (median). Predicted: overhead +
+    target(R, R(γ+1)) + (feed(R, tokens a row emitted) + γ draft depths when γ > 0). Returns rows with both
+    and the tokens per millisecond each implies, so that a reader sees whether the table ranks the γs as
+    the machine does."""
+    from eagle_backbone.policy import StaticPolicy
+
+    rows = []
+    for R in slots:
+        if R > len(prompts):
+            continue
+        for g in gammas:
+            eng = engine_factory(R, StaticPolicy(g))
+            for b in range(R):
+                eng.admit(b, prompts[b], max_new_tokens, seed=b)
+            eng.step()
+            times, emitted, nxt = [], [], R
+            for _ in range(4 * steps):
+                if len(times) >= steps:
+                    break
+                free = eng.free_slots()
+                if free:  # a sequence ended: its slot takes the next prompt; the step that prefills it is not timed
+                    if nxt + len(free) > len(prompts):
+                        break
+                    for b in free:
+                        eng.admit(b, prompts[nxt], max_new_tokens, seed=nxt)
+                        nxt += 1
+                    eng.step()
+                    continue
+                run = eng.running()
+                before = sum(len(eng.state[b].new) for b in run)
+                t0 = time.perf_counter()
+                eng.step()
+                times.append(1e3 * (time.perf_counter() - t0))
+                emitted.append((sum(len(eng.state[b].new) for b in run) - before) / R)
+            if not times:
+                continue
+            ms, per_row = statistics.median(times), statistics.mean(emitted)
+            pred = table.overhead_ms(R) + table.target_ms(R, R * (g + 1))
+            if g:
+                pred += table.feed_ms(R, per_row) + g * table.draft_ms(R, R)
+            rows.append({"slots": R, "gamma": g, "measured_ms": ms, "predicted_ms": pred, "tokens_per_row": per_row,
+                         "measured_tokens_per_ms": R * per_row / ms, "predicted_tokens_per_ms": R * per_row / pred})
+    return rows
+
+
+def check_markdown(rows: list[dict]) -> str:
+    lines = ["| slots | γ | measured ms | predicted ms | error | tokens a row | tokens/ms measured | tokens/ms predicted |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['slots']} | {r['gamma']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
+                     f"{100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}% | {r['tokens_per_row']:.2f} | "
+                     f"{r['measured_tokens_per_ms']:.2f} | {r['predicted_tokens_per_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
