@@ -103,7 +103,8 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
             f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}",
             f"paths.embedded={tmp_path / 'embedded'}", "sweep.rounds=1", "sweep.static_gammas=[1,2]",
             "sweep.adaptive=[ldlp,oracle]", "peer.enabled=false", "tune.enabled=false", "head_to_head.rounds=1",
-            "head_to_head.adaptive=1", "head_to_head.overrides=[]"])
+            "head_to_head.adaptive=1", "head_to_head.overrides=[]",
+            "bench_batch.enabled=false"])  # the load sweep stage: tests/test_bench_load.py
         OmegaConf.update(cfg, "sweep.overrides", [o for o in overrides(tiny_models, prompt_file)
                                                  if not o.startswith(("evaluation.repeats", "threads"))]
                          + ["evaluation.repeats=1"])

@@ -203,7 +203,8 @@ def test_policy_yaml_files_instantiate(ldlp_dir, tmp_path):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         for name in names:
             overrides = [f"policy={name}", f"ldlp_path={ldlp_dir}", f"ldlp_survival_path={survival_dir}",
-                         f"acceptance_path={acceptance_dir}"]
+                         f"acceptance_path={acceptance_dir}", f"paths.draft_acceptance={tmp_path}",
+                         f"paths.cost={tmp_path / 'cost'}"]
             cfg = compose(config_name="evaluate", overrides=overrides)
             policy = instantiate(cfg.policy)
             # only a fixed γ is reported as static (the results then carry its γ); every other rule,
