@@ -12,7 +12,7 @@ import hydra
 from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 log = logging.getLogger("bench_batch")
 
@@ -20,6 +20,7 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.batched.bench import Contender, check_sweep_args, sweep, write
+    from eagle_backbone.candidates import make_candidates
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.loaders import (
         build_policy,
@@ -54,10 +55,14 @@ def main(cfg: DictConfig) -> None:
             "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
             "blocks": int(cfg.blocks), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],
             "threads": threads, "cpu": machine_info().get("cpu")}
-    result = sweep(pair.target, pair.drafter, cfg.model.drafter_kind, prompts, contenders,
+    # the pair's candidate generator, its drafter on the benchmark's attention math (as the target's in the engine)
+    candidates = pair.candidates
+    if getattr(candidates, "attn", str(cfg.attn)) != str(cfg.attn):
+        candidates = make_candidates(candidates.kind, pair.drafter, pair.target, str(cfg.attn))
+    result = sweep(pair.target, candidates, prompts, contenders,
                    [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens), sampling_config(cfg.generation),
-                   rounds=int(cfg.rounds), seed=int(cfg.seed), batch1=list(cfg.batch1) if OmegaConf.is_list(cfg.batch1) else bool(cfg.batch1), candidates=pair.candidates,
-                   attn=str(cfg.attn), checkpoint=lambda r: write(r, out, meta, with_plot=False), log=log.info,
+                   rounds=int(cfg.rounds), seed=int(cfg.seed), attn=str(cfg.attn),
+                   checkpoint=lambda r: write(r, out, meta, with_plot=False), log=log.info,
                    categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
                    bootstrap=int(cfg.bootstrap))
     write(result, out, meta)

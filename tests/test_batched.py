@@ -406,8 +406,8 @@ def test_sweep_groups_by_category(t32, eagle32):
     prompts = prompts_of((5, 9, 3, 11, 6, 2))
     categories = ["writing", "coding", "writing", None, "coding", "writing"]  # None: left out of the grouping
     contenders = [Contender("ar", "ar", 0, None), Contender("static γ=2", "static", 2, lambda: StaticPolicy(2))]
-    result = sweep(t32, eagle32, "eagle", prompts, contenders, [1, 3], 8, rounds=1, batch1=False,
-                   categories=categories, log=lambda _: None)
+    cand = EagleCandidateGenerator(eagle32, t32)
+    result = sweep(t32, cand, prompts, contenders, [1, 3], 8, rounds=1, categories=categories, log=lambda _: None)
     for row in result["rows"]:
         key = (row["contender"], row["concurrency"])
         run = next(x for x in result["runs"] if (x["contender"], x["concurrency"]) == key)
@@ -422,4 +422,4 @@ def test_sweep_groups_by_category(t32, eagle32):
     assert "writing (3)" in md and "coding (2)" in md
     assert table_rows(md.split("Per prompt category")[1]) == [r["contender"] for r in result["rows"]]
     with pytest.raises(ValueError, match="categories for"):
-        sweep(t32, eagle32, "eagle", prompts, contenders, [1], 8, rounds=1, batch1=False, categories=["x"])
+        sweep(t32, cand, prompts, contenders, [1], 8, rounds=1, categories=["x"])

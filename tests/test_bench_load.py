@@ -13,6 +13,7 @@ from conftest import table_rows
 
 from eagle_backbone.batched.bench import (
     BASELINES,
+    ROW_KEYS,
     Contender,
     markdown,
     plot_ratios,
@@ -22,7 +23,7 @@ from eagle_backbone.batched.bench import (
     write,
 )
 from eagle_backbone.candidates import EagleCandidateGenerator
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.bench.stats import paired_ratio
@@ -107,8 +108,8 @@ def test_sweep_over_concurrency_and_temperature(t32, eagle32, tmp_path):
     prompts = prompts_of(8)
     cand = EagleCandidateGenerator(eagle32, t32)
     logs = []
-    kw = {"rounds": 2, "batch1": False, "candidates": cand, "temperatures": [0.0, 1.0], "blocks": 2, "seed": 3}
-    result = sweep(t32, eagle32, "eagle", prompts, contenders(), [1, 2, 4], 10, log=logs.append, **kw)
+    kw = {"rounds": 2, "temperatures": [0.0, 1.0], "blocks": 2, "seed": 3}
+    result = sweep(t32, cand, prompts, contenders(), [1, 2, 4], 10, log=logs.append, **kw)
     rows = result["rows"]
     cells = {(r["contender"], r["concurrency"], r["temperature"]) for r in rows}
     expected = {(c.label, C, T) for c in contenders() for C in (1, 2, 4) for T in (0.0, 1.0)}
@@ -135,7 +136,7 @@ def test_sweep_over_concurrency_and_temperature(t32, eagle32, tmp_path):
                             and x["policy"] == "static"), key=lambda x: x["tokens_per_s"])
                 assert r["vs"]["best_static"]["contender"] == best["contender"]
     # sampled runs are seeded per sequence: the same command twice gives the same counters
-    again = sweep(t32, eagle32, "eagle", prompts, contenders(), [1, 2, 4], 10, log=lambda _: None, **kw)
+    again = sweep(t32, cand, prompts, contenders(), [1, 2, 4], 10, log=lambda _: None, **kw)
     counters = lambda res: sorted((r["contender"], r["concurrency"], r["temperature"], r["new_tokens"], r["tau"])
                                   for r in res["rows"])
     assert counters(again) == counters(result)
@@ -148,8 +149,13 @@ def test_sweep_over_concurrency_and_temperature(t32, eagle32, tmp_path):
     assert (out / "batch_bench.png").is_file() and (out / "batch_bench_ratio.png").is_file()
     saved = json.loads((out / "batch_bench.json").read_text())
     assert {tuple(sorted(r["vs"])) for r in saved if r["vs"]} >= {tuple(sorted(BASELINES))}
+    # one engine: one row per (contender, C, T), no engine column, no batch-1 loop comparison
+    assert len(saved) == len(cells) and "engine" not in ROW_KEYS and not any("engine" in r for r in saved)
+    assert "batch-1 loop" not in md and "batch-1 engine" not in md
     runs = json.loads((out / "batch_bench_runs.json").read_text())
     assert set(runs["findings"]) == {"0.0", "1.0"} and runs["findings"]["0.0"]["baselines"]
+    assert not any("batch1_parity" in f for f in runs["findings"].values())
+    assert not any("engine" in x for x in runs["runs"])
 
 
 def test_one_temperature_stays_as_before(t32, eagle32, tmp_path):
@@ -157,29 +163,30 @@ def test_one_temperature_stays_as_before(t32, eagle32, tmp_path):
     single-temperature plot still draws; no adaptive contender: no ratio plot."""
     prompts = prompts_of(4)
     cs = contenders()[:3]
-    result = sweep(t32, eagle32, "eagle", prompts, cs, [1, 2], 6, rounds=1, batch1=False, log=lambda _: None)
+    cand = EagleCandidateGenerator(eagle32, t32)
+    result = sweep(t32, cand, prompts, cs, [1, 2], 6, rounds=1, log=lambda _: None)
     assert {r["temperature"] for r in result["rows"]} == {0.0} and {r["blocks"] for r in result["rows"]} == {1}
     assert "## Temperature" not in markdown(result)
     assert plot_tokens_per_s(result, tmp_path / "p.png").is_file()
     assert plot_ratios(result, tmp_path / "r.png") is None
     with pytest.raises(ValueError, match="blocks"):
-        sweep(t32, eagle32, "eagle", prompts, cs, [1], 6, blocks=0)
+        sweep(t32, cand, prompts, cs, [1], 6, blocks=0)
     with pytest.raises(ValueError, match="temperatures"):
-        sweep(t32, eagle32, "eagle", prompts, cs, [1], 6, temperatures=[0.0, -1.0])
+        sweep(t32, cand, prompts, cs, [1], 6, temperatures=[0.0, -1.0])
 
 
 # ---- the oracle in a batch -----------------------------------------------------------------------------------
 
 
 def test_oracle_in_a_batch_is_lossless_and_matches_its_batch1_counts(t32, eagle32):
-    """Bound to the batch-1 candidate generator, the oracle runs in the batched sweep at T=0: every sequence equals
-    its batch-1 AR output, and at every C it needs exactly the target forwards of the batch-1 oracle."""
+    """Bound to the sweep's candidate generator, the oracle runs in the batched sweep at T=0: every sequence equals
+    the target's own greedy output, and at every C it needs exactly the target forwards of the oracle with one
+    slot (SpeculativeDecoder)."""
     prompts = prompts_of(6, seed=4)
     cand = EagleCandidateGenerator(eagle32, t32)
     cs = [contenders()[0], contenders()[-1]]
-    result = sweep(t32, eagle32, "eagle", prompts, cs, [1, 3, 6], 12, rounds=1, batch1=False, candidates=cand,
-                   log=lambda _: None)
-    want_tokens = sum(len(autoregressive_generate(t32, p, 12).tokens) for p in prompts)
+    result = sweep(t32, cand, prompts, cs, [1, 3, 6], 12, rounds=1, log=lambda _: None)
+    want_tokens = sum(len(t32.reference_greedy(p, 12)) for p in prompts)
     batch1 = []
     for p in prompts:
         pol = OraclePolicy(4)
@@ -193,8 +200,57 @@ def test_oracle_in_a_batch_is_lossless_and_matches_its_batch1_counts(t32, eagle3
         assert r["tau"] == pytest.approx(tau1)
     # without a candidate generator it is skipped with one line, not an error
     logs = []
-    res = sweep(t32, eagle32, "eagle", prompts[:2], cs, [1], 4, rounds=1, batch1=False, log=logs.append)
+    res = sweep(t32, None, prompts[:2], cs, [1], 4, rounds=1, log=logs.append)
     assert {r["policy"] for r in res["rows"]} == {"ar"} and any("skipping oracle" in line for line in logs)
+
+
+def test_greedy_reference_is_the_targets_own_decoding(t32, eagle32, monkeypatch):
+    """Greedy losslessness is judged against ``target.reference_greedy`` (transformers' forward, not the engine),
+    once per prompt: a reference that differs for one prompt marks every row lossy at exactly that prompt."""
+    from eagle_backbone.target import TargetModel
+
+    prompts = prompts_of(3, seed=6)
+    real, calls = TargetModel.reference_greedy, []
+
+    def reference(self, prompt_ids, max_new_tokens):
+        calls.append(list(prompt_ids))
+        out = real(self, prompt_ids, max_new_tokens)
+        if list(prompt_ids) == prompts[1]:  # one token off at position 2
+            out[2] = (out[2] + 1) % self.vocab_size
+        return out
+
+    monkeypatch.setattr(TargetModel, "reference_greedy", reference)
+    cs = contenders()[:2]
+    result = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts, cs, [1, 3], 8, rounds=1, log=lambda _: None)
+    assert calls == prompts
+    assert sorted((r["contender"], r["concurrency"], r["lossless"], r["identical"]) for r in result["rows"]) == \
+        sorted((c.label, C, False, 2) for C in (1, 3) for c in cs)
+    assert sorted((d["contender"], d["concurrency"], d["prompt"], d["position"]) for d in result["differences"]) == \
+        sorted((c.label, C, 1, 2) for C in (1, 3) for c in cs)
+    assert "own greedy output from the target" in markdown(result)
+
+
+def test_sweep_runs_a_custom_candidate_generator(t32, eagle32):
+    """The sweep drafts with the generator it is given (bound once per engine), whatever its kind."""
+    class Counted(EagleCandidateGenerator):
+        kind = "counted_eagle"
+        kinds, starts = [], 0
+
+        def bind(self, engine):
+            Counted.kinds.append(engine.kind)
+            super().bind(engine)
+
+        def start(self, slots, tlens):
+            Counted.starts += 1
+            return super().start(slots, tlens)
+
+    prompts = prompts_of(4, seed=7)
+    cs = contenders()[:3]
+    result = sweep(t32, Counted(eagle32, t32), prompts, cs, [1, 2], 8, rounds=1, log=lambda _: None)
+    # one engine per contender for the warm-up and per (C, block) in the round, each drafting with this generator
+    assert Counted.kinds == ["counted_eagle"] * (len(cs) * (1 + 2)) and Counted.starts > 0
+    assert all(r["lossless"] for r in result["rows"])
+    assert {r["tau"] for r in result["rows"] if r["policy"] == "ar"} == {1.0}
 
 
 # ---- the script ----------------------------------------------------------------------------------------------
@@ -216,7 +272,7 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "scripts/bench_batch.py", *pair_overrides(tmp_path / "models", dtype="float32"),
            "data=mt_bench", f"data.path={prompts}", "data.limit=4", "generation.max_new_tokens=8", "rounds=1",
-           "blocks=2", "batch1=false", "concurrency=[1,2]", "temperatures=[0.0,1.0]", "threads=1", f"out_dir={out}",
+           "blocks=2", "concurrency=[1,2]", "temperatures=[0.0,1.0]", "threads=1", f"out_dir={out}",
            f"hydra.run.dir={tmp_path / 'run'}",
            'contenders=["policy=static policy.gamma=2","policy=heuristic","policy=oracle"]']
     repo = Path(__file__).resolve().parent.parent
@@ -287,7 +343,7 @@ def test_a_batch_level_policy_runs_in_the_sweep(t32, eagle32):
             return [min(2, c) if len(caps) > 1 else min(4, c) for c in caps]
 
     cs = contenders()[:3] + [Contender("half_cap", "half_cap", None, HalfCap)]
-    result = sweep(t32, eagle32, "eagle", prompts_of(6, seed=2), cs, [1, 3], 10, rounds=1, batch1=False,
+    result = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts_of(6, seed=2), cs, [1, 3], 10, rounds=1,
                    temperatures=[0.0, 0.7], blocks=2, log=lambda _: None)
     rows = [r for r in result["rows"] if r["contender"] == "half_cap"]
     assert {(r["concurrency"], r["temperature"]) for r in rows} == {(1, 0.0), (3, 0.0), (1, 0.7), (3, 0.7)}
@@ -302,9 +358,10 @@ def test_blocks_combine_back_to_the_whole_prompt_set(t32, eagle32):
     prompts = prompts_of(8, seed=5)
     cats = ["a", "b"] * 4
     cs = contenders()[:3]
-    kw = {"rounds": 1, "batch1": False, "categories": cats, "log": lambda _: None}
-    one = sweep(t32, eagle32, "eagle", prompts, cs, [1, 2], 9, blocks=1, **kw)["rows"]
-    four = sweep(t32, eagle32, "eagle", prompts, cs, [1, 2], 9, blocks=4, **kw)["rows"]
+    cand = EagleCandidateGenerator(eagle32, t32)
+    kw = {"rounds": 1, "categories": cats, "log": lambda _: None}
+    one = sweep(t32, cand, prompts, cs, [1, 2], 9, blocks=1, **kw)["rows"]
+    four = sweep(t32, cand, prompts, cs, [1, 2], 9, blocks=4, **kw)["rows"]
     key = lambda r: (r["contender"], r["concurrency"])
     assert [r["blocks"] for r in four] == [4, 4, 4, 4, 4, 4] and {r["blocks"] for r in one} == {1}
     for a, b in zip(sorted(one, key=key), sorted(four, key=key)):

@@ -4,18 +4,19 @@ and adaptive policies at concurrency C, on a continuous-batching workload, with 
 For every round, every temperature T, every C and every block of the prompts (``blocks`` workloads, fewer
 when a block would hold fewer prompts than C), every contender runs the block through
 :func:`~eagle_backbone.batched.workload.run_workload` with C streams in flight, in turns (the order rotating
-between rounds, T, C and blocks, so that a slow phase of a shared machine hits all alike). At C=1 today's
-batch-1 loop (``SpeculativeDecoder`` / ``autoregressive_generate``) runs interleaved with them at the same γ,
-for the "no slower at batch 1" comparison. Rows report each round's blocks summed, medians over rounds.
+between rounds, T, C and blocks, so that a slow phase of a shared machine hits all alike). Every contender
+runs on the one engine (:class:`~eagle_backbone.engine.BatchedSpeculativeEngine`) with one candidate
+generator. Rows report each round's blocks summed, medians over rounds.
 
 Each (round, block) is one paired measurement: per (C, T) every adaptive contender's ratio of tokens/s to
 the baselines (batched AR, the best static γ at that (C, T) in hindsight, the static γ best at C=1 used at
 every C, the oracle at T=0) comes with a paired bootstrap 95% interval over those pairs
-(:func:`eagle_backbone.timing.paired_ratio`). The oracle replays the batch-1 engine per prompt before the clocks
-start and runs at T=0 only.
+(:func:`eagle_backbone.timing.paired_ratio`). The oracle replays the engine with one slot
+(``SpeculativeDecoder``) per prompt before the clocks start and runs at T=0 only.
 
-Greedy losslessness is checked against each prompt's own batch-1 autoregressive output. In bfloat16 a
-batched matrix product may round differently from a one-row one; every differing sequence is then
+Greedy losslessness is checked against each prompt's own greedy output from the target through transformers'
+forward (:meth:`~eagle_backbone.target.TargetModel.reference_greedy`, independent of the engine). In bfloat16
+a batched matrix product may round differently from a one-row one; every differing sequence is then
 reported with the target's top-2 logit gap at the first differing position (on the reference prefix),
 next to bfloat16's spacing at that logit's magnitude: a difference is a near-tie when the gap is within it.
 
@@ -34,15 +35,14 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.batched.engine import BatchedSpeculativeEngine
 from eagle_backbone.batched.workload import run_workload
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.sampling import SamplingConfig
 
-ROW_KEYS = ("contender", "engine", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
+ROW_KEYS = ("contender", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
             "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean", "request_latency_ms_p90",
             "tau", "lossless", "identical", "n_prompts", "new_tokens", "rounds", "blocks", "speedup_vs_ar", "vs", "policy_share",
             "by_category")
@@ -61,32 +61,6 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _batch1(target, candidates, c: Contender, prompts, max_new, sampling, seeds):
-    """Today's batch-1 loop over the prompts, one after the other (prompt i with ``seeds[i]``); (outputs,
-    tokens/s, latencies)."""
-    outs, gaps, req = [], [], []
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i, p in enumerate(prompts):
-        s0 = time.perf_counter()
-        if c.make is None:
-            o = autoregressive_generate(target, p, max_new, sampling=sampling, seed=seeds[i])
-        else:
-            o = SpeculativeDecoder(target, candidates, c.make()).generate(p, max_new, sampling=sampling, seed=seeds[i])
-        req.append(time.perf_counter() - s0)
-        steps = max(1, o.stats.target_forwards)
-        gaps.append((req[-1], len(o.tokens), steps))
-        outs.append(o)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    n = sum(len(o.tokens) for o in outs)
-    # batch-1 tokens arrive a step at a time; the mean gap between a sequence's tokens is its time / tokens
-    mean_gap = 1e3 * sum(r for r, _, _ in gaps) / max(1, sum(k - 1 for _, k, _ in gaps))
-    summary = {"wall_s": wall, "cpu_s": cpu, "tokens_per_s": n / wall, "tokens_per_cpu_s": n / cpu, "token_latency_ms_mean": mean_gap, "token_latency_ms_p90": None,
-               "request_latency_ms_mean": 1e3 * statistics.fmean(req), "new_tokens": n,
-               "request_latency_ms_p90": 1e3 * sorted(req)[int(0.9 * (len(req) - 1))],
-               "tau": n / sum(o.stats.target_forwards for o in outs)}
-    return [o.tokens for o in outs], summary
-
-
 def near_tie(target, prompt, ref, got) -> dict:
     """The target's top-2 logit gap at the first position where ``got`` leaves ``ref`` (one forward of
     the reference prefix, as plain decoding computes it), and the dtype's spacing at the top logit."""
@@ -97,8 +71,8 @@ def near_tie(target, prompt, ref, got) -> dict:
         logits, _ = target(torch.tensor([prompt + ref[:i]], device=target.device))
     top = torch.topk(logits[0, -1].float(), 2)
     gap = float(top.values[0] - top.values[1])
-    bits = torch.finfo(target.dtype).nmant  # 7 for bfloat16, 23 for float32
-    spacing = 2.0 ** (math.floor(math.log2(max(abs(float(top.values[0])), 1e-30))) - bits)
+    eps = torch.finfo(target.dtype).eps  # 2^-mantissa bits: 2^-7 for bfloat16, 2^-23 for float32
+    spacing = 2.0 ** math.floor(math.log2(max(abs(float(top.values[0])), 1e-30))) * eps
     return {"position": i, "ref_token": ref[i], "got_token": got[i], "gap": gap, "spacing": spacing,
             "near_tie": gap <= 2 * spacing}
 
@@ -112,7 +86,7 @@ def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
 
 
 class _ReplayedOracle(DraftLengthPolicy):
-    """A bound policy (the oracle) whose ``begin`` replays the batch-1 engine: the replays run once per
+    """A bound policy (the oracle) whose ``begin`` replays the engine with one slot: the replays run once per
     prompt before any clock starts (:func:`_prepare_bound`), and each slot's copy only looks its prompt up,
     as the batch-1 evaluation leaves the replay out of the timing. Overrides only ``begin`` and ``gamma``."""
 
@@ -132,8 +106,8 @@ class _ReplayedOracle(DraftLengthPolicy):
 
 
 def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
-    """A contender whose policy needs ``bind`` (the oracle): bind one instance per prompt to the batch-1
-    candidate generator and run its ``begin`` now; the slots' policies share the results."""
+    """A contender whose policy needs ``bind`` (the oracle): bind one instance per prompt to the candidate
+    generator and run its ``begin`` now; the slots' policies share the results."""
     def one(prompt):
         pol = c.make()
         pol.bind(target, candidates, max_new_tokens, sampling)
@@ -163,23 +137,25 @@ def check_sweep_args(concurrency, temperatures=None, blocks: int = 1) -> list[fl
     return temps
 
 
-def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contenders: list[Contender],
+def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contender],
           concurrency: list[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-          rounds: int = 2, seed: int = 0, batch1=True, candidates=None, attn: str = "eager",
+          rounds: int = 2, seed: int = 0, attn: str = "eager",
           checkpoint: Callable[[dict], None] | None = None, log: Callable[[str], None] = print,
           categories: list | None = None, temperatures: list[float] | None = None, blocks: int = 1,
           bootstrap: int = 2000) -> dict:
-    """Run the sweep over temperature T and concurrency C; returns {"rows": [...], "differences": [...],
+    """Run the sweep over temperature T and concurrency C on ``target`` with ``candidates`` (a
+    :class:`~eagle_backbone.candidates.CandidateGenerator`, e.g. ``pair.candidates``; None: no drafts, every
+    contender then decodes as batched AR); returns {"rows": [...], "differences": [...],
     "runs": [...], "skipped": [...]} (``checkpoint`` gets the partial result after every (T, C)).
 
     ``temperatures``: the T to sweep (default: ``sampling``'s alone; top-k and top-p stay ``sampling``'s).
     ``blocks``: at each C the prompts are split into this many workloads (:func:`split_blocks`), each run by
     every contender in turn, so each (round, block) gives one paired ratio of tokens/s between contenders;
     rows carry ratios to the baselines with paired bootstrap intervals over those pairs (``bootstrap``
-    draws). ``batch1``: True (AR and every static γ), False, or a list of γ (0 = AR) to time with today's
-    batch-1 loop at C=1 as well. ``categories`` (one per prompt, None where a prompt has none) adds each
+    draws). ``categories`` (one per prompt, None where a prompt has none) adds each
     batched run's per-category counters and request latency (``by_category``). A contender whose policy
-    needs ``bind`` (the oracle) runs at T=0 only, bound to ``candidates`` (a batch-1 candidate generator)."""
+    needs ``bind`` (the oracle) runs at T=0 only, bound to ``candidates``. ``attn``: the target's attention math
+    in the engine (a generator keeps its own)."""
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts: give one per prompt")
     sampling = sampling or SamplingConfig()
@@ -190,7 +166,7 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
         raise ValueError("the first contender must be batched AR (policy 'ar')")
     capacity = max(len(p) for p in prompts) + max_new_tokens + 2
     seeds = [seed + i for i in range(len(prompts))]
-    # policies that replay the batch-1 engine in begin() (the oracle): bind(target, candidates, ...) first;
+    # policies that replay the engine with one slot in begin() (the oracle): bind(target, candidates, ...) first;
     # a batch-level policy (one instance deciding for all slots) is the engine's to handle
     probes = {c.label: c.make() for c in contenders if c.make is not None}
     bound = {k for k, p in probes.items() if hasattr(p, "bind") and not getattr(p, "batch_level", False)}
@@ -204,21 +180,21 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
                 skipped.append({"contender": c.label, "temperature": T, "why": "defined for greedy decoding only"})
                 log(f"skipping {c.label} at T={T}: it is defined for greedy decoding (T=0) only")
             elif c.label in bound and candidates is None:
-                skipped.append({"contender": c.label, "temperature": T, "why": "needs a batch-1 candidate generator"})
-                log(f"skipping {c.label}: its policy replays the batch-1 engine and no candidate generator was given")
+                skipped.append({"contender": c.label, "temperature": T, "why": "needs a candidate generator"})
+                log(f"skipping {c.label}: its policy replays speculative decoding and no candidate generator was given")
             elif c.label in bound:
-                log(f"{c.label}: replaying the batch-1 engine on {len(prompts)} prompts (untimed)")
+                log(f"{c.label}: replaying the engine with one slot on {len(prompts)} prompts (untimed)")
                 cs.append(_prepare_bound(c, target, candidates, prompts, max_new_tokens, samp))
             else:
                 cs.append(c)
         ref = None
         if samp.greedy:
-            log(f"reference: batch-1 autoregressive outputs of {len(prompts)} prompts")
-            ref = [autoregressive_generate(target, p, max_new_tokens).tokens for p in prompts]
+            log(f"reference: the target's own greedy outputs of {len(prompts)} prompts (transformers' forward)")
+            ref = [target.reference_greedy(p, max_new_tokens) for p in prompts]
         per_t[T] = (samp, cs, ref)
         # warm up kernels and allocators once per contender
         for c in cs:
-            e = BatchedSpeculativeEngine(target, drafter, kind, slots=2, policy=c.make, sampling=samp,
+            e = BatchedSpeculativeEngine(target, candidates, slots=2, policy=c.make, sampling=samp,
                                          capacity=capacity, attn=attn)
             run_workload(e, prompts[:2], 2, min(8, max_new_tokens), seeds[:2])
     runs = []
@@ -228,9 +204,6 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
     for r in range(rounds):
         for ti, T in enumerate(temps):
             samp, cs, ref = per_t[T]
-            b1 = [c for c in cs if c.policy in ("ar", "static")] if batch1 and candidates is not None else []
-            if isinstance(batch1, (list, tuple)):
-                b1 = [c for c in b1 if c.gamma in set(batch1)]
             for ci, C in enumerate(concurrency):
                 parts = split_blocks(len(prompts), C, blocks)
                 if r == 0 and len(parts) < blocks:
@@ -238,32 +211,28 @@ def sweep(target, drafter, kind: str | None, prompts: list[list[int]], contender
                         f"{len(prompts)} prompts cannot fill more")
                 for bi, idx in enumerate(parts):
                     ps, sd = [prompts[i] for i in idx], [seeds[i] for i in idx]
-                    jobs = [("batched", c) for c in cs] + ([("batch1", c) for c in b1] if C == 1 else [])
-                    k = (r + ti + ci + bi) % len(jobs)
-                    for engine_kind, c in jobs[k:] + jobs[:k]:
-                        if engine_kind == "batched":
-                            eng = BatchedSpeculativeEngine(target, drafter, kind, slots=C, policy=c.make,
-                                                           sampling=samp, capacity=capacity, attn=attn)
-                            res = run_workload(eng, ps, C, max_new_tokens, sd)
-                            outs, summ = [o.tokens for o in res.outputs], res.summary()
-                            if hasattr(eng.batch_policy, "own_s"):  # a batch policy's own seconds in the run
-                                summ["policy_s"] = eng.batch_policy.own_s
-                            if with_cats:
-                                summ["by_category"] = res.by_category([categories[i] for i in idx])
-                        else:
-                            outs, summ = _batch1(target, candidates, c, ps, max_new_tokens, samp, sd)
+                    k = (r + ti + ci + bi) % len(cs)
+                    for c in cs[k:] + cs[:k]:
+                        eng = BatchedSpeculativeEngine(target, candidates, slots=C, policy=c.make,
+                                                       sampling=samp, capacity=capacity, attn=attn)
+                        res = run_workload(eng, ps, C, max_new_tokens, sd)
+                        outs, summ = [o.tokens for o in res.outputs], res.summary()
+                        if hasattr(eng.batch_policy, "own_s"):  # a batch policy's own seconds in the run
+                            summ["policy_s"] = eng.batch_policy.own_s
+                        if with_cats:
+                            summ["by_category"] = res.by_category([categories[i] for i in idx])
                         same = None
                         if ref is not None:
                             same = [o == ref[i] for o, i in zip(outs, idx)]
                             for o, i, ok in zip(outs, idx, same):
-                                if not ok and (c.label, engine_kind, C, i) not in diffs:
-                                    diffs[(c.label, engine_kind, C, i)] = {
-                                        "contender": c.label, "engine": engine_kind, "concurrency": C, "prompt": i,
+                                if not ok and (c.label, C, i) not in diffs:
+                                    diffs[(c.label, C, i)] = {
+                                        "contender": c.label, "concurrency": C, "prompt": i,
                                         **near_tie(target, prompts[i], ref[i], o)}
-                        runs.append({"round": r, "block": bi, "contender": c.label, "engine": engine_kind,
+                        runs.append({"round": r, "block": bi, "contender": c.label,
                                      "policy": c.policy, "gamma": c.gamma, "concurrency": C, "temperature": T,
                                      "n_prompts": len(idx), **summ, "identical": None if same is None else sum(same)})
-                        log(f"round {r} T={T:g} C={C:>2} block {bi} {c.label:<14} {engine_kind:<7} "
+                        log(f"round {r} T={T:g} C={C:>2} block {bi} {c.label:<14} "
                             f"{summ['tokens_per_s']:7.1f} tok/s tau {summ['tau']:.2f}"
                             + ("" if same is None else f" identical {sum(same)}/{len(same)}"))
                 result = {"rows": aggregate_runs(runs, contenders, sampling, len(prompts), bootstrap=bootstrap,
@@ -322,18 +291,18 @@ BASELINE_TITLES = {"ar": "batched AR", "best_static": "best static γ at (C, T)"
 
 def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: SamplingConfig, n_prompts: int,
                    bootstrap: int = 2000, seed: int = 0) -> list[dict]:
-    """One row per (contender, engine, C, T): each round's blocks combined (:func:`_combine`), then the median
+    """One row per (contender, C, T): each round's blocks combined (:func:`_combine`), then the median
     over rounds (counters: the first round's); and for adaptive contenders the paired ratios to the
     baselines (:func:`baselines`, :func:`eagle_backbone.timing.paired_ratio`)."""
     keys = []
     for x in runs:
-        k = (x["contender"], x["engine"], x["concurrency"], x.get("temperature", sampling.temperature))
+        k = (x["contender"], x["concurrency"], x.get("temperature", sampling.temperature))
         if k not in keys:
             keys.append(k)
     rows = []
-    for label, engine_kind, C, T in keys:
-        xs = [x for x in runs if (x["contender"], x["engine"], x["concurrency"], x.get("temperature", sampling.temperature))
-              == (label, engine_kind, C, T)]
+    for label, C, T in keys:
+        xs = [x for x in runs if (x["contender"], x["concurrency"], x.get("temperature", sampling.temperature))
+              == (label, C, T)]
         by_round = {}
         for x in xs:
             by_round.setdefault(x["round"], []).append(x)
@@ -341,8 +310,7 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
         first = per_round[0]
         ident = [x["identical"] for x in per_round]
         n = first["n_prompts"] if all("n_prompts" in x for x in xs) else n_prompts
-        row = {"contender": label if engine_kind == "batched" else f"{label} (batch-1 engine)", "engine": engine_kind,
-               "policy": xs[0]["policy"], "gamma": xs[0]["gamma"], "concurrency": C, "temperature": T,
+        row = {"contender": label, "policy": xs[0]["policy"], "gamma": xs[0]["gamma"], "concurrency": C, "temperature": T,
                "n_prompts": n, "rounds": len(per_round), "blocks": len({x.get("block", 0) for x in xs}),
                "tau": first["tau"], "new_tokens": first["new_tokens"],
                "identical": None if None in ident else min(ident),
@@ -356,7 +324,7 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
                 for cat, v in first["by_category"].items()}
         rows.append(row)
     for row in rows:
-        ar = next((r for r in rows if r["policy"] == "ar" and r["engine"] == "batched"
+        ar = next((r for r in rows if r["policy"] == "ar"
                    and r["concurrency"] == row["concurrency"] and r["temperature"] == row["temperature"]), None)
         row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar and ar["tokens_per_s"] else None
     # the one paired bootstrap of the project's comparisons
@@ -364,7 +332,7 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
 
     base = baselines(rows)
     for row in rows:
-        if row["engine"] != "batched" or row["policy"] in ("ar", "static"):
+        if row["policy"] in ("ar", "static"):
             continue
         b = base.get((row["temperature"], row["concurrency"]), {})
         vs = {}
@@ -385,20 +353,20 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
 
 
 def _pairs(runs: list[dict], label: str, at: dict) -> dict:
-    """{(round, block): (new tokens, wall seconds)} of a batched contender at ``at``'s C and T."""
+    """{(round, block): (new tokens, wall seconds)} of a contender at ``at``'s C and T."""
     return {(x["round"], x.get("block", 0)): (x["new_tokens"], x["wall_s"]) for x in runs
-            if x["contender"] == label and x["engine"] == "batched" and x["concurrency"] == at["concurrency"]
+            if x["contender"] == label and x["concurrency"] == at["concurrency"]
             and x.get("temperature", at["temperature"]) == at["temperature"] and x.get("wall_s")}
 
 
 def baselines(rows: list[dict]) -> dict:
-    """{(T, C): {"ar", "best_static", "batch1_static", "oracle": the baseline's row}} among the batched rows:
+    """{(T, C): {"ar", "best_static", "batch1_static", "oracle": the baseline's row}} among the rows:
     batched AR; the static γ fastest at that (C, T), chosen in hindsight; the static γ fastest at C=1 for that
     T, at this C (what a user tuned at batch 1 deploys; absent without C=1); the oracle (T=0 only)."""
-    batched = [r for r in rows if r["engine"] == "batched" and r.get("tokens_per_s") is not None]
+    measured = [r for r in rows if r.get("tokens_per_s") is not None]
     out = {}
-    for T in dict.fromkeys(r["temperature"] for r in batched):
-        at_t = [r for r in batched if r["temperature"] == T]
+    for T in dict.fromkeys(r["temperature"] for r in measured):
+        at_t = [r for r in measured if r["temperature"] == T]
         st1 = [r for r in at_t if r["concurrency"] == 1 and r["policy"] == "static"]
         g1 = max(st1, key=lambda r: r["tokens_per_s"])["gamma"] if st1 else None
         for C in dict.fromkeys(r["concurrency"] for r in at_t):
@@ -426,32 +394,23 @@ def _at(rows: list[dict], temperature) -> list[dict]:
 
 def findings(rows: list[dict], metric: str = "tokens_per_s", temperature: float | None = None) -> dict:
     """The numbers the issues ask for at one temperature (None: the rows' first): AR scaling, best static γ
-    per C and its gain, batch-1 parity, on ``metric`` (tokens_per_s, or tokens_per_cpu_s: tokens per
+    per C and its gain, on ``metric`` (tokens_per_s, or tokens_per_cpu_s: tokens per
     CPU-second of this process, which other jobs on a shared machine disturb far less than wall time); and,
     on tokens/s, the baselines per C and every adaptive contender's paired ratios to them."""
     rows = _at(rows, temperature)
     base_rows = rows
     rows = [dict(r, tokens_per_s=r.get(metric)) for r in rows if r.get(metric) is not None]
-    batched = [r for r in rows if r["engine"] == "batched"]
-    Cs = sorted({r["concurrency"] for r in batched})
-    ar = {r["concurrency"]: r["tokens_per_s"] for r in batched if r["policy"] == "ar"}
-    out = {"temperature": rows[0]["temperature"] if rows else temperature, "ar_tokens_per_s": ar, "best_static": {},
-           "batch1_parity": {}}
+    Cs = sorted({r["concurrency"] for r in rows})
+    ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["policy"] == "ar"}
+    out = {"temperature": rows[0]["temperature"] if rows else temperature, "ar_tokens_per_s": ar, "best_static": {}}
     if 1 in ar and 16 in ar:
         out["ar_c16_over_c1"] = ar[16] / ar[1]
     for C in Cs:
-        st = [r for r in batched if r["concurrency"] == C and r["policy"] == "static"]
+        st = [r for r in rows if r["concurrency"] == C and r["policy"] == "static"]
         if st:
             b = max(st, key=lambda r: r["tokens_per_s"])
             out["best_static"][C] = {"gamma": b["gamma"], "tokens_per_s": b["tokens_per_s"],
                                      "gain_over_ar": b["tokens_per_s"] / ar[C] - 1 if C in ar else None}
-    for r in rows:
-        if r["engine"] == "batch1":
-            new = next((x for x in batched if x["concurrency"] == 1 and x["policy"] == r["policy"]
-                        and x["gamma"] == r["gamma"]), None)
-            if new:
-                out["batch1_parity"][new["contender"]] = {"batched_c1": new["tokens_per_s"], "batch1": r["tokens_per_s"],
-                                                          "ratio": new["tokens_per_s"] / r["tokens_per_s"]}
     if metric == "tokens_per_s":
         out["baselines"] = {C: {name: {"contender": b["contender"], "gamma": b["gamma"], "tokens_per_s": b["tokens_per_s"]}
                                 for name, b in v.items() if b is not None}
@@ -467,15 +426,15 @@ def _throughput_table(rows: list[dict], metric: str) -> list[str]:
     """One line per contender, one column per C: ``metric`` and its ratio to batched AR; best static γ bold
     (``rows``: one temperature's)."""
     f = findings(rows, metric)
-    batched = [dict(r, value=r.get(metric)) for r in rows if r["engine"] == "batched" and r.get(metric) is not None]
-    Cs = sorted({r["concurrency"] for r in batched})
+    measured = [dict(r, value=r.get(metric)) for r in rows if r.get(metric) is not None]
+    Cs = sorted({r["concurrency"] for r in measured})
     ar = f["ar_tokens_per_s"]
-    labels = list(dict.fromkeys(r["contender"] for r in batched))
+    labels = list(dict.fromkeys(r["contender"] for r in measured))
     lines = ["| contender | " + " | ".join(f"C={C}" for C in Cs) + " |", "|---|" + "---:|" * len(Cs)]
     for lab in labels:
         cells = []
         for C in Cs:
-            r = next((x for x in batched if x["contender"] == lab and x["concurrency"] == C), None)
+            r = next((x for x in measured if x["contender"] == lab and x["concurrency"] == C), None)
             if r is None:
                 cells.append("–")
                 continue
@@ -495,9 +454,6 @@ def _findings_lines(rows: list[dict], metric: str, unit: str) -> list[str]:
                      if b["gain_over_ar"] is not None)
     if best:
         lines.append(f"Best static γ per C and its gain over batched AR: {best}.")
-    if f["batch1_parity"]:
-        lines.append("Batched engine at C=1 / today's batch-1 loop (interleaved, same γ): " + ", ".join(
-            f"{lab} {p['ratio']:.3f} ({p['batched_c1']:.1f} vs {p['batch1']:.1f})" for lab, p in f["batch1_parity"].items()) + ".")
     return lines
 
 
@@ -578,8 +534,7 @@ def _category_lines(rows: list[dict]) -> list[str]:
 
 
 def _temperature_section(result: dict, rows: list[dict]) -> list[str]:
-    batched = [r for r in rows if r["engine"] == "batched"]
-    Cs = sorted({r["concurrency"] for r in batched})
+    Cs = sorted({r["concurrency"] for r in rows})
     f = findings(rows)
     lines = [("Generated tokens per wall-clock second (median over rounds; each round's blocks summed); **bold**: "
               "the best static γ at that C; (×N): ratio to batched AR at the same C."), ""]
@@ -595,8 +550,8 @@ def _temperature_section(result: dict, rows: list[dict]) -> list[str]:
                "AR request ms (mean/p90) | best-γ request ms (mean/p90) |"), "|---:|---:|---:|---:|---:|---:|"]
     for C in Cs:
         b = f["best_static"].get(C)
-        ar = next((x for x in batched if x["concurrency"] == C and x["policy"] == "ar"), None)
-        br = next((x for x in batched if x["concurrency"] == C and x["policy"] == "static"
+        ar = next((x for x in rows if x["concurrency"] == C and x["policy"] == "ar"), None)
+        br = next((x for x in rows if x["concurrency"] == C and x["policy"] == "static"
                    and b and x["gamma"] == b["gamma"]), None)
         if b and ar and br:
             lines.append(f"| {C} | {b['gamma']} | {ar['token_latency_ms_mean']:.1f} / {ar['token_latency_ms_p90']:.1f} | "
@@ -607,7 +562,8 @@ def _temperature_section(result: dict, rows: list[dict]) -> list[str]:
     if rows and rows[0]["lossless"] is not None:
         total = sum(r["n_prompts"] for r in rows)
         same = sum(r["identical"] for r in rows)
-        lines += ["", (f"Greedy identity with each prompt's batch-1 AR output: {same}/{total} sequences "
+        lines += ["", (f"Greedy identity with each prompt's own greedy output from the target (transformers' "
+                       f"forward): {same}/{total} sequences "
                        f"(worst round per row); rows not fully identical: {len(lossy)}.")]
         d = result.get("differences", [])
         if d:
@@ -677,7 +633,7 @@ def plot_tokens_per_s(result: dict, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(ts), figsize=(7.5 if len(ts) == 1 else 5.6 * len(ts), 4.8), squeeze=False)
     for ax, t in zip(axes[0], ts):
         at = _at(result["rows"], t)
-        rows = [r for r in at if r["engine"] == "batched"]
+        rows = at
         f = findings(at)
         for lab in dict.fromkeys(r["contender"] for r in rows):
             xs = sorted((r["concurrency"], r["tokens_per_s"]) for r in rows if r["contender"] == lab)
@@ -793,14 +749,15 @@ def prefill_join_cost(target, concurrency=(2, 4, 8, 16, 32), prompt_len: int = 4
 
 
 @torch.inference_mode()
-def profile_components(target, drafter, kind, prompts, make_policy, concurrency=(1, 16), max_new_tokens: int = 32,
+def profile_components(target, candidates, prompts, make_policy, concurrency=(1, 16), max_new_tokens: int = 32,
                        attn: str = "eager") -> list[dict]:
     """Per-component seconds of the engine's profiled mode (a sync before every clock read; never in the
-    timed sweep): prefill, policy, draft, verify, host read and host bookkeeping, per C."""
+    timed sweep): prefill, policy, draft, verify, host read and host bookkeeping, per C (``candidates``: a
+    :class:`~eagle_backbone.candidates.CandidateGenerator`, or None for batched AR)."""
     out = []
     capacity = max(len(p) for p in prompts) + max_new_tokens + 2
     for C in concurrency:
-        eng = BatchedSpeculativeEngine(target, drafter, kind, slots=C, policy=make_policy, capacity=capacity,
+        eng = BatchedSpeculativeEngine(target, candidates, slots=C, policy=make_policy, capacity=capacity,
                                        attn=attn, profile=True)
         run_workload(eng, prompts[:C], C, 8)  # warm-up
         eng.prof.s = {}
@@ -834,7 +791,7 @@ if __name__ == "__main__":
                      f"({r['joined_over_separate']:.2f}x)")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, pair.target.vocab_size, (40,), generator=g).tolist() for _ in range(16)]
-    prof = profile_components(pair.target, pair.drafter, "eagle", prompts, lambda: StaticPolicy(3))
+    prof = profile_components(pair.target, pair.candidates, prompts, lambda: StaticPolicy(3))
     atomic_write_json(out_dir / "profile.json", prof)
     for r in prof:
         print(f"C={r['concurrency']}: " + ", ".join(f"{k} {v:.0%}" for k, v in r["share"].items()))
