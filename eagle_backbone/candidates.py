@@ -1,133 +1,225 @@
 """Candidate generation, kept apart from verification (as in transformers' ``candidate_generator.py``).
 
-A candidate generator proposes a chain of draft tokens and is told afterwards how much of it the
-target kept. Two kinds drive the same engine:
+A candidate generator proposes draft chains for the engine's slots; the engine picks each draft token
+from the distribution the generator gives (argmax, or a draw from the slot's random stream), asks the
+policy whether to go on, verifies and rolls back. Two kinds ship:
 
 * :class:`EagleCandidateGenerator`: the EAGLE-1 drafter, reading the target's features;
 * :class:`DraftModelCandidateGenerator`: a standalone small causal LM (classic speculative decoding).
+
+A new kind subclasses :class:`CandidateGenerator` and implements five calls over slot indices (host
+lists) and device tensors. The engine binds its own shallow copy (:meth:`CandidateGenerator.bound`), so one
+generator can serve several engines (a policy profiling its costs, the oracle's replay) while each copy
+owns its per-slot caches.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import copy
 
 import torch
 
-from eagle_backbone.sampling import SamplingConfig, probs_from_logits, sample
-from eagle_backbone.target import TargetModel, new_cache, rollback
-
-# keep(i, token, probs, state) -> bool: asked after drafted token i (1-based); False ends the chain.
-# ``state`` is the drafter's hidden state that ``probs`` came from (what its LM head read), or None when
-# the generator has none to offer; acceptance heads read it.
-KeepFn = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], bool]
+from eagle_backbone.batched.model import BatchedEagleDrafter, BatchedLlama, SlotCache
+from eagle_backbone.target import TargetModel
 
 
 class CandidateGenerator:
+    """What proposes draft chains. Per-slot state lives on the copy :meth:`bound` returns.
+
+    The engine calls, in a step, for the slots it runs:
+
+    1. ``prefill(slots, tokens, positions, lengths, first, hidden)`` once when prompts are admitted: their
+       padded tokens (N, T), positions (padding at the engine's trash position), lengths (host ints), first
+       generated tokens (N,) and the target's hidden states (N, T, d);
+    2. ``start(slots, tlens) -> (logits, states)``: the distribution of draft 1 (R, V) after the target's
+       last accepted tokens (``tlens``: host ints, the position of each slot's last token), and the states
+       behind it (R, d), or None when the generator has none (acceptance heads read them);
+    3. ``extend(slots, tokens, tlens, depth, states) -> (logits, states)``: for the slots still drafting,
+       the distribution of draft ``depth + 1`` after draft ``depth`` (``tokens`` (A,)); ``states`` are the
+       rows' states from the previous call;
+    4. ``settle(slots, tlens)`` after verification, with each slot's new last-token position: roll back
+       what the target did not keep (set lengths; nothing is copied).
+
+    The engine's buffers a generator may read: ``engine.seq`` (slots, positions) tokens by position and,
+    when ``needs_features``, ``engine.feat`` (slots, positions, d) the target's features by position."""
+
     kind = "base"
+    needs_features = False  # True: the engine keeps the target's features by position
 
-    def start(self, prompt_ids: list[int], features: torch.Tensor) -> None:
-        """A new sequence: ``features`` (n, d) are the target's features for the prompt."""
+    def bound(self, engine) -> CandidateGenerator:
+        """A shallow copy bound to ``engine`` (its slots, capacity and buffers), with its own caches."""
+        out = copy.copy(self)
+        out.engine = engine
+        out.bind(engine)
+        return out
+
+    def bind(self, engine) -> None:
+        """Allocate per-slot state for ``engine.slots`` slots of ``engine.limit + 1`` positions."""
+
+    def prefill(self, slots, tokens, positions, lengths, first, hidden) -> None:
         raise NotImplementedError
 
-    def propose(self, tokens: list[int], gamma: int, keep: KeepFn, sampling: SamplingConfig,
-                rng: torch.Generator | None) -> tuple[list[int], list[torch.Tensor]]:
-        """Draft up to ``gamma`` tokens after ``tokens``; returns them and the distribution each
-        was drawn from (greedy: the drafter's softmax, for policies to read)."""
+    def start(self, slots: list[int], tlens: list[int]):
         raise NotImplementedError
 
-    def commit(self, valid_len: int, new_features: torch.Tensor) -> None:
-        """After verification: the first ``valid_len`` tokens of the sequence are final and the
-        target produced ``new_features`` (m, d) for the positions it just accepted."""
+    def extend(self, slots: list[int], tokens: torch.Tensor, tlens: list[int], depth: int, states):
         raise NotImplementedError
 
+    def settle(self, slots: list[int], tlens: list[int]) -> None:
+        """Default: nothing to roll back (a generator that keeps only what the target accepted)."""
 
-def _pick(logits: torch.Tensor, sampling: SamplingConfig, rng) -> tuple[int, torch.Tensor]:
-    probs = probs_from_logits(logits, sampling)
-    return (int(probs.argmax()) if sampling.greedy else sample(probs, rng)), probs
+
+def _last(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """(R, T, ...) -> (R, ...): each row's entry at index n[r]."""
+    return x.gather(1, n[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+
+
+def check_eagle_pair(drafter, target: TargetModel) -> None:
+    """One-line errors for a drafter that cannot serve this target."""
+    if drafter.hidden_size != target.hidden_size:
+        raise ValueError(f"drafter hidden size {drafter.hidden_size} != target hidden size "
+                         f"{target.hidden_size}: the drafter was trained for another target")
+    if drafter.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {target.vocab_size}")
+    if not getattr(drafter, "has_own_embedding", True) and drafter.embed_tokens is not target.embed_tokens:
+        raise ValueError("the drafter's checkpoint ships no embedding: tie the target's to it first "
+                         "(eagle_backbone.loading.tie_drafter_embedding(drafter, target); load_pair does)")
 
 
 class EagleCandidateGenerator(CandidateGenerator):
     """Chain drafting with an EAGLE-1 drafter. A drafter whose checkpoint ships no embedding must have
     the target's tied first (:func:`eagle_backbone.loading.tie_drafter_embedding`); constructing only checks.
 
-    The drafter's cache holds only pairs built from *true* target features; the pairs built from its
-    own predicted features during drafting are rolled back at commit and replaced by the target's
-    features for the accepted tokens, as EAGLE does.
-    """
+    The drafter's cache holds only pairs (t_{j+1}, f_j) built from *true* target features: drafting
+    writes its own predicted pairs past a slot's length, where the next step's true pairs overwrite them,
+    as EAGLE does. So rollback is nothing at all: the length counts true pairs only."""
 
     kind = "eagle"
+    needs_features = True
 
-    def __init__(self, drafter, target: TargetModel):
-        if drafter.hidden_size != target.hidden_size:
-            raise ValueError(f"drafter hidden size {drafter.hidden_size} != target hidden size "
-                             f"{target.hidden_size}: the drafter was trained for another target")
-        if drafter.vocab_size != target.vocab_size:
-            raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {target.vocab_size}")
-        if not getattr(drafter, "has_own_embedding", True) and drafter.embed_tokens is not target.embed_tokens:
-            raise ValueError("the drafter's checkpoint ships no embedding: tie the target's to it first "
-                             "(eagle_backbone.loading.tie_drafter_embedding(drafter, target); load_pair does)")
-        self.drafter, self.lm_head = drafter, target.lm_head
+    def __init__(self, drafter, target: TargetModel, attn: str = "eager"):
+        check_eagle_pair(drafter, target)
+        self.drafter, self.target, self.lm_head, self.attn = drafter, target, target.lm_head, attn
         self.dtype = next(drafter.fc.parameters()).dtype
 
-    def start(self, prompt_ids, features):
-        self.cache = self.drafter.new_cache()
-        self.fed = 0  # pairs (t_{j+1}, f_j) in the cache, all from true features
-        self.pending = [features]
+    def bind(self, engine):
+        self.dm = BatchedEagleDrafter(self.drafter, self.lm_head, engine.limit + 1, self.attn)
+        self.cache: SlotCache = self.dm.new_cache(engine.slots)
+        self.h_last = torch.zeros(engine.slots, self.target.hidden_size, dtype=self.dm.dtype, device=engine.device)
+        self.fed = [0] * engine.slots  # true pairs in the cache, per slot
 
-    @torch.inference_mode()
-    def propose(self, tokens, gamma, keep, sampling, rng):
-        n = len(tokens)
-        ids = torch.tensor([tokens[self.fed + 1: n]], device=self.pending[0].device)
-        feats = torch.cat(self.pending).to(self.dtype)[None]
-        h = self.drafter(ids, feats, self.cache)[:, -1:]
-        self.fed, self.pending = n - 1, []
-        draft, dists = [], []
-        for i in range(1, gamma + 1):
-            state = h.to(self.lm_head.weight.dtype)
-            tok, probs = _pick(self.lm_head(state)[0, -1], sampling, rng)
-            draft.append(tok)
-            dists.append(probs)
-            if i == gamma or not keep(i, tok, probs, state[0, -1]):
-                break
-            h = self.drafter(torch.tensor([[tok]], device=ids.device), h, self.cache)
-        return draft, dists
+    def prefill(self, slots, tokens, positions, lengths, first, hidden):
+        dev = tokens.device
+        nt = torch.tensor(lengths, device=dev)
+        # pairs (t_{j+1}, f_j), j < n: the prompt shifted by one, the first generated token closing it
+        nxt = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)
+        nxt[torch.arange(len(slots), device=dev), nt - 1] = first
+        out = self.dm(nxt, hidden, positions, self.cache, tokens.shape[1], self.engine.rows(slots))
+        self.h_last[torch.tensor(slots, device=dev)] = _last(out, nt - 1)
+        for b, n in zip(slots, lengths):
+            self.fed[b] = n
 
-    def commit(self, valid_len, new_features):
-        rollback(self.cache, self.fed)
-        self.pending.append(new_features)
+    def _feed(self, slots, tlens):
+        """The pairs the target accepted since the last step: positions fed .. tlen - 1."""
+        e, dev = self.engine, self.engine.device
+        n = [t - self.fed[b] for b, t in zip(slots, tlens)]
+        ar = torch.arange(max(n), device=dev)[None]
+        nt = torch.tensor(n, device=dev)
+        valid = ar < nt[:, None]
+        pos = torch.where(valid, torch.tensor([self.fed[b] for b in slots], device=dev)[:, None] + ar, e.trash)
+        ridx = torch.tensor(slots, device=dev)
+        tok = e.seq[ridx[:, None], torch.where(valid, pos + 1, e.trash)]
+        out = self.dm(tok, e.feat[ridx[:, None], pos], pos, self.cache, max(tlens), e.rows(slots))
+        self.h_last[ridx] = _last(out, nt - 1)
+        for b, t in zip(slots, tlens):
+            self.fed[b] = t
+
+    def start(self, slots, tlens):
+        pend = [(b, t) for b, t in zip(slots, tlens) if self.fed[b] < t]
+        if pend:
+            self._feed([b for b, _ in pend], [t for _, t in pend])
+        rows = self.engine.rows(slots)
+        state = self.h_last if rows is None else self.h_last[rows]
+        return self.dm.logits(state), state
+
+    def extend(self, slots, tokens, tlens, depth, states):
+        dev = self.engine.device
+        pos = torch.tensor([t + depth - 1 for t in tlens], device=dev)[:, None]  # past the true pairs
+        out = self.dm(tokens[:, None], states[:, None], pos, self.cache, max(tlens) + depth,
+                      self.engine.rows(slots))[:, 0]
+        return self.dm.logits(out), out
 
 
 class DraftModelCandidateGenerator(CandidateGenerator):
-    """Chain drafting with an independent small causal LM sharing the target's vocabulary."""
+    """Chain drafting with an independent small causal LM sharing the target's vocabulary. Its cache
+    holds the accepted tokens and the drafts it read; rollback keeps what the target kept."""
 
     kind = "draft_lm"
 
-    def __init__(self, draft_model, target: TargetModel):
+    def __init__(self, draft_model, target: TargetModel, attn: str = "eager"):
         vocab = draft_model.get_output_embeddings().weight.shape[0]
         if vocab != target.vocab_size:
             raise ValueError(f"draft model vocabulary {vocab} != target vocabulary {target.vocab_size}")
-        self.model = draft_model.eval()
+        self.model, self.target, self.attn = draft_model.eval(), target, attn
 
-    def start(self, prompt_ids, features):
-        self.cache = new_cache(self.model)
-        self.cached = 0
+    def bind(self, engine):
+        self.dm = BatchedLlama(self.model, engine.limit + 1, self.attn)
+        self.cache: SlotCache = self.dm.new_cache(engine.slots)
+        self.logits_last = torch.zeros(engine.slots, self.target.vocab_size, dtype=self.dm.dtype,
+                                       device=engine.device)
+        self.fed = [0] * engine.slots  # tokens in the cache that the target accepted, per slot
 
-    @torch.inference_mode()
-    def propose(self, tokens, gamma, keep, sampling, rng):
-        device = self.model.get_output_embeddings().weight.device
-        ids = torch.tensor([tokens[self.cached:]], device=device)
-        draft, dists = [], []
-        for i in range(1, gamma + 1):
-            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0, -1]
-            self.cached += ids.shape[1]
-            tok, probs = _pick(logits, sampling, rng)
-            draft.append(tok)
-            dists.append(probs)
-            if i == gamma or not keep(i, tok, probs, None):
-                break
-            ids = torch.tensor([[tok]], device=device)
-        return draft, dists
+    def prefill(self, slots, tokens, positions, lengths, first, hidden):
+        e, dev = self.engine, tokens.device
+        nt = torch.tensor(lengths, device=dev)
+        # the draft LM reads the prompt and the first token: its logits there predict draft 1
+        ids = torch.cat([tokens, torch.zeros_like(tokens[:, :1])], 1)
+        ids[torch.arange(len(slots), device=dev), nt] = first
+        T = tokens.shape[1] + 1
+        ar = torch.arange(T, device=dev)[None]
+        h = self.dm(ids, torch.where(ar <= nt[:, None], ar, e.trash), self.cache, T, e.rows(slots))
+        self.logits_last[torch.tensor(slots, device=dev)] = self.dm.logits(_last(h, nt))
+        for b, n in zip(slots, lengths):
+            self.fed[b] = n + 1
 
-    def commit(self, valid_len, new_features):
-        self.cached = min(self.cached, valid_len)
-        rollback(self.cache, self.cached)
+    def _feed(self, slots, tlens):
+        """The accepted tokens not yet read: positions fed .. tlen."""
+        e, dev = self.engine, self.engine.device
+        n = [t + 1 - self.fed[b] for b, t in zip(slots, tlens)]
+        ar = torch.arange(max(n), device=dev)[None]
+        nt = torch.tensor(n, device=dev)
+        pos = torch.where(ar < nt[:, None], torch.tensor([self.fed[b] for b in slots], device=dev)[:, None] + ar,
+                          e.trash)
+        ridx = torch.tensor(slots, device=dev)
+        out = self.dm(e.seq[ridx[:, None], pos], pos, self.cache, max(tlens) + 1, e.rows(slots))
+        self.logits_last[ridx] = self.dm.logits(_last(out, nt - 1))
+        for b, t in zip(slots, tlens):
+            self.fed[b] = t + 1
+
+    def start(self, slots, tlens):
+        pend = [(b, t) for b, t in zip(slots, tlens) if self.fed[b] < t + 1]
+        if pend:
+            self._feed([b for b, _ in pend], [t for _, t in pend])
+        rows = self.engine.rows(slots)
+        return (self.logits_last if rows is None else self.logits_last[rows]), None
+
+    def extend(self, slots, tokens, tlens, depth, states):
+        dev = self.engine.device
+        pos = torch.tensor([t + depth for t in tlens], device=dev)[:, None]
+        out = self.dm(tokens[:, None], pos, self.cache, max(tlens) + depth + 1, self.engine.rows(slots))[:, 0]
+        for b, t in zip(slots, tlens):
+            self.fed[b] = t + depth + 1  # draft `depth` is in the cache now
+        return self.dm.logits(out), None
+
+    def settle(self, slots, tlens):
+        for b, t in zip(slots, tlens):
+            self.fed[b] = min(self.fed[b], t)  # drafts past the kept prefix are stale; the new last token is unread
+
+
+def make_candidates(kind: str, drafter, target: TargetModel, attn: str = "eager") -> CandidateGenerator:
+    """The shipped candidate generator for a drafter model of ``kind`` (eagle | draft_lm)."""
+    if kind == "eagle":
+        return EagleCandidateGenerator(drafter, target, attn)
+    if kind == "draft_lm":
+        return DraftModelCandidateGenerator(drafter, target, attn)
+    raise ValueError(f"kind must be 'eagle' or 'draft_lm' with a drafter model, got {kind!r}")

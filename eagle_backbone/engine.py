@@ -1,25 +1,66 @@
-"""Speculative decoding with a per-step draft length, and the autoregressive baseline.
+"""The speculative engine: S slots decode at once, each with its own prompt, position, γ and budget.
+Batch 1 is the same engine with one slot (:class:`SpeculativeDecoder`, :func:`autoregressive_generate`).
 
-One step: the policy picks γ; the candidate generator drafts up to γ tokens (the policy may stop it
-early); one target forward scores the last accepted token plus the drafts; verification keeps a
-prefix and adds one token of the target's own (the correction, or the bonus when all are kept);
-both caches roll back to what was kept. Greedy output equals the target's greedy output token for
-token; sampled output has the target's distribution. Batch size is 1, the latency setting that
-speculative decoding papers measure.
+One step, for the running slots:
+
+1. γ per slot: a vectorised policy (static, LDLP) gives all at once (the LDLP's γ for the next step is
+   computed right after verification and read with the accept counts); any other policy is asked per
+   slot with its own :class:`~eagle_backbone.policy.DraftContext`.
+2. Drafting, by the candidate generator (:mod:`eagle_backbone.candidates`): it first reads what the target
+   accepted since the last step (EAGLE: the accepted tokens with the target's features; draft LM: the
+   accepted tokens), then drafts one depth per forward for the slots still drafting. A slot stops at its
+   γ or when its policy's ``keep_drafting`` says so.
+3. One target forward verifies every slot: slot b contributes its last token and its γ_b drafts, padded
+   to the step's longest; γ_b = 0 is a plain decoding step. Greedy or speculative-sampling verification
+   runs batched on the device.
+4. Rollback is setting lengths: the target keeps the accepted prefix, the generator keeps what it needs
+   (EAGLE's drafter only pairs built from true features, the draft LM the tokens that were accepted).
+5. One host read per step: accept counts, emitted tokens (and the LDLP's next γ, and the first tokens of
+   prompts admitted this step) in one packed tensor. Budgets and EOS are then checked on the host;
+   finished slots are free for the next prompt.
+
+A prompt admitted while other slots run is prefilled inside the step's target forward (projections and
+MLPs packed over both groups' tokens, attention per group): measured cheaper than its own forward
+(``prefill_join_cost`` in bench.py). The drafter's prefill needs the first token, so it is a forward of
+its own right after. Policies that read drafts (``keep_drafting``) decide on the host, one read per
+draft depth: that cost is theirs, and vectorised policies do not pay it.
+
+Positions past a slot's length are scratch: padded queries write to a trash position (the last of the
+buffers) that no real query can see. Greedy output equals each sequence's own autoregressive output
+(float32 bit for bit); sampled output has the target's distribution, with a random stream per sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from eagle_backbone.candidates import CandidateGenerator
+from eagle_backbone.batched.model import BatchedLlama, forward_groups, unpack
+from eagle_backbone.candidates import CandidateGenerator, make_candidates
 from eagle_backbone.metrics import GenerationStats
-from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
-from eagle_backbone.runtime import Clock
-from eagle_backbone.sampling import SamplingConfig, probs_from_logits, sample, verify_greedy, verify_sampling
-from eagle_backbone.target import TargetModel, rollback
+from eagle_backbone.policy import (
+    BatchDraftPolicy,
+    DraftContext,
+    DraftLengthPolicy,
+    StaticPolicy,
+)
+from eagle_backbone.sampling import (
+    ACCEPT,
+    DRAFT,
+    FINAL,
+    SamplingConfig,
+    probs_from_logits,
+    sample_rows,
+    uniforms,
+    verify_greedy_batch,
+    verify_sampling_batch,
+)
+from eagle_backbone.target import TargetModel
 
 
 @dataclass
@@ -41,159 +82,623 @@ def check_prompt(prompt_ids, target: TargetModel) -> list[int]:
     return ids
 
 
-def _check_budget(max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+@dataclass
+class DraftRecord:
+    """One step's drafts for R rows. ``parents[r, i]`` is the index of draft i's parent in this record,
+    -1 for the slot's last accepted token: a chain is i-1; a tree later sets other parents (and a tree
+    mask) without changing the record's shape."""
+
+    tokens: torch.Tensor  # (R, K) drafted tokens (0 past a row's length)
+    lengths: torch.Tensor  # (R,) drafts per row (device)
+    parents: torch.Tensor  # (R, K)
+    probs: torch.Tensor | None = None  # (R, K, V) drafter distributions (sampling only)
 
 
-def _finish(new: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
-    """Cut at the first EOS (kept) and at the budget: never emit more than plain decoding would."""
-    for i, t in enumerate(new):
-        if t in eos:
-            return new[: min(i + 1, max_new_tokens)]
-    return new[:max_new_tokens]
+def _overrides(policy, name: str) -> bool:
+    return getattr(type(policy), name) is not getattr(DraftLengthPolicy, name)
 
 
-def _rng(seed: int | torch.Generator | None, device=None) -> torch.Generator | None:
-    """A fresh generator seeded with ``seed``, on ``device`` (the target's: sampling draws on the device the
-    probabilities are on; on a CPU the stream is the one ``torch.Generator()`` gives); a generator passed in
-    is used as it is (one random stream over several generations: the turns of a conversation)."""
-    if seed is None or isinstance(seed, torch.Generator):
-        return seed
-    return torch.Generator(device=device or "cpu").manual_seed(seed)
+class VectorisedGamma:
+    """γ for many slots in one call, where a policy allows it: static γ (a constant) and the LDLP (one
+    predictor forward for all slots). A policy may also offer ``gamma_batch(embeddings, features)``."""
+
+    def __init__(self, fn: Callable | None, constant: int | None = None):
+        self.fn, self.constant = fn, constant
+
+    @staticmethod
+    def of(policy: DraftLengthPolicy) -> VectorisedGamma | None:
+        if isinstance(policy, BatchDraftPolicy):
+            return None
+        if any(_overrides(policy, h) for h in ("keep_drafting", "observe")):
+            return None
+        if hasattr(policy, "gamma_batch"):
+            return VectorisedGamma(policy.gamma_batch)
+        if isinstance(policy, StaticPolicy) and type(policy).gamma is StaticPolicy.gamma:
+            return VectorisedGamma(None, policy.fixed_gamma)
+        if getattr(policy, "name", None) == "ldlp" and hasattr(policy, "model") and hasattr(policy, "offset"):
+            model, offset, cap = policy.model, int(policy.offset), policy.max_gamma
+
+            def ldlp(embeddings, features):
+                n = model.predict_length(embeddings.float(), features.float()).to(torch.long) + offset
+                n = n.clamp_min(0)
+                return n if cap is None else n.clamp_max(cap)
+
+            return VectorisedGamma(ldlp)
+        return None
+
+
+@dataclass
+class Slot:
+    """Host-side state of one sequence in a slot."""
+
+    prompt: list[int]
+    max_new: int
+    seed: int
+    policy: DraftLengthPolicy
+    request: object = None  # the caller's handle (e.g. a prompt index)
+    new: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    step: int = 0  # decoding steps done (prefill = step 0)
+    tlen: int = 0  # target positions cached; the last token sits at position tlen
+    gamma_next: int | None = None  # from the vectorised policy, read with the accept counts
+    done: bool = False
+    t_admit: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+
+class _Profile:
+    """Per-component seconds in profiled mode only (the timed mode never marks). On a GPU, CUDA events
+    recorded at each mark and read once at the end of the step (one synchronisation a step, not one a
+    component); on a CPU, perf_counter (the work is done when the call returns)."""
+
+    def __init__(self, device, on: bool):
+        self.on, self.cuda = on, device.type == "cuda"
+        self.s: dict[str, float] = {}
+        self._t = None
+        self._events: list[tuple[str, object, object]] = []
+
+    def start(self):
+        if not self.on:
+            return
+        if self.cuda:
+            self._t = torch.cuda.Event(enable_timing=True)
+            self._t.record()
+        else:
+            self._t = time.perf_counter()
+
+    def mark(self, name: str):
+        if not self.on:
+            return
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self._events.append((name, self._t, e))
+            self._t = e
+        else:
+            t = time.perf_counter()
+            self.s[name] = self.s.get(name, 0.0) + t - self._t
+            self._t = t
+
+    def flush(self):
+        """Add the step's CUDA event intervals (one synchronisation)."""
+        if self.on and self._events:
+            self._events[-1][2].synchronize()
+            for name, a, b in self._events:
+                self.s[name] = self.s.get(name, 0.0) + a.elapsed_time(b) / 1e3
+            self._events = []
+
+
+def default_attn(target: TargetModel) -> str:
+    """The attention math the target was loaded with (eager or sdpa; any other kernel runs as sdpa)."""
+    impl = getattr(target.model.config, "_attn_implementation", None)
+    return impl if impl in ("eager", "sdpa") else "sdpa"
+
+
+class BatchedSpeculativeEngine:
+    """``slots`` sequences at once over ``target`` and an optional candidate generator.
+
+    ``candidates``: a :class:`~eagle_backbone.candidates.CandidateGenerator` (the engine binds its own copy),
+    or a drafter model with its ``kind`` (eagle | draft_lm); None decodes without drafts.
+
+    ``policy``: a :class:`DraftLengthPolicy` copied per slot (``copy.deepcopy``) or a zero-argument factory;
+    None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot (default: the
+    target's context). ``prefill``: "joined" (default: new prompts ride in the step's target forward, the
+    projections and MLPs packed over all tokens, attention per group; 8-30% cheaper than a forward of
+    their own on the embedded target, see ``prefill_join_cost`` in eagle_backbone/batched/bench.py) or
+    "separate" (their own target forward before the step).
+    """
+
+    def __init__(self, target: TargetModel, candidates=None, kind: str | None = None, slots: int = 8,
+                 policy=None, sampling: SamplingConfig | None = None, capacity: int | None = None,
+                 attn: str | None = None, prefill: str = "joined", profile: bool = False, max_draft: int = 32):
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"batch size (slots) must be an integer >= 1, got {slots!r}")
+        if prefill not in ("separate", "joined"):
+            raise ValueError(f"prefill must be 'separate' or 'joined', got {prefill!r}")
+        attn = attn or default_attn(target)
+        if candidates is not None and not isinstance(candidates, CandidateGenerator):
+            candidates = make_candidates(kind, candidates, target, attn)
+        # as given, unbound: a batch policy builds engines like this one to profile its costs
+        self.candidates, self.attn = candidates, attn
+        self.target, self.kind, self.slots = target, candidates.kind if candidates is not None else None, slots
+        self.sampling = sampling or SamplingConfig()  # greedy by default
+        self.limit = min(target.max_length, capacity or target.max_length)  # positions a sequence may use
+        self.trash = self.limit  # padded positions write here; no real query (position < limit) sees it
+        buf = self.limit + 1
+        self.device, self.prefill, self.max_draft = target.device, prefill, max_draft
+        self.tm = BatchedLlama(target.model, buf, attn)
+        self.tcache = self.tm.new_cache(slots)
+        self.eos = torch.tensor(sorted(target.eos_token_ids) or [-1], device=self.device)
+        self.seq = torch.zeros(slots, buf, dtype=torch.long, device=self.device)  # tokens by position
+        self.last_feat = torch.zeros(slots, target.hidden_size, dtype=target.dtype, device=self.device)
+        if candidates is not None and candidates.needs_features:
+            self.feat = torch.zeros(slots, buf, target.hidden_size, dtype=target.dtype, device=self.device)
+        self.cand = candidates.bound(self) if candidates is not None else None
+        self.batch_policy: BatchDraftPolicy | None = None
+        if policy is None:
+            self._make_policy = lambda: StaticPolicy(0)
+        elif callable(policy) and not isinstance(policy, DraftLengthPolicy):
+            first = policy()
+            if isinstance(first, BatchDraftPolicy):
+                self.batch_policy = first  # one instance decides for the whole batch
+            self._make_policy = policy
+        elif isinstance(policy, BatchDraftPolicy):
+            self.batch_policy = policy
+        else:
+            self._make_policy = lambda: copy.deepcopy(policy)
+        if self.batch_policy is not None:
+            shared = self.batch_policy
+            self._make_policy = lambda: shared
+            shared.bind_engine(self)
+        else:
+            # sizes of a policy's own model against the pair: now, not mid-run
+            probe = self._make_policy()
+            if hasattr(probe, "check_pair"):
+                probe.check_pair(target, candidates)
+        self.state: list[Slot | None] = [None] * slots
+        self._admitted: list[int] = []
+        self.prof = _Profile(self.device, profile)
+        self.steps = 0
+
+    # ---- admission ------------------------------------------------------------------------------
+    def free_slots(self) -> list[int]:
+        return [b for b, s in enumerate(self.state) if s is None or s.done]
+
+    def admit(self, slot: int, prompt_ids, max_new_tokens: int, seed: int = 0, request=None) -> None:
+        """Put a new sequence into a free ``slot``; it is prefilled at the next :meth:`step`."""
+        ids = check_prompt(prompt_ids, self.target)
+        if len(ids) >= self.limit:
+            raise ValueError(f"prompt has {len(ids)} tokens but the cache holds {self.limit} positions per slot: "
+                             "no position is left to generate (raise capacity or shorten the prompt)")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} does not exist (the engine has {self.slots})")
+        if self.state[slot] is not None and not self.state[slot].done:
+            raise ValueError(f"slot {slot} is busy")
+        policy = self._make_policy()
+        policy.begin(ids)
+        s = Slot(ids, max_new_tokens, int(seed), policy, request, t_admit=time.perf_counter())
+        self.state[slot] = s
+        if max_new_tokens == 0:
+            s.done = True
+        else:
+            self._admitted.append(slot)
+
+    def running(self) -> list[int]:
+        return [b for b, s in enumerate(self.state) if s is not None and not s.done and b not in self._admitted]
+
+    def busy(self) -> bool:
+        return any(s is not None and not s.done for s in self.state)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def rows(self, slots: list[int]):
+        """An index tensor for a row subset, or None when the rows are all slots in order (views, no gather)."""
+        if slots == list(range(self.slots)):
+            return None
+        return torch.tensor(slots, device=self.device)
+
+    def _vectorised(self, s: Slot):
+        if not hasattr(s, "_vec"):
+            s._vec = VectorisedGamma.of(s.policy)
+        return s._vec
+
+    def _pick(self, logits, seeds, steps, draw: int, need_probs: bool):
+        """Token per row from (R, V) logits: argmax (greedy; softmax only if asked) or a draw of its stream."""
+        if self.sampling.greedy:
+            tok = logits.argmax(-1)
+            return tok, (probs_from_logits(logits, self.sampling) if need_probs else None)
+        probs = probs_from_logits(logits, self.sampling)
+        u = uniforms(seeds, steps, torch.tensor([draw], device=self.device))[:, 0]
+        return sample_rows(probs, u), probs
+
+    # ---- prefill --------------------------------------------------------------------------------
+    def _prefill_inputs(self, slots: list[int]):
+        """The new prompts as a padded group: (tokens, positions, rows, kv_len) and their lengths."""
+        n = [len(self.state[b].prompt) for b in slots]
+        T = max(n)
+        tok = torch.zeros(len(slots), T, dtype=torch.long)
+        for i, b in enumerate(slots):
+            tok[i, : n[i]] = torch.tensor(self.state[b].prompt)
+        tok = tok.to(self.device)
+        nt = torch.tensor(n, device=self.device)
+        ar = torch.arange(T, device=self.device)[None]
+        pos = torch.where(ar < nt[:, None], ar, self.trash)
+        return (tok, pos, self.rows(slots), T), nt
+
+    def _prefill(self, slots: list[int]) -> torch.Tensor:
+        """Target and drafter prefill of new prompts in their own forwards; returns their first tokens."""
+        group, nt = self._prefill_inputs(slots)
+        return self._prefill_finish(slots, group, nt, self.tm(*group[:2], self.tcache, group[3], group[2]))
+
+    def _prefill_finish(self, slots: list[int], group, nt, h) -> torch.Tensor:
+        """After the target read the prompts (``h``: their hidden states): first tokens, bookkeeping, and
+        the drafter's own prefill (it needs the first token, so it cannot ride in the target's forward)."""
+        st = [self.state[b] for b in slots]
+        n = [len(s.prompt) for s in st]
+        tok, pos, rows, T = group
+        dev = self.device
+        last = h.gather(1, (nt - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
+        seeds = torch.tensor([s.seed for s in st], device=dev)
+        steps = torch.zeros(len(slots), dtype=torch.long, device=dev)
+        x, _ = self._pick(self.tm.logits(last), seeds, steps, FINAL, False)
+        ridx = torch.tensor(slots, device=dev)
+        self.seq[ridx[:, None], pos] = tok
+        self.seq[ridx, nt] = x
+        self.last_feat[ridx] = last
+        if self.cand is not None:
+            if self.cand.needs_features:
+                self.feat[ridx[:, None], pos] = h
+            self.cand.prefill(slots, tok, pos, n, x, h)
+        for s, k in zip(st, n):
+            s.tlen = k
+            s.stats.target_forwards += 1
+        return x
+
+    # ---- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        """Prefill newly admitted slots, then one speculative step for all running slots. Returns the
+        slots whose sequence finished."""
+        finished: list[int] = []
+        prof = self.prof
+        prof.start()
+        new = self._admitted
+        self._admitted = []
+        run = [b for b in self.running() if b not in new]
+        if new and (self.prefill == "separate" or not run):
+            self._first_tokens(new, self._prefill(new), finished)
+            prof.mark("prefill")
+            new, run = [], self.running()
+        if not run:
+            prof.flush()
+            return finished
+        self._spec_step(run, new, finished)
+        prof.flush()
+        self.steps += 1
+        return finished
+
+    def _first_tokens(self, slots, x, finished):
+        firsts = x.tolist() if isinstance(x, torch.Tensor) else x  # a separate prefill's own host read
+        now = time.perf_counter()
+        for b, t in zip(slots, firsts):
+            s = self.state[b]
+            self._emit(b, s, [t], now, finished)
+            if not s.done:
+                self._gamma_after_prefill(b)
+
+    def _gamma_after_prefill(self, b: int):
+        s = self.state[b]
+        vec = self._vectorised(s)
+        if vec is not None and vec.fn is not None:
+            emb = self.target.embed(self.seq[b, s.tlen][None])
+            s.gamma_next = int(vec.fn(emb, self.last_feat[b][None])[0])
+
+    def _context(self, b: int, s: Slot, max_gamma: int) -> DraftContext:
+        # the feature is a copy: a policy may keep its contexts, and the buffer row changes every step
+        return DraftContext(step=s.step, last_token=int(s.new[-1]), feature=self.last_feat[b].clone(),
+                            accepted_history=s.stats.accept_lengths, drafted_history=s.stats.draft_lengths,
+                            position=len(s.new), max_gamma=max_gamma, _embed=self.target.embed)
+
+    def _spec_step(self, run: list[int], joined: list[int], finished: list[int]):
+        prof, dev, samp = self.prof, self.device, self.sampling
+        st = [self.state[b] for b in run]
+        R = len(run)
+        # 1. γ per slot (host ints; no device read for static or vectorised policies)
+        gammas, ctxs = [], []
+        bp = self.batch_policy
+        caps = [max(0, min(s.max_new - len(s.new) - 1, self.limit - 1 - s.tlen, self.max_draft)) for s in st]
+        planned = bp.plan(caps if self.kind is not None else [0] * R) if bp is not None else None
+        for i, (b, s) in enumerate(zip(run, st)):
+            max_gamma = caps[i]
+            vec = self._vectorised(s)
+            ctx = None
+            if planned is not None:
+                g = planned[i]
+            elif vec is not None and vec.constant is not None:
+                g = vec.constant
+            elif vec is not None and s.gamma_next is not None:
+                g = s.gamma_next
+            else:
+                ctx = self._context(b, s, max_gamma)
+                g = s.policy.gamma(ctx)
+            if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+                raise ValueError(f"policy {getattr(s.policy, 'name', s.policy)!r} returned gamma={g!r} for slot {b}; "
+                                 "it must be an integer >= 0")
+            gammas.append(min(g, max_gamma) if self.kind is not None else 0)
+            ctxs.append(ctx)
+        prof.mark("policy")
+
+        # 2. drafting
+        G = max(gammas) if gammas else 0
+        draft = torch.zeros(R, G, dtype=torch.long, device=dev)
+        qprobs = None  # (R, G, V) the drafter's distributions, when sampling
+        drafted = [0] * R
+        rows_t = torch.tensor(run, device=dev)
+        if G:
+            drafted, qprobs = self._draft(run, st, gammas, ctxs, draft)
+        prof.mark("draft")
+
+        # 3. verification: slot b scores its last token and its drafts, padded to the longest
+        T = max(drafted) + 1
+        ar = torch.arange(T, device=dev)[None]
+        tl = torch.tensor([s.tlen for s in st], device=dev)
+        nd = torch.tensor(drafted, device=dev)
+        K = T - 1
+        rec = DraftRecord(draft[:, :K], nd, torch.arange(-1, K - 1, device=dev).expand(R, K),
+                          qprobs[:, :K] if qprobs is not None and K else None)
+        # a chain: each draft's parent is the one before it, so the verification input is [last, drafts]
+        tokens = torch.cat([self.seq[rows_t, tl][:, None], rec.tokens], 1)
+        pos = torch.where(ar <= nd[:, None], tl[:, None] + ar, self.trash)
+        kv_len = max(s.tlen + d + 1 for s, d in zip(st, drafted))
+        if joined:
+            # the new prompts ride in this forward: projections and MLPs over all tokens at once
+            group, nt = self._prefill_inputs(joined)
+            h, hp = forward_groups(self.tm, [(tokens, pos, self.rows(run), kv_len), group], self.tcache)
+            logits = self.tm.logits(h)
+        elif sum(drafted) + R < R * T:
+            # ragged: the projections, MLPs and LM head score only the real tokens (a slot's γ costs the
+            # batch its own tokens, not the longest row's)
+            packed = torch.tensor([i * T + j for i, d in enumerate(drafted) for j in range(d + 1)], device=dev)
+            h = self.tm(tokens, pos, self.tcache, kv_len, self.rows(run), packed=packed)
+            logits = unpack(self.tm.logits(h.reshape(R * T, -1).index_select(0, packed)), packed, R, T)
+        else:
+            h = self.tm(tokens, pos, self.tcache, kv_len, self.rows(run))
+            logits = self.tm.logits(h)
+        seeds = torch.tensor([s.seed for s in st], device=dev)
+        steps = torch.tensor([s.step + 1 for s in st], device=dev)
+        if samp.greedy:
+            a, x = verify_greedy_batch(rec.tokens, rec.lengths, logits)
+        else:
+            p = probs_from_logits(logits, samp)
+            u = uniforms(seeds, steps, torch.cat([ACCEPT + torch.arange(T - 1, device=dev),
+                                                  torch.tensor([FINAL], device=dev)]))
+            a, x = verify_sampling_batch(rec.tokens, rec.lengths, rec.probs, p,
+                                         u[:, : T - 1], u[:, -1])
+        emitted = torch.cat([rec.tokens, torch.zeros_like(x)[:, None]], 1)
+        emitted.scatter_(1, a[:, None], x[:, None])
+        # bookkeeping on the device: tokens by position, the target feature behind the new last token
+        wpos = torch.where(ar <= a[:, None], tl[:, None] + 1 + ar, self.trash)
+        self.seq[rows_t[:, None], wpos] = emitted
+        self.last_feat[rows_t] = h.gather(1, a[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
+        if self.cand is not None and self.cand.needs_features:
+            self.feat[rows_t[:, None], torch.where(ar <= a[:, None], tl[:, None] + ar, self.trash)] = h
+        packed = [a, emitted.flatten()]
+        vec_rows = [i for i, s in enumerate(st) if (v := self._vectorised(s)) is not None and v.fn is not None]
+        if vec_rows:
+            # the LDLP's γ for the next step, from the new last token and its feature: read with the counts
+            fn = self._vectorised(st[vec_rows[0]]).fn
+            emb = self.target.embed(x)
+            packed.append(fn(emb, self.last_feat[rows_t]).to(torch.long))
+        prof.mark("verify")
+        if joined:
+            packed.append(self._prefill_finish(joined, group, nt, hp))  # the new prompts' first tokens
+            prof.mark("prefill")
+        host = torch.cat(packed).tolist()  # the step's one host read
+        now = time.perf_counter()
+        prof.mark("read")
+        acc, em = host[:R], host[R: R + R * T]
+        gnext = host[R + R * T: R + R * T + (R if vec_rows else 0)]
+        firsts = host[len(host) - len(joined):] if joined else []
+        for i, (b, s) in enumerate(zip(run, st)):
+            k = acc[i]
+            s.stats.target_forwards += 1
+            s.stats.drafted_tokens += drafted[i]
+            s.stats.accepted_tokens += k
+            s.stats.draft_lengths.append(drafted[i])
+            s.stats.accept_lengths.append(k)
+            s.step += 1
+            s.tlen += k + 1
+            if gnext:
+                s.gamma_next = gnext[i]
+            if bp is None and _overrides(s.policy, "observe"):
+                ctx = ctxs[i] or self._context(b, s, 0)
+                s.policy.observe(ctx, drafted[i], k)
+            taken = self._emit(b, s, em[i * T: i * T + k + 1], now, finished)
+            cut = max(0, k - taken)  # kept drafts past an EOS or the budget are never emitted: waste
+            if cut:
+                s.stats.accepted_tokens -= cut
+                s.stats.accept_lengths[-1] -= cut
+        if self.cand is not None:
+            self.cand.settle(run, [s.tlen for s in st])
+        if bp is not None:
+            bp.observe_rows(drafted, acc)
+        if joined:
+            self._first_tokens(joined, firsts, finished)
+        prof.mark("host")
+
+    def _draft(self, run, st, gammas, ctxs, draft):
+        """Fill ``draft`` (R, G) with the candidate generator; returns the drafted count per row and, when
+        sampling, the distributions the drafts were drawn from (R, G, V)."""
+        dev, prof, cand = self.device, self.prof, self.cand
+        R, G = draft.shape
+        tls = [s.tlen for s in st]
+        # every running slot reads what the target accepted (also γ=0 slots: the forward runs anyway)
+        logits, state = cand.start(run, tls)
+        seeds = torch.tensor([s.seed for s in st], device=dev)
+        steps = torch.tensor([s.step + 1 for s in st], device=dev)
+        bp = self.batch_policy
+        keepers = [bp is None and _overrides(s.policy, "keep_drafting") for s in st]
+        reads = bp is not None and bp.reads_drafts
+        need_probs = any(keepers) or reads
+        drafted = [0] * R
+        qprobs = None
+        active = [i for i in range(R) if gammas[i] > 0]
+        for depth in range(1, G + 1):
+            idx = torch.tensor(active, device=dev)
+            whole = len(active) == R
+            tok, probs = self._pick(logits if whole else logits[idx], seeds[idx], steps[idx],
+                                    DRAFT + depth - 1, need_probs)
+            draft[idx, depth - 1] = tok
+            if not self.sampling.greedy:
+                if qprobs is None:
+                    qprobs = probs.new_zeros(R, G, probs.shape[-1])
+                qprobs[idx, depth - 1] = probs
+            for i in active:
+                drafted[i] = depth
+            nxt = [i for i in active if gammas[i] > depth]
+            prof.mark("draft")
+            if reads:
+                # the batch policy keeps or drops this depth's drafts and picks the rows that go on
+                codes = bp.keep_rows(depth, active, None if state is None else (state if whole else state[idx]), probs)
+                for i, c in zip(active, codes):
+                    if c == 0:
+                        drafted[i] = depth - 1
+                nxt = [i for i, c in zip(active, codes) if c == 2 and gammas[i] > depth]
+            elif need_probs and bp is None:
+                toks = tok.tolist()  # policies that read drafts decide on the host (their own cost)
+                cont = set(nxt)
+                for j, i in enumerate(active):
+                    if keepers[i] and i in cont:
+                        ctx = ctxs[i] or self._context(run[i], st[i], gammas[i])
+                        ctxs[i] = ctx
+                        ctx.draft_state = None if state is None else state[i]
+                        if not st[i].policy.keep_drafting(ctx, depth, toks[j], probs[j]):
+                            cont.discard(i)
+                nxt = [i for i in nxt if i in cont]
+            prof.mark("policy")
+            if not nxt:
+                break
+            # one drafter forward for the rows still drafting
+            sel = torch.tensor(nxt, device=dev)
+            src = torch.tensor([active.index(i) for i in nxt], device=dev)
+            out_logits, out_state = cand.extend([run[i] for i in nxt], tok[src], [tls[i] for i in nxt], depth,
+                                                None if state is None else state[sel])
+            logits = logits.clone()
+            logits[sel] = out_logits.to(logits.dtype)
+            if state is not None:
+                state = state.clone()
+                state[sel] = out_state
+            active = nxt
+        return drafted, qprobs
+
+    def _emit(self, b: int, s: Slot, toks: list[int], now: float, finished: list[int]) -> int:
+        """Append accepted tokens on the host, cutting at the first EOS and at the budget; returns how many."""
+        eos = self.target.eos_token_ids
+        n0 = len(s.new)
+        for t in toks:
+            if len(s.new) >= s.max_new:
+                break
+            s.new.append(int(t))
+            s.token_times.append(now)
+            if t in eos:
+                break
+        stop = len(s.new) >= s.max_new or (s.new and s.new[-1] in eos) or s.tlen >= self.limit
+        if stop:
+            s.done = True
+            s.stats.new_tokens = len(s.new)
+            s.stats.wall_s = now - s.t_admit
+            finished.append(b)
+        return len(s.new) - n0
+
+    # ---- whole batches --------------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int = 128, seeds=None) -> list[GenerationOutput]:
+        """Decode ``prompts`` (at most ``slots``) to the end; outputs in prompt order."""
+        if len(prompts) == 0:
+            raise ValueError("batch size 0: give at least one prompt")
+        if len(prompts) > self.slots:
+            raise ValueError(f"{len(prompts)} prompts but the engine has {self.slots} slots")
+        seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+        for b, p in enumerate(prompts):
+            self.admit(b, p, max_new_tokens, seeds[b], request=b)
+        while self.busy():
+            self.step()
+        return [GenerationOutput(self.state[b].new, self.state[b].stats) for b in range(len(prompts))]
+
+
+# ---- one sequence at a time: the same engine with one slot ------------------------------------------------
+
+
+def _stream_seed(seed, device) -> int:
+    """The slot's random-stream seed: an int as it is; a ``torch.Generator`` (one stream over several
+    generations: the turns of a conversation) draws it, so every call continues that stream; None draws it
+    from torch's global generator."""
+    if isinstance(seed, torch.Generator):
+        return int(torch.randint(0, 2**62, (), generator=seed, device=seed.device))
+    if seed is None:
+        return int(torch.randint(0, 2**62, ()))
+    return int(seed)
+
+
+# profiled components -> the per-generation clocks of GenerationStats
+_CLOCKS = {"draft": "draft_s", "policy": "policy_s", "verify": "target_s", "prefill": "target_s", "read": "target_s",
+           "host": "target_s"}
 
 
 class SpeculativeDecoder:
-    """Drives a target with a candidate generator and a draft-length policy."""
+    """Speculative decoding of one sequence at a time: a one-slot :class:`BatchedSpeculativeEngine`, built once
+    per sampling setting and reused (its caches are preallocated).
 
-    def __init__(self, target: TargetModel, candidates: CandidateGenerator, policy: DraftLengthPolicy | None = None):
+    ``profile``: fill the per-component clocks of the stats (``draft_s``, ``target_s``, ``policy_s``). None
+    (default) turns it on where it costs nothing (CPU clocks) and off on a GPU, where profiled mode records
+    CUDA events."""
+
+    def __init__(self, target: TargetModel, candidates: CandidateGenerator | None, policy: DraftLengthPolicy | None = None,
+                 attn: str | None = None, profile: bool | None = None, capacity: int | None = None):
         self.target, self.candidates = target, candidates
         self.policy = policy if policy is not None else StaticPolicy(4)
-        if hasattr(self.policy, "check_pair"):  # sizes of a policy's own model against the pair: now, not mid-run
-            self.policy.check_pair(target, candidates)
+        self.attn, self.capacity = attn, capacity
+        self.profile = target.device.type != "cuda" if profile is None else profile
+        self._engines: dict[SamplingConfig, BatchedSpeculativeEngine] = {}
+        self.engine(SamplingConfig())  # checks the pair and the policy now, not mid-run
+
+    def engine(self, sampling: SamplingConfig) -> BatchedSpeculativeEngine:
+        if sampling not in self._engines:
+            self._engines[sampling] = BatchedSpeculativeEngine(
+                self.target, self.candidates, slots=1, policy=lambda: self.policy, sampling=sampling,
+                capacity=self.capacity,
+                attn=self.attn, profile=self.profile)
+        return self._engines[sampling]
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(),
-                 seed: int | None = None) -> GenerationOutput:
-        target, cand, policy = self.target, self.candidates, self.policy
-        ids = check_prompt(prompt_ids, target)
-        _check_budget(max_new_tokens)
-        if max_new_tokens == 0:
-            return GenerationOutput([], GenerationStats())
-        rng, clock, eos = _rng(seed, target.device), Clock(target.device), target.eos_token_ids
-        policy.begin(ids)
-        stats = GenerationStats()
-        t_start = clock()
-
-        cache = target.new_cache()
-        logits, feats = target(torch.tensor([ids], device=target.device), cache)
-        x = self._select(logits[0, -1], sampling, rng)
-        cand.start(ids, feats[0])
-        tokens, new = ids + [x], [x]
-        last_feature = feats[0, -1]
-        stats.target_forwards = 1
-        t_draft = clock()
-        stats.target_s += t_draft - t_start
-
-        step = 0
-        # x sits at position len(tokens) - 1, which must lie inside the context to be scored
-        while len(new) < max_new_tokens and x not in eos and len(tokens) <= target.max_length:
-            n = len(tokens)
-            # the step emits at most γ + 1 tokens and scores positions n-1 .. n-1+γ
-            max_gamma = min(max_new_tokens - len(new) - 1, target.max_length - n)
-            ctx = DraftContext(step=step, last_token=x, feature=last_feature, position=len(new),
-                               accepted_history=stats.accept_lengths, drafted_history=stats.draft_lengths,
-                               max_gamma=max_gamma, _embed=target.embed)
-            t0 = clock()
-            gamma = policy.gamma(ctx)
-            if not isinstance(gamma, int) or gamma < 0:
-                raise ValueError(f"policy {policy.name!r} returned gamma={gamma!r}; it must be an integer >= 0")
-            gamma = min(gamma, max_gamma)
-            t1 = clock()
-            stats.policy_s += t1 - t0
-
-            draft, dists = [], []
-            if gamma > 0:
-                keep_s = 0.0
-
-                def keep(i, tok, probs, state):
-                    nonlocal keep_s
-                    k0 = clock()
-                    ctx.draft_state = state
-                    ok = policy.keep_drafting(ctx, i, tok, probs)
-                    keep_s += clock() - k0
-                    return ok
-
-                draft, dists = cand.propose(tokens, gamma, keep, sampling, rng)
-                t2 = clock()
-                stats.draft_s += t2 - t1 - keep_s
-                stats.policy_s += keep_s
-            else:
-                t2 = t1
-
-            logits, feats = target(torch.tensor([[x] + draft], device=target.device), cache)
-            if sampling.greedy:
-                a, x = verify_greedy(draft, logits[0])
-            else:
-                a, x = verify_sampling(draft, dists, probs_from_logits(logits[0], sampling), rng)
-            rollback(cache, n + a)
-            accepted = draft[:a] + [x]
-            tokens += accepted
-            new += accepted
-            last_feature = feats[0, a]
-            t3 = clock()
-            stats.target_s += t3 - t2
-            cand.commit(n + a, feats[0, : a + 1])
-            stats.draft_s += clock() - t3
-
-            stats.target_forwards += 1
-            stats.drafted_tokens += len(draft)
-            stats.accepted_tokens += a
-            stats.draft_lengths.append(len(draft))
-            stats.accept_lengths.append(a)
-            t4 = clock()
-            policy.observe(ctx, len(draft), a)
-            stats.policy_s += clock() - t4
-            step += 1
-            if any(t in eos for t in accepted):
-                break
-
-        out = _finish(new, eos, max_new_tokens)
-        cut_drafts = max(0, len(new) - len(out) - 1)  # kept drafts after EOS are never emitted: waste
-        if cut_drafts:
-            stats.accepted_tokens -= cut_drafts
-            stats.accept_lengths[-1] -= cut_drafts
-        stats.new_tokens = len(out)
-        stats.wall_s = clock() - t_start
-        return GenerationOutput(out, stats)
-
-    @staticmethod
-    def _select(logits: torch.Tensor, sampling: SamplingConfig, rng) -> int:
-        return int(logits.argmax()) if sampling.greedy else sample(probs_from_logits(logits, sampling), rng)
+                 seed: int | torch.Generator | None = None) -> GenerationOutput:
+        ids = check_prompt(prompt_ids, self.target)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        eng = self.engine(sampling)
+        eng.prof.s = {}
+        eng.admit(0, ids, max_new_tokens, _stream_seed(seed, self.target.device))
+        while eng.busy():
+            eng.step()
+        s = eng.state[0]
+        for name, secs in eng.prof.s.items():
+            attr = _CLOCKS.get(name)
+            if attr:
+                setattr(s.stats, attr, getattr(s.stats, attr) + secs)
+        return GenerationOutput(s.new, s.stats)
 
 
-@torch.inference_mode()
+_AR_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its one-slot AR engines
+
+
 def autoregressive_generate(target: TargetModel, prompt_ids, max_new_tokens: int = 128,
-                            sampling: SamplingConfig = SamplingConfig(), seed: int | None = None) -> GenerationOutput:
-    """Plain decoding with the KV cache: one target forward per token."""
-    ids = check_prompt(prompt_ids, target)
-    _check_budget(max_new_tokens)
-    rng, clock, eos = _rng(seed, target.device), Clock(target.device), target.eos_token_ids
-    stats = GenerationStats()
-    t_start = clock()
-    cache = target.new_cache()
-    inp = torch.tensor([ids], device=target.device)
-    new: list[int] = []
-    n = len(ids)  # positions the target has processed
-    while len(new) < max_new_tokens:
-        logits, _ = target(inp, cache)
-        x = SpeculativeDecoder._select(logits[0, -1], sampling, rng)
-        new.append(x)
-        stats.target_forwards += 1
-        if x in eos or n >= target.max_length:
-            break
-        inp = torch.tensor([[x]], device=target.device)
-        n += 1
-    stats.new_tokens = len(new)
-    stats.wall_s = stats.target_s = clock() - t_start
-    return GenerationOutput(new, stats)
+                            sampling: SamplingConfig = SamplingConfig(), seed: int | torch.Generator | None = None,
+                            attn: str | None = None) -> GenerationOutput:
+    """Plain decoding of one sequence: the one-slot engine without drafts (kept per target and setting)."""
+    engines = _AR_ENGINES.setdefault(target, {})
+    if (sampling, attn) not in engines:
+        engines[(sampling, attn)] = SpeculativeDecoder(target, None, StaticPolicy(0), attn=attn)
+    out = engines[(sampling, attn)].generate(prompt_ids, max_new_tokens, sampling, seed)
+    out.stats.target_s = out.stats.wall_s
+    return out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.candidates import CandidateGenerator, DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.candidates import CandidateGenerator, make_candidates
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.target import TargetModel
 
@@ -45,12 +45,6 @@ def tie_drafter_embedding(drafter, target: TargetModel) -> bool:
     return False
 
 
-def make_candidates(kind: str, drafter, target: TargetModel) -> CandidateGenerator:
-    if kind == "eagle":
-        return EagleCandidateGenerator(drafter, target)
-    return DraftModelCandidateGenerator(drafter, target)
-
-
 def load_target(cfg) -> TargetModel:
     """The target of a ``model`` config (path, dtype, device, attention implementation, remote code)."""
     return TargetModel.from_pretrained(cfg["target"], dtype=cfg.get("dtype", "float32"), device=cfg.get("device", "cpu"),
@@ -73,4 +67,6 @@ def load_pair(cfg) -> ModelPair:
     drafter = load_drafter(cfg.drafter_kind, cfg.drafter, cfg.dtype, cfg.device, remote)
     tie_drafter_embedding(drafter, target)
     tokenizer = load_tokenizer(cfg.get("tokenizer") or cfg.target, remote)
-    return ModelPair(target, make_candidates(cfg.drafter_kind, drafter, target), tokenizer, drafter)
+    attn = cfg.get("attn_implementation") or "sdpa"
+    return ModelPair(target, make_candidates(cfg.drafter_kind, drafter, target, attn if attn == "eager" else "sdpa"),
+                     tokenizer, drafter)

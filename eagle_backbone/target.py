@@ -151,3 +151,19 @@ class TargetModel(nn.Module):
     @torch.no_grad()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids)
+
+    @torch.no_grad()
+    def reference_greedy(self, prompt_ids, max_new_tokens: int) -> list[int]:
+        """The target's own greedy output through transformers' forward and cache, one token per forward,
+        independent of the engine: what a lossless greedy run must equal token for token (EOS included
+        when generated)."""
+        ids = list(prompt_ids)
+        cache, new = self.new_cache(), []
+        inp = torch.tensor([ids], device=self.device)
+        while len(new) < max_new_tokens and len(ids) + len(new) <= self.max_length:
+            logits, _ = self(inp, cache)
+            new.append(int(logits[0, -1].argmax()))
+            if new[-1] in self.eos_token_ids:
+                break
+            inp = torch.tensor([[new[-1]]], device=self.device)
+        return new

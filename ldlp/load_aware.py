@@ -94,22 +94,15 @@ class LoadAwarePolicy(BatchDraftPolicy):
             return  # nothing to draft with: every step is plain decoding
         # the engine's sampling is what the estimates must be calibrated for (a sweep over T reuses one config)
         self.temperature = 0.0 if engine.sampling.greedy else float(engine.sampling.temperature)
-        self._setup(engine.target, engine.drafter, engine.kind, engine.attn)
+        self._setup(engine.target, engine.candidates, engine.attn)
 
-    def check_pair(self, target, candidates) -> None:
-        """The batch-1 engine: the same policy with R = 1 (the cost table is the batched engine's)."""
-        if self.costs is None:
-            kind = getattr(candidates, "kind", None)
-            drafter = getattr(candidates, "drafter", None) if kind == "eagle" else getattr(candidates, "model", None)
-            self._setup(target, drafter, kind)
-
-    def _setup(self, target, drafter, kind, attn: str = "eager") -> None:
+    def _setup(self, target, candidates, attn: str = "eager") -> None:
         """The cost table for this machine (profiled with engines like the one to serve, when missing) and
         the estimator."""
-        from eagle_backbone.batched.engine import BatchedSpeculativeEngine
+        from eagle_backbone.engine import BatchedSpeculativeEngine
 
         def factory(R: int, policy=None):
-            return BatchedSpeculativeEngine(target, drafter, kind, slots=R, capacity=256, attn=attn, policy=policy)
+            return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=256, attn=attn, policy=policy)
 
         key = cost_key(self.model_name, target.dtype, target.device, torch.get_num_threads())
         if self.cost_table_path is not None:
@@ -118,7 +111,7 @@ class LoadAwarePolicy(BatchDraftPolicy):
             self.costs = load_or_profile(self.cost_dir, key, factory, self.profile_if_missing, log=log.info)
         self.calibration.to("cpu")
         if self.estimator_spec != "confidence":
-            if kind != "eagle":
+            if candidates.kind != "eagle":
                 raise ValueError("load_aware policy: a draft acceptance head reads EAGLE drafter states; with a draft "
                                  "LM use estimator=confidence")
             self.head = load_head_for_temperature(self.estimator_spec, self.temperature).to(target.device)

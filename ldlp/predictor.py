@@ -80,6 +80,11 @@ def check_state(path: str | Path, state: dict, expected: dict, implied_by: str =
                          f"unexpected keys {unexpected}, wrong shapes {wrong}")
 
 
+def _versions(tensors) -> tuple:
+    """In-place change counters (an inference tensor, made by a copy under inference mode, never changes)."""
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
+
+
 @dataclass
 class LDLPConfig:
     input_dim: int  # 2 * d: embedding and feature of the target, concatenated
@@ -210,7 +215,7 @@ class LDLP(nn.Module):
         """The eval-mode network with the input standardisation folded into the first layer, as plain
         tensors: the batch-1 path then costs a handful of matrix-vector products and no autograd.
         Rebuilt whenever a weight changes in place (tensor versions), moves, or the mode changes."""
-        if self._decoding is not None and self._decoding[0] == tuple(t._version for t in self._decoding[1]):
+        if self._decoding is not None and self._decoding[0] == _versions(self._decoding[1]):
             return self._decoding[2]
         state = list(self.state_dict(keep_vars=True).values())
         w1 = self.input.weight / self.input_std
@@ -218,7 +223,7 @@ class LDLP(nn.Module):
         blocks = [(b.linear.weight.detach(), b.linear.bias.detach()) for b in self.blocks]
         log_threshold = math.log(self.config.threshold)
         weights = (w1, b1, blocks, self.output.weight.detach(), self.output.bias.detach(), log_threshold)
-        self._decoding = (tuple(t._version for t in state), state, weights)
+        self._decoding = (_versions(state), state, weights)
         return weights
 
     def _predict_one(self, embedding: torch.Tensor, feature: torch.Tensor) -> int:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 @hydra.main(config_path="../conf", config_name="profile_cost", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.batched.cost import check_costs, check_markdown, cost_key, profile_costs, table_path
-    from eagle_backbone.batched.engine import BatchedSpeculativeEngine
+    from eagle_backbone.engine import BatchedSpeculativeEngine
     from ldlp.bench.loaders import load_pair_cached
 
     threads = start(cfg)

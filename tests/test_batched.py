@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_backbone.batched import engine as bengine
-from eagle_backbone.batched import sampling as bsampling
-from eagle_backbone.batched.engine import BatchedSpeculativeEngine
+from eagle_backbone import engine as bengine
+from eagle_backbone import sampling as bsampling
+from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.batched.model import BatchedLlama
 from eagle_backbone.batched.workload import run_workload
 from eagle_backbone.candidates import (

@@ -6,40 +6,46 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from eagle_backbone.candidates import CandidateGenerator, DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.candidates import (
+    CandidateGenerator,
+    DraftModelCandidateGenerator,
+    EagleCandidateGenerator,
+)
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 
 
 class ScriptedCandidates(CandidateGenerator):
     """Proposes the target's own greedy continuation, corrupted at random: controlled acceptance
-    lengths (including whole drafts accepted and drafts running past EOS) for a random target."""
+    lengths (including whole drafts accepted and drafts running past EOS) for a random target. A candidate
+    generator of a kind of its own, through the extension interface the shipped ones use."""
 
     kind = "scripted"
 
-    def __init__(self, prompt, reference, corrupt=0.3, vocab=64, seed=0):
-        self.full, self.corrupt, self.vocab = list(prompt) + list(reference), corrupt, vocab
+    def __init__(self, prompt, reference, corrupt=0.3, seed=0):
+        self.full, self.corrupt = list(prompt) + list(reference), corrupt
         self.rng = random.Random(seed)
 
-    def start(self, prompt_ids, features):
-        pass
+    def bind(self, engine):
+        self.vocab = engine.target.vocab_size
 
-    def propose(self, tokens, gamma, keep, sampling, rng):
-        draft = []
-        for i in range(gamma):
-            pos = len(tokens) + i
+    def _one_hot(self, positions):
+        out = torch.full((len(positions), self.vocab), float("-inf"))
+        for row, pos in enumerate(positions):
             tok = self.full[pos] if pos < len(self.full) else self.rng.randrange(self.vocab)
             if self.rng.random() < self.corrupt:
                 tok = self.rng.randrange(self.vocab)
-            draft.append(tok)
-            probs = torch.zeros(self.vocab)
-            probs[tok] = 1.0
-            if not keep(i + 1, tok, probs, None):
-                break
-        return draft, [torch.nn.functional.one_hot(torch.tensor(t), self.vocab).double() for t in draft]
+            out[row, tok] = 0.0
+        return out
 
-    def commit(self, valid_len, new_features):
+    def prefill(self, slots, tokens, positions, lengths, first, hidden):
         pass
+
+    def start(self, slots, tlens):
+        return self._one_hot([t + 1 for t in tlens]), None  # draft 1 sits right after the last token
+
+    def extend(self, slots, tokens, tlens, depth, states):
+        return self._one_hot([t + depth + 1 for t in tlens]), None
 
 
 def random_prompts(n, vocab=64, seed=0, max_len=12):
@@ -56,7 +62,7 @@ GAMMAS = [g if g in (1, 3, 8) else pytest.param(g, marks=pytest.mark.slow) for g
 def test_eagle_greedy_identity(target, drafter, gamma):
     dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(gamma))
     for prompt in random_prompts(4, seed=gamma):
-        ref = autoregressive_generate(target, prompt, 24).tokens
+        ref = target.reference_greedy(prompt, 24)
         out = dec.generate(prompt, 24)
         assert out.tokens == ref
         assert out.stats.new_tokens == len(ref)
@@ -66,7 +72,7 @@ def test_eagle_greedy_identity(target, drafter, gamma):
 @pytest.mark.parametrize("gamma", GAMMAS)
 def test_scripted_drafts_greedy_identity_and_accounting(target, gamma):
     for k, prompt in enumerate(random_prompts(5, seed=100 + gamma)):
-        ref = autoregressive_generate(target, prompt, 30).tokens
+        ref = target.reference_greedy(prompt, 30)
         cand = ScriptedCandidates(prompt, ref, corrupt=0.25, seed=k)
         out = SpeculativeDecoder(target, cand, StaticPolicy(gamma)).generate(prompt, 30)
         assert out.tokens == ref
@@ -83,7 +89,7 @@ def test_self_drafting_accepts_everything():
     dec = SpeculativeDecoder(target, DraftModelCandidateGenerator(target.model, target), StaticPolicy(4))
     prompt = [5, 9, 11]
     out = dec.generate(prompt, 25)
-    assert out.tokens == autoregressive_generate(target, prompt, 25).tokens
+    assert out.tokens == target.reference_greedy(prompt, 25)
     assert out.stats.wasted_tokens == 0 and out.stats.target_forwards == 1 + -(-24 // 5)
 
 
@@ -91,13 +97,13 @@ def test_self_drafting_accepts_everything():
 def test_eos_inside_a_draft(gamma):
     target = make_target(seed=3)
     prompt = [4, 8, 15, 16]
-    ref = autoregressive_generate(target, prompt, 20).tokens
+    ref = target.reference_greedy(prompt, 20)
     target.eos_token_ids = {ref[6]}  # a token the target really emits becomes EOS
     stop = ref.index(ref[6]) + 1
     # drafts run past EOS: the scripted drafter proposes the whole reference continuation
     cand = ScriptedCandidates(prompt, ref, corrupt=0.0)
     out = SpeculativeDecoder(target, cand, StaticPolicy(gamma)).generate(prompt, 20)
-    assert out.tokens == autoregressive_generate(target, prompt, 20).tokens == ref[:stop]
+    assert out.tokens == target.reference_greedy(prompt, 20) == autoregressive_generate(target, prompt, 20).tokens == ref[:stop]
     assert out.tokens[-1] in target.eos_token_ids
 
 
@@ -106,7 +112,7 @@ def test_max_new_tokens_mid_draft(target, max_new):
     dec = SpeculativeDecoder(target, DraftModelCandidateGenerator(target.model, target), StaticPolicy(5))
     out = dec.generate([7, 7, 3], max_new)
     assert len(out.tokens) == max_new
-    assert out.tokens == autoregressive_generate(target, [7, 7, 3], max_new).tokens
+    assert out.tokens == target.reference_greedy([7, 7, 3], max_new)
     # self-drafting accepts every draft, and no draft reaches past the budget: nothing is wasted, and
     # each target forward (the prefill included) emits one token besides the accepted drafts
     s = out.stats
@@ -116,7 +122,7 @@ def test_max_new_tokens_mid_draft(target, max_new):
 
 def test_one_token_prompt_and_zero_budget(target, drafter):
     dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(3))
-    assert dec.generate([1], 16).tokens == autoregressive_generate(target, [1], 16).tokens
+    assert dec.generate([1], 16).tokens == target.reference_greedy([1], 16)
     assert dec.generate([1], 0).tokens == []
 
 
@@ -126,7 +132,7 @@ def test_context_end():
     prompt = list(range(3, 20))
     dec = SpeculativeDecoder(small, DraftModelCandidateGenerator(small.model, small), StaticPolicy(6))
     out = dec.generate(prompt, 50)
-    assert out.tokens == autoregressive_generate(small, prompt, 50).tokens
+    assert out.tokens == small.reference_greedy(prompt, 50) == autoregressive_generate(small, prompt, 50).tokens
     assert len(out.tokens) == 24 - len(prompt) + 1  # up to the last position's prediction, as plain decoding
 
 
@@ -151,7 +157,7 @@ class StopAfterTwo(DraftLengthPolicy):
 
 def test_gamma_zero_steps_and_early_stop(target, drafter):
     prompt = [3, 14, 15, 9, 26]
-    ref = autoregressive_generate(target, prompt, 30).tokens
+    ref = target.reference_greedy(prompt, 30)
     for policy in (ZeroThenFour(), StopAfterTwo()):
         for cand in (EagleCandidateGenerator(drafter, target), DraftModelCandidateGenerator(target.model, target)):
             out = SpeculativeDecoder(target, cand, policy).generate(prompt, 30)
@@ -168,7 +174,7 @@ def test_fp32_engine_matches_ar():
     drafter = make_drafter(target, dtype=torch.float32)
     dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(4))
     for prompt in random_prompts(4, seed=9):
-        assert dec.generate(prompt, 20).tokens == autoregressive_generate(target, prompt, 20).tokens
+        assert dec.generate(prompt, 20).tokens == target.reference_greedy(prompt, 20)
 
 
 def test_forward_cost_bench_and_batch_invariance_report(target):

@@ -12,7 +12,7 @@ import torch
 from test_batched import _chi2_pvalue, _pair_distribution, ar, noisy_copy, prompts_of
 
 from eagle_backbone.batched.cost import CostTable, check_costs, cost_key, profile_costs, table_path
-from eagle_backbone.batched.engine import BatchedSpeculativeEngine
+from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.sampling import SamplingConfig

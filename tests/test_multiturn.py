@@ -197,7 +197,8 @@ def test_sampling_keeps_one_stream_per_conversation(tiny_models, question_file):
     g = torch.Generator().manual_seed(7)
     a = autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=g).tokens
     b = autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=g).tokens
-    assert a == autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=7).tokens and a != b
+    fresh = torch.Generator().manual_seed(7)
+    assert a == autoregressive_generate(target, [1, 5, 6], 12, sampling=hot, seed=fresh).tokens and a != b
 
 
 def test_head_to_head_rows_carry_seconds_and_tokens_per_category(tiny_models, question_file):

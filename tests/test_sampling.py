@@ -99,7 +99,7 @@ def test_a_broken_residual_is_detected(tiny_vocab_pair, monkeypatch):
     target, draft = tiny_vocab_pair
     cfg, prompt, n = SamplingConfig(temperature=1.0), [1, 3], 1200
     probs = _exact_sequence_distribution(target, prompt, 3, cfg)
-    monkeypatch.setattr(S, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(S, "residual", lambda p, q: p)
     assert _chi2_pvalue(_speculative_counts(target, draft, prompt, 3, cfg, n), probs, n) < 1e-6
 
 

@@ -141,7 +141,7 @@ def _median_ms(fns: dict, reps: int) -> dict:
 def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT, context: int = 128,
                   reps: int = 7, seed: int = 0, log=print) -> CostTable:
     """Measure a :class:`CostTable` with engines from ``engine_factory(slots, policy)`` (a
-    :class:`~eagle_backbone.batched.engine.BatchedSpeculativeEngine` with a drafter)."""
+    :class:`~eagle_backbone.engine.BatchedSpeculativeEngine` with a drafter)."""
     from eagle_backbone.policy import StaticPolicy
 
     g = torch.Generator().manual_seed(seed)
@@ -155,11 +155,14 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
         pos = torch.arange(context, device=dev)[None].expand(R, context)
         eng.tm(ctx, pos, eng.tcache, context)
         eagle = eng.kind == "eagle"
+        if eng.kind not in (None, "eagle", "draft_lm"):
+            raise ValueError(f"cost profile: candidate generator kind {eng.kind!r} is not one the profiler knows "
+                             "(eagle, draft_lm); give the policy a cost table (cost_table_path=)")
         if eagle:
             feats = torch.randn(R, context, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype)
-            eng.dm(ctx, feats, pos, eng.dcache, context)
+            eng.cand.dm(ctx, feats, pos, eng.cand.cache, context)
         elif eng.kind is not None:
-            eng.dm(ctx, pos, eng.dcache, context)
+            eng.cand.dm(ctx, pos, eng.cand.cache, context)
         fns = {}
 
         def target_fn(t):
@@ -177,10 +180,10 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
 
             def run():
                 if eagle:
-                    out = eng.dm(tok, f, p, eng.dcache, context + t)
-                    eng.dm.logits(out[:, -1])
+                    out = eng.cand.dm(tok, f, p, eng.cand.cache, context + t)
+                    eng.cand.dm.logits(out[:, -1])
                 else:
-                    eng.dm.logits(eng.dm(tok, p, eng.dcache, context + t)[:, -1])
+                    eng.cand.dm.logits(eng.cand.dm(tok, p, eng.cand.cache, context + t)[:, -1])
             return run
 
         def draft_fn():
@@ -189,8 +192,8 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
             s = torch.randn(R, 1, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
 
             def run():
-                out = eng.dm(tok, s, p, eng.dcache, context + 1) if eagle else eng.dm(tok, p, eng.dcache, context + 1)
-                torch.softmax(eng.dm.logits(out[:, 0]).float(), -1)
+                out = eng.cand.dm(tok, s, p, eng.cand.cache, context + 1) if eagle else eng.cand.dm(tok, p, eng.cand.cache, context + 1)
+                torch.softmax(eng.cand.dm.logits(out[:, 0]).float(), -1)
             return run
 
         for t in tokens:

@@ -21,7 +21,7 @@ transformers' (tests/test_batched.py checks the logits). Only attention and the 
   attends over the first ``kv_len`` positions; rolling a slot back is setting its length, since a query at
   position p only ever sees keys at positions <= p, and every such key was written by this or an earlier
   accepted forward. Padded entries of a ragged input write to a scratch position past every real one (the
-  engine's choice; see eagle_backbone/batched/engine.py).
+  engine's choice; see eagle_backbone/engine.py).
 * Attention is transformers' eager math (scores in the model dtype, float32 softmax) by default: in
   bfloat16 it gives a token the same logits whether scored alone or among γ+1, as conf/model/embedded.yaml
   explains; ``attn="sdpa"`` uses torch's fused kernel with the same explicit mask.

@@ -77,10 +77,10 @@ def acceptance_labels(target: TargetModel, drafter, prompt_ids, max_new_tokens: 
         raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
     if not ids:
         raise ValueError("acceptance_labels: empty prompt")
-    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.candidates import check_eagle_pair
 
-    cand = EagleCandidateGenerator(drafter, target)  # validates the pair
-    lm_head, ddtype, device = cand.lm_head, cand.dtype, target.device
+    check_eagle_pair(drafter, target)
+    lm_head, ddtype, device = target.lm_head, next(drafter.fc.parameters()).dtype, target.device
     resp_gen = torch.Generator().manual_seed(sequence_seed(seed, seq_id, 0))
     chain_gen = torch.Generator().manual_seed(sequence_seed(seed, seq_id, 1))
     eos = target.eos_token_ids

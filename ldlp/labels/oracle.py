@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle_backbone.candidates import EagleCandidateGenerator
-from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.candidates import check_eagle_pair
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
 
@@ -165,8 +164,8 @@ def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_ma
     R = L - 1 - n
     if R <= 0:
         return _empty(k_max, target.hidden_size, target.dtype, target.lm_head.weight.dtype)
-    cand = EagleCandidateGenerator(drafter, target)  # validates the pair
-    lm_head, ddtype = cand.lm_head, cand.dtype
+    check_eagle_pair(drafter, target)
+    lm_head, ddtype = target.lm_head, next(drafter.fc.parameters()).dtype
     seq = torch.tensor(s)
     index = torch.arange(n, L - 1)
 
@@ -231,18 +230,25 @@ def oracle_labels_sequential(target: TargetModel, drafter, input_ids, prompt_len
     n, L = prompt_len, len(s)
     if L - 1 - n <= 0:
         return _empty(k_max, target.hidden_size, target.dtype, target.lm_head.weight.dtype)
-    cand = EagleCandidateGenerator(drafter, target)
-    policy = StaticPolicy(k_max)
+    check_eagle_pair(drafter, target)
+    lm_head, ddtype = target.lm_head, next(drafter.fc.parameters()).dtype
     rows = {f: [] for f in ROW_FIELDS}
-    seen: list[torch.Tensor] = []  # what the LM head reads during drafting (a forward hook records it)
-    hook = cand.lm_head.register_forward_hook(lambda _m, inp, _out: seen.append(inp[0].reshape(-1, inp[0].shape[-1])))
     for i in range(n, L - 1):
         prefix = s[: i + 1]
         _, feats = target(torch.tensor([prefix], device=target.device), target.new_cache())
-        cand.start(prefix[:-1], feats[0, :i])  # f_0 .. f_{i-1}: everything the engine has at this point
-        seen.clear()
-        draft, dists = cand.propose(prefix, policy.gamma(None), lambda *_: True, GREEDY, None)
-        states = torch.stack([h[-1] for h in seen]).cpu()
+        # EAGLE's chain: the true pairs (s[j+1], f_j), j < i, then one drafter step per drafted token
+        dcache = drafter.new_cache()
+        h = drafter(torch.tensor([prefix[1:]], device=target.device), feats[:, :i].to(ddtype), dcache)[:, -1:]
+        draft, dists, states = [], [], []
+        for m in range(k_max):
+            state = h[0, -1].to(lm_head.weight.dtype)
+            probs = probs_from_logits(lm_head(state), GREEDY)
+            draft.append(int(probs.argmax()))
+            dists.append(probs)
+            states.append(state)
+            if m < k_max - 1:
+                h = drafter(torch.tensor([[draft[-1]]], device=target.device), h, dcache)
+        states = torch.stack(states).cpu()
         logits, _ = target(torch.tensor([prefix + draft[:-1]], device=target.device), target.new_cache())
         tprobs = probs_from_logits(logits[0, i:], GREEDY)
         label = 0
@@ -262,7 +268,6 @@ def oracle_labels_sequential(target: TargetModel, drafter, input_ids, prompt_len
         rows["feature"].append(feats[0, i - 1].cpu())
         rows["draft_tokens"].append(torch.tensor(draft))
         rows["draft_state"].append(states)
-    hook.remove()
     out = {}
     for f, v in rows.items():
         out[f] = torch.stack(v) if isinstance(v[0], torch.Tensor) else torch.tensor(v)

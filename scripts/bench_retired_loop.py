@@ -1,0 +1,106 @@
+"""The engine at batch 1 against the batch-1 loop it replaced (issue 15: "no slower than today's engine").
+
+The old loop (``eagle_backbone/engine.py``, ``candidates.py`` and ``sampling.py`` at ``ref``) is read from the
+git history into a temporary package, so the comparison can be rerun after the loop left the tree. Both
+decode the same prompts in turns (the order alternating), static γ ∈ ``gammas`` (γ = 0: plain decoding on
+each side); greedy tokens must agree.
+
+    python scripts/bench_retired_loop.py ref=c1cdba4 out_dir=results/embedded/batch1_parity
+"""
+
+import importlib
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.paths import REPO_ROOT
+from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.sampling import SamplingConfig
+from eagle_backbone.timing import interleaved, paired_ratio
+
+RETIRED = ("engine", "candidates", "sampling")
+
+
+def load_retired(ref: str):
+    """The retired loop's modules from commit ``ref`` as package ``retired_loop`` (its own engine, candidates
+    and sampling; everything else, the policy interface included, is today's)."""
+    root = Path(tempfile.mkdtemp(prefix="retired_loop_"))
+    pkg = root / "retired_loop"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name in RETIRED:
+        try:
+            src = subprocess.run(["git", "show", f"{ref}:eagle_backbone/{name}.py"], cwd=REPO_ROOT, check=True,
+                                 capture_output=True, text=True).stdout
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"ref={ref}: cannot read eagle_backbone/{name}.py from git ({e.stderr.strip()})") from None
+        for other in RETIRED:
+            src = src.replace(f"eagle_backbone.{other} import", f"retired_loop.{other} import")
+        (pkg / f"{name}.py").write_text(src)
+    sys.path.insert(0, str(root))
+    return importlib.import_module("retired_loop.engine"), importlib.import_module("retired_loop.candidates")
+
+
+@hydra.main(config_path="../conf", config_name="bench_retired_loop", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    threads = start(cfg)
+    old_engine, old_cands = load_retired(str(cfg.ref))
+    from ldlp.bench.loaders import load_pair_cached, load_prompts
+
+    pair = load_pair_cached(cfg.model)
+    prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+    target, n = pair.target, int(cfg.generation.max_new_tokens)
+    greedy = SamplingConfig()
+    old_cand = (old_cands.EagleCandidateGenerator(pair.drafter, target) if cfg.model.drafter_kind == "eagle"
+                else old_cands.DraftModelCandidateGenerator(pair.drafter, target))
+
+    def runners(gamma):
+        if gamma == 0:
+            return [lambda p: autoregressive_generate(target, p, n), lambda p: old_engine.autoregressive_generate(target, p, n)]
+        new = SpeculativeDecoder(target, pair.candidates, StaticPolicy(gamma))
+        old = old_engine.SpeculativeDecoder(target, old_cand, StaticPolicy(gamma))
+        return [lambda p: new.generate(p, n, greedy, 0), lambda p: old.generate(p, n, greedy, 0)]
+
+    rows = []
+    for gamma in cfg.gammas:
+        pair_runs = runners(int(gamma))
+        for r in pair_runs:  # warm-up
+            r(prompts[0])
+        runs = interleaved(pair_runs, prompts, int(cfg.rounds), lambda r, p, k, rep: r(p), order="alternate")
+        new_runs = [o for rnd in runs[0] for o in rnd]
+        old_runs = [o for rnd in runs[1] for o in rnd]
+        same = sum(a.tokens == b.tokens for a, b in zip(new_runs, old_runs))
+        ratio = paired_ratio([o.stats.new_tokens for o in new_runs], [o.stats.wall_s for o in new_runs],
+                             [o.stats.new_tokens for o in old_runs], [o.stats.wall_s for o in old_runs], seed=int(cfg.seed))
+        tps = [sum(o.stats.new_tokens for o in xs) / sum(o.stats.wall_s for o in xs) for xs in (new_runs, old_runs)]
+        rows.append({"gamma": int(gamma), "engine_tokens_per_s": tps[0], "retired_loop_tokens_per_s": tps[1],
+                     "ratio": ratio["ratio"], "ci95": ratio["ci95"], "pairs": ratio["pairs"],
+                     "same_tokens": same, "generations": len(new_runs)})
+        print(f"γ={gamma}: engine {tps[0]:.1f} tok/s, retired loop {tps[1]:.1f} tok/s, ratio {ratio['ratio']:.3f} "
+              f"({ratio['ci95'][0]:.3f}-{ratio['ci95'][1]:.3f}); same tokens {same}/{len(new_runs)}", flush=True)
+    out = Path(cfg.out_dir)
+    meta = {"ref": str(cfg.ref), "model": str(cfg.model.name), "prompts": len(prompts), "max_new_tokens": n,
+            "rounds": int(cfg.rounds), "threads": threads}
+    atomic_write_json(out / "parity.json", {"meta": meta, "rows": rows})
+    md = [f"# Batch 1: the engine against the retired batch-1 loop (git {cfg.ref})", "",
+          f"{meta['model']}, {len(prompts)} prompts x {n} new tokens, greedy, {meta['rounds']} interleaved rounds, "
+          f"{threads} thread(s). Ratio: engine tokens/s over the retired loop's, paired bootstrap 95% interval over "
+          "(round, prompt).", "",
+          "| static γ | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens |", "|---:|---:|---:|---:|---|---:|"]
+    md += [f"| {r['gamma']} | {r['engine_tokens_per_s']:.1f} | {r['retired_loop_tokens_per_s']:.1f} | {r['ratio']:.3f} | "
+           f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | {r['same_tokens']}/{r['generations']} |" for r in rows]
+    md += ["", f"Command: `python scripts/bench_retired_loop.py ref={cfg.ref} rounds={cfg.rounds} "
+           f"data.limit={cfg.data.limit} generation.max_new_tokens={n} out_dir={cfg.out_dir}`"]
+    atomic_write_text(out / "parity.md", "\n".join(md) + "\n")
+    print(f"wrote {out / 'parity.md'}")
+
+
+if __name__ == "__main__":
+    main()
