@@ -66,6 +66,38 @@ def test_evaluate_writes_every_key_and_is_lossless(tiny_models, prompt_file, tmp
         assert again[key] == result[key]
 
 
+def _other(token: int) -> int:
+    return token - 1 if token > 0 else token + 1
+
+
+@pytest.mark.parametrize("ar", ["ours", "transformers"])
+def test_the_lossless_check_reads_the_targets_own_greedy_decoding(tiny_models, prompt_file, monkeypatch, ar):
+    """The reference is independent of the engine: transformers' generate when it is the AR baseline, else
+    TargetModel.reference_greedy (this project's AR is the engine with γ = 0). A reference that differs at one
+    token makes the run lossy; the same run against the true reference is lossless."""
+    from eagle_backbone.target import TargetModel
+
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=3",
+                                                             f"evaluation.ar_baseline={ar}"])
+    assert evaluate(cfg, policy_name="static")["lossless"] is True
+    if ar == "transformers":
+        import ldlp.bench.peer as peer
+
+        true_generate = peer.hf_generate
+
+        def off_by_one(*args, **kw):
+            tokens, stats = true_generate(*args, **kw)
+            return [_other(tokens[0])] + list(tokens[1:]), stats
+
+        monkeypatch.setattr(peer, "hf_generate", off_by_one)
+    else:
+        true_greedy = TargetModel.reference_greedy
+        monkeypatch.setattr(TargetModel, "reference_greedy",
+                            lambda self, p, n: [_other(true_greedy(self, p, n)[0])] + true_greedy(self, p, n)[1:])
+    result = evaluate(cfg, policy_name="static")
+    assert result["ar_impl"] == ar and result["lossless"] is False
+
+
 def test_sampling_skips_the_lossless_check_and_oracle_refuses_it(tiny_models, prompt_file):
     cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=2",
                                                               "generation.temperature=0.8", "evaluation.repeats=1"])

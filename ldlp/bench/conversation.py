@@ -214,15 +214,17 @@ def _median_per_turn(runs: list[list[Turn]]) -> list[float]:
     return [statistics.median(r[j].stats.wall_s for r in same) for j in range(len(ref))]
 
 
-def question_rows(questions: list[Question], spec_runs, ar_runs, check_lossless: bool) -> list[dict]:
+def question_rows(questions: list[Question], spec_runs, ar_runs, check_lossless: bool, ref_runs=None) -> list[dict]:
     """One record per question from the timed runs (``spec_runs[r][k]``: the turns of question k in round
     r; ``ar_runs`` the same for AR): per turn the new tokens and the median seconds over the rounds, target
     forwards, Spec-Bench's accept lengths (tokens per verification step, the bonus token included), the
-    decoded texts, turns dropped and whether every turn equals AR's (None unless ``check_lossless``)."""
+    decoded texts, turns dropped and whether every turn, speculative and AR, equals the reference's
+    (``ref_runs``, default AR's; None unless ``check_lossless``)."""
     rows = []
     for k, q in enumerate(questions):
         spec = [run[k] for run in spec_runs]
         ar = [run[k] for run in ar_runs]
+        ref = [t.tokens for t in (ref_runs or ar_runs)[0][k]]
         row = {"question_id": q.id, "category": q.category, "n_turns": q.n_turns,
                "prompt_ids": [t.prompt_id for t in spec[0]],
                "turns": [t.text for t in spec[0]], "new_tokens": [t.stats.new_tokens for t in spec[0]],
@@ -232,7 +234,7 @@ def question_rows(questions: list[Question], spec_runs, ar_runs, check_lossless:
                "ar_wall_time": _median_per_turn(ar),
                "ar_accept_lengths": [1 for t in ar[0] for _ in range(max(0, t.stats.new_tokens - 1))],
                "n_dropped": q.n_turns - len(spec[0]),
-               "lossless": ([t.tokens for t in spec[0]] == [t.tokens for t in ar[0]]) if check_lossless else None}
+               "lossless": ([t.tokens for t in spec[0]] == ref == [t.tokens for t in ar[0]]) if check_lossless else None}
         rows.append(row)
     return rows
 

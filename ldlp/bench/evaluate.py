@@ -13,7 +13,10 @@
 4. runs ``repeats`` rounds over the prompts, the AR baseline and the speculative run interleaved prompt
    by prompt (their order alternating), so slow phases of a noisy machine hit both alike;
 5. reports medians over the rounds of the timings, and the (deterministic) counters of the first round;
-   under greedy decoding checks that every speculative output equals the AR output (lossless).
+   under greedy decoding checks that every speculative output equals the target's own greedy decoding
+   through transformers (lossless): AR's outputs when transformers' ``generate`` is the baseline, else one
+   untimed run of :meth:`~eagle_backbone.target.TargetModel.reference_greedy` (this project's AR is the
+   engine with γ = 0, not an independent reference).
 
 The result is a flat dict (see :data:`RESULT_KEYS`) written as ``results.json``.
 """
@@ -46,6 +49,7 @@ from ldlp.bench.runners import (
     engine_runner,
     peer_runner,
     progress_bar,
+    reference_runner,
 )
 from ldlp.bench.peer import is_peer
 from ldlp.bench.answers import model_id, write_answers
@@ -93,7 +97,8 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     else:
         if hasattr(policy, "bind"):
             policy.bind(pair.target, pair.candidates, max_new_tokens, sampling)
-        spec_runner = engine_runner(policy_name, SpeculativeDecoder(pair.target, pair.candidates, policy), sampling)
+        decoder = SpeculativeDecoder(pair.target, pair.candidates, policy, profile=bool(ev.get("profile", False)))
+        spec_runner = engine_runner(policy_name, decoder, sampling)
         engine = "ours"
 
     ar_key = config_key(cfg.model) + config_key(cfg.data) + f"{max_new_tokens}{sampling}"
@@ -117,9 +122,12 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     spec_stats = [[t.stats for turns in row for t in turns] for row in spec_runs]
     ar_stats = [[t.stats for turns in row for t in turns] for row in ar_runs]
     spec_out = {t.prompt_id: t.tokens for turns in spec_runs[0] for t in turns}
-    ar_out = {t.prompt_id: t.tokens for turns in ar_runs[0] for t in turns}
     check = sampling.greedy and bool(ev.check_lossless)
-    qrows = question_rows(questions, spec_runs, ar_runs, check)
+    ref_runs = ar_runs
+    if check and ar_info["impl"] != "transformers":
+        ref_runs = [[dialogue.run(reference_runner(pair.target), q, max_new_tokens, seed + k)
+                     for k, q in enumerate(questions)]]
+    qrows = question_rows(questions, spec_runs, ar_runs, check, ref_runs)
     late = sum(r["n_dropped"] for r in qrows)  # later turns whose prompt, own answers included, is too long
     if late:
         prompt_info["n_dropped"] = prompt_info.get("n_dropped", 0) + late
@@ -129,13 +137,17 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
 
     lossless, mismatches = None, []
     if check:
-        mismatches = [pid for pid in dict.fromkeys([*spec_out, *ar_out]) if spec_out.get(pid) != ar_out.get(pid)]
+        ref_out = {t.prompt_id: t.tokens for turns in ref_runs[0] for t in turns}
+        ar_out = {t.prompt_id: t.tokens for turns in ar_runs[0] for t in turns}
+        mismatches = [pid for pid in dict.fromkeys([*spec_out, *ref_out])
+                      if spec_out.get(pid) != ref_out.get(pid) or ar_out.get(pid) != ref_out.get(pid)]
         lossless = not mismatches
         if mismatches:
-            log.warning("policy %s: %d outputs differ from the AR output (prompts %s)", policy_name, len(mismatches),
-                        mismatches[:5])
+            log.warning("policy %s: %d outputs (speculative or AR) differ from the target's own greedy decoding "
+                        "(prompts %s)", policy_name, len(mismatches), mismatches[:5])
 
     rounds = [total(row) for row in spec_stats]
+    profiled = engine != "ours" or bool(ev.get("profile", False))
     ar_rounds = [total(row) for row in ar_stats]
     first = rounds[0]
     steps = max(1, first.target_forwards - 1)
@@ -158,10 +170,10 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "target_forwards": first.target_forwards,
         "drafted_tokens": first.drafted_tokens,
         "wasted_tokens": first.wasted_tokens,
-        "draft_s": median([x.draft_s for x in rounds]),
-        "target_s": median([x.target_s for x in rounds]),
-        # a peer's counters come from forward hooks (ldlp/bench/peer.py): no policy time apart
-        "policy_s": median([x.policy_s for x in rounds]) if engine == "ours" else None,
+        # per-component seconds: the engine's profiled mode (evaluation.profile=true), a peer's forward hooks
+        "draft_s": median([x.draft_s for x in rounds]) if profiled else None,
+        "target_s": median([x.target_s for x in rounds]) if profiled else None,
+        "policy_s": median([x.policy_s for x in rounds]) if engine == "ours" and profiled else None,
         "lossless": lossless,
         # context for the table and for reruns
         "engine": engine,

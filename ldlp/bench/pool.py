@@ -59,7 +59,7 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
     keyed = []  # per run: contender key -> row index
     for name, res in zip(where, results):
         if not res.get("lossless", False):
-            raise ValueError(f"{name}: its greedy outputs differ from the AR output; a lossy run is not pooled")
+            raise ValueError(f"{name}: its greedy outputs differ from the target's own greedy decoding; a lossy run is not pooled")
         keyed.append({contender_key(r): i for i, r in enumerate(res["rows"]) if r["contender"] != "AR"})
     keys = list(dict.fromkeys(k for rows in keyed for k in rows))  # in order of first appearance
     present = {k: [j for j, rows in enumerate(keyed) if k in rows] for k in keys}

@@ -49,6 +49,17 @@ def ar_runner(impl: str, target, sampling: SamplingConfig) -> Runner:
     return Runner(f"ar_{impl}", run)
 
 
+def reference_runner(target) -> Runner:
+    """The target's own greedy decoding through transformers (untimed): what lossless outputs must equal."""
+    from eagle_backbone.metrics import GenerationStats
+
+    def run(prompt, n, seed):
+        out = target.reference_greedy(prompt, n)
+        return out, GenerationStats(new_tokens=len(out))
+
+    return Runner("reference", run)
+
+
 def peer_runner(spec, pair) -> Runner:
     from ldlp.bench.peer import hf_generate
 

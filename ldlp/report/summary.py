@@ -241,8 +241,8 @@ def sweep_markdown(rows: list[dict], heads: dict, title: str = "Static vs adapti
         if h.get("best_speedup") is not None:
             facts.append(f"best speedup over AR (oracle excluded): {h['best_speedup']:.2f}x")
         if h.get("all_greedy_lossless") is not None:
-            facts.append("every greedy output equals the AR output" if h["all_greedy_lossless"]
-                         else "**some greedy outputs differ from the AR output**")
+            facts.append("every greedy output equals the target's own greedy decoding" if h["all_greedy_lossless"]
+                         else "**some greedy outputs differ from the target's own greedy decoding**")
         lines += [f"- {f}" for f in facts]
         cats = category_markdown([(_policy_label(r) + ("" if r.get("gamma") is None else f" γ={r['gamma']}"),
                                    r["by_category"], r["all_categories"], r.get("by_task"))
