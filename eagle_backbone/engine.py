@@ -586,11 +586,14 @@ class BatchedSpeculativeEngine:
             src = torch.tensor([active.index(i) for i in nxt], device=dev)
             out_logits, out_state = cand.extend([run[i] for i in nxt], tok[src], [tls[i] for i in nxt], depth,
                                                 None if state is None else state[sel])
-            logits = logits.clone()
-            logits[sel] = out_logits.to(logits.dtype)
-            if state is not None:
-                state = state.clone()
-                state[sel] = out_state
+            if len(nxt) == R:  # every row goes on (always so at batch 1): no scatter
+                logits, state = out_logits.to(logits.dtype), out_state
+            else:
+                logits = logits.clone()
+                logits[sel] = out_logits.to(logits.dtype)
+                if state is not None:
+                    state = state.clone()
+                    state[sel] = out_state
             active = nxt
         return drafted, qprobs
 
@@ -675,12 +678,9 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(),
                  seed: int | torch.Generator | None = None) -> GenerationOutput:
-        ids = check_prompt(prompt_ids, self.target)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         eng = self.engine(sampling)
         eng.prof.s = {}
-        eng.admit(0, ids, max_new_tokens, _stream_seed(seed, self.target.device))
+        eng.admit(0, prompt_ids, max_new_tokens, _stream_seed(seed, self.target.device))  # checks both
         while eng.busy():
             eng.step()
         s = eng.state[0]
