@@ -12,6 +12,7 @@ import importlib
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import hydra
@@ -61,12 +62,22 @@ def main(cfg: DictConfig) -> None:
     old_cand = (old_cands.EagleCandidateGenerator(pair.drafter, target) if cfg.model.drafter_kind == "eagle"
                 else old_cands.DraftModelCandidateGenerator(pair.drafter, target))
 
+    def timed(fn):
+        """The generation and the process CPU seconds it took (a shared machine's other jobs do not count)."""
+        def run(p):
+            c0 = time.process_time()
+            out = fn(p)
+            return out, time.process_time() - c0
+        return run
+
     def runners(gamma):
         if gamma == 0:
-            return [lambda p: autoregressive_generate(target, p, n), lambda p: old_engine.autoregressive_generate(target, p, n)]
-        new = SpeculativeDecoder(target, pair.candidates, StaticPolicy(gamma))
-        old = old_engine.SpeculativeDecoder(target, old_cand, StaticPolicy(gamma))
-        return [lambda p: new.generate(p, n, greedy, 0), lambda p: old.generate(p, n, greedy, 0)]
+            fns = [lambda p: autoregressive_generate(target, p, n), lambda p: old_engine.autoregressive_generate(target, p, n)]
+        else:
+            new = SpeculativeDecoder(target, pair.candidates, StaticPolicy(gamma))
+            old = old_engine.SpeculativeDecoder(target, old_cand, StaticPolicy(gamma))
+            fns = [lambda p: new.generate(p, n, greedy, 0), lambda p: old.generate(p, n, greedy, 0)]
+        return [timed(f) for f in fns]
 
     rows = []
     for gamma in cfg.gammas:
@@ -76,28 +87,39 @@ def main(cfg: DictConfig) -> None:
         runs = interleaved(pair_runs, prompts, int(cfg.rounds), lambda r, p, k, rep: r(p), order="alternate")
         new_runs = [o for rnd in runs[0] for o in rnd]
         old_runs = [o for rnd in runs[1] for o in rnd]
-        same = sum(a.tokens == b.tokens for a, b in zip(new_runs, old_runs))
-        ratio = paired_ratio([o.stats.new_tokens for o in new_runs], [o.stats.wall_s for o in new_runs],
-                             [o.stats.new_tokens for o in old_runs], [o.stats.wall_s for o in old_runs], seed=int(cfg.seed))
-        tps = [sum(o.stats.new_tokens for o in xs) / sum(o.stats.wall_s for o in xs) for xs in (new_runs, old_runs)]
-        rows.append({"gamma": int(gamma), "engine_tokens_per_s": tps[0], "retired_loop_tokens_per_s": tps[1],
-                     "ratio": ratio["ratio"], "ci95": ratio["ci95"], "pairs": ratio["pairs"],
-                     "same_tokens": same, "generations": len(new_runs)})
-        print(f"γ={gamma}: engine {tps[0]:.1f} tok/s, retired loop {tps[1]:.1f} tok/s, ratio {ratio['ratio']:.3f} "
-              f"({ratio['ci95'][0]:.3f}-{ratio['ci95'][1]:.3f}); same tokens {same}/{len(new_runs)}", flush=True)
+        same = sum(a.tokens == b.tokens for (a, _), (b, _) in zip(new_runs, old_runs))
+        row = {"gamma": int(gamma), "same_tokens": same, "generations": len(new_runs)}
+        for clock, secs in (("wall", lambda o, c: o.stats.wall_s), ("cpu", lambda o, c: c)):
+            toks = [[o.stats.new_tokens for o, _ in xs] for xs in (new_runs, old_runs)]
+            sec = [[secs(o, c) for o, c in xs] for xs in (new_runs, old_runs)]
+            ratio = paired_ratio(toks[0], sec[0], toks[1], sec[1], seed=int(cfg.seed))
+            row[clock] = {"engine_tokens_per_s": sum(toks[0]) / sum(sec[0]),
+                          "retired_loop_tokens_per_s": sum(toks[1]) / sum(sec[1]),
+                          "ratio": ratio["ratio"], "ci95": ratio["ci95"], "pairs": ratio["pairs"]}
+        rows.append(row)
+        print(f"γ={gamma}: " + "; ".join(
+            f"{k} engine {row[k]['engine_tokens_per_s']:.1f} tok/s, retired loop {row[k]['retired_loop_tokens_per_s']:.1f}, "
+            f"ratio {row[k]['ratio']:.3f} ({row[k]['ci95'][0]:.3f}-{row[k]['ci95'][1]:.3f})" for k in ("wall", "cpu"))
+            + f"; same tokens {same}/{len(new_runs)}", flush=True)
     out = Path(cfg.out_dir)
-    meta = {"ref": str(cfg.ref), "model": str(cfg.model.name), "prompts": len(prompts), "max_new_tokens": n,
-            "rounds": int(cfg.rounds), "threads": threads}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    meta = {"ref": str(cfg.ref), "commit": commit.stdout.strip() or None, "model": str(cfg.model.name),
+            "prompts": len(prompts), "max_new_tokens": n, "rounds": int(cfg.rounds), "threads": threads}
     atomic_write_json(out / "parity.json", {"meta": meta, "rows": rows})
     md = [f"# Batch 1: the engine against the retired batch-1 loop (git {cfg.ref})", "",
           f"{meta['model']}, {len(prompts)} prompts x {n} new tokens, greedy, {meta['rounds']} interleaved rounds, "
-          f"{threads} thread(s). Ratio: engine tokens/s over the retired loop's, paired bootstrap 95% interval over "
-          "(round, prompt).", "",
-          "| static γ | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens |", "|---:|---:|---:|---:|---|---:|"]
-    md += [f"| {r['gamma']} | {r['engine_tokens_per_s']:.1f} | {r['retired_loop_tokens_per_s']:.1f} | {r['ratio']:.3f} | "
-           f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | {r['same_tokens']}/{r['generations']} |" for r in rows]
-    md += ["", f"Command: `python scripts/bench_retired_loop.py ref={cfg.ref} rounds={cfg.rounds} "
-           f"data.limit={cfg.data.limit} generation.max_new_tokens={n} out_dir={cfg.out_dir}`"]
+          f"{threads} thread(s). Ratio: engine tokens/s over the retired loop's, with a paired bootstrap 95% interval "
+          "over (round, prompt); by wall clock and by the process's CPU seconds (which other jobs on a shared "
+          "machine do not inflate).", "",
+          "| static γ | clock | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens |",
+          "|---:|---|---:|---:|---:|---|---:|"]
+    md += [f"| {r['gamma']} | {k} | {r[k]['engine_tokens_per_s']:.1f} | {r[k]['retired_loop_tokens_per_s']:.1f} | "
+           f"{r[k]['ratio']:.3f} | {r[k]['ci95'][0]:.3f}-{r[k]['ci95'][1]:.3f} | {r['same_tokens']}/{r['generations']} |"
+           for r in rows for k in ("wall", "cpu")]
+    gammas = ",".join(str(int(g)) for g in cfg.gammas)
+    md += ["", f"Command: `python scripts/bench_retired_loop.py ref={cfg.ref} rounds={cfg.rounds} 'gammas=[{gammas}]' "
+           f"data.limit={cfg.data.limit} generation.max_new_tokens={n} out_dir={cfg.out_dir}` (at git "
+           f"{meta['commit']})"]
     atomic_write_text(out / "parity.md", "\n".join(md) + "\n")
     print(f"wrote {out / 'parity.md'}")
 
