@@ -547,8 +547,9 @@ class BatchedSpeculativeEngine:
         qprobs = None
         active = [i for i in range(R) if gammas[i] > 0]
         for depth in range(1, G + 1):
-            idx = torch.tensor(active, device=dev)
+            # while every row drafts (always so at batch 1) the rows are a slice, not a gather: fewer kernels
             whole = len(active) == R
+            idx = slice(None) if whole else torch.tensor(active, device=dev)
             tok, probs = self._pick(logits if whole else logits[idx], seeds[idx], steps[idx],
                                     DRAFT + depth - 1, need_probs)
             draft[idx, depth - 1] = tok
@@ -582,13 +583,14 @@ class BatchedSpeculativeEngine:
             if not nxt:
                 break
             # one drafter forward for the rows still drafting
-            sel = torch.tensor(nxt, device=dev)
-            src = torch.tensor([active.index(i) for i in nxt], device=dev)
-            out_logits, out_state = cand.extend([run[i] for i in nxt], tok[src], [tls[i] for i in nxt], depth,
-                                                None if state is None else state[sel])
-            if len(nxt) == R:  # every row goes on (always so at batch 1): no scatter
-                logits, state = out_logits.to(logits.dtype), out_state
+            if len(nxt) == R:  # every row goes on (always so at batch 1): no gather, no scatter
+                out_logits, state = cand.extend(run, tok, tls, depth, state)
+                logits = out_logits.to(logits.dtype)
             else:
+                sel = torch.tensor(nxt, device=dev)
+                src = torch.tensor([active.index(i) for i in nxt], device=dev)
+                out_logits, out_state = cand.extend([run[i] for i in nxt], tok[src], [tls[i] for i in nxt], depth,
+                                                    None if state is None else state[sel])
                 logits = logits.clone()
                 logits[sel] = out_logits.to(logits.dtype)
                 if state is not None:

@@ -46,9 +46,9 @@ class SlotCache:
         shape = (layers, slots, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # no lengths here: the engine keeps each slot's length on the host (one int a slot) and rolls back
+        # by using a shorter kv_len and overwriting positions, so the cache itself holds no state to reset
         self.capacity = capacity
-        # positions held per slot; the engine keeps it (and a host mirror) and sets it on rollback
-        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
 
     @property
     def slots(self) -> int:
@@ -263,6 +263,38 @@ class BatchedEagleDrafter:
     def logits(self, h):
         return self.lm_head(h.to(self.lm_head.weight.dtype))
 
+def forward_groups(lm: BatchedLlama, groups, cache: SlotCache) -> list[torch.Tensor]:
+    """One forward over several row groups, each ``(tokens (R, T), positions (R, T), rows, kv_len)``, with
+    the projections and MLPs run once over all groups' tokens packed together and attention per group:
+    how a new prompt's prefill joins a decoding step without padding the step's rows to the prompt's
+    length. Returns each group's final-normed hidden states. (Measured against a separate prefill
+    forward by :func:`eagle_backbone.batched.bench.prefill_join_cost`.)"""
+    d = lm.embed_tokens.weight.shape[1]
+    shapes = [g[0].shape for g in groups]
+    sizes = [r * t for r, t in shapes]
+    x = torch.cat([lm.embed_tokens(g[0]).reshape(-1, d) for g in groups])
+    ropes = [lm.rope(g[1]) for g in groups]
+    masks = [visible(g[1], g[3], lm.attn, lm.dtype) for g in groups]
+    for li, layer in enumerate(lm.layers):
+        attn = layer.self_attn
+        hd = attn.head_dim
+        h = layer.input_layernorm(x)
+        q_all, k_all, v_all = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        outs = []
+        for (tok, pos, rows, kv_len), (R, T), (cos, sin), mask, q, k, v in zip(
+                groups, shapes, ropes, masks, q_all.split(sizes), k_all.split(sizes), v_all.split(sizes)):
+            q = q.view(R, T, -1, hd).transpose(1, 2)
+            k = k.view(R, T, -1, hd).transpose(1, 2)
+            v = v.view(R, T, -1, hd).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = write_and_read(cache, li, k, v, rows, pos, kv_len)
+            outs.append(attention(q, keys, values, mask, attn.scaling, lm.attn).reshape(R * T, -1))
+        x = x + attn.o_proj(torch.cat(outs))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    h = lm.decoder.norm(x)
+    return [part.view(R, T, -1) for part, (R, T) in zip(h.split(sizes), shapes)]
+
 
 # ---- the route measurement -----------------------------------------------------------------------------
 
@@ -308,36 +340,3 @@ if __name__ == "__main__":
                                                  attn_implementation="eager").eval()
         for B, r in measure_routes(m).items():
             print(f"{dtype} B={B}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.items()))
-
-
-def forward_groups(lm: BatchedLlama, groups, cache: SlotCache) -> list[torch.Tensor]:
-    """One forward over several row groups, each ``(tokens (R, T), positions (R, T), rows, kv_len)``, with
-    the projections and MLPs run once over all groups' tokens packed together and attention per group:
-    how a new prompt's prefill joins a decoding step without padding the step's rows to the prompt's
-    length. Returns each group's final-normed hidden states. (Measured against a separate prefill
-    forward by :func:`eagle_backbone.batched.bench.prefill_join_cost`.)"""
-    d = lm.embed_tokens.weight.shape[1]
-    shapes = [g[0].shape for g in groups]
-    sizes = [r * t for r, t in shapes]
-    x = torch.cat([lm.embed_tokens(g[0]).reshape(-1, d) for g in groups])
-    ropes = [lm.rope(g[1]) for g in groups]
-    masks = [visible(g[1], g[3], lm.attn, lm.dtype) for g in groups]
-    for li, layer in enumerate(lm.layers):
-        attn = layer.self_attn
-        hd = attn.head_dim
-        h = layer.input_layernorm(x)
-        q_all, k_all, v_all = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        outs = []
-        for (tok, pos, rows, kv_len), (R, T), (cos, sin), mask, q, k, v in zip(
-                groups, shapes, ropes, masks, q_all.split(sizes), k_all.split(sizes), v_all.split(sizes)):
-            q = q.view(R, T, -1, hd).transpose(1, 2)
-            k = k.view(R, T, -1, hd).transpose(1, 2)
-            v = v.view(R, T, -1, hd).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys, values = write_and_read(cache, li, k, v, rows, pos, kv_len)
-            outs.append(attention(q, keys, values, mask, attn.scaling, lm.attn).reshape(R * T, -1))
-        x = x + attn.o_proj(torch.cat(outs))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    h = lm.decoder.norm(x)
-    return [part.view(R, T, -1) for part, (R, T) in zip(h.split(sizes), shapes)]
