@@ -518,6 +518,7 @@ def results_page(results_md: str, name: str, command: str, stage_seconds: dict, 
              ("head_to_head_long/pooled.md", "pooled long head-to-head runs (scripts/pool_head_to_head.py)"),
              ("bench_target.md", "target forward costs (scripts/bench_target.py)"),
              ("batch_bench/README.md", "batched engine against concurrency (scripts/bench_batch.py)"),
+             ("batch1_parity/parity.md", "batch 1: the engine against the retired loop (scripts/bench_retired_loop.py)"),
              ("load_sweep/batch_bench.md", "the main command's load sweep: policies against concurrency and temperature")]
     times = ", ".join(f"{k} {v:.0f} s" for k, v in stage_seconds.items() if v is not None)
     pooled = (published / "head_to_head_long" / "pooled.md").is_file()

@@ -9,6 +9,7 @@ each side); greedy tokens must agree.
 """
 
 import importlib
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
@@ -27,6 +29,11 @@ from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.timing import interleaved, paired_ratio
 
 RETIRED = ("engine", "candidates", "sampling")
+
+
+def cpu_line(machine: dict) -> str:
+    bf16 = {True: "bf16 matmuls in hardware", False: "bf16 matmuls emulated", None: "bf16 support unknown"}
+    return f"{machine['cpu']} ({bf16[machine.get('cpu_bf16')]}, torch {machine['torch']})"
 
 
 def load_retired(ref: str):
@@ -53,7 +60,7 @@ def load_retired(ref: str):
 def main(cfg: DictConfig) -> None:
     threads = start(cfg)
     old_engine, old_cands = load_retired(str(cfg.ref))
-    from ldlp.bench.loaders import load_pair_cached, load_prompts
+    from ldlp.bench.loaders import load_pair_cached, load_prompts, machine_info
 
     pair = load_pair_cached(cfg.model)
     prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
@@ -79,6 +86,8 @@ def main(cfg: DictConfig) -> None:
             fns = [lambda p: new.generate(p, n, greedy, 0), lambda p: old.generate(p, n, greedy, 0)]
         return [timed(f) for f in fns]
 
+    # the losslessness reference: the target's own greedy decoding through transformers, before any clock
+    refs = [target.reference_greedy(p, n) for p in prompts]
     rows = []
     for gamma in cfg.gammas:
         pair_runs = runners(int(gamma))
@@ -88,7 +97,9 @@ def main(cfg: DictConfig) -> None:
         new_runs = [o for rnd in runs[0] for o in rnd]
         old_runs = [o for rnd in runs[1] for o in rnd]
         same = sum(a.tokens == b.tokens for (a, _), (b, _) in zip(new_runs, old_runs))
-        row = {"gamma": int(gamma), "same_tokens": same, "generations": len(new_runs)}
+        lossless = [sum(o.tokens == refs[j % len(prompts)] for j, (o, _) in enumerate(xs)) for xs in (new_runs, old_runs)]
+        row = {"gamma": int(gamma), "same_tokens": same, "generations": len(new_runs),
+               "engine_lossless": lossless[0], "retired_loop_lossless": lossless[1]}
         for clock, secs in (("wall", lambda o, c: o.stats.wall_s), ("cpu", lambda o, c: c)):
             toks = [[o.stats.new_tokens for o, _ in xs] for xs in (new_runs, old_runs)]
             sec = [[secs(o, c) for o, c in xs] for xs in (new_runs, old_runs)]
@@ -100,26 +111,29 @@ def main(cfg: DictConfig) -> None:
         print(f"γ={gamma}: " + "; ".join(
             f"{k} engine {row[k]['engine_tokens_per_s']:.1f} tok/s, retired loop {row[k]['retired_loop_tokens_per_s']:.1f}, "
             f"ratio {row[k]['ratio']:.3f} ({row[k]['ci95'][0]:.3f}-{row[k]['ci95'][1]:.3f})" for k in ("wall", "cpu"))
-            + f"; same tokens {same}/{len(new_runs)}", flush=True)
+            + f"; same tokens {same}/{len(new_runs)}; equal to the target's greedy: engine {lossless[0]}, "
+            f"retired loop {lossless[1]}", flush=True)
     out = Path(cfg.out_dir)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
     meta = {"ref": str(cfg.ref), "commit": commit.stdout.strip() or None, "model": str(cfg.model.name),
-            "prompts": len(prompts), "max_new_tokens": n, "rounds": int(cfg.rounds), "threads": threads}
+            "dtype": str(cfg.model.dtype), "prompts": len(prompts), "max_new_tokens": n, "rounds": int(cfg.rounds),
+            "threads": threads, "machine": machine_info()}
     atomic_write_json(out / "parity.json", {"meta": meta, "rows": rows})
     md = [f"# Batch 1: the engine against the retired batch-1 loop (git {cfg.ref})", "",
-          f"{meta['model']}, {len(prompts)} prompts x {n} new tokens, greedy, {meta['rounds']} interleaved rounds, "
-          f"{threads} thread(s). Ratio: engine tokens/s over the retired loop's, with a paired bootstrap 95% interval "
+          f"{meta['model']} ({meta['dtype']}), {len(prompts)} prompts x {n} new tokens, greedy, {meta['rounds']} "
+          f"interleaved rounds, {threads} thread(s), on {cpu_line(meta['machine'])}. Ratio: engine tokens/s over the retired loop's, with a paired bootstrap 95% interval "
           "over (round, prompt); by wall clock and by the process's CPU seconds (which other jobs on a shared "
-          "machine do not inflate).", "",
-          "| static γ | clock | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens |",
-          "|---:|---|---:|---:|---:|---|---:|"]
+          "machine do not inflate). Greedy tokens are compared with each other and with the target's own greedy "
+          "decoding through transformers (`TargetModel.reference_greedy`).", "",
+          "| static γ | clock | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens | "
+          "engine = target greedy | retired loop = target greedy |",
+          "|---:|---|---:|---:|---:|---|---:|---:|---:|"]
     md += [f"| {r['gamma']} | {k} | {r[k]['engine_tokens_per_s']:.1f} | {r[k]['retired_loop_tokens_per_s']:.1f} | "
-           f"{r[k]['ratio']:.3f} | {r[k]['ci95'][0]:.3f}-{r[k]['ci95'][1]:.3f} | {r['same_tokens']}/{r['generations']} |"
+           f"{r[k]['ratio']:.3f} | {r[k]['ci95'][0]:.3f}-{r[k]['ci95'][1]:.3f} | {r['same_tokens']}/{r['generations']} | "
+           f"{r['engine_lossless']}/{r['generations']} | {r['retired_loop_lossless']}/{r['generations']} |"
            for r in rows for k in ("wall", "cpu")]
-    gammas = ",".join(str(int(g)) for g in cfg.gammas)
-    md += ["", f"Command: `python scripts/bench_retired_loop.py ref={cfg.ref} rounds={cfg.rounds} 'gammas=[{gammas}]' "
-           f"data.limit={cfg.data.limit} generation.max_new_tokens={n} out_dir={cfg.out_dir}` (at git "
-           f"{meta['commit']})"]
+    args = " ".join(shlex.quote(o) for o in HydraConfig.get().overrides.task)  # the command as it was typed
+    md += ["", f"Command: `python scripts/bench_retired_loop.py {args}` (at git {meta['commit']})"]
     atomic_write_text(out / "parity.md", "\n".join(md) + "\n")
     print(f"wrote {out / 'parity.md'}")
 

@@ -423,3 +423,26 @@ def test_sweep_groups_by_category(t32, eagle32):
     assert table_rows(md.split("Per prompt category")[1]) == [r["contender"] for r in result["rows"]]
     with pytest.raises(ValueError, match="categories for"):
         sweep(t32, cand, prompts, contenders, [1], 8, rounds=1, categories=["x"])
+
+
+def test_retired_loop_loads_from_history_and_agrees(t32, eagle32):
+    """scripts/bench_retired_loop.py reads the batch-1 loop from git at c1cdba4: it still loads, and its
+    greedy output equals the engine's and the target's own (float32: bit for bit)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    known = subprocess.run(["git", "cat-file", "-e", "c1cdba4^{commit}"], cwd=root, capture_output=True)
+    if known.returncode != 0:
+        pytest.skip("this checkout has no git history back to c1cdba4 (a shallow clone)")
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        from bench_retired_loop import load_retired
+    finally:
+        sys.path.remove(str(root / "scripts"))
+    old_engine, old_cands = load_retired("c1cdba4")
+    for p in prompts_of((5, 11), seed=4):
+        ref = t32.reference_greedy(p, 16)
+        old = old_engine.SpeculativeDecoder(t32, old_cands.EagleCandidateGenerator(eagle32, t32), StaticPolicy(3))
+        new = SpeculativeDecoder(t32, EagleCandidateGenerator(eagle32, t32), StaticPolicy(3))
+        assert old.generate(p, 16).tokens == new.generate(p, 16).tokens == ref

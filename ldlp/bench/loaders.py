@@ -189,14 +189,19 @@ def apply_tuned(policy_cfg, tuned_from, policy_name: str | None):
 
 def machine_info() -> dict:
     cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:  # the model name is more telling than "x86_64" where /proc/cpuinfo exists
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu in (platform.processor(), platform.machine()):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            # bfloat16 matmuls in hardware (AVX-512 BF16 or AMX) or emulated: it changes the embedded pair's
+            # cost shape (bf16 emulated is compute-bound: extra scored tokens cost nearly their full price)
+            "cpu_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}) if flags else None,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
