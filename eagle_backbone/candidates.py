@@ -20,6 +20,7 @@ import copy
 import torch
 
 from eagle_backbone.batched.model import BatchedEagleDrafter, BatchedLlama, SlotCache
+from eagle_backbone.runtime import to_device
 from eagle_backbone.target import TargetModel
 
 
@@ -110,12 +111,12 @@ class EagleCandidateGenerator(CandidateGenerator):
 
     def prefill(self, slots, tokens, positions, lengths, first, hidden):
         dev = tokens.device
-        nt = torch.tensor(lengths, device=dev)
+        nt = to_device(lengths, dev)
         # pairs (t_{j+1}, f_j), j < n: the prompt shifted by one, the first generated token closing it
         nxt = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)
         nxt[torch.arange(len(slots), device=dev), nt - 1] = first
         out = self.dm(nxt, hidden, positions, self.cache, tokens.shape[1], self.engine.rows(slots))
-        self.h_last[torch.tensor(slots, device=dev)] = _last(out, nt - 1)
+        self.h_last[to_device(slots, dev)] = _last(out, nt - 1)
         for b, n in zip(slots, lengths):
             self.fed[b] = n
 
@@ -124,10 +125,10 @@ class EagleCandidateGenerator(CandidateGenerator):
         e, dev = self.engine, self.engine.device
         n = [t - self.fed[b] for b, t in zip(slots, tlens)]
         ar = torch.arange(max(n), device=dev)[None]
-        nt = torch.tensor(n, device=dev)
+        nt = to_device(n, dev)
         valid = ar < nt[:, None]
-        pos = torch.where(valid, torch.tensor([self.fed[b] for b in slots], device=dev)[:, None] + ar, e.trash)
-        ridx = torch.tensor(slots, device=dev)
+        pos = torch.where(valid, to_device([self.fed[b] for b in slots], dev)[:, None] + ar, e.trash)
+        ridx = to_device(slots, dev)
         tok = e.seq[ridx[:, None], torch.where(valid, pos + 1, e.trash)]
         out = self.dm(tok, e.feat[ridx[:, None], pos], pos, self.cache, max(tlens), e.rows(slots))
         self.h_last[ridx] = _last(out, nt - 1)
@@ -144,7 +145,7 @@ class EagleCandidateGenerator(CandidateGenerator):
 
     def extend(self, slots, tokens, tlens, depth, states):
         dev = self.engine.device
-        pos = torch.tensor([t + depth - 1 for t in tlens], device=dev)[:, None]  # past the true pairs
+        pos = to_device([t + depth - 1 for t in tlens], dev)[:, None]  # past the true pairs
         out = self.dm(tokens[:, None], states[:, None], pos, self.cache, max(tlens) + depth,
                       self.engine.rows(slots))[:, 0]
         return self.dm.logits(out), out
@@ -171,14 +172,14 @@ class DraftModelCandidateGenerator(CandidateGenerator):
 
     def prefill(self, slots, tokens, positions, lengths, first, hidden):
         e, dev = self.engine, tokens.device
-        nt = torch.tensor(lengths, device=dev)
+        nt = to_device(lengths, dev)
         # the draft LM reads the prompt and the first token: its logits there predict draft 1
         ids = torch.cat([tokens, torch.zeros_like(tokens[:, :1])], 1)
         ids[torch.arange(len(slots), device=dev), nt] = first
         T = tokens.shape[1] + 1
         ar = torch.arange(T, device=dev)[None]
         h = self.dm(ids, torch.where(ar <= nt[:, None], ar, e.trash), self.cache, T, e.rows(slots))
-        self.logits_last[torch.tensor(slots, device=dev)] = self.dm.logits(_last(h, nt))
+        self.logits_last[to_device(slots, dev)] = self.dm.logits(_last(h, nt))
         for b, n in zip(slots, lengths):
             self.fed[b] = n + 1
 
@@ -187,10 +188,10 @@ class DraftModelCandidateGenerator(CandidateGenerator):
         e, dev = self.engine, self.engine.device
         n = [t + 1 - self.fed[b] for b, t in zip(slots, tlens)]
         ar = torch.arange(max(n), device=dev)[None]
-        nt = torch.tensor(n, device=dev)
-        pos = torch.where(ar < nt[:, None], torch.tensor([self.fed[b] for b in slots], device=dev)[:, None] + ar,
+        nt = to_device(n, dev)
+        pos = torch.where(ar < nt[:, None], to_device([self.fed[b] for b in slots], dev)[:, None] + ar,
                           e.trash)
-        ridx = torch.tensor(slots, device=dev)
+        ridx = to_device(slots, dev)
         out = self.dm(e.seq[ridx[:, None], pos], pos, self.cache, max(tlens) + 1, e.rows(slots))
         self.logits_last[ridx] = self.dm.logits(_last(out, nt - 1))
         for b, t in zip(slots, tlens):
@@ -205,7 +206,7 @@ class DraftModelCandidateGenerator(CandidateGenerator):
 
     def extend(self, slots, tokens, tlens, depth, states):
         dev = self.engine.device
-        pos = torch.tensor([t + depth for t in tlens], device=dev)[:, None]
+        pos = to_device([t + depth for t in tlens], dev)[:, None]
         out = self.dm(tokens[:, None], pos, self.cache, max(tlens) + depth + 1, self.engine.rows(slots))[:, 0]
         for b, t in zip(slots, tlens):
             self.fed[b] = t + depth + 1  # draft `depth` is in the cache now

@@ -51,6 +51,7 @@ from eagle_backbone.policy import (
     DraftLengthPolicy,
     StaticPolicy,
 )
+from eagle_backbone.runtime import to_device
 from eagle_backbone.sampling import (
     ACCEPT,
     DRAFT,
@@ -230,7 +231,7 @@ class BatchedSpeculativeEngine:
         self.device, self.prefill, self.max_draft = target.device, prefill, max_draft
         self.tm = BatchedLlama(target.model, buf, attn)
         self.tcache = self.tm.new_cache(slots)
-        self.eos = torch.tensor(sorted(target.eos_token_ids) or [-1], device=self.device)
+        self.eos = to_device(sorted(target.eos_token_ids) or [-1], self.device)
         self.seq = torch.zeros(slots, buf, dtype=torch.long, device=self.device)  # tokens by position
         self.last_feat = torch.zeros(slots, target.hidden_size, dtype=target.dtype, device=self.device)
         if candidates is not None and candidates.needs_features:
@@ -298,7 +299,7 @@ class BatchedSpeculativeEngine:
         """An index tensor for a row subset, or None when the rows are all slots in order (views, no gather)."""
         if slots == list(range(self.slots)):
             return None
-        return torch.tensor(slots, device=self.device)
+        return to_device(slots, self.device)
 
     def _vectorised(self, s: Slot):
         if not hasattr(s, "_vec"):
@@ -311,7 +312,7 @@ class BatchedSpeculativeEngine:
             tok = logits.argmax(-1)
             return tok, (probs_from_logits(logits, self.sampling) if need_probs else None)
         probs = probs_from_logits(logits, self.sampling)
-        u = uniforms(seeds, steps, torch.tensor([draw], device=self.device))[:, 0]
+        u = uniforms(seeds, steps, to_device([draw], self.device))[:, 0]
         return sample_rows(probs, u), probs
 
     # ---- prefill --------------------------------------------------------------------------------
@@ -322,8 +323,8 @@ class BatchedSpeculativeEngine:
         tok = torch.zeros(len(slots), T, dtype=torch.long)
         for i, b in enumerate(slots):
             tok[i, : n[i]] = torch.tensor(self.state[b].prompt)
-        tok = tok.to(self.device)
-        nt = torch.tensor(n, device=self.device)
+        tok = tok.to(self.device, non_blocking=True)  # pageable memory: staged, no wait (runtime.to_device)
+        nt = to_device(n, self.device)
         ar = torch.arange(T, device=self.device)[None]
         pos = torch.where(ar < nt[:, None], ar, self.trash)
         return (tok, pos, self.rows(slots), T), nt
@@ -341,10 +342,10 @@ class BatchedSpeculativeEngine:
         tok, pos, rows, T = group
         dev = self.device
         last = h.gather(1, (nt - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
-        seeds = torch.tensor([s.seed for s in st], device=dev)
+        seeds = to_device([s.seed for s in st], dev)
         steps = torch.zeros(len(slots), dtype=torch.long, device=dev)
         x, _ = self._pick(self.tm.logits(last), seeds, steps, FINAL, False)
-        ridx = torch.tensor(slots, device=dev)
+        ridx = to_device(slots, dev)
         self.seq[ridx[:, None], pos] = tok
         self.seq[ridx, nt] = x
         self.last_feat[ridx] = last
@@ -436,7 +437,7 @@ class BatchedSpeculativeEngine:
         draft = torch.zeros(R, G, dtype=torch.long, device=dev)
         qprobs = None  # (R, G, V) the drafter's distributions, when sampling
         drafted = [0] * R
-        rows_t = torch.tensor(run, device=dev)
+        rows_t = to_device(run, dev)
         if G:
             drafted, qprobs = self._draft(run, st, gammas, ctxs, draft)
         prof.mark("draft")
@@ -444,8 +445,8 @@ class BatchedSpeculativeEngine:
         # 3. verification: slot b scores its last token and its drafts, padded to the longest
         T = max(drafted) + 1
         ar = torch.arange(T, device=dev)[None]
-        tl = torch.tensor([s.tlen for s in st], device=dev)
-        nd = torch.tensor(drafted, device=dev)
+        tl = to_device([s.tlen for s in st], dev)
+        nd = to_device(drafted, dev)
         K = T - 1
         rec = DraftRecord(draft[:, :K], nd, torch.arange(-1, K - 1, device=dev).expand(R, K),
                           qprobs[:, :K] if qprobs is not None and K else None)
@@ -461,20 +462,20 @@ class BatchedSpeculativeEngine:
         elif sum(drafted) + R < R * T:
             # ragged: the projections, MLPs and LM head score only the real tokens (a slot's γ costs the
             # batch its own tokens, not the longest row's)
-            packed = torch.tensor([i * T + j for i, d in enumerate(drafted) for j in range(d + 1)], device=dev)
+            packed = to_device([i * T + j for i, d in enumerate(drafted) for j in range(d + 1)], dev)
             h = self.tm(tokens, pos, self.tcache, kv_len, self.rows(run), packed=packed)
             logits = unpack(self.tm.logits(h.reshape(R * T, -1).index_select(0, packed)), packed, R, T)
         else:
             h = self.tm(tokens, pos, self.tcache, kv_len, self.rows(run))
             logits = self.tm.logits(h)
-        seeds = torch.tensor([s.seed for s in st], device=dev)
-        steps = torch.tensor([s.step + 1 for s in st], device=dev)
+        seeds = to_device([s.seed for s in st], dev)
+        steps = to_device([s.step + 1 for s in st], dev)
         if samp.greedy:
             a, x = verify_greedy_batch(rec.tokens, rec.lengths, logits)
         else:
             p = probs_from_logits(logits, samp)
             u = uniforms(seeds, steps, torch.cat([ACCEPT + torch.arange(T - 1, device=dev),
-                                                  torch.tensor([FINAL], device=dev)]))
+                                                  to_device([FINAL], dev)]))
             a, x = verify_sampling_batch(rec.tokens, rec.lengths, rec.probs, p,
                                          u[:, : T - 1], u[:, -1])
         emitted = torch.cat([rec.tokens, torch.zeros_like(x)[:, None]], 1)
@@ -537,8 +538,8 @@ class BatchedSpeculativeEngine:
         tls = [s.tlen for s in st]
         # every running slot reads what the target accepted (also γ=0 slots: the forward runs anyway)
         logits, state = cand.start(run, tls)
-        seeds = torch.tensor([s.seed for s in st], device=dev)
-        steps = torch.tensor([s.step + 1 for s in st], device=dev)
+        seeds = to_device([s.seed for s in st], dev)
+        steps = to_device([s.step + 1 for s in st], dev)
         bp = self.batch_policy
         keepers = [bp is None and _overrides(s.policy, "keep_drafting") for s in st]
         reads = bp is not None and bp.reads_drafts
@@ -549,7 +550,7 @@ class BatchedSpeculativeEngine:
         for depth in range(1, G + 1):
             # while every row drafts (always so at batch 1) the rows are a slice, not a gather: fewer kernels
             whole = len(active) == R
-            idx = slice(None) if whole else torch.tensor(active, device=dev)
+            idx = slice(None) if whole else to_device(active, dev)
             tok, probs = self._pick(logits if whole else logits[idx], seeds[idx], steps[idx],
                                     DRAFT + depth - 1, need_probs)
             draft[idx, depth - 1] = tok
@@ -587,8 +588,8 @@ class BatchedSpeculativeEngine:
                 out_logits, state = cand.extend(run, tok, tls, depth, state)
                 logits = out_logits.to(logits.dtype)
             else:
-                sel = torch.tensor(nxt, device=dev)
-                src = torch.tensor([active.index(i) for i in nxt], device=dev)
+                sel = to_device(nxt, dev)
+                src = to_device([active.index(i) for i in nxt], dev)
                 out_logits, out_state = cand.extend([run[i] for i in nxt], tok[src], [tls[i] for i in nxt], depth,
                                                     None if state is None else state[sel])
                 logits = logits.clone()

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from eagle_backbone.runtime import to_device
+
 
 @dataclass
 class DraftContext:
@@ -41,7 +43,7 @@ class DraftContext:
     def embedding(self) -> torch.Tensor:
         """(d,) target input embedding of ``last_token`` (computed on first use)."""
         if self._embedding is None:
-            ids = torch.tensor([self.last_token], device=self.feature.device)
+            ids = to_device([self.last_token], self.feature.device)
             self._embedding = self._embed(ids)[0]
         return self._embedding
 

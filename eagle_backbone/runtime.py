@@ -41,3 +41,14 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+
+
+def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list (indices, lengths, seeds) as a tensor on ``device``, without waiting for the device.
+
+    ``torch.tensor(values, device="cuda")`` copies and then synchronises the stream, so the host would wait for
+    every kernel queued before it (a hidden synchronisation in a hot loop); a CPU tensor moved with
+    ``non_blocking=True`` is the same copy, ordered on the stream, with no wait (safe from pageable memory:
+    the values are staged before the call returns). On a CPU it is just the tensor."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if t.device == torch.device(device) else t.to(device, non_blocking=True)

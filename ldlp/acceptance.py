@@ -203,7 +203,9 @@ class DraftAcceptanceHead(_LogisticHead):
 
     def logit(self, states: torch.Tensor, probs: torch.Tensor, depth) -> torch.Tensor:
         feats = prob_features(probs)
-        depth = torch.as_tensor(depth, device=feats.device).to(torch.float32).expand(feats.shape[0])
+        # a host int becomes a fill on the device (no host-to-device copy, which would wait for the stream)
+        depth = (depth.to(feats.device, torch.float32).expand(feats.shape[0]) if isinstance(depth, torch.Tensor)
+                 else feats.new_full((feats.shape[0],), float(depth)))
         return self.logit_from_stats(states, torch.cat([feats, depth[:, None]], dim=1))
 
     def forward(self, states: torch.Tensor, probs: torch.Tensor, depth) -> torch.Tensor:

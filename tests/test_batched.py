@@ -446,3 +446,26 @@ def test_retired_loop_loads_from_history_and_agrees(t32, eagle32):
         old = old_engine.SpeculativeDecoder(t32, old_cands.EagleCandidateGenerator(eagle32, t32), StaticPolicy(3))
         new = SpeculativeDecoder(t32, EagleCandidateGenerator(eagle32, t32), StaticPolicy(3))
         assert old.generate(p, 16).tokens == new.generate(p, 16).tokens == ref
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_steps_build_no_device_tensor_from_host_lists(t32, eagle32, draft_lm, monkeypatch, temperature):
+    """On a GPU ``torch.tensor(list, device=...)`` synchronises the stream (the host waits for every queued
+    kernel): the hot loop moves host lists with ``runtime.to_device`` (non-blocking) instead. Checked here by
+    watching every torch.tensor/as_tensor call with a device while engines decode (refills included)."""
+    calls = []
+    for name in ("tensor", "as_tensor"):
+        real = getattr(torch, name)
+
+        def watch(*args, _real=real, _name=name, **kw):
+            if kw.get("device") is not None:
+                calls.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(torch, name, watch)
+    sampling = SamplingConfig(temperature=temperature)
+    for drafter, kind in ((eagle32, "eagle"), (draft_lm, "draft_lm")):
+        engine = BatchedSpeculativeEngine(t32, drafter, kind, slots=2, policy=PromptGamma, sampling=sampling)
+        out = run_workload(engine, prompts_of((5, 9, 3)), 2, 8)
+        assert [len(o.tokens) for o in out.outputs] == [8, 8, 8]
+    assert calls == []
