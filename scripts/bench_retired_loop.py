@@ -59,6 +59,9 @@ def load_retired(ref: str):
 @hydra.main(config_path="../conf", config_name="bench_retired_loop", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     threads = start(cfg)
+    # the code measured is the code at start (a commit landing mid-run must not relabel the page)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
     old_engine, old_cands = load_retired(str(cfg.ref))
     from ldlp.bench.loaders import load_pair_cached, load_prompts, machine_info
 
@@ -114,7 +117,6 @@ def main(cfg: DictConfig) -> None:
             + f"; same tokens {same}/{len(new_runs)}; equal to the target's greedy: engine {lossless[0]}, "
             f"retired loop {lossless[1]}", flush=True)
     out = Path(cfg.out_dir)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
     meta = {"ref": str(cfg.ref), "commit": commit.stdout.strip() or None, "model": str(cfg.model.name),
             "dtype": str(cfg.model.dtype), "prompts": len(prompts), "max_new_tokens": n, "rounds": int(cfg.rounds),
             "threads": threads, "machine": machine_info()}
