@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from eagle_backbone.batched.bench import near_tie
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.paths import REPO_ROOT
@@ -101,8 +102,17 @@ def main(cfg: DictConfig) -> None:
         old_runs = [o for rnd in runs[1] for o in rnd]
         same = sum(a.tokens == b.tokens for (a, _), (b, _) in zip(new_runs, old_runs))
         lossless = [sum(o.tokens == refs[j % len(prompts)] for j, (o, _) in enumerate(xs)) for xs in (new_runs, old_runs)]
+        # every output that leaves the reference, once per (side, prompt): is it a near-tie of the dtype?
+        differences = []
+        for side, xs in (("engine", new_runs), ("retired loop", old_runs)):
+            seen = set()
+            for j, (o, _) in enumerate(xs):
+                i = j % len(prompts)
+                if o.tokens != refs[i] and (i, tuple(o.tokens)) not in seen:
+                    seen.add((i, tuple(o.tokens)))
+                    differences.append({"side": side, "prompt": i, **near_tie(target, prompts[i], refs[i], o.tokens)})
         row = {"gamma": int(gamma), "same_tokens": same, "generations": len(new_runs),
-               "engine_lossless": lossless[0], "retired_loop_lossless": lossless[1]}
+               "engine_lossless": lossless[0], "retired_loop_lossless": lossless[1], "differences": differences}
         for clock, secs in (("wall", lambda o, c: o.stats.wall_s), ("cpu", lambda o, c: c)):
             toks = [[o.stats.new_tokens for o, _ in xs] for xs in (new_runs, old_runs)]
             sec = [[secs(o, c) for o, c in xs] for xs in (new_runs, old_runs)]
@@ -123,8 +133,8 @@ def main(cfg: DictConfig) -> None:
     atomic_write_json(out / "parity.json", {"meta": meta, "rows": rows})
     md = [f"# Batch 1: the engine against the retired batch-1 loop (git {cfg.ref})", "",
           f"{meta['model']} ({meta['dtype']}), {len(prompts)} prompts x {n} new tokens, greedy, {meta['rounds']} "
-          f"interleaved rounds, {threads} thread(s), on {cpu_line(meta['machine'])}. Ratio: engine tokens/s over the retired loop's, with a paired bootstrap 95% interval "
-          "over (round, prompt); by wall clock and by the process's CPU seconds (which other jobs on a shared "
+          f"interleaved rounds, {threads} thread(s), on {cpu_line(meta['machine'])}. Ratio: engine tokens/s over the "
+          "retired loop's, with a paired bootstrap 95% interval over (round, prompt); by wall clock and by the process's CPU seconds (which other jobs on a shared "
           "machine do not inflate). Greedy tokens are compared with each other and with the target's own greedy "
           "decoding through transformers (`TargetModel.reference_greedy`).", "",
           "| static γ | clock | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens | "
@@ -134,6 +144,18 @@ def main(cfg: DictConfig) -> None:
            f"{r[k]['ratio']:.3f} | {r[k]['ci95'][0]:.3f}-{r[k]['ci95'][1]:.3f} | {r['same_tokens']}/{r['generations']} | "
            f"{r['engine_lossless']}/{r['generations']} | {r['retired_loop_lossless']}/{r['generations']} |"
            for r in rows for k in ("wall", "cpu")]
+    diffs = [(r["gamma"], d) for r in rows for d in r["differences"]]
+    if diffs:
+        md += ["", "Outputs that leave the target's greedy decoding, each at its first differing token: the target's "
+               "top-2 logit gap there (the reference prefix in one forward) against the dtype's spacing at the top "
+               "logit; a near-tie is a gap within two spacings, where rounding alone can flip the argmax.", "",
+               "| static γ | side | prompt | token | reference / got | top-2 gap | spacing | near-tie |",
+               "|---:|---|---:|---:|---|---:|---:|---|"]
+        def num(x):
+            return "–" if x is None else f"{x:.5f}"
+
+        md += [f"| {g} | {d['side']} | {d['prompt']} | {d['position']} | {d.get('ref_token')} / {d.get('got_token')} | "
+               f"{num(d['gap'])} | {num(d['spacing'])} | {'yes' if d['near_tie'] else 'NO'} |" for g, d in diffs]
     args = " ".join(shlex.quote(o) for o in HydraConfig.get().overrides.task)  # the command as it was typed
     md += ["", f"Command: `python scripts/bench_retired_loop.py {args}` (at git {meta['commit']})"]
     atomic_write_text(out / "parity.md", "\n".join(md) + "\n")
