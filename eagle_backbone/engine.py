@@ -438,8 +438,13 @@ class BatchedSpeculativeEngine:
         qprobs = None  # (R, G, V) the drafter's distributions, when sampling
         drafted = [0] * R
         rows_t = to_device(run, dev)
+        # the slots' random streams, once a step (sampling only: greedy draws nothing)
+        seeds = steps = None
+        if not samp.greedy:
+            seeds = to_device([s.seed for s in st], dev)
+            steps = to_device([s.step + 1 for s in st], dev)
         if G:
-            drafted, qprobs = self._draft(run, st, gammas, ctxs, draft)
+            drafted, qprobs = self._draft(run, st, gammas, ctxs, draft, seeds, steps)
         prof.mark("draft")
 
         # 3. verification: slot b scores its last token and its drafts, padded to the longest
@@ -468,8 +473,6 @@ class BatchedSpeculativeEngine:
         else:
             h = self.tm(tokens, pos, self.tcache, kv_len, self.rows(run))
             logits = self.tm.logits(h)
-        seeds = to_device([s.seed for s in st], dev)
-        steps = to_device([s.step + 1 for s in st], dev)
         if samp.greedy:
             a, x = verify_greedy_batch(rec.tokens, rec.lengths, logits)
         else:
@@ -530,16 +533,15 @@ class BatchedSpeculativeEngine:
             self._first_tokens(joined, firsts, finished)
         prof.mark("host")
 
-    def _draft(self, run, st, gammas, ctxs, draft):
+    def _draft(self, run, st, gammas, ctxs, draft, seeds, steps):
         """Fill ``draft`` (R, G) with the candidate generator; returns the drafted count per row and, when
-        sampling, the distributions the drafts were drawn from (R, G, V)."""
+        sampling, the distributions the drafts were drawn from (R, G, V). ``seeds``/``steps`` (R,): the rows'
+        random streams (None when greedy)."""
         dev, prof, cand = self.device, self.prof, self.cand
         R, G = draft.shape
         tls = [s.tlen for s in st]
         # every running slot reads what the target accepted (also γ=0 slots: the forward runs anyway)
         logits, state = cand.start(run, tls)
-        seeds = to_device([s.seed for s in st], dev)
-        steps = to_device([s.step + 1 for s in st], dev)
         bp = self.batch_policy
         keepers = [bp is None and _overrides(s.policy, "keep_drafting") for s in st]
         reads = bp is not None and bp.reads_drafts
@@ -551,8 +553,8 @@ class BatchedSpeculativeEngine:
             # while every row drafts (always so at batch 1) the rows are a slice, not a gather: fewer kernels
             whole = len(active) == R
             idx = slice(None) if whole else to_device(active, dev)
-            tok, probs = self._pick(logits if whole else logits[idx], seeds[idx], steps[idx],
-                                    DRAFT + depth - 1, need_probs)
+            tok, probs = self._pick(logits if whole else logits[idx], None if seeds is None else seeds[idx],
+                                    None if steps is None else steps[idx], DRAFT + depth - 1, need_probs)
             draft[idx, depth - 1] = tok
             if not self.sampling.greedy:
                 if qprobs is None:
