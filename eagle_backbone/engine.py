@@ -342,8 +342,10 @@ class BatchedSpeculativeEngine:
         tok, pos, rows, T = group
         dev = self.device
         last = h.gather(1, (nt - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
-        seeds = to_device([s.seed for s in st], dev)
-        steps = torch.zeros(len(slots), dtype=torch.long, device=dev)
+        seeds = steps = None  # the first token's stream (sampling only: greedy draws nothing)
+        if not self.sampling.greedy:
+            seeds = to_device([s.seed for s in st], dev)
+            steps = torch.zeros(len(slots), dtype=torch.long, device=dev)
         x, _ = self._pick(self.tm.logits(last), seeds, steps, FINAL, False)
         ridx = to_device(slots, dev)
         self.seq[ridx[:, None], pos] = tok

@@ -134,8 +134,8 @@ def main(cfg: DictConfig) -> None:
     md = [f"# Batch 1: the engine against the retired batch-1 loop (git {cfg.ref})", "",
           f"{meta['model']} ({meta['dtype']}), {len(prompts)} prompts x {n} new tokens, greedy, {meta['rounds']} "
           f"interleaved rounds, {threads} thread(s), on {cpu_line(meta['machine'])}. Ratio: engine tokens/s over the "
-          "retired loop's, with a paired bootstrap 95% interval over (round, prompt); by wall clock and by the process's CPU seconds (which other jobs on a shared "
-          "machine do not inflate). Greedy tokens are compared with each other and with the target's own greedy "
+          "retired loop's, with a paired bootstrap 95% interval over (round, prompt); by wall clock and by the "
+          "process's CPU seconds (which other jobs on a shared machine do not inflate). Greedy tokens are compared with each other and with the target's own greedy "
           "decoding through transformers (`TargetModel.reference_greedy`).", "",
           "| static γ | clock | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens | "
           "engine = target greedy | retired loop = target greedy |",

@@ -188,16 +188,17 @@ def apply_tuned(policy_cfg, tuned_from, policy_name: str | None):
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    flags: set[str] = set()
-    try:  # the model name is more telling than "x86_64" where /proc/cpuinfo exists
+    fields: dict[str, str] = {}  # /proc/cpuinfo's first CPU (every CPU repeats the same keys)
+    try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in (platform.processor(), platform.machine()):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+            key, sep, value = line.partition(":")
+            if sep:
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    # the model name is more telling than "x86_64" where /proc/cpuinfo exists
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
     info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
             # bfloat16 matmuls in hardware (AVX-512 BF16 or AMX) or emulated: it changes the embedded pair's
             # cost shape (bf16 emulated is compute-bound: extra scored tokens cost nearly their full price)
