@@ -1,10 +1,18 @@
 """What every script does first (``start(cfg)``): its torch threads from ``cfg.threads``, set once before
-any work; known-harmless third-party notices silenced; a missing model folder stopped with one line."""
+any work; known-harmless third-party notices silenced; a missing model folder stopped with one line.
+
+``@one_line_errors`` (under ``@hydra.main``) turns the project's own ``ValueError``s (``ConfigError``,
+``DataError`` and every ``ValueError`` raised from this repository's code) into one ``error:`` line and exit
+status 1; ``HYDRA_FULL_ERROR=1`` keeps the traceback."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import sys
 import warnings
+from pathlib import Path
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...} and ${model_folder:...})
 from eagle_backbone.runtime import set_threads
@@ -58,3 +66,50 @@ def start(cfg) -> int:
                 why = str(e.__cause__ or e).split(" raised while resolving interpolation: ")[-1].splitlines()[0]
                 raise SystemExit(f"error: model.{key}: {why}") from None
     return set_threads(cfg.get("threads"))
+
+
+_REPO = Path(__file__).resolve().parent.parent
+_OWN = tuple(str(_REPO / d) + os.sep for d in ("eagle_backbone", "ldlp", "scripts"))
+
+
+def _own_value_error(e: BaseException) -> ValueError | None:
+    """The project's own ValueError behind ``e`` (Hydra's instantiation wrapper unwrapped), or None: a
+    ConfigError anywhere, or a ValueError raised in this repository's code (not in a library)."""
+    from eagle_backbone.errors import ConfigError
+
+    for _ in range(4):  # InstantiationException -> the policy's own error
+        if isinstance(e, ConfigError):
+            return e
+        if isinstance(e, ValueError):
+            tb, where = e.__traceback__, None
+            while tb is not None:
+                where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+            return e if where and os.path.abspath(where).startswith(_OWN) else None
+        if e.__cause__ is None:
+            return None
+        e = e.__cause__
+    return None
+
+
+def error_line(e: BaseException) -> str:
+    """One line for a user: the message's first line, prefixed ``error:``."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"error: {first}"
+
+
+def one_line_errors(main):
+    """Decorate a Hydra task function: the project's own ValueErrors end the script with one ``error:`` line
+    on stderr and exit status 1 (``HYDRA_FULL_ERROR=1``: the traceback, as Hydra prints it)."""
+
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except Exception as e:
+            own = _own_value_error(e)
+            if own is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(error_line(own), file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+
+    return wrapped

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 import hydra
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
@@ -18,6 +18,7 @@ log = logging.getLogger("bench_batch")
 
 
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.batched.bench import Contender, check_sweep_args, sweep, write
     from eagle_backbone.candidates import make_candidates

@@ -10,13 +10,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.loading import load_target
 from ldlp.policy_cost import HISTORY_FILE, benchmark_ldlp
 from ldlp.predictor import LDLP
 
 
 @hydra.main(config_path="../conf", config_name="bench_ldlp", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     target = load_target(cfg.model)

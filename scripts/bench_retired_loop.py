@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.batched.bench import near_tie
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
@@ -58,6 +58,7 @@ def load_retired(ref: str):
 
 
 @hydra.main(config_path="../conf", config_name="bench_retired_loop", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     threads = start(cfg)
     # the code measured is the code at start (a commit landing mid-run must not relabel the page)

@@ -10,12 +10,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.bench import batch_invariance, forward_costs
 from eagle_backbone.loading import load_target
 
 
 @hydra.main(config_path="../conf", config_name="bench_target", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     base = OmegaConf.to_container(cfg.model, resolve=True)

@@ -3,11 +3,12 @@
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.labels.acceptance_labels import collect_acceptance
 
 
 @hydra.main(config_path="../conf", config_name="collect_acceptance", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     report = collect_acceptance(cfg)

@@ -7,7 +7,7 @@
 from pathlib import Path
 
 import hydra
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -17,6 +17,7 @@ from ldlp.bench.loaders import policy_config
 
 
 @hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     contenders = [policy_config(cfg, str(c).split()) for c in cfg.contenders]

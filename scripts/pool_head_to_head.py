@@ -7,13 +7,14 @@
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import repo_path
 from ldlp.bench.pool import pool_folders, pooled_markdown
 from ldlp.report.pages import publish_pooled
 
 
 @hydra.main(config_path="../conf", config_name="pool_head_to_head", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     pooled = pool_folders(list(cfg.runs), cfg.out_dir, int(cfg.bootstrap), int(cfg.seed))

@@ -5,11 +5,12 @@
 """
 
 import hydra
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from omegaconf import DictConfig
 
 
 @hydra.main(config_path="../conf", config_name="profile_cost", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.batched.cost import check_costs, check_markdown, cost_key, profile_costs, table_path
     from eagle_backbone.engine import BatchedSpeculativeEngine

@@ -6,12 +6,13 @@
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import REPO_ROOT
 from ldlp.pipeline import publish
 
 
 @hydra.main(config_path="../conf", config_name="publish_results", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     for line in publish(cfg.results, cfg.published, REPO_ROOT / "README.md", None, str(cfg.model.name),

@@ -3,11 +3,12 @@
 import hydra
 from omegaconf import DictConfig, ListConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.report.summary import summarize
 
 
 @hydra.main(config_path="../conf", config_name="summarize", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     runs = list(cfg.runs) if isinstance(cfg.runs, ListConfig) else [cfg.runs]

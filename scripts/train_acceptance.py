@@ -6,11 +6,12 @@
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.training.acceptance import metrics_markdown, train_acceptance_head
 
 
 @hydra.main(config_path="../conf", config_name="train_acceptance", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     metrics = train_acceptance_head(cfg)

@@ -8,12 +8,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.report.calibration import write_draft_acceptance_report
 from ldlp.training.draft_acceptance import train_at_temperature
 
 
 @hydra.main(config_path="../conf", config_name="train_draft_acceptance", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     results = [train_at_temperature(cfg, float(t)) for t in cfg.temperatures]

@@ -3,11 +3,12 @@
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.train.drafter import run_drafter_training
 
 
 @hydra.main(config_path="../conf", config_name="train_drafter", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     print(run_drafter_training(cfg))

@@ -7,11 +7,12 @@
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.training.predictor import run_ldlp_training
 
 
 @hydra.main(config_path="../conf", config_name="train_ldlp", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     run_ldlp_training(cfg)

@@ -6,11 +6,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.data.tokenizer import train_bpe_tokenizer
 
 
 @hydra.main(config_path="../conf", config_name="train_tokenizer", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     convs = json.loads((Path(cfg.corpus_dir) / "train.json").read_text())

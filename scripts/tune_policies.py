@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import REPO_ROOT
 from ldlp.bench.loaders import build_policy, load_pair_cached, load_prompts, policy_config
 from ldlp.bench.replay import CostModel, OracleRows, best_per_policy, grid, measure_costs, tune, tuning_markdown
@@ -22,6 +22,7 @@ def _builder(cfg: DictConfig, name: str):
 
 
 @hydra.main(config_path="../conf", config_name="tune_policies", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     pair = load_pair_cached(cfg.model)

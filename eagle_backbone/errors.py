@@ -1,0 +1,16 @@
+"""The project's own error types: a bad setting or input, named in one line (what, where, what to do).
+
+Scripts print these as one ``error:`` line (``scripts/_setup.py``), the traceback only with
+``HYDRA_FULL_ERROR=1``.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A setting or input the run cannot use; the message names the key, file or stage and what to do."""
+
+
+class MissingCheckpoint(ConfigError):
+    """A policy's checkpoint that this clone has not trained (or fetched) yet: a benchmark may skip that
+    contender, saying so, where any other error must stop the run."""
