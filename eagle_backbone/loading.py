@@ -9,6 +9,7 @@ import torch
 
 from eagle_backbone.candidates import CandidateGenerator, make_candidates
 from eagle_backbone.drafter import EagleDrafter
+from eagle_backbone.runtime import resolve_dtype
 from eagle_backbone.target import TargetModel
 
 
@@ -28,6 +29,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
 def load_drafter(kind: str, path: str | Path, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False):
+    dtype = resolve_dtype(dtype, device)  # auto: bfloat16 where the device has bf16 matmuls, else float32
     if kind == "eagle":
         return EagleDrafter.from_pretrained(path, dtype=dtype, device=device)
     if kind == "draft_lm":
@@ -46,8 +48,11 @@ def tie_drafter_embedding(drafter, target: TargetModel) -> bool:
 
 
 def load_target(cfg) -> TargetModel:
-    """The target of a ``model`` config (path, dtype, device, attention implementation, remote code)."""
-    return TargetModel.from_pretrained(cfg["target"], dtype=cfg.get("dtype", "float32"), device=cfg.get("device", "cpu"),
+    """The target of a ``model`` config (path, dtype, device, attention implementation, remote code); dtype
+    ``auto`` is bfloat16 where the device has bf16 matmuls and float32 elsewhere (eagle_backbone.runtime)."""
+    device = cfg.get("device", "cpu")
+    return TargetModel.from_pretrained(cfg["target"], dtype=resolve_dtype(cfg.get("dtype", "float32"), device),
+                                       device=device,
                                        trust_remote_code=bool(cfg.get("trust_remote_code", False)),
                                        attn_implementation=cfg.get("attn_implementation") or "sdpa")
 

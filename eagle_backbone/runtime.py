@@ -52,3 +52,58 @@ def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     the values are staged before the call returns). On a CPU it is just the tensor."""
     t = torch.tensor(values, dtype=dtype)
     return t if t.device == torch.device(device) else t.to(device, non_blocking=True)
+
+
+# ---- the model dtype ---------------------------------------------------------------------------------------
+
+DTYPES = ("auto", "bfloat16", "float16", "float32", "float64")
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # bfloat16 matmuls in hardware (AVX-512 BF16, AMX)
+
+
+def cpu_flags() -> set[str] | None:
+    """The first CPU's flags in /proc/cpuinfo (None where there is no /proc/cpuinfo)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def bf16_matmuls(device: str = "cpu", flags: set[str] | None = None) -> bool:
+    """Whether ``device`` runs bfloat16 matmuls in hardware: a CUDA GPU that supports bf16, or a CPU with
+    AVX-512 BF16 or AMX (``flags``: the CPU's flags, read from /proc/cpuinfo when None). Elsewhere bf16 is
+    emulated, several times slower than float32."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if kind == "cpu":
+        flags = cpu_flags() if flags is None else flags
+        return bool(flags and flags & BF16_CPU_FLAGS)
+    return False
+
+
+def resolve_dtype(dtype: str | None, device: str = "cpu", flags: set[str] | None = None) -> str:
+    """``model.dtype`` as the models are loaded: ``auto`` (or None) is bfloat16 where ``device`` has bf16 matmuls
+    (:func:`bf16_matmuls`) and float32 otherwise; an explicit dtype is kept."""
+    value = "auto" if dtype is None else str(dtype).replace("torch.", "")
+    if value not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if value != "auto":
+        return value
+    return "bfloat16" if bf16_matmuls(device or "cpu", flags) else "float32"
+
+
+def resolve_model_dtype(model_cfg) -> str | None:
+    """Replace ``auto`` in a model config (DictConfig or dict, changed in place) by the dtype it resolves to, so
+    that everything that records ``model.dtype`` (results, manifests, benchmarks) records the one used;
+    returns it (None when the config has no dtype key)."""
+    if model_cfg is None or not hasattr(model_cfg, "get") or "dtype" not in model_cfg:
+        return None
+    resolved = resolve_dtype(model_cfg.get("dtype"), str(model_cfg.get("device") or "cpu"))
+    if model_cfg.get("dtype") != resolved:
+        model_cfg["dtype"] = resolved
+    return resolved

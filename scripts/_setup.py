@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...} and ${model_folder:...})
-from eagle_backbone.runtime import set_threads
+from eagle_backbone.runtime import resolve_model_dtype, set_threads
 
 # (logger, start of the message): notices that say nothing about this run
 _HARMLESS = (
@@ -65,6 +65,10 @@ def start(cfg) -> int:
             except InterpolationResolutionError as e:  # e.g. VICUNA_PATH unset: say so in one line
                 why = str(e.__cause__ or e).split(" raised while resolving interpolation: ")[-1].splitlines()[0]
                 raise SystemExit(f"error: model.{key}: {why}") from None
+        try:  # model.dtype=auto becomes the dtype the models load in, so every record names the one used
+            resolve_model_dtype(model)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     return set_threads(cfg.get("threads"))
 
 

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.metrics import total
-from eagle_backbone.runtime import set_threads
+from eagle_backbone.runtime import resolve_dtype, set_threads
 from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import (
     apply_tuned,
@@ -179,6 +179,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "engine": engine,
         "model": str(cfg.model.get("name", "")),
         "drafter_kind": str(cfg.model.drafter_kind),
+        "dtype": resolve_dtype(cfg.model.get("dtype"), str(cfg.model.get("device") or "cpu")),  # as loaded
         "data_path": str(cfg.data.path),
         **prompt_info,  # the prompt set's identity: data_path, data_sha256, limit, sample_seed, turns
         "max_new_tokens": max_new_tokens,

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.runtime import resolve_dtype
 from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import apply_tuned, build_policy, load_pair_cached, load_prompts, machine_info, sampling_config
 from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
@@ -127,7 +128,8 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
               "n_prompts": len(prompts), **dict(getattr(prompt_set, "info", {})), "max_new_tokens": n, "new_tokens": int(tokens[-1].sum()),
               "lossless": lossless, "tuned_from": str(cfg.get("tuned_from")) if cfg.get("tuned_from") else None,
               "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "machine": machine_info(),
-              "model": str(cfg.model.get("name", "")), "labels": labels, "seconds": secs.tolist(),
+              "model": str(cfg.model.get("name", "")), "labels": labels,
+              "dtype": resolve_dtype(cfg.model.get("dtype"), str(cfg.model.get("device") or "cpu")), "seconds": secs.tolist(),
               "tokens": tokens.tolist(), "categories": categories, "costs": _costs(timed)}
     result.update(verdict(result))
     return result

@@ -34,7 +34,7 @@ from eagle_backbone.data.conversations import (
 )
 from eagle_backbone.engine import autoregressive_generate
 from eagle_backbone.io import atomic_write_text, remove_leftovers
-from eagle_backbone.runtime import Clock, set_threads
+from eagle_backbone.runtime import Clock, resolve_dtype, set_threads
 from ldlp.labels.oracle import oracle_labels
 from ldlp.labels.store import (
     META_SUFFIX,
@@ -329,7 +329,7 @@ class Collector:
         cfg = self.cfg
         ident = {k: cfg[k] for k in self.identity_keys}
         ident["data"] = OmegaConf.to_container(cfg.data, resolve=True)
-        ident["model"] = {"dtype": cfg.model.dtype, "drafter_kind": cfg.model.drafter_kind,
+        ident["model"] = {"dtype": resolve_dtype(cfg.model.dtype, str(cfg.model.get("device") or "cpu")), "drafter_kind": cfg.model.drafter_kind,
                           "attn_implementation": cfg.model.get("attn_implementation") or "sdpa",
                           **{name: {f: d.get("sha256") for f, d in m["files"].items()} for name, m in models.items()}}
         return ident
