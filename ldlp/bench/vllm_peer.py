@@ -1,0 +1,274 @@
+"""vLLM as a peer in the batched benchmark (``scripts/bench_batch.py contenders=[..., "engine=vllm",
+"engine=vllm spec.k=3"]``, issue 22): vLLM's own AR and its own EAGLE speculative decoding with this
+project's drafter, on the same target, prompts (the project's token ids), budgets, stop tokens and rounds.
+
+vLLM never runs in the benchmark's process. A worker (:mod:`ldlp.bench.vllm_worker`, standard library and
+vLLM only) runs vLLM's offline ``LLM`` API in a Python of its own, ``vllm.python`` (default: this
+interpreter; a separate virtual environment when vLLM's pins clash with this project's, docs/batched.md),
+and the benchmark talks to it over JSON lines: token ids in, token ids, seconds and counters out. Settings:
+float32, one thread (the benchmark's ``threads``), no torch.compile (``enforce_eager``), no prefix caching,
+one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the worker's CPU time is all of vLLM's), and
+``max_num_seqs`` = C: one worker per (contender, C), started before that C's first timed block and warmed up.
+
+**The drafter.** vLLM's EAGLE-1 Llama drafter (``EagleLlamaForCausalLM``) computes
+``fc(concat(embed(t), f))`` with ``fc`` *without* a bias; ours has one. Write ``fc.weight = [W_e | W_f]``:
+
+    W_e e + W_f f + b = W_e (e + W_e⁻¹ b) + W_f f
+
+so the bias folds into a drafter-owned embedding ``embed' = embed + W_e⁻¹ b`` (every row shifted by the same
+vector), exactly, whenever W_e is invertible (:func:`fold_fc_bias` checks its condition number). vLLM keeps a
+drafter embedding that differs from the target's and shares the target's LM head when the drafter has none.
+The rest of the layer is the same math (no input norm; post-attention norm, MLP; no final norm), and the
+feature both read is the target's last hidden state after its final norm. :func:`convert_drafter` writes
+the converted folder (float32) under ``<outputs>/vllm_drafters/<hash of the inputs>/`` once and reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FORMAT = "vllm-eagle1-llama/1"  # bump when the converted layout changes: the cache key includes it
+MAX_CONDITION = 1e6  # W_e's condition number above which the fold would lose float32 precision
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+# ---- the drafter, converted ------------------------------------------------------------------------------
+
+def fold_fc_bias(state: dict[str, torch.Tensor], embedding: torch.Tensor | None = None,
+                 max_condition: float = MAX_CONDITION) -> dict[str, torch.Tensor]:
+    """An EAGLE-1 state dict with ``fc.bias`` folded into the drafter's own embedding (float32, no
+    ``fc.bias``): ``embed_tokens.weight + W_e⁻¹ b`` with W_e = ``fc.weight[:, :d]``, solved in float64.
+    ``embedding``: the embedding to start from when the state has none (the target's, which it ties).
+    Raises ValueError when W_e is singular or too ill-conditioned for the fold to hold in float32."""
+    out = {k: v.detach().to(torch.float32).clone() for k, v in state.items()}
+    emb = out.get("embed_tokens.weight")
+    if emb is None:
+        if embedding is None:
+            raise ValueError("the drafter has no embed_tokens.weight and no embedding was given to fold into")
+        emb = embedding.detach().to(torch.float32).clone()
+    out["embed_tokens.weight"] = emb
+    bias = out.pop("fc.bias", None)
+    if bias is None or not bool(bias.any()):
+        return out
+    d = emb.shape[1]
+    w = out["fc.weight"]
+    if tuple(w.shape) != (d, 2 * d):
+        raise ValueError(f"fc.weight is {tuple(w.shape)}; an EAGLE-1 drafter's is ({d}, {2 * d})")
+    w_e = w[:, :d].double()
+    cond = float(torch.linalg.cond(w_e))
+    if not cond < max_condition:  # also catches inf and nan (singular)
+        raise ValueError(f"fc's embedding half W_e has condition number {cond:.3g} (limit {max_condition:.0g}): "
+                         "its bias cannot be folded into the embedding for vLLM's bias-free EAGLE-1 drafter")
+    shift = torch.linalg.solve(w_e, bias.double())
+    out["embed_tokens.weight"] = (emb.double() + shift[None]).to(torch.float32)
+    return out
+
+
+def _file_hash(path: Path, h) -> None:
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+
+
+def convert_drafter(drafter_dir: str | Path, target_dir: str | Path, cache_root: str | Path) -> Path:
+    """The drafter at ``drafter_dir`` in vLLM's EAGLE-1 Llama layout, under ``cache_root/<hash>/`` (made once:
+    the hash covers the drafter's files, the target's weights when the drafter ties its embedding, and
+    :data:`FORMAT`). Returns the folder (``config.json`` + ``model.safetensors``, float32)."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle_backbone.drafter import load_state_dict
+    from eagle_backbone.io import atomic_path, atomic_write_json
+
+    drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
+    state = load_state_dict(drafter_dir)
+    h = hashlib.sha256(FORMAT.encode())
+    for f in sorted(drafter_dir.iterdir()):
+        if f.name == "config.json" or f.suffix in (".safetensors", ".bin"):
+            h.update(f.name.encode())
+            _file_hash(f, h)
+    target_embedding = None
+    if "embed_tokens.weight" not in state:
+        tw = target_dir / "model.safetensors"
+        _file_hash(tw, h)
+        target_embedding = load_file(str(tw))["model.embed_tokens.weight"]
+    out = Path(cache_root) / h.hexdigest()[:16]
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    folded = fold_fc_bias(state, target_embedding)
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1, bias=False,
+               torch_dtype="float32", dtype="float32", tie_word_embeddings=False)
+    for k in ("_name_or_path", "id2label", "label2id", "transformers_version"):
+        cfg.pop(k, None)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file({k: v.contiguous() for k, v in folded.items()}, str(tmp), metadata={"format": "pt"})
+    atomic_write_json(out / "config.json", cfg, indent=2)
+    atomic_write_json(out / "converted_from.json", {"drafter": str(drafter_dir), "format": FORMAT,
+                                                    "fc_bias_folded": "fc.bias" in state})
+    return out
+
+
+# ---- the worker, from the benchmark's side ---------------------------------------------------------------
+
+def parse_contender(spec: str) -> dict | None:
+    """``"engine=vllm"`` -> {"k": None}; ``"engine=vllm spec.k=3"`` -> {"k": 3}; None for any other contender
+    (a policy string). A ValueError for an engine other than vllm or a bad k."""
+    words = str(spec).split()
+    kv = dict(w.split("=", 1) for w in words if "=" in w)
+    if "engine" not in kv:
+        return None
+    if kv["engine"] != "vllm":
+        raise ValueError(f"contender {spec!r}: engine must be vllm (the only peer engine), got {kv['engine']!r}")
+    unknown = sorted(set(kv) - {"engine", "spec.k"})
+    if unknown or len(kv) != len(words):
+        raise ValueError(f"contender {spec!r}: takes engine=vllm and optionally spec.k=K, not {unknown or words}")
+    k = kv.get("spec.k")
+    if k is not None:
+        if not k.isdigit() or int(k) < 1:
+            raise ValueError(f"contender {spec!r}: spec.k must be an integer >= 1, got {k!r}")
+        k = int(k)
+    return {"k": k}
+
+
+def contender_label(k: int | None) -> str:
+    return "vllm ar" if k is None else f"vllm eagle k={k}"
+
+
+class VllmWorker:
+    """One worker process: vLLM's ``LLM`` on the target (and the converted drafter with k), for one C."""
+
+    def __init__(self, python: str, settings: dict, log_path: str | Path | None = None, timeout_s: float = 900):
+        env = dict(os.environ)
+        threads = str(settings.get("threads", 1))
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
+                   VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("PYTHONPATH", None)  # the worker's Python is vLLM's: none of this environment's packages
+        self.log = open(log_path, "a") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([python, "-I", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, env=env, text=True, bufsize=1)
+        self.timeout_s = timeout_s
+        self.ready = self.call(settings)
+
+    def call(self, msg: dict) -> dict:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the vLLM worker exited with status {self.proc.returncode}; see its log")
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait(timeout=30)
+            raise RuntimeError(f"the vLLM worker exited with status {code} without answering; see its log "
+                               f"({getattr(self.log, 'name', 'none')})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"vLLM worker: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        if self.log is not subprocess.DEVNULL:
+            self.log.close()
+
+
+def vllm_available(python: str | None = None) -> bool:
+    """Whether ``python`` (default: this interpreter) can import vllm, without importing it here."""
+    python = python or sys.executable
+    try:
+        return subprocess.run([python, "-I", "-c", "import importlib.util as u, sys; "
+                               "sys.exit(0 if u.find_spec('vllm') else 1)"],
+                              capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+class VllmRunner:
+    """A contender's runs on vLLM: :meth:`run` decodes one block of prompts with at most C in flight and
+    returns the token ids per prompt and a summary with the keys of
+    :meth:`~eagle_backbone.batched.workload.WorkloadResult.summary` (token-gap p90 excepted: vLLM reports
+    each request's first and last token times, so the mean gap is exact and the p90 is not measured)."""
+
+    def __init__(self, k: int | None, target_dir: str | Path, drafter_dir: str | Path | None, cache_root: str | Path,
+                 python: str | None = None, threads: int = 1, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int = 2048, log_dir: str | Path | None = None, log=print):
+        if k is not None and drafter_dir is None:
+            raise ValueError("vLLM's EAGLE needs the pair's EAGLE drafter (model.drafter_kind=eagle)")
+        self.k, self.python, self.log_fn = k, python or sys.executable, log
+        self.base = {"target": str(Path(target_dir).resolve()), "dtype": dtype, "threads": int(threads),
+                     "seed": int(seed), "max_model_len": int(max_model_len), "k": k}
+        if k is not None:
+            self.base["drafter"] = str(convert_drafter(drafter_dir, target_dir, cache_root).resolve())
+        self.log_path = Path(log_dir) / f"vllm_worker_{'ar' if k is None else f'k{k}'}.log" if log_dir else None
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.worker: VllmWorker | None = None
+        self.C = None
+        self.info: dict = {}
+
+    def _start(self, C: int) -> None:
+        self.close()
+        t0 = time.perf_counter()
+        self.worker = VllmWorker(self.python, {**self.base, "max_num_seqs": int(C)}, self.log_path)
+        self.C, self.info = C, self.worker.ready
+        self.log_fn(f"{contender_label(self.k)}: vLLM {self.info.get('vllm')} worker for C={C} ready in "
+                    f"{time.perf_counter() - t0:.0f} s")
+
+    def warm_up(self, prompts: list[list[int]], C: int, max_new_tokens: int, stop_ids) -> None:
+        if self.C != C:
+            self._start(C)
+        self.worker.call({"cmd": "generate", "prompts": prompts[:max(2, C)], "max_new_tokens": max_new_tokens,
+                          "stop_token_ids": sorted(stop_ids), "temperature": 0.0, "seeds": None})
+
+    def run(self, prompts: list[list[int]], C: int, max_new_tokens: int, stop_ids, seeds: list[int],
+            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> tuple[list, dict]:
+        if self.C != C:
+            self._start(C)
+            self.warm_up(prompts, C, min(8, max_new_tokens), stop_ids)
+        r = self.worker.call({"cmd": "generate", "prompts": prompts, "max_new_tokens": int(max_new_tokens),
+                              "stop_token_ids": sorted(stop_ids), "temperature": float(temperature),
+                              "top_k": top_k, "top_p": top_p, "seeds": list(seeds)})
+        outs = r["outputs"]
+        tok = sum(len(o) for o in outs)
+        # a target forward per sequence: its prefill, then one per decode step (one per draft with EAGLE)
+        forwards = len(prompts) + r["num_drafts"] if self.k is not None else tok
+        ms = 1e3
+        req, first = r["request_s"], r["first_token_s"]
+        gaps_n = sum(max(len(o) - 1, 0) for o in outs)
+        summ = {"new_tokens": tok, "wall_s": r["wall_s"], "tokens_per_s": tok / r["wall_s"] if r["wall_s"] else 0.0,
+                "cpu_s": r["cpu_s"], "tokens_per_cpu_s": tok / r["cpu_s"] if r["cpu_s"] else 0.0,
+                "tau": tok / forwards if forwards else 0.0, "steps": None,
+                "drafted_tokens": r.get("num_draft_tokens", 0), "accepted_tokens": r.get("num_accepted_tokens", 0),
+                "token_latency_ms_mean": ms * r["token_gap_sum_s"] / gaps_n if gaps_n else 0.0,
+                "token_latency_ms_p90": None,
+                "request_latency_ms_mean": ms * sum(req) / len(req) if req else 0.0,
+                "request_latency_ms_p90": ms * _p90(req) if req else 0.0,
+                "first_token_ms_mean": ms * sum(first) / len(first) if first else 0.0,
+                "engine": "vllm", "vllm": self.info.get("vllm")}
+        return outs, summ
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        self.worker, self.C = None, None
+
+
+def _p90(xs: list[float]) -> float:
+    from eagle_backbone.batched.workload import percentile
+
+    return percentile(xs, 0.9)

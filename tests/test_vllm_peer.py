@@ -1,0 +1,146 @@
+"""vLLM as a peer (ldlp/bench/vllm_peer.py): the drafter's fc bias folded into its own embedding for vLLM's
+bias-free EAGLE-1 drafter (plain torch, always run), the contender strings, and one end-to-end test that runs
+only where a Python with vLLM is given (ADAEAGLE_VLLM_PYTHON, or this interpreter when it has vllm)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from eagle_backbone.drafter import EagleDrafter
+from eagle_backbone.paths import REPO_ROOT
+from ldlp.bench.vllm_peer import convert_drafter, fold_fc_bias, parse_contender
+
+EMBEDDED = REPO_ROOT / "data" / "embedded"
+
+
+def _bias_free_twin(drafter: EagleDrafter, folded: dict) -> EagleDrafter:
+    """The same drafter without an fc bias (vLLM's EagleLlamaForCausalLM math), loaded with ``folded``."""
+    cfg = LlamaConfig(**{**drafter.config.to_dict(), "bias": False})
+    cfg._attn_implementation = drafter.config._attn_implementation
+    twin = EagleDrafter(cfg).to(torch.float32).eval()
+    assert twin.fc.bias is None
+    twin.load_state_dict({k: v for k, v in folded.items()}, strict=False)
+    twin.embed_tokens.weight.data.copy_(folded["embed_tokens.weight"])
+    return twin
+
+
+def _outputs(drafter, ids, feats):
+    with torch.inference_mode():
+        return drafter(ids, feats)
+
+
+def test_folded_bias_reproduces_the_shipped_drafter_to_float32_rounding():
+    drafter = EagleDrafter.from_pretrained(EMBEDDED / "drafter", dtype="float32")
+    assert drafter.fc.bias is not None and bool(drafter.fc.bias.any())
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+    folded = fold_fc_bias(state)
+    assert "fc.bias" not in folded and folded["embed_tokens.weight"].dtype == torch.float32
+    twin = _bias_free_twin(drafter, folded)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, drafter.vocab_size, (3, 24), generator=g)
+    feats = torch.randn(3, 24, drafter.hidden_size, generator=g)
+    # the fc output itself: W_e (e + W_e⁻¹ b) + W_f f against W_e e + W_f f + b, in float64 as the reference
+    x64 = torch.cat([drafter.embed_tokens(ids).double(), feats.double()], -1)
+    ref = x64 @ drafter.fc.weight.double().T + drafter.fc.bias.double()
+    ours = drafter.fc(torch.cat([drafter.embed_tokens(ids), feats], -1)).double()
+    folded_h = twin.fc(torch.cat([twin.embed_tokens(ids), feats], -1)).double()
+    err_ours, err_folded = (ours - ref).abs().max().item(), (folded_h - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    # both within a few float32 roundings of the exact value (the fold adds at most one rounding of e + shift)
+    assert err_folded <= max(8 * err_ours, 64 * torch.finfo(torch.float32).eps * scale), (err_ours, err_folded)
+    # and the whole layer: the drafted features agree to float32 rounding
+    a, b = _outputs(drafter, ids, feats), _outputs(twin, ids, feats)
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * a.abs().max().item()), (a - b).abs().max()
+    # the target's LM head reads both the same way: the drafted tokens are the same
+    from safetensors.torch import load_file
+
+    head = load_file(str(EMBEDDED / "target" / "model.safetensors"))["lm_head.weight"].float()
+    assert torch.equal((a @ head.T).argmax(-1), (b @ head.T).argmax(-1))
+
+
+def test_fold_on_a_random_drafter_and_a_tied_embedding():
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=64, bias=True)
+    drafter = EagleDrafter(cfg).float().eval()
+    with torch.no_grad():
+        drafter.fc.bias.normal_()
+        drafter.embed_tokens.weight.normal_()
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+    emb = state.pop("embed_tokens.weight")  # a checkpoint that ties the target's embedding
+    with pytest.raises(ValueError, match="no embed_tokens"):
+        fold_fc_bias(state)
+    folded = fold_fc_bias(state, embedding=emb)
+    twin = _bias_free_twin(drafter, folded)
+    ids = torch.randint(0, 50, (2, 9))
+    feats = torch.randn(2, 9, 32)
+    a, b = _outputs(drafter, ids, feats), _outputs(twin, ids, feats)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+
+
+def test_fold_refuses_a_singular_embedding_half():
+    d = 8
+    state = {"embed_tokens.weight": torch.randn(10, d), "fc.weight": torch.randn(d, 2 * d), "fc.bias": torch.randn(d)}
+    state["fc.weight"][:, 0] = 0.0  # W_e loses a column: singular
+    with pytest.raises(ValueError, match="condition number"):
+        fold_fc_bias(state)
+    state["fc.bias"] = torch.zeros(d)  # nothing to fold: any W_e will do
+    assert "fc.bias" not in fold_fc_bias(state)
+
+
+def test_convert_drafter_writes_once_in_vllms_layout(tmp_path):
+    out = convert_drafter(EMBEDDED / "drafter", EMBEDDED / "target", tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["bias"] is False and cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLM"]
+    from safetensors.torch import load_file
+
+    w = load_file(str(out / "model.safetensors"))
+    assert "fc.bias" not in w and all(v.dtype == torch.float32 for v in w.values())
+    assert "lm_head.weight" not in w  # vLLM then shares the target's
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert convert_drafter(EMBEDDED / "drafter", EMBEDDED / "target", tmp_path) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp  # cached, not rewritten
+
+
+def test_contender_strings():
+    assert parse_contender("policy=static policy.gamma=3") is None
+    assert parse_contender("engine=vllm") == {"k": None}
+    assert parse_contender("engine=vllm spec.k=3") == {"k": 3}
+    for bad in ("engine=sglang", "engine=vllm spec.k=0", "engine=vllm spec.k=x", "engine=vllm policy=static"):
+        with pytest.raises(ValueError):
+            parse_contender(bad)
+
+
+def _vllm_python():
+    from ldlp.bench.vllm_peer import vllm_available
+
+    py = os.environ.get("ADAEAGLE_VLLM_PYTHON") or sys.executable
+    return py if vllm_available(py) else None
+
+
+@pytest.mark.skipif(_vllm_python() is None, reason="vLLM is not installed (pip install -e '.[vllm]', or set "
+                    "ADAEAGLE_VLLM_PYTHON to a Python that has it: docs/batched.md)")
+def test_vllm_ar_and_eagle_equal_the_targets_greedy_decoding(tmp_path):
+    from eagle_backbone.loading import load_pair
+    from eagle_backbone.paths import embedded_model_config
+    from ldlp.bench.vllm_peer import VllmRunner
+
+    pair = load_pair(embedded_model_config(dtype="float32"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, pair.target.vocab_size, (n,), generator=g).tolist() for n in (5, 11, 7)]
+    ref = [pair.target.reference_greedy(p, 12) for p in prompts]
+    for k in (None, 2):
+        runner = VllmRunner(k, EMBEDDED / "target", EMBEDDED / "drafter", tmp_path / "drafters",
+                            python=_vllm_python(), max_model_len=64, log_dir=tmp_path)
+        try:
+            outs, summ = runner.run(prompts, 2, 12, pair.target.eos_token_ids, [0, 1, 2])
+        finally:
+            runner.close()
+        assert outs == ref, (k, outs, ref)
+        assert summ["new_tokens"] == sum(map(len, ref)) and summ["wall_s"] > 0
+        assert summ["tau"] == 1.0 if k is None else summ["tau"] >= 1.0
