@@ -11,7 +11,6 @@ from pathlib import Path
 import hydra
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 log = logging.getLogger("bench_batch")
@@ -20,37 +19,49 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from eagle_backbone.batched.bench import Contender, check_sweep_args, sweep, write
+    from eagle_backbone.batched.bench import Contender, check_contenders, check_sweep_args, sweep, write, written
     from eagle_backbone.candidates import make_candidates
+    from eagle_backbone.errors import MissingCheckpoint
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.loaders import (
         build_policy,
+        check_turns_kept,
         load_pair_cached,
         load_prompts,
+        load_tokenizer_cached,
         machine_info,
+        missing_checkpoint,
         policy_config,
         sampling_config,
     )
 
     threads = start(cfg)
-    # None: the generation's temperature alone
-    temperatures = check_sweep_args([int(c) for c in cfg.concurrency], cfg.get("temperatures"), int(cfg.blocks))
-    pair = load_pair_cached(cfg.model)
-    prompt_set = load_prompts(cfg.data, pair.tokenizer)
+    # the raw values, checked before anything loads (a 1.5 is refused, not truncated); None: the generation's T
+    temperatures = check_sweep_args(list(cfg.concurrency), cfg.get("temperatures"), cfg.blocks, cfg.rounds,
+                                    cfg.generation.max_new_tokens, cfg.bootstrap)
+    # the prompts (tokenizer only) and the contenders before any weights load
+    prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
+    check_turns_kept(cfg.data, prompt_set, "bench_batch")
     prompts = [ids for _, ids in prompt_set]
     categories = prompt_categories(cfg.data, [pid for pid, _ in prompt_set])  # None where the file has none
     contenders = [Contender("ar", "ar", 0, None)]
+    skipped = []  # contenders whose checkpoint this clone has not trained: in the JSON and on the page
+    probes = {}
     for spec in cfg.contenders:
         name, pcfg = policy_config(cfg, str(spec).split())
         try:
-            probe = build_policy(pcfg)
-        except (ValueError, InstantiationException) as e:  # a checkpoint this clone has not trained yet
-            why = [line for line in str(e).splitlines() if "ValueError" in line] or str(e).splitlines()[:1]
-            log.warning("skipping %s: %s", spec, why[0].strip())
+            missing_checkpoint(name, pcfg)
+        except MissingCheckpoint as e:  # only a missing checkpoint skips; any other error stops the run
+            log.warning("skipping %s: %s", spec, e)
+            skipped.append({"contender": str(spec), "temperature": None, "why": str(e)})
             continue
+        probe = build_policy(pcfg)
         gamma = getattr(probe, "fixed_gamma", None) if not getattr(probe, "adaptive", True) else None
         label = f"static γ={gamma}" if gamma is not None else name
         contenders.append(Contender(label, name, gamma, lambda pcfg=pcfg: build_policy(pcfg)))
+        probes[label] = probe
+    check_contenders(contenders, int(cfg.generation.max_new_tokens))
+    pair = load_pair_cached(cfg.model)
     out = cfg.out_dir or HydraConfig.get().runtime.output_dir
     meta = {"model": cfg.model.name, "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
             "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
@@ -60,15 +71,43 @@ def main(cfg: DictConfig) -> None:
     candidates = pair.candidates
     if getattr(candidates, "attn", str(cfg.attn)) != str(cfg.attn):
         candidates = make_candidates(candidates.kind, pair.drafter, pair.target, str(cfg.attn))
+    prepare_cost_tables(probes.values(), pair.target, candidates, str(cfg.attn), max(cfg.concurrency))
     result = sweep(pair.target, candidates, prompts, contenders,
                    [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens), sampling_config(cfg.generation),
                    rounds=int(cfg.rounds), seed=int(cfg.seed), attn=str(cfg.attn),
-                   checkpoint=lambda r: write(r, out, meta, with_plot=False), log=log.info,
+                   checkpoint=lambda r: write({**r, "skipped": skipped + r["skipped"]}, out, meta, with_plot=False),
+                   log=log.info,
                    categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
                    bootstrap=int(cfg.bootstrap))
+    result["skipped"] = skipped + result["skipped"]
     write(result, out, meta)
     print(Path(out, "batch_bench.md").read_text())
-    print(f"wrote {out}/batch_bench.json, batch_bench_runs.json, batch_bench.md, batch_bench.png, batch_bench_ratio.png")
+    print(f"wrote {out}/" + ", ".join(written(out)))
+
+
+def prepare_cost_tables(policies, target, candidates, attn: str, concurrency: int) -> None:
+    """The cost table of every load-aware contender that reads its setup's table (no cost_table=), loaded now,
+    or profiled for the slot counts this run needs only (up to the largest C), before any clock starts."""
+    import torch
+
+    from eagle_backbone.batched.cost import cost_key, load_or_profile, slots_for
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+
+    if candidates is None:
+        return
+
+    def factory(R: int, policy=None):  # as the policy builds them (ldlp/load_aware.py)
+        return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=256, attn=attn, policy=policy)
+
+    done = set()
+    for p in policies:
+        if getattr(p, "cost_dir", None) is None or getattr(p, "cost_table_path", None) is not None:
+            continue
+        if (p.cost_dir, p.model_name) in done:
+            continue
+        done.add((p.cost_dir, p.model_name))
+        key = cost_key(p.model_name, target.dtype, target.device, torch.get_num_threads())
+        load_or_profile(p.cost_dir, key, factory, p.profile_if_missing, log=log.info, slots=slots_for(concurrency))
 
 
 if __name__ == "__main__":

@@ -12,24 +12,37 @@ from omegaconf import DictConfig
 @hydra.main(config_path="../conf", config_name="profile_cost", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from eagle_backbone.batched.cost import check_costs, check_markdown, cost_key, profile_costs, table_path
+    from eagle_backbone.batched.cost import (
+        check_costs,
+        check_markdown,
+        cost_key,
+        full_key,
+        profile_costs,
+        table_path,
+    )
+    from eagle_backbone.errors import ConfigError
     from eagle_backbone.engine import BatchedSpeculativeEngine
     from ldlp.bench.loaders import load_pair_cached
 
     threads = start(cfg)
+    for name in ("slots", "tokens_per_slot"):  # the raw values, before any model loads
+        vals = list(cfg[name])
+        if not vals or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in vals) or len(set(vals)) < len(vals):
+            raise ConfigError(f"{name} must be distinct integers >= 1, got {vals}")
     pair = load_pair_cached(cfg.model)
     target, kind = pair.target, cfg.model.drafter_kind
-    key = cost_key(cfg.model.name, target.dtype, target.device, threads)
     capacity = int(cfg.context) + 5 * (int(cfg.reps) + 3) + max(cfg.tokens_per_slot) + 8
 
     def factory(R: int, policy=None):
         return BatchedSpeculativeEngine(target, pair.drafter, kind, slots=R, capacity=capacity, attn=str(cfg.attn),
                                         policy=policy)
 
+    # the whole key: model, dtype, device, threads, torch, processor, drafter kind and weights, attention
+    key = full_key(cost_key(cfg.model.name, target.dtype, target.device, threads), factory)
     table = profile_costs(factory, key, slots=list(cfg.slots), tokens=list(cfg.tokens_per_slot),
                           context=int(cfg.context), reps=int(cfg.reps), seed=int(cfg.seed))
     path = table.save(cfg.out or table_path(cfg.paths.cost, key))
-    print(f"wrote {path} ({table.meta['seconds']} s)")
+    print(f"wrote {path} ({table.meta['seconds']} s; key {key})")
     if cfg.check.enabled:
         # the table against measured engine steps on real prompts: does it rank the γs as the machine does?
         from eagle_backbone.io import atomic_write_text

@@ -37,6 +37,7 @@ import torch
 
 from eagle_backbone.batched.workload import run_workload
 from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy
 from eagle_backbone.runtime import set_threads
@@ -121,20 +122,61 @@ def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sa
     return Contender(c.label, c.policy, c.gamma, lambda: _ReplayedOracle(done, one))
 
 
-def check_sweep_args(concurrency, temperatures=None, blocks: int = 1) -> list[float] | None:
-    """One ValueError line for a bad sweep setting, before any model loads; returns the temperatures as floats
-    (None when none are given: the generation's own)."""
-    bad = [c for c in concurrency if not isinstance(c, int) or isinstance(c, bool) or c < 1]
-    if bad or not concurrency:
-        raise ValueError(f"concurrency values must be integers >= 1, got {list(concurrency)}")
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-        raise ValueError(f"blocks must be an integer >= 1, got {blocks!r}")
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_sweep_args(concurrency, temperatures=None, blocks: int = 1, rounds: int = 1, max_new_tokens: int = 1,
+                     bootstrap: int = 0) -> list[float] | None:
+    """One ConfigError line for a bad sweep setting, checked on the raw values (a 1.5 is refused, not
+    truncated; a repeated value is refused, not merged) before any model loads; returns the temperatures
+    as floats (None when none are given: the generation's own)."""
+    concurrency = list(concurrency)
+    if not concurrency or any(not _is_int(c) or c < 1 for c in concurrency):
+        raise ConfigError(f"concurrency values must be integers >= 1, got {concurrency}")
+    if len(set(concurrency)) != len(concurrency):
+        raise ConfigError(f"concurrency={concurrency} repeats a value: give each C once")
+    if not _is_int(blocks) or blocks < 1:
+        raise ConfigError(f"blocks must be an integer >= 1, got {blocks!r}")
+    if not _is_int(rounds) or rounds < 1:
+        raise ConfigError(f"rounds must be an integer >= 1, got {rounds!r} (a run of no rounds measures nothing)")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ConfigError(f"generation.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_int(bootstrap) or bootstrap < 0:
+        raise ConfigError(f"bootstrap must be an integer >= 0, got {bootstrap!r}")
     if temperatures is None or len(temperatures) == 0:
         return None
+    if any(isinstance(t, bool) or not isinstance(t, (int, float)) for t in temperatures):
+        raise ConfigError(f"temperatures must be numbers >= 0, got {list(temperatures)}")
     temps = [float(t) for t in temperatures]
     if any(not t >= 0 for t in temps) or len(set(temps)) != len(temps):
-        raise ValueError(f"temperatures must be distinct numbers >= 0, got {temps}")
+        raise ConfigError(f"temperatures must be distinct numbers >= 0, got {temps}")
     return temps
+
+
+def draft_cap(max_new_tokens: int) -> int:
+    """The most drafts the engine scores in one step with this budget: the engine's ``max_draft`` and the
+    tokens left after the one the target adds (``max_new_tokens - 1``)."""
+    import inspect
+
+    max_draft = inspect.signature(BatchedSpeculativeEngine.__init__).parameters["max_draft"].default
+    return max(0, min(int(max_draft), int(max_new_tokens) - 1))
+
+
+def check_contenders(contenders: list[Contender], max_new_tokens: int) -> None:
+    """One ConfigError line for contenders that cannot be told apart (the same label twice) or a static γ the
+    engine never drafts that far (above :func:`draft_cap`): such a row would be reported as measured."""
+    seen = set()
+    for c in contenders:
+        if c.label in seen:
+            raise ConfigError(f"contenders: {c.label} is given twice; give each contender once")
+        seen.add(c.label)
+    cap = draft_cap(max_new_tokens)
+    over = [c.label for c in contenders if c.policy == "static" and c.gamma is not None and c.gamma > cap]
+    if over:
+        raise ConfigError(f"contenders: {', '.join(over)} above the engine's draft cap γ={cap} with "
+                          f"generation.max_new_tokens={max_new_tokens} (the engine never drafts that far): "
+                          "drop them or raise generation.max_new_tokens")
 
 
 def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contender],
@@ -159,7 +201,9 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts: give one per prompt")
     sampling = sampling or SamplingConfig()
-    temps = check_sweep_args(concurrency, temperatures, blocks) or [float(sampling.temperature)]
+    temps = check_sweep_args(concurrency, temperatures, blocks, rounds, max_new_tokens, bootstrap) or [
+        float(sampling.temperature)]
+    check_contenders(contenders, max_new_tokens)
     if not prompts:
         raise ValueError("no prompts to benchmark")
     if not contenders or contenders[0].policy != "ar":
@@ -200,7 +244,9 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     runs = []
     diffs = {}
     with_cats = categories is not None and any(c is not None for c in categories)
-    result = {"rows": [], "differences": [], "runs": runs, "skipped": skipped, "rounds_done": 0}
+    cost_tables = {}  # contender -> the cost table its batch policy planned with (key and path)
+    result = {"rows": [], "differences": [], "runs": runs, "skipped": skipped, "rounds_done": 0, "rounds": rounds,
+              "complete": False, "cost_tables": cost_tables}
     for r in range(rounds):
         for ti, T in enumerate(temps):
             samp, cs, ref = per_t[T]
@@ -219,6 +265,9 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                         outs, summ = [o.tokens for o in res.outputs], res.summary()
                         if hasattr(eng.batch_policy, "own_s"):  # a batch policy's own seconds in the run
                             summ["policy_s"] = eng.batch_policy.own_s
+                        table = getattr(eng.batch_policy, "costs", None)
+                        if table is not None and c.label not in cost_tables:
+                            cost_tables[c.label] = {"key": table.key, "path": (table.meta or {}).get("path")}
                         if with_cats:
                             summ["by_category"] = res.by_category([categories[i] for i in idx])
                         same = None
@@ -238,9 +287,11 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                 result = {"rows": aggregate_runs(runs, contenders, sampling, len(prompts), bootstrap=bootstrap,
                                                  seed=seed),
                           "differences": list(diffs.values()), "runs": runs, "skipped": skipped,
-                          "rounds_done": r + (ti * len(concurrency) + ci + 1) / (len(temps) * len(concurrency))}
-                if checkpoint:  # after every (T, C): a stopped run still leaves its measured rows
+                          "rounds_done": r + (ti * len(concurrency) + ci + 1) / (len(temps) * len(concurrency)),
+                          "rounds": rounds, "complete": False, "cost_tables": cost_tables}
+                if checkpoint:  # after every (T, C): a stopped run still leaves its measured rows, marked incomplete
                     checkpoint(result)
+    result["complete"] = True
     return result
 
 
@@ -575,14 +626,27 @@ def _temperature_section(result: dict, rows: list[dict]) -> list[str]:
     return lines
 
 
+def status_line(result: dict) -> str:
+    """The page header's first line: whether the run finished every round, or how far a stopped one got."""
+    done, total = result.get("rounds_done", 0), result.get("rounds")
+    of = f" of {total}" if total is not None else ""
+    if result.get("complete"):
+        return f"Status: complete ({done:g}{of} rounds)."
+    return (f"Status: **incomplete**: {done:.2f}{of} rounds done (a checkpoint of a run that stopped or is still "
+            "running; rows cover only the (T, C) cells measured so far).")
+
+
 def markdown(result: dict, meta: dict | None = None) -> str:
     rows = result["rows"]
     ts = temperatures_of(rows)
-    lines = ["# Batched speculative decoding: tokens/s against concurrency", ""]
+    lines = ["# Batched speculative decoding: tokens/s against concurrency", "", status_line(result), ""]
     if meta:
         lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
     for s in result.get("skipped", []):
-        lines += [f"Skipped {s['contender']} at T={s['temperature']:g}: {s['why']}.", ""]
+        at = "" if s.get("temperature") is None else f" at T={s['temperature']:g}"
+        lines += [f"Skipped {s['contender']}{at}: {s['why']}.", ""]
+    for lab, t in (result.get("cost_tables") or {}).items():
+        lines += [f"Cost table of {lab}: {t.get('path')} (key: {t.get('key')}).", ""]
     if len(ts) == 1:
         lines += _temperature_section(result, rows)
     for t in ts if len(ts) > 1 else []:
@@ -683,24 +747,43 @@ def plot_ratios(result: dict, path: str | Path, baseline: str = "best_static") -
     return _save(fig, plt, path)
 
 
+OUTPUT_FILES = ("batch_bench.json", "batch_bench_runs.json", "batch_bench.md", "batch_bench.png",
+                "batch_bench_ratio.png")
+
+
 def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot: bool = True) -> Path:
-    """batch_bench.json (the rows), batch_bench_runs.json (meta, findings per temperature, greedy differences,
-    skipped contenders, every (round, block) run), batch_bench.md, and with ``with_plot`` batch_bench.png
-    and batch_bench_ratio.png (when a row has a ratio to the best static γ)."""
+    """batch_bench.json (the rows, each with ``complete``), batch_bench_runs.json (meta, ``complete``,
+    ``rounds_done``, ``rounds``, the cost tables used, findings per temperature, greedy differences, skipped
+    contenders, every (round, block) run), batch_bench.md (its header says complete or not), and with
+    ``with_plot`` batch_bench.png and batch_bench_ratio.png (when a row has a ratio to the best static γ).
+    Every file of :data:`OUTPUT_FILES` is rewritten or removed, so that a reused folder never keeps an older
+    run's plot next to this run's tables; returns ``out_dir`` (:func:`written` lists what is there)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [{k: r.get(k) for k in ROW_KEYS} for r in result["rows"]]
-    atomic_write_json(out / "batch_bench.json", rows, indent=2)
+    complete = bool(result.get("complete", False))
+    status = {"complete": complete, "rounds_done": result.get("rounds_done", 0), "rounds": result.get("rounds")}
+    rows = [{**{k: r.get(k) for k in ROW_KEYS}, "complete": complete} for r in result["rows"]]
+    written = [atomic_write_json(out / "batch_bench.json", rows, indent=2)]
     by_t = {str(t): findings(result["rows"], temperature=t) for t in temperatures_of(result["rows"])}
-    atomic_write_json(out / "batch_bench_runs.json", {"meta": meta or {}, "findings": by_t,
-                                                     "differences": result.get("differences", []),
-                                                     "skipped": result.get("skipped", []),
-                                                     "runs": result["runs"]}, indent=2, default=str)
-    atomic_write_text(out / "batch_bench.md", markdown(result, meta))
+    written.append(atomic_write_json(out / "batch_bench_runs.json", {
+        "meta": meta or {}, **status, "cost_tables": result.get("cost_tables") or {}, "findings": by_t,
+        "differences": result.get("differences", []), "skipped": result.get("skipped", []),
+        "runs": result["runs"]}, indent=2, default=str))
+    written.append(atomic_write_text(out / "batch_bench.md", markdown(result, meta)))
     if with_plot and result["rows"]:
-        plot_tokens_per_s(result, out / "batch_bench.png")
-        plot_ratios(result, out / "batch_bench_ratio.png")
+        written.append(plot_tokens_per_s(result, out / "batch_bench.png"))
+        ratio = plot_ratios(result, out / "batch_bench_ratio.png")
+        if ratio is not None:
+            written.append(ratio)
+    for name in OUTPUT_FILES:  # an older run's file this write did not replace
+        if out / name not in written:
+            (out / name).unlink(missing_ok=True)
     return out
+
+
+def written(out_dir: str | Path) -> list[str]:
+    """The files of :data:`OUTPUT_FILES` that the last :func:`write` to ``out_dir`` left (it removes the rest)."""
+    return [n for n in OUTPUT_FILES if (Path(out_dir) / n).is_file()]
 
 
 @torch.inference_mode()
@@ -708,9 +791,9 @@ def prefill_join_cost(target, concurrency=(2, 4, 8, 16, 32), prompt_len: int = 4
                       reps: int = 15, seed: int = 0) -> list[dict]:
     """When one sequence finishes and its slot takes a new prompt: is the prompt's prefill cheaper as its own
     target forward (then the C-1 running slots' verification forward), or joined to that step's forward
-    (:func:`~eagle_backbone.batched.model.forward_groups`: projections and MLPs over all tokens at once,
-    attention per group)? Median process-CPU ms of each, interleaved, per C."""
-    from eagle_backbone.batched.model import BatchedLlama, forward_groups
+    (one ragged batch: projections and MLPs over all tokens at once, attention per row)? Median
+    process-CPU ms of each, interleaved, per C."""
+    from eagle_backbone.batched.model import BatchedLlama, RaggedBatch
 
     g = torch.Generator().manual_seed(seed)
     lm = BatchedLlama(target.model, context + prompt_len + gamma + 4)
@@ -718,28 +801,26 @@ def prefill_join_cost(target, concurrency=(2, 4, 8, 16, 32), prompt_len: int = 4
     rows_out = []
     for C in concurrency:
         cache = lm.new_cache(C)
-        ctx = torch.randint(4, V, (C, context), generator=g).to(dev)
-        lm(ctx, torch.arange(context, device=dev)[None].expand(C, context), cache, context)
-        run = torch.arange(C - 1, device=dev)
-        new = torch.tensor([C - 1], device=dev)
-        step_tok = torch.randint(4, V, (C - 1, gamma + 1), generator=g).to(dev)
-        step_pos = (context + torch.arange(gamma + 1, device=dev))[None].expand(C - 1, gamma + 1)
-        prompt = torch.randint(4, V, (1, prompt_len), generator=g).to(dev)
-        ppos = torch.arange(prompt_len, device=dev)[None]
-        groups = [(prompt, ppos, new, prompt_len)] + ([(step_tok, step_pos, run, context + gamma + 1)] if C > 1 else [])
+        lm(torch.randint(4, V, (C * context,), generator=g).to(dev), RaggedBatch(range(C), [0] * C, [context] * C, dev),
+           cache)
+        step = RaggedBatch(range(C - 1), [context] * (C - 1), [gamma + 1] * (C - 1), dev)
+        new = RaggedBatch([C - 1], [0], [prompt_len], dev)
+        joined = step.join(new) if C > 1 else new
+        step_tok = torch.randint(4, V, ((C - 1) * (gamma + 1),), generator=g).to(dev)
+        prompt = torch.randint(4, V, (prompt_len,), generator=g).to(dev)
         times = {"separate": [], "joined": []}
         for i in range(reps + 2):
             for how in ("separate", "joined") if i % 2 else ("joined", "separate"):
                 t0 = time.process_time()
                 if how == "separate":
-                    lm.logits(lm(prompt, ppos, cache, prompt_len, new)[:, -1:])
+                    lm.logits(lm(prompt, new, cache)[-1:])
                     if C > 1:
-                        lm.logits(lm(step_tok, step_pos, cache, context + gamma + 1, run))
+                        lm.logits(lm(step_tok, step, cache))
                 else:
-                    hs = forward_groups(lm, groups, cache)
-                    lm.logits(hs[0][:, -1:])
+                    h = lm(torch.cat([step_tok, prompt]), joined, cache)
+                    lm.logits(h[step.n:][-1:])
                     if C > 1:
-                        lm.logits(hs[1])
+                        lm.logits(h[: step.n])
                 if i >= 2:
                     times[how].append(1e3 * (time.process_time() - t0))
         sep, joi = statistics.median(times["separate"]), statistics.median(times["joined"])

@@ -7,15 +7,25 @@ accepted last step, and the engine's own bookkeeping. :func:`profile_costs` meas
 machine, model, dtype and thread count, on the engine's own forwards (packed ragged verification, the
 slot caches, a realistic cached context), interleaved and repeated, medians kept; :class:`CostTable`
 interpolates them. ``python scripts/profile_cost.py`` writes the table; policies that find none for
-their key profile on first use and cache it (a couple of minutes on the embedded pair).
+their key profile on first use and cache it (docs/batched.md gives the time it takes: minutes in bfloat16
+on a CPU without bf16 matmuls, and it grows with the slot counts profiled, so a run profiles only those it
+needs: :func:`load_or_profile`'s ``slots``, extended later when a run needs more).
 
-Keys: ``model`` (its name), ``dtype``, ``device`` type, ``threads`` (torch intra-op threads), torch version.
+Keys (:func:`cost_key`, :func:`setup_key`): everything that changes what a step costs: ``model`` (its name),
+``dtype``, ``device`` type, ``threads`` (torch intra-op threads), torch version, the processor (``cpu``: the
+CPU's model name; the GPU's name on CUDA), the drafter's kind and a SHA-256 of its weights
+(``drafter_kind``, ``drafter_sha256``) and the batched forward's attention math (``attn``). The file name
+carries the readable parts and a digest of the whole key, so two setups never share a file; the table stores
+its key, and every result that planned with it records the key and the file (``meta["path"]``). Each cell
+also stores its dispersion over the repetitions (``dispersion``: interquartile range over median).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,19 +33,67 @@ from pathlib import Path
 
 import torch
 
+from eagle_backbone.batched.model import RaggedBatch
+from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_write_json
 
 SLOTS = (1, 2, 4, 8, 16, 32)
 TOKENS_PER_SLOT = (1, 2, 3, 5, 9)  # scored tokens a slot: the last token plus γ drafts
 
 
-def cost_key(model_name: str, dtype: torch.dtype, device, threads: int) -> dict:
-    return {"model": str(model_name), "dtype": str(dtype).replace("torch.", ""), "device": torch.device(device).type,
-            "threads": int(threads), "torch": torch.__version__.split("+")[0]}
+def processor_name(device) -> str:
+    """What runs the forwards: the GPU's name on CUDA, else the CPU's model name from /proc/cpuinfo (the
+    platform's processor string where there is none)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, sep, value = line.partition(":")
+            if sep and name.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def weights_sha256(module) -> str | None:
+    """SHA-256 over a module's state (names, dtypes, shapes and bytes, in name order): the same weights
+    file loaded in the same dtype gives the same digest, any other drafter another. None for no module."""
+    if module is None or not hasattr(module, "state_dict"):
+        return None
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def setup_key(engine) -> dict:
+    """The key fields an engine adds (:func:`cost_key`): its candidate generator's kind, a digest of the
+    drafter's weights (the EAGLE head or the draft LM; None for a generator without one) and the attention
+    math of its batched forwards."""
+    cand = engine.candidates
+    module = None if cand is None else (getattr(cand, "drafter", None) or getattr(cand, "model", None))
+    return {"drafter_kind": engine.kind, "drafter_sha256": weights_sha256(module), "attn": str(engine.attn)}
+
+
+def cost_key(model_name: str, dtype: torch.dtype, device, threads: int, setup: dict | None = None) -> dict:
+    """The cost table's key: model, dtype, device type, threads, torch version and processor, plus
+    ``setup`` (:func:`setup_key` of an engine: drafter kind and weights, attention) when given;
+    :func:`load_or_profile` completes a key without it from the engines it profiles with."""
+    key = {"model": str(model_name), "dtype": str(dtype).replace("torch.", ""), "device": torch.device(device).type,
+           "threads": int(threads), "torch": torch.__version__.split("+")[0], "cpu": processor_name(device)}
+    return {**key, **(setup or {})}
 
 
 def table_path(cost_dir: str | Path, key: dict) -> Path:
-    return Path(cost_dir) / f"{key['dtype']}-{key['device']}-t{key['threads']}.json"
+    """``<dtype>-<device>-t<threads>-<drafter kind>-<attn>-<digest of the whole key>.json`` under ``cost_dir``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    parts = [key["dtype"], key["device"], f"t{key['threads']}"] + [str(key[k]) for k in ("drafter_kind", "attn")
+                                                                   if key.get(k) is not None]
+    return Path(cost_dir) / f"{'-'.join(parts)}-{digest}.json"
 
 
 def _interp(xs, ys, x: float) -> float:
@@ -65,6 +123,8 @@ class CostTable:
     overhead: list[float]
     depth_overhead: list[float] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    # per cell, the interquartile range of its repetitions over their median (same layout as the cell's list)
+    dispersion: dict = field(default_factory=dict)
 
     def _by_slots(self, R: float, per_row: list[float]) -> float:
         return max(0.0, _interp(self.slots, per_row, R))
@@ -101,8 +161,29 @@ class CostTable:
         return self._memo(("overhead", R), lambda: self._by_slots(R, self.overhead))
 
     def save(self, path: str | Path) -> Path:
-        atomic_write_json(path, asdict(self))
+        self.meta["path"] = str(path)
+        atomic_write_json(path, {k: v for k, v in asdict(self).items() if k != "_memo_"})
         return Path(path)
+
+    def merged(self, other: CostTable) -> CostTable:
+        """This table with ``other``'s slot counts added (the same key and token grid; ``other`` wins a tie)."""
+        if other.key != self.key or other.tokens != self.tokens:
+            raise ValueError(f"cost tables of different keys or token grids cannot merge: {self.key} / {other.key}")
+        rows = {R: (self, i) for i, R in enumerate(self.slots)}
+        rows.update({R: (other, i) for i, R in enumerate(other.slots)})
+        order = sorted(rows)
+
+        def col(name):
+            return [getattr(rows[R][0], name)[rows[R][1]] if getattr(rows[R][0], name) else 0.0 for R in order]
+
+        disp = {}
+        for name in ("target", "draft", "feed", "overhead", "step"):
+            if all(name in t.dispersion for t in (self, other)):
+                disp[name] = [rows[R][0].dispersion[name][rows[R][1]] for R in order]
+        meta = {**self.meta, "seconds": round(self.meta.get("seconds", 0) + other.meta.get("seconds", 0), 1),
+                "profiled": self.meta.get("profiled", []) + other.meta.get("profiled", [])}
+        return CostTable(self.key, order, list(self.tokens), col("target"), col("draft"), col("feed"), col("overhead"),
+                         col("depth_overhead") if self.depth_overhead and other.depth_overhead else [], meta, disp)
 
     @classmethod
     def load(cls, path: str | Path, key: dict | None = None) -> CostTable:
@@ -111,18 +192,34 @@ class CostTable:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a readable cost table ({type(e).__name__}: {e})") from None
-        missing = [k for k in cls.__dataclass_fields__ if k not in ("meta", "depth_overhead") and k not in raw]
+        missing = [k for k in cls.__dataclass_fields__ if k not in ("meta", "depth_overhead", "dispersion")
+                   and k not in raw]
         unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if missing or unknown:
             raise ValueError(f"{path}: cost table with missing keys {missing} / unknown keys {unknown}")
         table = cls(**raw)
         if key is not None and {k: table.key.get(k) for k in key} != key:
-            raise ValueError(f"{path}: profiled for {table.key}, not {key} (profile again: python scripts/profile_cost.py)")
+            differ = sorted(k for k in key if table.key.get(k) != key[k])
+            raise ConfigError(f"{path}: a cost table profiled for another setup ({', '.join(differ)}: "
+                              f"{ {k: table.key.get(k) for k in differ} }, this run: { {k: key[k] for k in differ} }); "
+                              "profile this one: python scripts/profile_cost.py, or drop cost_table= to use the "
+                              "table of this setup")
+        table.meta["path"] = str(path)
         return table
 
 
-def _median_ms(fns: dict, reps: int) -> dict:
-    """Each callable ``reps`` times, interleaved (cell order rotating), median milliseconds."""
+def dispersion(xs: list[float]) -> float:
+    """Interquartile range over median of repeated timings (0 for fewer than two)."""
+    if len(xs) < 2:
+        return 0.0
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    med = statistics.median(xs)
+    return round((q[2] - q[0]) / med, 4) if med > 0 else 0.0
+
+
+def _median_ms(fns: dict, reps: int, spread: dict | None = None) -> dict:
+    """Each callable ``reps`` times, interleaved (cell order rotating), median milliseconds (``spread``
+    gets each cell's :func:`dispersion`)."""
     names = list(fns)
     times: dict = {n: [] for n in names}
     for r in range(reps + 1):  # the first pass warms up
@@ -134,6 +231,8 @@ def _median_ms(fns: dict, reps: int) -> dict:
                 torch.cuda.synchronize()
             if r:
                 times[n].append(1e3 * (time.perf_counter() - t0))
+    if spread is not None:
+        spread.update({n: dispersion(v) for n, v in times.items()})
     return {n: statistics.median(v) for n, v in times.items()}
 
 
@@ -144,56 +243,62 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
     :class:`~eagle_backbone.engine.BatchedSpeculativeEngine` with a drafter)."""
     from eagle_backbone.policy import StaticPolicy
 
+    import os
+
     g = torch.Generator().manual_seed(seed)
     target_ms, draft_ms, feed_ms, overhead_ms, depth_ms = [], [], [], [], []
+    disp: dict = {"target": [], "draft": [], "feed": [], "overhead": [], "step": []}
     t_start = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     for R in slots:
         eng = engine_factory(R)
         dev, V = eng.device, eng.target.vocab_size
         cuda = dev.type == "cuda"
         ctx = torch.randint(4, V, (R, context), generator=g).to(dev)
-        pos = torch.arange(context, device=dev)[None].expand(R, context)
-        eng.tm(ctx, pos, eng.tcache, context)
+        slots = list(range(R))
+        prefill = RaggedBatch(slots, [0] * R, [context] * R, dev)
+        ctx = ctx.reshape(-1)
+        eng.tm(ctx, prefill, eng.tcache)
         eagle = eng.kind == "eagle"
         if eng.kind not in (None, "eagle", "draft_lm"):
             raise ValueError(f"cost profile: candidate generator kind {eng.kind!r} is not one the profiler knows "
                              "(eagle, draft_lm); give the policy a cost table (cost_table_path=)")
         if eagle:
             feats = torch.randn(R, context, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype)
-            eng.cand.dm(ctx, feats, pos, eng.cand.cache, context)
+            eng.cand.dm(ctx, feats.reshape(R * context, -1), prefill, eng.cand.cache)
         elif eng.kind is not None:
-            eng.cand.dm(ctx, pos, eng.cand.cache, context)
+            eng.cand.dm(ctx, prefill, eng.cand.cache)
         fns = {}
 
         def target_fn(t):
-            tok = torch.randint(4, V, (R, t), generator=g).to(dev)
-            p = (context + torch.arange(t, device=dev))[None].expand(R, t)
+            tok = torch.randint(4, V, (R * t,), generator=g).to(dev)
+            p = RaggedBatch(slots, [context] * R, [t] * R, dev)
 
             def run():
-                eng.tm.logits(eng.tm(tok, p, eng.tcache, context + t))
+                eng.tm.logits(eng.tm(tok, p, eng.tcache))
             return run
 
         def feed_fn(t):
-            tok = torch.randint(4, V, (R, t), generator=g).to(dev)
-            p = (context + torch.arange(t, device=dev))[None].expand(R, t)
-            f = torch.randn(R, t, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
+            tok = torch.randint(4, V, (R * t,), generator=g).to(dev)
+            p = RaggedBatch(slots, [context] * R, [t] * R, dev)
+            f = torch.randn(R * t, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
 
             def run():
                 if eagle:
-                    out = eng.cand.dm(tok, f, p, eng.cand.cache, context + t)
-                    eng.cand.dm.logits(out[:, -1])
+                    out = eng.cand.dm(tok, f, p, eng.cand.cache)
+                    eng.cand.dm.logits(out[p.last()])
                 else:
-                    eng.cand.dm.logits(eng.cand.dm(tok, p, eng.cand.cache, context + t)[:, -1])
+                    eng.cand.dm.logits(eng.cand.dm(tok, p, eng.cand.cache)[p.last()])
             return run
 
         def draft_fn():
-            tok = torch.randint(4, V, (R, 1), generator=g).to(dev)
-            p = torch.full((R, 1), context, device=dev)
-            s = torch.randn(R, 1, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
+            tok = torch.randint(4, V, (R,), generator=g).to(dev)
+            p = RaggedBatch(slots, [context] * R, [1] * R, dev)
+            s = torch.randn(R, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
 
             def run():
-                out = eng.cand.dm(tok, s, p, eng.cand.cache, context + 1) if eagle else eng.cand.dm(tok, p, eng.cand.cache, context + 1)
-                torch.softmax(eng.cand.dm.logits(out[:, 0]).float(), -1)
+                out = eng.cand.dm(tok, s, p, eng.cand.cache) if eagle else eng.cand.dm(tok, p, eng.cand.cache)
+                torch.softmax(eng.cand.dm.logits(out).float(), -1)
             return run
 
         for t in tokens:
@@ -204,7 +309,11 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
             fns[("draft",)] = draft_fn()
         for f in fns.values():
             f.cuda = cuda
-        med = _median_ms(fns, reps)
+        spread: dict = {}
+        med = _median_ms(fns, reps, spread)
+        disp["target"].append([spread[("target", t)] for t in tokens])
+        disp["feed"].append([spread.get(("feed", t), 0.0) for t in tokens])
+        disp["draft"].append(spread.get(("draft",), 0.0))
         target_ms.append([med[("target", t)] for t in tokens])
         feed_ms.append([med.get(("feed", t), 0.0) for t in tokens])
         draft_ms.append(med.get(("draft",), 0.0))
@@ -225,6 +334,9 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
                 steps.append(1e3 * (time.perf_counter() - t0))
                 accepted.append(sum(len(e.state[b].new) - n for b, n in zip(range(R), before)) / R)
             spent[gamma] = (statistics.median(steps), statistics.mean(accepted))
+            spread[("step", gamma)] = dispersion(steps)
+        disp["overhead"].append(spread[("step", 0)])
+        disp["step"].append(spread.get(("step", 4), 0.0))
         ar_ms = spent[0][0]
         overhead_ms.append(max(0.0, ar_ms - med[("target", 1)]))
         if 4 in spent:
@@ -235,21 +347,53 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
         log(f"cost profile: {R} slots: target {target_ms[-1][0]:.2f}..{target_ms[-1][-1]:.2f} ms, "
             f"draft depth {draft_ms[-1]:.2f} ms, overhead {overhead_ms[-1]:.2f} ms a step"
             + (f" + {depth_ms[-1]:.2f} ms a depth" if depth_ms else ""))
-    meta = {"context": context, "reps": reps, "seconds": round(time.perf_counter() - t_start, 1)}
-    return CostTable(key, list(slots), list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, depth_ms, meta)
+    seconds = round(time.perf_counter() - t_start, 1)
+    meta = {"context": context, "reps": reps, "seconds": seconds,
+            "profiled": [{"slots": list(slots), "seconds": seconds, "load_average_1min": load,
+                          "cpu_count": os.cpu_count()}]}
+    return CostTable(key, list(slots), list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, depth_ms, meta, disp)
+
+
+def slots_for(concurrency: int) -> list[int]:
+    """The slot counts a run of at most ``concurrency`` sequences in flight needs: the grid's below it, and it."""
+    c = int(concurrency)
+    return [s for s in SLOTS if s < c] + [c]
+
+
+def full_key(key: dict, engine_factory) -> dict:
+    """``key`` completed with :func:`setup_key` of an engine from ``engine_factory`` (drafter kind and
+    weights, attention), where ``key`` lacks them."""
+    if engine_factory is None or all(k in key for k in ("drafter_kind", "drafter_sha256", "attn")):
+        return dict(key)
+    return {**key, **setup_key(engine_factory(1))}
 
 
 def load_or_profile(cost_dir: str | Path, key: dict, engine_factory, profile_if_missing: bool = True,
-                    log=print) -> CostTable:
-    """The cached table for ``key`` under ``cost_dir``, profiling (and caching) it when missing."""
+                    log=print, slots: list[int] | None = None) -> CostTable:
+    """The cached table for ``key`` (completed by :func:`full_key`) under ``cost_dir``, profiling (and caching)
+    it when missing: ``slots`` (default the whole grid, :data:`SLOTS`) when given; a cached table that stops
+    below the largest of ``slots`` gets the larger ones profiled and merged in (it would extrapolate)."""
+    key = full_key(key, engine_factory)
     path = table_path(cost_dir, key)
+    want = sorted(set(int(s) for s in (slots or SLOTS)))
     if path.is_file():
-        return CostTable.load(path, key)
+        table = CostTable.load(path, key)
+        missing = [s for s in want if s > max(table.slots)]  # between grid points the table interpolates
+        if slots is None or not missing:
+            return table
+        if not profile_if_missing:
+            raise ConfigError(f"{path}: the cost table has slot counts {table.slots}, this run needs {missing} too: "
+                              "run python scripts/profile_cost.py slots=[...] (or profile_if_missing=true)")
+        log(f"cost table {path}: profiling the slot counts {missing} this run needs too")
+        table = table.merged(profile_costs(engine_factory, key, slots=missing, log=log))
+        table.save(path)
+        return table
     if not profile_if_missing:
-        raise ValueError(f"no cost table at {path} for {key}: run python scripts/profile_cost.py "
-                         "(or let the policy profile it: profile_if_missing=true)")
-    log(f"no cost table at {path}: profiling this machine once (python scripts/profile_cost.py does the same)")
-    table = profile_costs(engine_factory, key, log=log)
+        raise ConfigError(f"no cost table at {path} for {key}: run python scripts/profile_cost.py "
+                          "(or let the policy profile it: profile_if_missing=true)")
+    log(f"no cost table at {path}: profiling this setup once for slot counts {want} "
+        "(python scripts/profile_cost.py does the same)")
+    table = profile_costs(engine_factory, key, slots=want, log=log)
     table.save(path)
     return table
 

@@ -150,6 +150,41 @@ def resolve_in(cfg, node, defaults=None):
     return OmegaConf.create(root).policy
 
 
+def missing_checkpoint(name: str, policy_cfg) -> None:
+    """Raise :class:`~eagle_backbone.errors.MissingCheckpoint` when the checkpoint folder that policy ``name``
+    reads (``path``: an LDLP or acceptance head; ``estimator`` when not ``confidence``: draft acceptance
+    heads) does not exist or holds no checkpoint yet: the one error a benchmark may skip a contender for."""
+    from eagle_backbone.errors import MissingCheckpoint
+
+    for key, marker in (("path", "config.json"), ("estimator", None)):
+        value = policy_cfg.get(key) if key in policy_cfg else None
+        if value is None or (key == "estimator" and str(value) == "confidence"):
+            continue
+        folder = Path(str(value))
+        if not folder.is_dir() or (marker and not (folder / marker).is_file()) or (not marker and not any(folder.iterdir())):
+            raise MissingCheckpoint(f"policy={name}: policy.{key}={folder} holds no trained checkpoint yet "
+                                    "(train it first: docs/pipeline.md lists the stage that writes it)")
+
+
+def check_turns_kept(data_cfg, prompt_set, what: str) -> None:
+    """With ``data.turns=all``, refuse a prompt set that leaves user turns out (MT-bench second turns need the
+    model's own earlier answer, which ``what`` does not generate); the error says how many and what to use."""
+    from eagle_backbone.data.conversations import ROLE_OF, load_conversations
+    from eagle_backbone.errors import ConfigError
+
+    if str(data_cfg.get("turns", "first")) != "all":
+        return
+    conversations = load_conversations(data_cfg.get("path"), fmt=data_cfg.get("format", "auto"),
+                                       on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
+                                       sample_seed=data_cfg.get("sample_seed"))
+    users = sum(1 for c in conversations for t in c["conversations"] if ROLE_OF.get(t["from"]) == "user")
+    kept = len(prompt_set) + int(getattr(prompt_set, "info", {}).get("n_dropped", 0) or 0)
+    if kept < users:
+        raise ConfigError(f"data.turns=all: {users - kept} of {users} user turns in {data_cfg.get('path')} need the "
+                          f"model's own earlier answers, which {what} does not generate (it would benchmark the "
+                          "rest alone); use data.turns=first, or scripts/evaluate.py data.turns=all for every turn")
+
+
 def build_policy(policy_cfg):
     from hydra.utils import instantiate
 
