@@ -20,10 +20,13 @@ of a noisy machine; the summary reports medians over rounds.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +40,22 @@ FINGERPRINT = "stage.json"  # next to every stage's output: the fingerprint of i
 SKIP_IN_OUTPUTS = {FINGERPRINT, "logs", ".hydra"}  # not part of a stage's output for its downstream stages
 COMMON_CONFIGS = ("paths/*.yaml", "model/*.yaml", "hydra/help/*.yaml")
 CONTENT_HASH_LIMIT = 64 << 20  # upstream output files up to this size are hashed by content, larger ones by size and mtime
+# the main command's overrides of these top-level keys reach every stage whose script's config has the key
+# (model.dtype=float32, generation.max_new_tokens=32, data.limit=8, paths.data_dir=X, threads=2); a stage on
+# another model (the peer sweeps' draft LM) keeps its own name and drafter
+FORWARDED = ("model", "generation", "data", "paths", "threads")
+PEER_OWN = ("model.name", "model.drafter", "model.drafter_kind")
+LOCK = ".pipeline.lock"  # in paths.data_dir and paths.outputs: one main command at a time on those folders
+# expected seconds per stage (by stage name, sweeps by kind) when this machine has no stage_seconds.json yet:
+# the main command on an idle 2-core CPU, per dtype it resolves to (docs/pipeline.md#how-long-it-takes)
+EXPECTED_S = {
+    "bfloat16": {"corpus": 20, "oracle": 110, "ldlp": 30, "acceptance": 15, "tune": 30, "sweep:static": 70,
+                 "sweep:adaptive": 75, "sweep:peer_static": 15, "sweep:peer": 40, "bench_batch": 250,
+                 "head_to_head": 240},
+    "float32": {"corpus": 20, "oracle": 110, "ldlp": 30, "acceptance": 15, "tune": 30, "sweep:static": 70,
+                "sweep:adaptive": 75, "sweep:peer_static": 15, "sweep:peer": 40, "bench_batch": 250,
+                "head_to_head": 240},
+}
 
 
 @dataclass
@@ -55,6 +74,9 @@ class Stage:
     clear: bool = False  # remove ``out`` before it runs (a half-finished multirun is redone whole)
     product: str | None = None  # a file in ``out`` without which the stage is not done, whatever stage.json says
     extra: list[str] = field(default_factory=list)  # overrides added at run time, not part of the fingerprint
+    resolved: dict = field(default_factory=dict)  # settings its script resolves on this machine (model.dtype=auto)
+    fills: tuple[str, ...] = ()  # reads it creates when missing (the cost table): hashed again once it finished
+    resumes: bool = False  # continues a partial output (the oracle's parts): reset first when its inputs changed
 
     @property
     def command(self) -> list[str]:
@@ -129,10 +151,15 @@ def fingerprint(stage: Stage, stages: dict[str, Stage]) -> tuple[str, dict]:
               "configs": _config_files(COMMON_CONFIGS + stage.configs),
               "reads": {str(p): content_digest(p) for p in stage.reads},
               "after": {n: output_digest(stages[n].out) for n in stage.after if n in stages}}
+    if stage.resolved:  # e.g. model.dtype=auto resolved on this machine: another CPU kind reruns the stage
+        inputs["resolved"] = stage.resolved
     if stage.name == "corpus":  # built from the running Python's standard library
         inputs["python"] = sys.version
-    blob = json.dumps(inputs, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest(), inputs
+    return _digest(inputs), inputs
+
+
+def _digest(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def changed_inputs(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -180,28 +207,86 @@ def _threads(cfg) -> list[str]:
     return [f"threads={'null' if threads is None else int(threads)}"]
 
 
-def _model_folders(cfg, model: str) -> tuple[str, ...]:
+def _model_folders(cfg, model: str, overrides=(), peer: bool = False) -> tuple[str, ...]:
     """The folders (target, drafter, tokenizer) of ``model=<model>`` as the sweeps compose it."""
-    m = _compose_model(cfg, model)
+    m = _compose_model(cfg, model, overrides, peer)
     return tuple(dict.fromkeys(str(m[k]) for k in ("target", "drafter", "tokenizer") if m.get(k)))
 
 
-def _compose_model(cfg, model: str):
+def _compose(config_name: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = [f"model={model}"] + [o for o in cfg.sweep.overrides if o.startswith("model.")]
+    import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
+
     if GlobalHydra.instance().is_initialized():
-        return compose(config_name="evaluate", overrides=overrides).model
+        return compose(config_name=config_name, overrides=list(overrides))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="evaluate", overrides=overrides).model
+        return compose(config_name=config_name, overrides=list(overrides))
 
 
-def plan(cfg, model: str = "embedded") -> list[Stage]:
-    """Every stage before the head to head, in order; ``model`` is the conf/model option they run on."""
+def _compose_model(cfg, model: str, overrides=(), peer: bool = False):
+    """``model=<model>`` as the stages compose it: the sweeps' model.* overrides, then the main command's."""
+    mine = [o for o in forwarded(overrides, ("model",), peer) if override_key(o) != "model"]
+    return _compose("evaluate", [f"model={model}"] + [o for o in cfg.sweep.overrides if o.startswith("model.")]
+                    + mine).model
+
+
+def override_key(override: str) -> str:
+    """``model.dtype`` of ``model.dtype=float32``, ``+model.x=1``, ``++model.x=1`` or ``~model.x``."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def forwarded(overrides, keys, peer: bool = False) -> list[str]:
+    """The main command's ``overrides`` that a script whose config has the top-level ``keys`` is given: those of
+    FORWARDED it has (not ``model=``, the main command's model choice, which every stage gets as ``model=<option>``),
+    without the peer model's own name and drafter on a stage that runs another model (``peer``)."""
+    out = []
+    for o in overrides or ():
+        key = override_key(o)
+        top = key.split(".", 1)[0]
+        if top in FORWARDED and top in keys and key != "model" and not (peer and key in PEER_OWN):
+            out.append(o)
+    return out
+
+
+_script_keys_cache: dict[str, frozenset] = {}
+
+
+def script_keys(script: str) -> frozenset:
+    """The top-level keys of ``scripts/<script>``'s config (conf/<stem>.yaml, composed)."""
+    if script not in _script_keys_cache:
+        _script_keys_cache[script] = frozenset(_compose(Path(script).stem, []).keys())
+    return _script_keys_cache[script]
+
+
+def apply_overrides(cfg, stages: list[Stage], overrides, model: str) -> list[Stage]:
+    """Give every stage the main command's overrides its script's config contains, after its own (an override of a
+    key the stage sets replaces the stage's value), and record the dtype its model resolves to on this machine."""
+    from eagle_backbone.runtime import resolve_dtype
+
+    models: dict = {}
+    for stage in stages:
+        chosen = next((a.split("=", 1)[1] for a in stage.args if a.startswith("model=")), None)
+        peer = chosen is not None and chosen != model
+        add = forwarded(overrides, script_keys(stage.script), peer)
+        if add:
+            keys = {override_key(o) for o in add}
+            stage.args = [a for a in stage.args if a == "-m" or override_key(a) not in keys] + add
+        if chosen is not None:
+            if (chosen, peer) not in models:
+                models[chosen, peer] = _compose_model(cfg, chosen, overrides, peer)
+            m = models[chosen, peer]
+            stage.resolved = {"model.dtype": resolve_dtype(m.get("dtype"), str(m.get("device") or "cpu"))}
+    return stages
+
+
+def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
+    """Every stage before the head to head, in order; ``model`` is the conf/model option they run on and
+    ``overrides`` the main command's (those a stage's config contains reach it: :func:`apply_overrides`)."""
     p = cfg.paths
     threads = _threads(cfg)
-    pair = _model_folders(cfg, model)
+    pair = _model_folders(cfg, model, overrides)
     oracle, ldlp, acceptance = Path(p.oracle), Path(p.ldlp), Path(p.acceptance)
     corpus = Path(p.embedded) / "corpus"
     label_configs = ("collect_oracle.yaml", "data/*.yaml", "generation/*.yaml", "recipe/collect_oracle/*.yaml")
@@ -213,7 +298,7 @@ def plan(cfg, model: str = "embedded") -> list[Stage]:
               [f"out_dir={corpus}"] + threads, corpus, configs=("build_corpus.yaml",), product="test.json"),
         Stage("oracle", "collect oracle draft-length labels (greedy)", "collect_oracle.py",
               [f"model={model}", f"out_dir={oracle}"] + threads + list(cfg.oracle.overrides), oracle,
-              after=("corpus",), reads=pair, configs=label_configs, product="report.md"),
+              after=("corpus",), reads=pair, configs=label_configs, product="report.md", resumes=True),
         Stage("ldlp", "train the LDLP on the oracle labels", "train_ldlp.py",
               list(cfg.ldlp.overrides) + [f"model={model}", f"ldlp_training.oracle_dir={oracle}",
                                           f"ldlp_training.out_dir={ldlp}"] + threads,
@@ -257,18 +342,47 @@ def plan(cfg, model: str = "embedded") -> list[Stage]:
             if args[0].endswith("="):  # an empty policy list
                 continue
             out = runs / f"round-{r}" / name
-            reads = pair if sweep_model == model else _model_folders(cfg, sweep_model)
+            reads = pair if sweep_model == model else _model_folders(cfg, sweep_model, overrides, peer=True)
+            policies = args[0].split("=", 1)[1].split(",")
+            extra, fills = _policy_reads(cfg, policies, stages, overrides)
             stages.append(Stage(f"sweep:{name}:{r}", f"round {r}/{cfg.sweep.rounds}: {name} ({sweep_model})",
                                 "evaluate.py", ["-m", f"model={sweep_model}"] + args + common
-                                + [f"hydra.sweep.dir={out}"], out, after=("corpus",) + after, reads=reads,
-                                configs=eval_configs, group="sweeps", clear=True))
-    bench = bench_batch_stage(cfg, stages, model, pair)
+                                + [f"hydra.sweep.dir={out}"], out, after=("corpus",) + after, reads=reads + extra,
+                                configs=eval_configs, group="sweeps", clear=True, fills=fills))
+    bench = bench_batch_stage(cfg, stages, model, pair, overrides)
     if bench is not None:
         stages.append(bench)
-    return stages
+    return apply_overrides(cfg, stages, overrides, model)
 
 
-def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...]) -> Stage | None:
+def _policy_reads(cfg, policies, stages: list[Stage], overrides) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The folders of ``cfg.paths`` that the policies read and no stage of the plan writes (the load-aware
+    policies' cost tables in paths.cost, the per-temperature draft acceptance heads in paths.draft_acceptance),
+    as (reads, fills): the fingerprint hashes their content, so a retrained head or a new cost table reruns the
+    stages that use them; fills are those a run creates when missing (paths.cost: profiled on first use),
+    hashed again after the stage, so that the next run does not redo it for the table it made itself."""
+    written = {str(s.out) for s in stages} | {str(Path(cfg.paths.embedded) / "corpus")}
+    roots = {str(cfg.paths.get(k)) for k in ("root", "data_dir", "outputs")}
+    folders = {str(v) for k, v in cfg.paths.items() if isinstance(v, str)} - roots
+    paths_overrides = forwarded(overrides, ("paths",))
+    reads = []
+    for name in dict.fromkeys(str(x) for x in policies):
+        if not (CONF_DIR / "policy" / f"{name}.yaml").is_file():
+            continue
+        try:
+            from omegaconf import OmegaConf
+
+            policy = OmegaConf.to_container(_compose("evaluate", [f"policy={name}"] + paths_overrides).policy,
+                                            resolve=True)
+        except Exception:  # a policy config that needs more than the defaults: the sweep itself will say so
+            continue
+        reads += [str(v) for v in policy.values() if isinstance(v, str) and v in folders and v not in written]
+    reads = tuple(dict.fromkeys(reads))
+    cost = str(cfg.paths.get("cost"))
+    return reads, tuple(r for r in reads if r == cost)
+
+
+def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...], overrides=()) -> Stage | None:
     """The load sweep's short version (scripts/bench_batch.py): tokens/s against concurrency and temperature for
     batched AR, static γ and the adaptive policies, with paired ratios to the baselines. A contender whose
     conf/policy/<name>.yaml does not exist (yet) is left out, so the stage runs before every policy is written."""
@@ -286,11 +400,12 @@ def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...
     used = {c.split("=", 1)[1].split()[0] for c in contenders}
     after = ("corpus",) + tuple(n for n in ("ldlp", "ldlp_survival", "acceptance")
                                 if n in names and (n in used or (n == "ldlp" and "ldlp_ddd" in used)))
-    # the load-aware policy's measured cost table (scripts/profile_cost.py) is an input like the weights
-    cost = cfg.paths.get("cost") if any(u.startswith("load_aware") for u in used) else None
+    # what the policies read besides the checkpoints, like the weights: the load-aware policy's measured cost
+    # table (scripts/profile_cost.py; made by the stage itself when missing), the draft acceptance heads
+    extra, fills = _policy_reads(cfg, used, stages, overrides)
     return Stage("bench_batch", f"load sweep (short): C={_list(b.concurrency)} x T={_list(b.temperatures)}, "
                  f"{len(contenders)} contenders and batched AR", "bench_batch.py", args, out, after=after,
-                 reads=pair + ((str(cost),) if cost else ()),
+                 reads=pair + extra, fills=fills,
                  configs=("bench_batch.yaml", "evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml"),
                  group="bench", product="batch_bench.json")
 
@@ -336,7 +451,8 @@ def _tuning_file(cfg) -> Path | None:
     return Path(cfg.paths.results) / "tuning" / "tuning.json" if cfg.tune.get("enabled") else None
 
 
-def head_to_head_stage(cfg, name: str, summary: dict, stages: list[Stage], model: str = "embedded") -> Stage | None:
+def head_to_head_stage(cfg, name: str, summary: dict, stages: list[Stage], model: str = "embedded",
+                       overrides=()) -> Stage | None:
     """Static γ around the sweep's best and the best adaptive policies, timed in turns (scripts/compare.py);
     ``summary`` is the sweeps' (ldlp.report.summary.summarize), ``name`` the swept model's name."""
     head = summary["headline"].get(name) or {}
@@ -357,10 +473,12 @@ def head_to_head_stage(cfg, name: str, summary: dict, stages: list[Stage], model
             + list(cfg.head_to_head.overrides))
     by_name = {s.name: s for s in stages}
     after = tuple(n for n in ("corpus", "ldlp", "ldlp_survival", "acceptance", "tune") if n in by_name)
-    return Stage("head_to_head", f"head to head: static γ={gammas} vs {', '.join(policies)} (and the oracle), "
-                 "timed in turns", "compare.py", args, out, after=after, reads=by_name["oracle"].reads,
-                 configs=("compare.yaml", "evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml"),
-                 group="sweeps", product="head_to_head.json")
+    extra, fills = _policy_reads(cfg, policies, stages, overrides)
+    stage = Stage("head_to_head", f"head to head: static γ={gammas} vs {', '.join(policies)} (and the oracle), "
+                  "timed in turns", "compare.py", args, out, after=after, reads=by_name["oracle"].reads + extra,
+                  configs=("compare.yaml", "evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml"),
+                  group="sweeps", product="head_to_head.json", fills=fills)
+    return apply_overrides(cfg, [stage], overrides, model)[0]
 
 
 # ---- running -----------------------------------------------------------------------------------------------
@@ -382,12 +500,12 @@ TRAIN_COMMANDS = {"target": "python scripts/train_lm.py lm=embedded_target",
                   "draft_lm": "python scripts/train_lm.py lm=embedded_draft_lm"}
 
 
-def check_models(cfg, model: str = "embedded") -> None:
+def check_models(cfg, model: str = "embedded", overrides=()) -> None:
     """Fail early, naming the command that makes them, when a sweep's models are missing."""
     models = [model] + ([cfg.peer.model] if cfg.peer.enabled else [])
     missing = []
     for option in models:
-        m = _compose_model(cfg, option)
+        m = _compose_model(cfg, option, overrides, peer=option != model)
         for key in ("target", "drafter"):
             if not (Path(m[key]) / "config.json").exists():
                 name = Path(m[key]).name
@@ -417,35 +535,64 @@ class StageRunner:
         self.t_start = time.perf_counter()
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.times_file = Path(cfg.paths.results) / "stage_seconds.json"  # the last run of each stage
-        self.times = json.loads(self.times_file.read_text()) if self.times_file.is_file() else {}
+        try:
+            self.times = json.loads(self.times_file.read_text()) if self.times_file.is_file() else {}
+        except json.JSONDecodeError:
+            self.times = {}
         self.ran: list[str] = []
+        self.grace_s = 30.0  # after forwarding a signal, how long a stage may take to stop before it is killed
 
-    def __call__(self, stage: Stage, k: int, n: int) -> bool:
-        """Run ``stage`` unless it is done for the same inputs; True when it ran."""
-        self.stages[stage.name] = stage
+    def decide(self, stage: Stage) -> tuple[bool, str, str, dict]:
+        """(whether ``stage`` runs, why, its fingerprint, its inputs)."""
         digest, inputs = fingerprint(stage, self.stages)
         stored = stored_fingerprint(stage)
-        head = f"[{k}/{n}] {stage.title}"
         forced = stage.force_group in self.force
         made = stage.product is None or (stage.out / stage.product).is_file()
         if stored and stored.get("complete") and stored.get("fingerprint") == digest and made and not forced:
-            print(f"{head}: done for the same inputs, skipped", flush=True)
-            return False
+            return False, "done for the same inputs", digest, inputs
         why = ("forced" if forced else "first run" if stored is None
                else "continuing" if stored.get("fingerprint") == digest and not stored.get("complete")
                else "its product is missing" if stored.get("fingerprint") == digest
                else "changed: " + ", ".join(changed_inputs(stored.get("inputs") or {}, inputs)[:6]))
-        if stage.name == "oracle" and (forced or (stored is not None and stored.get("fingerprint") != digest)):
-            stage.extra = stage.extra + ["overwrite=true"]  # other inputs: the collection starts over
-        print(f"{head} ({why}) ...\n  $ {' '.join(stage.command)}", flush=True)
+        return True, why, digest, inputs
+
+    def expected_s(self, stage: Stage) -> float | None:
+        """This machine's last time for ``stage``, else the reference estimate for its kind and dtype."""
+        if self.times.get(stage.name) is not None:
+            return float(self.times[stage.name])
+        table = EXPECTED_S.get(stage.resolved.get("model.dtype"), EXPECTED_S["float32"])
+        kind = stage.name.rsplit(":", 1)[0] if stage.name.startswith("sweep:") else stage.name
+        return table.get(kind)
+
+    def __call__(self, stage: Stage, k: int, n: int) -> bool:
+        """Run ``stage`` unless it is done for the same inputs; True when it ran."""
+        self.stages[stage.name] = stage
+        runs, why, digest, inputs = self.decide(stage)
+        head = f"[{k}/{n}] {stage.title}"
+        if not runs:
+            print(f"{head}: done for the same inputs, skipped", flush=True)
+            return False
+        if stage.resumes:
+            if why == "forced" or why.startswith("changed"):
+                # other inputs: the output starts over. It is reset before the new fingerprint is stored, so an
+                # interruption in between leaves the old fingerprint, and the next run resets it again
+                _reset_collection(stage.out)
+                stage.extra = stage.extra + ["overwrite=true"]
+            else:  # first run or continuing: a collection this stage did not make (other settings) starts over
+                stage.extra = stage.extra + ["overwrite=changed"]
+        print(f"{head} ({why}) ...\n  $ {shlex.join(stage.command)}", flush=True)
         if stage.clear and stage.out.exists():
             shutil.rmtree(stage.out)  # a half-finished sweep is redone whole: its rows must share a process
         store_fingerprint(stage, digest, inputs, complete=False)
         t0 = time.perf_counter()
-        proc = subprocess.run(stage.command, cwd=REPO_ROOT, env=self.env, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"stage {stage.name!r} failed (exit {proc.returncode}); fix it and rerun the same "
+        code = self.run_command(stage)
+        if code != 0:
+            raise RuntimeError(f"stage {stage.name!r} failed (exit {code}); fix it and rerun the same "
                                f"command: finished stages are skipped")
+        if stage.fills:  # what the stage made for itself (a cost table) is its input from now on
+            for f in stage.fills:
+                inputs["reads"][str(f)] = content_digest(f)
+            digest = _digest(inputs)
         store_fingerprint(stage, digest, inputs, complete=True)
         seconds = time.perf_counter() - t0
         self.times[stage.name] = round(seconds, 1)
@@ -455,15 +602,161 @@ class StageRunner:
               flush=True)
         return True
 
+    def run_command(self, stage: Stage) -> int:
+        """Run the stage's command in its own process group; SIGTERM, SIGINT or SIGHUP to the main command is
+        forwarded to that group (the stage and anything it started), and the main command then stops with it:
+        no stage keeps writing after the main command is gone. A stage still running ``grace_s`` after the
+        signal is killed."""
+        proc = subprocess.Popen(stage.command, cwd=REPO_ROOT, env=self.env, start_new_session=True)
+        got: list[int] = []
 
-def run(cfg, model: str = "embedded") -> dict:
+        def forward(signum, _frame):
+            got.append(signum)
+            try:
+                os.killpg(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        try:
+            previous = {s: signal.signal(s, forward) for s in handled}
+        except ValueError:  # not the main thread: signals cannot be handled here
+            previous = {}
+        try:
+            deadline = None
+            while True:
+                try:
+                    code = proc.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if got and deadline is None:
+                        deadline = time.monotonic() + self.grace_s
+                    if deadline is not None and time.monotonic() > deadline:
+                        try:
+                            os.killpg(proc.pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        if got:
+            name = signal.Signals(got[0]).name
+            print(f"{name}: stopped stage {stage.name!r} (exit {code}); rerun the same command to continue",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(128 + got[0])
+        return code
+
+    def preview(self, stages: list[Stage], head_to_head: bool) -> tuple[list[str], float]:
+        """One line per stage: would it run and why, its expected time, its command; and the expected seconds of
+        those that run. A stage downstream of one that runs is shown as running when its upstream's output
+        changes (a deterministic rebuild leaves it as is)."""
+        lines, total, runs = [], 0.0, set()
+        n = len(stages) + (1 if head_to_head else 0)
+        for k, stage in enumerate(stages, 1):
+            self.stages[stage.name] = stage
+            run, why, _, _ = self.decide(stage)
+            ups = [u for u in stage.after if u in runs]
+            if not run and ups:
+                run, why = True, f"if {', '.join(ups)} writes other output"
+            expected = self.expected_s(stage)
+            if run:
+                runs.add(stage.name)
+                total += expected or 0.0
+            t = f"~{expected:.0f} s" if expected is not None else "? s"
+            lines.append(f"[{k}/{n}] {stage.name}: {'run' if run else 'skip'} ({why}), {t if run else 'skipped'}"
+                         f"\n    $ {shlex.join(stage.command)}")
+        if head_to_head:
+            h = Stage("head_to_head", "", "compare.py", [], Path("."),
+                      resolved=next((s.resolved for s in stages if s.resolved), {}))
+            expected = self.expected_s(h)
+            total += expected or 0.0
+            lines.append(f"[{n}/{n}] head_to_head: its contenders are chosen from the sweeps' summary; runs when they "
+                         f"or its inputs changed, ~{expected or 0:.0f} s")
+        return lines, total
+
+
+def _reset_collection(out: Path) -> None:
+    """Remove a label collection (parts, manifest, report) and the fingerprint next to it."""
+    from ldlp.labels.collect import remove_collection
+
+    if out.is_dir():
+        remove_collection(out)
+    (out / FINGERPRINT).unlink(missing_ok=True)
+
+
+class FolderLock:
+    """An exclusive lock per folder (``LOCK`` inside it, flock: released when the process ends, even killed)."""
+
+    def __init__(self, folders):
+        self.folders = [Path(f) for f in dict.fromkeys(str(f) for f in folders)]
+        self.files: list = []
+
+    def __enter__(self):
+        for folder in self.folders:
+            folder.mkdir(parents=True, exist_ok=True)
+            f = open(folder / LOCK, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                f.close()
+                self.__exit__()
+                raise ValueError(f"{folder} is in use by another main command ({holder}); wait for it to finish, "
+                                 "or give this one other folders (paths.data_dir=..., paths.outputs=...)") from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
+            f.flush()
+            self.files.append(f)
+        return self
+
+    def __exit__(self, *exc):
+        for f in self.files:
+            try:
+                fcntl.flock(f, fcntl.LOCK_UN)
+            finally:
+                f.close()
+        self.files = []
+
+
+def lock_folders(cfg, stages: list[Stage]) -> list[Path]:
+    """The folders a main command locks: paths.data_dir and paths.outputs, and the parent of any stage output
+    outside both."""
+    roots = [Path(cfg.paths.data_dir).resolve(), Path(cfg.paths.outputs).resolve()]
+    out = list(roots)
+    for s in stages:
+        o = Path(s.out).resolve()
+        if not any(r == o or r in o.parents for r in roots):
+            out.append(o.parent)
+    return list(dict.fromkeys(out))
+
+
+def run(cfg, model: str = "embedded", overrides=()) -> dict | None:
     """Run the stages that are not done for their inputs yet, summarize into ``paths.results``, and publish
-    when ``cfg.publish``; returns the summary (see ldlp.report.summary.summarize)."""
+    when ``cfg.publish``; returns the summary (see ldlp.report.summary.summarize). ``overrides``: the main
+    command's, passed to every stage whose config has their keys. ``cfg.dry_run``: print the plan, run nothing
+    (returns None)."""
+    check_models(cfg, model, overrides)
+    stages = plan(cfg, model, overrides)
+    runner = StageRunner(cfg, stages)
+    h2h = cfg.get("head_to_head")
+    lines, total = runner.preview(stages, bool(h2h and h2h.get("enabled")))
+    source = "this machine's last run" if runner.times else "reference estimates"
+    print(f"plan ({len(lines)} stages, expected {total / 60:.1f} min for those that run; times from {source}, "
+          f"model.dtype={next((s.resolved['model.dtype'] for s in stages if s.resolved), '?')}):", flush=True)
+    for line in lines:
+        print("  " + line, flush=True)
+    if cfg.get("dry_run"):
+        return None
+    runner.stages = {s.name: s for s in stages}
+    with FolderLock(lock_folders(cfg, stages)):
+        return _run(cfg, model, overrides, stages, runner)
+
+
+def _run(cfg, model, overrides, stages, runner) -> dict:
     from ldlp.report.summary import summarize
 
-    check_models(cfg, model)
-    stages = plan(cfg, model)
-    runner = StageRunner(cfg, stages)
     ar_impl = None  # decided (timed) by the first sweep, then fixed: later processes skip the calibration
     fixed_ar = any(o.startswith("evaluation.ar_baseline=") for o in cfg.sweep.overrides)
     h2h = cfg.get("head_to_head")
@@ -477,9 +770,9 @@ def run(cfg, model: str = "embedded") -> dict:
     sweep_dirs = [s.out for s in stages if s.group == "sweeps"]
     out_dir = Path(cfg.paths.results)
     summary = summarize(sweep_dirs, out_dir)
-    name = str(_compose_model(cfg, model).name)
+    name = str(_compose_model(cfg, model, overrides).name)
     if h2h and h2h.get("enabled"):
-        stage = head_to_head_stage(cfg, name, summary, stages, model)
+        stage = head_to_head_stage(cfg, name, summary, stages, model, overrides)
         if stage is not None:
             runner(stage, n, n)
             stages.append(stage)

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.pipeline import Stage, StageRunner, fingerprint, plan, publish, store_fingerprint
+from ldlp.pipeline import Stage, StageRunner, fingerprint, plan, publish, script_keys, store_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -215,3 +215,102 @@ def test_comments_in_a_config_change_nothing_but_a_value_does(tmp_path, monkeypa
     (conf / "a.yaml").write_text("x: 2\n")
     second, inputs = fingerprint(stage, {})
     assert second != first and pipeline.changed_inputs(first_inputs, inputs) == ["configs/a.yaml"]
+
+
+# ---- model.dtype=auto ------------------------------------------------------------------------------------
+
+
+def test_dtype_auto_is_bf16_only_where_the_hardware_multiplies_in_bf16(monkeypatch):
+    import torch
+
+    from eagle_backbone.runtime import resolve_dtype, resolve_model_dtype
+
+    assert resolve_dtype("auto", "cpu", flags={"avx2", "avx512f"}) == "float32"  # e.g. AMD Zen 3: bf16 emulated
+    assert resolve_dtype("auto", "cpu", flags={"avx512f", "avx512_bf16"}) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", flags={"amx_bf16"}) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", flags=set()) == "float32"  # no /proc/cpuinfo flags (e.g. macOS)
+    assert resolve_dtype("float32", "cpu", flags={"avx512_bf16"}) == "float32"  # an explicit dtype wins
+    assert resolve_dtype("bfloat16", "cpu", flags=set()) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", "cuda:0") == "float32"
+    with pytest.raises(ValueError, match="model.dtype must be one of"):
+        resolve_dtype("bf16")
+    # the shipped model configs default to auto; a script's start() records the dtype it resolved to
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for name in ("embedded", "embedded_draft_lm"):
+            assert compose(config_name="evaluate", overrides=[f"model={name}"]).model.dtype == "auto"
+        cfg = compose(config_name="evaluate", overrides=[])
+    assert resolve_model_dtype(cfg.model) == cfg.model.dtype == resolve_dtype("auto", "cpu")
+
+
+# ---- the main command's overrides reach every stage ------------------------------------------------------
+
+
+def _plan_lines(tmp_path, *overrides):
+    """`python scripts/pipeline.py dry_run=true ...` on empty folders: its output and the stages' command lines."""
+    out = _script("scripts/pipeline.py", "dry_run=true", f"paths.data_dir={tmp_path / 'data'}",
+                  f"paths.outputs={tmp_path / 'outputs'}", *overrides)
+    assert out.returncode == 0, out.stderr[-2000:]
+    commands = {}
+    lines = out.stdout.splitlines()
+    for line, nxt in zip(lines, lines[1:] + [""]):
+        if line.lstrip().startswith("[") and nxt.lstrip().startswith("$ "):
+            commands[line.split("] ", 1)[1].split(":", 1)[0] if "sweep" not in line
+                     else line.split("] ", 1)[1].rsplit(": ", 1)[0]] = nxt.strip()[2:]
+    return out.stdout, commands
+
+
+def test_dry_run_prints_the_plan_and_model_dtype_reaches_every_stage(tmp_path):
+    text, commands = _plan_lines(tmp_path, "model.dtype=float32", "generation.max_new_tokens=16")
+    assert text.startswith("plan (") and "model.dtype=float32" in text.splitlines()[0] and "expected" in text
+    assert len(commands) >= 14 and "corpus" in commands and "bench_batch" in commands
+    assert "run (first run)" in text and "head_to_head: its contenders are chosen" in text
+    for name, command in commands.items():
+        args = command.split()
+        if name == "corpus":  # its config has no model or generation
+            assert not any(a.startswith(("model", "generation")) for a in args), command
+            continue
+        assert args.count("model.dtype=float32") == 1, (name, command)
+        gens = [a for a in args if a.startswith("generation.max_new_tokens=")]
+        if "generation" in script_keys(Path(args[1]).name):  # replaces the stage's own 64 or 32
+            assert gens == ["generation.max_new_tokens=16"], (name, command)
+        else:  # train_ldlp, train_acceptance, tune_policies compose no generation
+            assert gens == [], (name, command)
+    assert not (tmp_path / "data").exists() and not (tmp_path / "outputs").exists()  # a dry run writes nothing
+
+
+def test_overrides_enter_fingerprints_and_paths_reach_the_data_configs(tmp_path):
+    from ldlp.pipeline import head_to_head_stage
+
+    base = [f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"]
+    f32, b16 = base + ["model.dtype=float32"], base + ["model.dtype=bfloat16"]
+    extra = ["model.drafter=/elsewhere/drafter", "data.limit=3", "threads=2"]
+    cfg = _compose_pipeline(f32 + extra)
+    stages = {s.name: s for s in plan(cfg, "embedded", f32 + extra)}
+    for s in stages.values():
+        assert f"paths.data_dir={tmp_path / 'data'}" in s.args and s.args.count("threads=2") == 1, s.args
+        if s.name != "corpus":
+            assert s.resolved == {"model.dtype": "float32"} and "data.limit=3" in s.args, s
+    # the peer sweeps run the draft LM: the main pair's drafter override is not theirs
+    assert "model.drafter=/elsewhere/drafter" in stages["sweep:static:1"].args
+    assert not any(a.startswith("model.drafter") for a in stages["sweep:peer:1"].args)
+    assert "data.limit=6" not in stages["sweep:static:1"].args  # the main command's data.limit replaced it
+    assert "/elsewhere/drafter" in stages["oracle"].reads
+    # the dtype is in every fingerprint but the corpus's
+    other = {s.name: s for s in plan(_compose_pipeline(b16), "embedded", b16)}
+    same = {s.name: s for s in plan(_compose_pipeline(f32), "embedded", f32)}
+    for name, s in same.items():
+        a, b = fingerprint(s, same)[0], fingerprint(other[name], other)[0]
+        assert (a == b) == (name == "corpus"), name
+    summary = {"headline": {"embedded": {"best_static": {"gamma": 4}, "best_adaptive": {"policy": "ldlp"}}},
+               "rows": [{"model": "embedded", "policy": "ldlp", "speedup": 1.5}]}
+    h2h = head_to_head_stage(cfg, "embedded", summary, list(stages.values()), "embedded", f32 + extra)
+    assert "model.dtype=float32" in h2h.args and h2h.resolved == {"model.dtype": "float32"}
+    # paths.data_dir is where the stages' data configs read the corpus, not only where it is built
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for script in ("collect_oracle", "evaluate", "tune_policies", "bench_batch", "compare"):
+            c = compose(config_name=script, overrides=base)
+            assert Path(c.data.path).is_relative_to(tmp_path / "data" / "embedded" / "corpus"), script

@@ -279,6 +279,9 @@ class Collector:
         cfg = self.cfg
         if not isinstance(cfg.k_max, int) or not 1 <= cfg.k_max <= self.k_max_limit:
             raise ValueError(f"k_max must be an integer in 1..{self.k_max_limit}{self.k_max_why}, got {cfg.k_max!r}")
+        if str(cfg.overwrite).lower() not in ("true", "false", "changed"):
+            raise ValueError(f"overwrite must be false (continue; refuse other settings), true (start over) or "
+                             f"changed (start over only when the settings differ), got {cfg.overwrite!r}")
         if not isinstance(cfg.num_shards, int) or cfg.num_shards < 1:
             raise ValueError(f"num_shards must be an integer >= 1, got {cfg.num_shards!r}")
         if not isinstance(cfg.shard_id, int) or not 0 <= cfg.shard_id < cfg.num_shards:
@@ -356,7 +359,8 @@ class Collector:
         target, drafter = pair.target, pair.drafter
         manifest_path = out / "manifest.json"
         old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-        if old is not None and cfg.overwrite:
+        overwrite = str(cfg.overwrite).lower()
+        if old is not None and overwrite == "true":
             log.warning("overwrite=true: removing the collection in %s", out)
             remove_collection(out)
             old = None
@@ -366,6 +370,12 @@ class Collector:
         identity = self.identity(models)
         if old is not None and old.get("identity") != identity:
             diff = settings_diff(old.get("identity", {}), identity)
+            if overwrite == "changed":
+                log.warning("%s holds a collection made with other settings (%s): starting over (overwrite=changed)",
+                            out, "; ".join(diff[:8]))
+                remove_collection(out)
+                old = None
+        if old is not None and old.get("identity") != identity:
             raise ValueError(f"{out} holds a collection made with other settings ({'; '.join(diff[:8])}); continue it "
                              "with the same settings, choose another out_dir, or pass overwrite=true to start over")
         remove_leftovers(out, "*/*")  # temporary files of a killed write
