@@ -264,20 +264,39 @@ def test_head_to_head_tokens_per_s_counts_every_round(tiny_models, prompt_file):
     assert result["costs"] is None
 
 
-def test_head_to_head_fits_the_costs_of_its_own_generations(tiny_models, prompt_file):
+def test_head_to_head_fits_the_costs_of_its_own_generations(tiny_models, prompt_file, monkeypatch):
     """With a draft LM the target accepts sometimes, target passes, drafted and accepted tokens vary apart
-    over the timed generations, and the head to head fits a cost to each (the replay tuner's model)."""
-    from ldlp.bench.headtohead import head_to_head
+    over the timed generations, and the head to head fits a cost to each (the replay tuner's model). The
+    generations' seconds are synthetic (known costs of their own counts), so the fit is checked exactly and
+    no timing noise of a loaded machine enters the test."""
+    import ldlp.bench.headtohead as h2h
+    from ldlp.bench.runners import engine_runner
 
+    step_s, draft_s, accepted_s = 2e-3, 5e-4, 1e-4
+
+    def synthetic(name, decoder, sampling):
+        runner = engine_runner(name, decoder, sampling)
+        real = runner.run
+
+        def run(prompt, n, seed):
+            tokens, stats = real(prompt, n, seed)
+            stats.wall_s = step_s * stats.target_forwards + draft_s * stats.drafted_tokens + accepted_s * stats.accepted_tokens
+            return tokens, stats
+
+        runner.run = run
+        return runner
+
+    monkeypatch.setattr(h2h, "engine_runner", synthetic)
     noisy = [o if not o.startswith("model.drafter=") else f"model.drafter={tiny_models / 'noisy_lm'}"
              for o in overrides(tiny_models, prompt_file, draft_lm=True)]
     cfg = compose_eval(noisy + ["policy=static", "policy.gamma=1"])
     four = compose_eval(noisy + ["policy=static"]).policy
-    result = head_to_head(cfg, [("static", cfg.policy), ("static", four)], rounds=2, bootstrap=10)
+    result = h2h.head_to_head(cfg, [("static", cfg.policy), ("static", four)], rounds=2, bootstrap=10)
     assert result["lossless"] is True and all(r["tau"] > 1.0 for r in result["rows"][:2])
     costs = result["costs"]
     assert set(costs) == {"step_ms", "draft_ms", "accepted_ms"}
-    assert costs["step_ms"] > 0 and min(costs.values()) >= 0
+    assert costs == pytest.approx({"step_ms": 1e3 * step_s, "draft_ms": 1e3 * draft_s, "accepted_ms": 1e3 * accepted_s},
+                                  rel=1e-6)
 
 
 def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise():

@@ -260,7 +260,9 @@ def load_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: 
     ``skipped`` is the number of malformed records skipped.
 
     ``on_error="raise"`` stops at the first malformed record with a message naming file and line;
-    ``"skip"`` drops malformed records, counts them and logs the count (plus the first few reasons).
+    ``"skip"`` drops malformed records, counts them and logs the count (plus the first few reasons). A
+    record whose id repeats an earlier one's is malformed: ids key the prompts, their categories, the answer
+    files and the greedy identity check.
     ``limit`` keeps the first N valid conversations, or with ``sample_seed`` a seeded random sample of
     N (kept in file order). An empty file, or one without a single valid record, is always an error.
     A missing embedded-corpus file is built only with ``build_if_missing=True``.
@@ -276,11 +278,17 @@ def load_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: 
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     out, skipped, reasons = [], 0, []
+    seen: dict[str, str] = {}  # id -> where it first appeared
     for where, default_id, rec in _raw_records(path, fmt):
         try:
             if isinstance(rec, DataError):
                 raise rec
-            out.append(_record(rec, fmt, where, default_id))
+            conv = _record(rec, fmt, where, default_id)
+            if conv["id"] in seen:  # ids key prompts, categories, answers and the identity check
+                raise DataError(f"{where}: duplicate id {conv['id']!r} (first at {seen[conv['id']]}); give every "
+                                "record its own id")
+            seen[conv["id"]] = where
+            out.append(conv)
         except DataError as e:
             if on_error == "raise":
                 raise

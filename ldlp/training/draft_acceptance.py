@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle_backbone.errors import ConfigError
 from ldlp.acceptance import (
     DRAFT_STAT_NAMES,
     DraftAcceptanceHead,
@@ -35,8 +36,30 @@ def temperature_tag(t: float) -> str:
     return f"t{float(t)}"
 
 
+def label_folder(root: str | Path, name: str, t: float) -> Path:
+    """The collection of set ``name`` at temperature ``t`` under ``root``: ``t<T>`` as the collector's
+    ``t${temperature}`` wrote it, whichever way T was spelt on its command line (t1 and t1.0 are the same
+    temperature); the canonical :func:`temperature_tag` when none exists."""
+    folder = Path(root) / name
+    canonical = folder / temperature_tag(t)
+    if canonical.is_dir() or not folder.is_dir():
+        return canonical
+    for d in sorted(folder.glob("t*")):
+        try:
+            if d.is_dir() and float(d.name[1:]) == float(t):
+                return d
+        except ValueError:
+            continue
+    return canonical
+
+
 def load_labels(folder: str | Path, allow_partial: bool = False) -> dict:
     """The label rows of a collection (numpy; ``draft_state`` (R, k_max, d)), refusing an incomplete one."""
+    if not (Path(folder) / "manifest.json").is_file():
+        name, tag = Path(folder).parent.name, Path(folder).name
+        raise ConfigError(f"{folder}: no acceptance labels collected there; collect them with `python "
+                          f"scripts/collect_acceptance.py data={name} temperature={tag[1:]}` (out_dir defaults to "
+                          "that folder)")
     status = collection_status(folder)
     if status["missing_sequences"] and not allow_partial:
         raise ValueError(f"{folder}: incomplete acceptance collection ({status['missing_sequences']} of "
@@ -103,9 +126,10 @@ def train_at_temperature(cfg, t: float) -> dict:
     """Fit, save and predict for one temperature; returns the predictions per evaluation set."""
     tag = temperature_tag(t)
     root = Path(cfg.labels_root)
-    data = load_labels(root / cfg.in_domain / tag, bool(cfg.allow_partial))
+    labels = label_folder(root, cfg.in_domain, t)
+    data = load_labels(labels, bool(cfg.allow_partial))
     if abs(data["temperature"] - float(t)) > 1e-9:
-        raise ValueError(f"{root / cfg.in_domain / tag}: collected at temperature {data['temperature']}, not {t}")
+        raise ValueError(f"{labels}: collected at temperature {data['temperature']}, not {t}")
     val = split_by_conversation(list(data["conversation_id"]), list(data["split"]), float(cfg.val_fraction),
                                 int(cfg.seed))
     train = examples(data, np.flatnonzero(~val))
@@ -117,7 +141,7 @@ def train_at_temperature(cfg, t: float) -> dict:
     probs_only = _fit(train["stats"][idx], train["beta"][idx], float(cfg.C), int(cfg.seed))
     depth_mean = {int(m): float(train["beta"][train["depth"] == m].mean()) for m in np.unique(train["depth"])}
     config = DraftAcceptanceHeadConfig(hidden_size=train["states"].shape[1], temperature=float(t), k_max=data["k_max"],
-                                       C=float(cfg.C), meta={"labels": str(root / cfg.in_domain / tag),
+                                       C=float(cfg.C), meta={"labels": str(labels),
                                                              "train_examples": len(idx),
                                                              "stat_names": list(DRAFT_STAT_NAMES)})
     head = DraftAcceptanceHead.from_sklearn(model, config)
@@ -126,7 +150,7 @@ def train_at_temperature(cfg, t: float) -> dict:
 
     sets = {"validation (in domain)": (data, np.flatnonzero(val))}
     for name in cfg.ood:
-        folder = root / name / tag
+        folder = label_folder(root, name, t)
         if not (folder / "manifest.json").is_file():
             log.warning("%s: no labels collected (out-of-domain set %s at t=%s skipped)", folder, name, t)
             continue
