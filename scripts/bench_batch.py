@@ -34,6 +34,7 @@ def main(cfg: DictConfig) -> None:
         policy_config,
         sampling_config,
     )
+    from ldlp.bench.vllm_peer import make_contender, parse_contender
 
     threads = start(cfg)
     # the raw values, checked before anything loads (a 1.5 is refused, not truncated); None: the generation's T
@@ -48,6 +49,11 @@ def main(cfg: DictConfig) -> None:
     skipped = []  # contenders whose checkpoint this clone has not trained: in the JSON and on the page
     probes = {}
     for spec in cfg.contenders:
+        peer = parse_contender(spec)  # "engine=vllm [spec.k=K]": vLLM as a peer (ldlp/bench/vllm_peer.py)
+        if peer is not None:
+            contenders.append(make_contender(peer, cfg.model, prompts, int(cfg.generation.max_new_tokens), cfg.get("vllm"),
+                                             cfg.paths.outputs, threads=threads, seed=int(cfg.seed), log=log.info))
+            continue
         name, pcfg = policy_config(cfg, str(spec).split())
         try:
             missing_checkpoint(name, pcfg)

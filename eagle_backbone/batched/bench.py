@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_backbone.batched.peer import PEER_POLICIES, peer_lines
 from eagle_backbone.batched.workload import run_workload
 from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.errors import ConfigError
@@ -55,6 +56,7 @@ class Contender:
     policy: str  # "ar", "static" or the policy's name
     gamma: int | None  # static γ; None when adaptive (and 0 for AR)
     make: Callable | None  # zero-argument policy factory (one instance per slot); None: AR
+    runner: object | None = None  # a peer engine's runner (vLLM; eagle_backbone/batched/peer.py); None: this engine
 
 
 def _median(xs):
@@ -238,6 +240,8 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
         per_t[T] = (samp, cs, ref)
         # warm up kernels and allocators once per contender
         for c in cs:
+            if c.runner is not None:  # a peer warms up its own engine at each C
+                continue
             e = BatchedSpeculativeEngine(target, candidates, slots=2, policy=c.make, sampling=samp,
                                          capacity=capacity, attn=attn)
             run_workload(e, prompts[:2], 2, min(8, max_new_tokens), seeds[:2])
@@ -259,17 +263,20 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                     ps, sd = [prompts[i] for i in idx], [seeds[i] for i in idx]
                     k = (r + ti + ci + bi) % len(cs)
                     for c in cs[k:] + cs[:k]:
-                        eng = BatchedSpeculativeEngine(target, candidates, slots=C, policy=c.make,
-                                                       sampling=samp, capacity=capacity, attn=attn)
-                        res = run_workload(eng, ps, C, max_new_tokens, sd)
-                        outs, summ = [o.tokens for o in res.outputs], res.summary()
-                        if hasattr(eng.batch_policy, "own_s"):  # a batch policy's own seconds in the run
-                            summ["policy_s"] = eng.batch_policy.own_s
-                        table = getattr(eng.batch_policy, "costs", None)
-                        if table is not None and c.label not in cost_tables:
-                            cost_tables[c.label] = {"key": table.key, "path": (table.meta or {}).get("path")}
-                        if with_cats:
-                            summ["by_category"] = res.by_category([categories[i] for i in idx])
+                        if c.runner is not None:  # a peer engine: the same block, budget, seeds, sampling, stops
+                            outs, summ = c.runner.run(ps, C, max_new_tokens, sd, samp, target.eos_token_ids)
+                        else:
+                            eng = BatchedSpeculativeEngine(target, candidates, slots=C, policy=c.make,
+                                                           sampling=samp, capacity=capacity, attn=attn)
+                            res = run_workload(eng, ps, C, max_new_tokens, sd)
+                            outs, summ = [o.tokens for o in res.outputs], res.summary()
+                            if hasattr(eng.batch_policy, "own_s"):  # a batch policy's own seconds in the run
+                                summ["policy_s"] = eng.batch_policy.own_s
+                            table = getattr(eng.batch_policy, "costs", None)
+                            if table is not None and c.label not in cost_tables:
+                                cost_tables[c.label] = {"key": table.key, "path": (table.meta or {}).get("path")}
+                            if with_cats:
+                                summ["by_category"] = res.by_category([categories[i] for i in idx])
                         same = None
                         if ref is not None:
                             same = [o == ref[i] for o, i in zip(outs, idx)]
@@ -383,7 +390,7 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
 
     base = baselines(rows)
     for row in rows:
-        if row["policy"] in ("ar", "static"):
+        if row["policy"] in ("ar", "static", *PEER_POLICIES):
             continue
         b = base.get((row["temperature"], row["concurrency"]), {})
         vs = {}
@@ -591,6 +598,7 @@ def _temperature_section(result: dict, rows: list[dict]) -> list[str]:
               "the best static γ at that C; (×N): ratio to batched AR at the same C."), ""]
     lines += _throughput_table(rows, "tokens_per_s") + [""] + _findings_lines(rows, "tokens_per_s", "tokens/s")
     lines += _baseline_lines(rows)
+    lines += peer_lines(result, rows)
     if any(r.get("tokens_per_cpu_s") for r in rows):
         lines += ["", ("The same runs in generated tokens per CPU-second of the benchmark process (one thread): other "
                        "jobs on a shared machine stretch wall time far more than they stretch this."), ""]

@@ -224,7 +224,15 @@ class VllmRunner:
     def _start(self, C: int) -> None:
         self.close()
         t0 = time.perf_counter()
-        self.worker = VllmWorker(self.python, {**self.base, "max_num_seqs": int(C)}, self.log_path)
+        # an explicit KV cache (vLLM's CPU default reserves a share of the machine's memory): room for C
+        # sequences of max_model_len, twice over for block rounding, target layers and the drafter's one
+        cfg = json.loads((Path(self.base["target"]) / "config.json").read_text())
+        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = (cfg["num_hidden_layers"] + 1) * 2 * heads * head_dim * 4
+        kv = 2 * C * self.base["max_model_len"] * per_token + (64 << 20)
+        self.worker = VllmWorker(self.python, {**self.base, "max_num_seqs": int(C), "kv_cache_bytes": kv},
+                                 self.log_path)
         self.C, self.info = C, self.worker.ready
         self.log_fn(f"{contender_label(self.k)}: vLLM {self.info.get('vllm')} worker for C={C} ready in "
                     f"{time.perf_counter() - t0:.0f} s")
@@ -235,14 +243,26 @@ class VllmRunner:
         self.worker.call({"cmd": "generate", "prompts": prompts[:max(2, C)], "max_new_tokens": max_new_tokens,
                           "stop_token_ids": sorted(stop_ids), "temperature": 0.0, "seeds": None})
 
-    def run(self, prompts: list[list[int]], C: int, max_new_tokens: int, stop_ids, seeds: list[int],
-            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> tuple[list, dict]:
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+    def run(self, prompts: list[list[int]], C: int, max_new_tokens: int, seeds: list[int], sampling=None,
+            stop_ids=()) -> tuple[list, dict]:
+        """Decode ``prompts`` with at most C in flight (a worker for this C is started and warmed up first,
+        untimed); ``sampling``: a :class:`~eagle_backbone.sampling.SamplingConfig` (None: greedy), each
+        sequence seeded with its seed at T > 0; ``stop_ids``: the target's stop tokens (kept in the output,
+        as the engine keeps them)."""
         if self.C != C:
             self._start(C)
             self.warm_up(prompts, C, min(8, max_new_tokens), stop_ids)
+        T = float(getattr(sampling, "temperature", 0.0) or 0.0)
         r = self.worker.call({"cmd": "generate", "prompts": prompts, "max_new_tokens": int(max_new_tokens),
-                              "stop_token_ids": sorted(stop_ids), "temperature": float(temperature),
-                              "top_k": top_k, "top_p": top_p, "seeds": list(seeds)})
+                              "stop_token_ids": sorted(stop_ids), "temperature": T,
+                              "top_k": getattr(sampling, "top_k", 0), "top_p": getattr(sampling, "top_p", 1.0),
+                              "seeds": list(seeds)})
         outs = r["outputs"]
         tok = sum(len(o) for o in outs)
         # a target forward per sequence: its prefill, then one per decode step (one per draft with EAGLE)
@@ -272,3 +292,28 @@ def _p90(xs: list[float]) -> float:
     from eagle_backbone.batched.workload import percentile
 
     return percentile(xs, 0.9)
+
+
+def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_tokens: int, vllm_cfg, outputs: str | Path,
+                   threads: int = 1, seed: int = 0, log=print):
+    """The batched benchmark's contender for ``parse_contender``'s ``spec``: label ``vllm ar`` or ``vllm eagle
+    k=K``, policy ``vllm``, gamma 0 or K, and a :class:`VllmRunner` on the pair's target (and its EAGLE drafter,
+    converted under ``outputs/vllm_peer/drafters``; worker logs in ``outputs/vllm_peer/logs``).
+    ``vllm_cfg``: ``python`` (None: this interpreter), ``dtype`` (float32)."""
+    from eagle_backbone.batched.bench import Contender
+
+    k = spec["k"]
+    if k is not None and str(model_cfg.get("drafter_kind", "eagle")) != "eagle":
+        raise ValueError(f"engine=vllm spec.k={k}: vLLM's EAGLE needs the pair's EAGLE drafter, and "
+                         f"model.drafter_kind is {model_cfg.get('drafter_kind')}")
+    python = (vllm_cfg or {}).get("python") or sys.executable
+    if not vllm_available(python):
+        raise ValueError(f"engine=vllm: {python} cannot import vllm; install it (pip install -e '.[vllm]') or "
+                         "point vllm.python at a Python that has it (docs/batched.md)")
+    target_max = json.loads((Path(model_cfg.target) / "config.json").read_text()).get("max_position_embeddings", 2048)
+    max_len = min(int(target_max), max(len(p) for p in prompts) + int(max_new_tokens) + (k or 0) + 8)
+    root = Path(outputs) / "vllm_peer"
+    runner = VllmRunner(k, model_cfg.target, model_cfg.drafter if k is not None else None, root / "drafters",
+                        python=python, threads=threads, dtype=str((vllm_cfg or {}).get("dtype") or "float32"),
+                        seed=seed, max_model_len=max_len, log_dir=root / "logs", log=log)
+    return Contender(contender_label(k), "vllm", 0 if k is None else k, None, runner)

@@ -1,0 +1,79 @@
+"""Peer engines in the batched benchmark: rows of another engine (vLLM, ``ldlp.bench.vllm_peer``) measured on the
+same prompts, budgets, stops and rounds, in turns with this engine's contenders, and the page's section that
+sets them side by side (issue 22): per C, vLLM's AR and its best EAGLE k against this engine's batched AR and
+best static γ, as paired ratios of tokens/s (this engine / the peer) over the (round, block) workloads both ran.
+
+A peer contender carries a ``runner`` (:class:`~eagle_backbone.batched.bench.Contender`) whose
+``run(prompts, C, max_new_tokens, seeds, sampling, stop_ids)`` returns the token ids per prompt and a summary
+with :meth:`~eagle_backbone.batched.workload.WorkloadResult.summary`'s keys; the sweep checks its greedy outputs
+against the target's like every other contender's. Its rows' ``policy`` is in :data:`PEER_POLICIES`: they are
+neither static γ nor adaptive policies, so they take no part in choosing the baselines or in the
+adaptive contenders' ratios.
+"""
+
+from __future__ import annotations
+
+PEER_POLICIES = ("vllm",)
+
+
+def _pairs(runs: list[dict], label: str, C: int, T: float) -> dict:
+    return {(x["round"], x.get("block", 0)): (x["new_tokens"], x["wall_s"]) for x in runs
+            if x["contender"] == label and x["concurrency"] == C and x.get("temperature", T) == T and x.get("wall_s")}
+
+
+def _ratio(runs, mine: str, theirs: str, C: int, T: float) -> dict | None:
+    from eagle_backbone.timing import paired_ratio
+
+    a, b = _pairs(runs, mine, C, T), _pairs(runs, theirs, C, T)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    return paired_ratio([a[k][0] for k in common], [a[k][1] for k in common], [b[k][0] for k in common],
+                        [b[k][1] for k in common], bootstrap=2000, seed=0)
+
+
+def _cell(v: dict | None) -> str:
+    if not v:
+        return "–"
+    if v.get("ci95") is None:
+        return f"{v['ratio']:.2f}"
+    return f"{v['ratio']:.2f} ({v['ci95'][0]:.2f}–{v['ci95'][1]:.2f})"
+
+
+def peer_lines(result: dict, rows: list[dict]) -> list[str]:
+    """The peer section of one temperature's rows ([] without peer rows)."""
+    peers = [r for r in rows if r["policy"] in PEER_POLICIES and r.get("tokens_per_s") is not None]
+    if not peers:
+        return []
+    runs = result.get("runs", [])
+    lines = ["", ("Peer engine (vLLM, same prompts, budget, stops and rounds, run in turns): tokens/s and τ; the "
+                  "ratios are this engine's tokens/s over vLLM's, paired over the (round, block) workloads both "
+                  "ran, with the bootstrap 95% interval (> 1: this engine is faster)."), "",
+             "| C | vLLM AR | vLLM EAGLE, best k | this engine, AR | this engine, best static γ | "
+             "ours / vLLM, AR | ours / vLLM, speculative | lossless (vLLM rows) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for C in sorted({r["concurrency"] for r in peers}):
+        here = [r for r in rows if r["concurrency"] == C and r.get("tokens_per_s") is not None]
+        T = here[0]["temperature"]
+        v_ar = next((r for r in here if r["policy"] in PEER_POLICIES and r["gamma"] == 0), None)
+        v_spec = [r for r in here if r["policy"] in PEER_POLICIES and r["gamma"]]
+        v_best = max(v_spec, key=lambda r: r["tokens_per_s"]) if v_spec else None
+        o_ar = next((r for r in here if r["policy"] == "ar"), None)
+        st = [r for r in here if r["policy"] == "static"]
+        o_best = max(st, key=lambda r: r["tokens_per_s"]) if st else None
+
+        def fmt(r, what=""):
+            if r is None:
+                return "–"
+            note = (what.strip() + ", ") if what else ""
+            return f"{r['tokens_per_s']:.1f} ({note}τ {r['tau']:.2f})"
+
+        r_ar = _ratio(runs, o_ar["contender"], v_ar["contender"], C, T) if o_ar and v_ar else None
+        r_sp = _ratio(runs, o_best["contender"], v_best["contender"], C, T) if o_best and v_best else None
+        lossless = [r["lossless"] for r in here if r["policy"] in PEER_POLICIES]
+        ok = "–" if None in lossless else ("yes" if all(lossless) else "**no**")
+        k = f" k={v_best['gamma']}" if v_best else ""
+        g = f" γ={o_best['gamma']}" if o_best else ""
+        lines.append(f"| {C} | {fmt(v_ar)} | {fmt(v_best, k)} | {fmt(o_ar)} | {fmt(o_best, g)} | "
+                     f"{_cell(r_ar)} | {_cell(r_sp)} | {ok} |")
+    return lines
