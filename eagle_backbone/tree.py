@@ -124,8 +124,10 @@ def node_depth(ancestors: torch.Tensor) -> torch.Tensor:
 
 
 def ancestor_closed(selected: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """(R, K) bool selection -> (R,) bool: every selected node's parent is the root or selected too."""
-    par_sel = selected.gather(1, parents.clamp(min=0)) | (parents < 0)
+    """(R, K) bool selection -> (R,) bool: every selected node's parent is the root or selected too
+    (unselected nodes may hold any parent value)."""
+    K = parents.shape[1]
+    par_sel = (selected.gather(1, parents.clamp(0, max(K - 1, 0))) & (parents < K)) | (parents < 0)
     return ~(selected & ~par_sel).any(-1)
 
 
@@ -135,7 +137,7 @@ def is_tree(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     K = parents.shape[1]
     idx = torch.arange(K, device=parents.device)
     in_range = (parents >= -1) & (parents < idx)
-    return ~(valid & ~in_range).any(-1) & ancestor_closed(valid, parents.clamp(-1, K - 1))
+    return ~(valid & ~in_range).any(-1) & ancestor_closed(valid, parents)
 
 
 @dataclass(eq=False)
@@ -299,7 +301,7 @@ def tree_walk(tree: DraftTree, p: torch.Tensor, q: torch.Tensor | None, determin
     and once a child is accepted its siblings no longer match); accepting it moves c to i, whose
     children all have larger indices. Rows never wait on each other and nothing is read on the host."""
     R, K = tree.tokens.shape
-    if q is None and deterministic is None:
+    if K and q is None and deterministic is None:
         raise ValueError("tree_walk: sampled nodes need q (pass deterministic=all True for a top-k tree)")
     dev = p.device
     node = torch.full((R,), -1, dtype=torch.long, device=dev)
@@ -469,7 +471,7 @@ def prune(tree: DraftTree, keep: torch.Tensor, width: int | None = None):
     index = index[:, :width]
     has = index >= 0
     old = index.clamp(min=0)
-    old_par = tree.parents.gather(1, old)
+    old_par = torch.where(has, tree.parents.gather(1, old), -1)  # (padding's old slot may hold junk)
     par = torch.where(old_par >= 0, new_idx.gather(1, old_par.clamp(min=0)), -1)
     toks = torch.where(has, tree.tokens.gather(1, old), 0)
     return DraftTree(toks, torch.where(has, par, -1), has), index
