@@ -47,10 +47,6 @@ def policy(tmp_path, costs: CostTable, mode: str = "marginal", **kw) -> LoadAwar
     return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), explore_every=0, **kw)
 
 
-def bind(pol, key):
-    pol.costs.key = key  # the synthetic table stands for this machine's
-
-
 
 def rich_table(scale: float) -> CostTable:
     """A synthetic table with every part nonzero: the target convex in the tokens, drafts, feed and
@@ -349,7 +345,8 @@ def test_policy_yamls_build_the_three_classes(tmp_path):
         assert "mode" not in cfg.policy, name
         built[name] = instantiate(cfg.policy)
     assert type(built["load_aware"]) is LoadAwareMarginal and built["load_aware"].estimator_spec == "confidence"
-    assert type(built["load_aware_head"]) is LoadAwareMarginal and built["load_aware_head"].estimator_spec == str(tmp_path)
+    head = built["load_aware_head"]
+    assert type(head) is LoadAwareMarginal and head.estimator_spec == str(tmp_path)
     assert type(built["load_aware_fixed"]) is LoadAwareFixed and built["load_aware_fixed"].threshold == 0.5
     assert type(built["load_aware_step"]) is LoadAwareStep and not built["load_aware_step"].reads_drafts
     assert all(p.name == "load_aware" and p.max_gamma == 8 and p.batch_level for p in built.values())
