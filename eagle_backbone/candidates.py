@@ -19,7 +19,7 @@ import copy
 
 import torch
 
-from eagle_backbone.batched.model import BatchedEagleDrafter, BatchedLlama, SlotCache
+from eagle_backbone.batched.model import BatchedEagleDrafter, BatchedLlama, RaggedBatch, SlotCache
 from eagle_backbone.runtime import to_device
 from eagle_backbone.target import TargetModel
 
@@ -29,9 +29,9 @@ class CandidateGenerator:
 
     The engine calls, in a step, for the slots it runs:
 
-    1. ``prefill(slots, tokens, positions, lengths, first, hidden)`` once when prompts are admitted: their
-       padded tokens (N, T), positions (padding at the engine's trash position), lengths (host ints), first
-       generated tokens (N,) and the target's hidden states (N, T, d);
+    1. ``prefill(slots, tokens, batch, first, hidden)`` once when prompts are admitted: their tokens
+       flattened (N,) as the rows of ``batch`` (a :class:`~eagle_backbone.batched.model.RaggedBatch`: one row a
+       prompt, from position 0), their first generated tokens (P,) and the target's hidden states (N, d);
     2. ``start(slots, tlens) -> (logits, states)``: the distribution of draft 1 (R, V) after the target's
        last accepted tokens (``tlens``: host ints, the position of each slot's last token), and the states
        behind it (R, d), or None when the generator has none (acceptance heads read them);
@@ -57,7 +57,7 @@ class CandidateGenerator:
     def bind(self, engine) -> None:
         """Allocate per-slot state for ``engine.slots`` slots of ``engine.limit + 1`` positions."""
 
-    def prefill(self, slots, tokens, positions, lengths, first, hidden) -> None:
+    def prefill(self, slots, tokens, batch: RaggedBatch, first, hidden) -> None:
         raise NotImplementedError
 
     def start(self, slots: list[int], tlens: list[int]):
@@ -68,11 +68,6 @@ class CandidateGenerator:
 
     def settle(self, slots: list[int], tlens: list[int]) -> None:
         """Default: nothing to roll back (a generator that keeps only what the target accepted)."""
-
-
-def _last(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """(R, T, ...) -> (R, ...): each row's entry at index n[r]."""
-    return x.gather(1, n[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
 
 
 def check_eagle_pair(drafter, target: TargetModel) -> None:
@@ -109,29 +104,23 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.h_last = torch.zeros(engine.slots, self.target.hidden_size, dtype=self.dm.dtype, device=engine.device)
         self.fed = [0] * engine.slots  # true pairs in the cache, per slot
 
-    def prefill(self, slots, tokens, positions, lengths, first, hidden):
-        dev = tokens.device
-        nt = to_device(lengths, dev)
-        # pairs (t_{j+1}, f_j), j < n: the prompt shifted by one, the first generated token closing it
-        nxt = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)
-        nxt[torch.arange(len(slots), device=dev), nt - 1] = first
-        out = self.dm(nxt, hidden, positions, self.cache, tokens.shape[1], self.engine.rows(slots))
-        self.h_last[to_device(slots, dev)] = _last(out, nt - 1)
-        for b, n in zip(slots, lengths):
+    def prefill(self, slots, tokens, batch, first, hidden):
+        # pairs (t_{j+1}, f_j), j < n: each prompt shifted by one, the first generated token closing it
+        last = batch.last()
+        nxt = torch.cat([tokens[1:], tokens[:1]])
+        nxt[last] = first
+        out = self.dm(nxt, hidden, batch, self.cache)
+        self.h_last[to_device(slots, tokens.device)] = out[last]
+        for b, n in zip(slots, batch.counts):
             self.fed[b] = n
 
     def _feed(self, slots, tlens):
         """The pairs the target accepted since the last step: positions fed .. tlen - 1."""
-        e, dev = self.engine, self.engine.device
-        n = [t - self.fed[b] for b, t in zip(slots, tlens)]
-        ar = torch.arange(max(n), device=dev)[None]
-        nt = to_device(n, dev)
-        valid = ar < nt[:, None]
-        pos = torch.where(valid, to_device([self.fed[b] for b in slots], dev)[:, None] + ar, e.trash)
-        ridx = to_device(slots, dev)
-        tok = e.seq[ridx[:, None], torch.where(valid, pos + 1, e.trash)]
-        out = self.dm(tok, e.feat[ridx[:, None], pos], pos, self.cache, max(tlens), e.rows(slots))
-        self.h_last[ridx] = _last(out, nt - 1)
+        e = self.engine
+        batch = RaggedBatch(slots, [self.fed[b] for b in slots], [t - self.fed[b] for b, t in zip(slots, tlens)],
+                            e.device)
+        out = self.dm(e.seq[batch.slot_of, batch.pos + 1], e.feat[batch.slot_of, batch.pos], batch, self.cache)
+        self.h_last[to_device(slots, e.device)] = out[batch.last()]
         for b, t in zip(slots, tlens):
             self.fed[b] = t
 
@@ -144,10 +133,9 @@ class EagleCandidateGenerator(CandidateGenerator):
         return self.dm.logits(state), state
 
     def extend(self, slots, tokens, tlens, depth, states):
-        dev = self.engine.device
-        pos = to_device([t + depth - 1 for t in tlens], dev)[:, None]  # past the true pairs
-        out = self.dm(tokens[:, None], states[:, None], pos, self.cache, max(tlens) + depth,
-                      self.engine.rows(slots))[:, 0]
+        # draft `depth`'s pair sits past the true pairs, where the next step's true pairs overwrite it
+        batch = RaggedBatch(slots, [t + depth - 1 for t in tlens], [1] * len(slots), self.engine.device)
+        out = self.dm(tokens, states, batch, self.cache)
         return self.dm.logits(out), out
 
 
@@ -170,30 +158,27 @@ class DraftModelCandidateGenerator(CandidateGenerator):
                                        device=engine.device)
         self.fed = [0] * engine.slots  # tokens in the cache that the target accepted, per slot
 
-    def prefill(self, slots, tokens, positions, lengths, first, hidden):
-        e, dev = self.engine, tokens.device
-        nt = to_device(lengths, dev)
-        # the draft LM reads the prompt and the first token: its logits there predict draft 1
-        ids = torch.cat([tokens, torch.zeros_like(tokens[:, :1])], 1)
-        ids[torch.arange(len(slots), device=dev), nt] = first
-        T = tokens.shape[1] + 1
-        ar = torch.arange(T, device=dev)[None]
-        h = self.dm(ids, torch.where(ar <= nt[:, None], ar, e.trash), self.cache, T, e.rows(slots))
-        self.logits_last[to_device(slots, dev)] = self.dm.logits(_last(h, nt))
-        for b, n in zip(slots, lengths):
+    def prefill(self, slots, tokens, batch, first, hidden):
+        # the draft LM reads each prompt and its first token: its logits there predict draft 1
+        e = self.engine
+        own = RaggedBatch(slots, [0] * len(slots), [n + 1 for n in batch.counts], e.device)
+        last = own.last()
+        prompt = torch.ones(own.n, dtype=torch.bool, device=e.device)
+        prompt[last] = False
+        ids = torch.zeros(own.n, dtype=tokens.dtype, device=e.device).masked_scatter_(prompt, tokens)
+        ids[last] = first
+        h = self.dm(ids, own, self.cache)
+        self.logits_last[to_device(slots, e.device)] = self.dm.logits(h[last])
+        for b, n in zip(slots, batch.counts):
             self.fed[b] = n + 1
 
     def _feed(self, slots, tlens):
         """The accepted tokens not yet read: positions fed .. tlen."""
-        e, dev = self.engine, self.engine.device
-        n = [t + 1 - self.fed[b] for b, t in zip(slots, tlens)]
-        ar = torch.arange(max(n), device=dev)[None]
-        nt = to_device(n, dev)
-        pos = torch.where(ar < nt[:, None], to_device([self.fed[b] for b in slots], dev)[:, None] + ar,
-                          e.trash)
-        ridx = to_device(slots, dev)
-        out = self.dm(e.seq[ridx[:, None], pos], pos, self.cache, max(tlens) + 1, e.rows(slots))
-        self.logits_last[ridx] = self.dm.logits(_last(out, nt - 1))
+        e = self.engine
+        batch = RaggedBatch(slots, [self.fed[b] for b in slots], [t + 1 - self.fed[b] for b, t in zip(slots, tlens)],
+                            e.device)
+        out = self.dm(e.seq[batch.slot_of, batch.pos], batch, self.cache)
+        self.logits_last[to_device(slots, e.device)] = self.dm.logits(out[batch.last()])
         for b, t in zip(slots, tlens):
             self.fed[b] = t + 1
 
@@ -205,9 +190,8 @@ class DraftModelCandidateGenerator(CandidateGenerator):
         return (self.logits_last if rows is None else self.logits_last[rows]), None
 
     def extend(self, slots, tokens, tlens, depth, states):
-        dev = self.engine.device
-        pos = to_device([t + depth for t in tlens], dev)[:, None]
-        out = self.dm(tokens[:, None], pos, self.cache, max(tlens) + depth + 1, self.engine.rows(slots))[:, 0]
+        batch = RaggedBatch(slots, [t + depth for t in tlens], [1] * len(slots), self.engine.device)
+        out = self.dm(tokens, batch, self.cache)
         for b, t in zip(slots, tlens):
             self.fed[b] = t + depth + 1  # draft `depth` is in the cache now
         return self.dm.logits(out), None

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_backbone.batched.model import BatchedLlama, forward_groups, unpack
+from eagle_backbone.batched.model import BatchedLlama, RaggedBatch
 from eagle_backbone.candidates import CandidateGenerator, make_candidates
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import (
@@ -316,46 +316,37 @@ class BatchedSpeculativeEngine:
         return sample_rows(probs, u), probs
 
     # ---- prefill --------------------------------------------------------------------------------
-    def _prefill_inputs(self, slots: list[int]):
-        """The new prompts as a padded group: (tokens, positions, rows, kv_len) and their lengths."""
-        n = [len(self.state[b].prompt) for b in slots]
-        T = max(n)
-        tok = torch.zeros(len(slots), T, dtype=torch.long)
-        for i, b in enumerate(slots):
-            tok[i, : n[i]] = torch.tensor(self.state[b].prompt)
-        tok = tok.to(self.device, non_blocking=True)  # pageable memory: staged, no wait (runtime.to_device)
-        nt = to_device(n, self.device)
-        ar = torch.arange(T, device=self.device)[None]
-        pos = torch.where(ar < nt[:, None], ar, self.trash)
-        return (tok, pos, self.rows(slots), T), nt
+    def _prefill_batch(self, slots: list[int]):
+        """The new prompts as ragged rows (nothing padded): their flat tokens (N,) and the batch."""
+        prompts = [self.state[b].prompt for b in slots]
+        tok = to_device([t for p in prompts for t in p], self.device)
+        return tok, RaggedBatch(slots, [0] * len(slots), [len(p) for p in prompts], self.device)
 
     def _prefill(self, slots: list[int]) -> torch.Tensor:
         """Target and drafter prefill of new prompts in their own forwards; returns their first tokens."""
-        group, nt = self._prefill_inputs(slots)
-        return self._prefill_finish(slots, group, nt, self.tm(*group[:2], self.tcache, group[3], group[2]))
+        tok, batch = self._prefill_batch(slots)
+        return self._prefill_finish(slots, tok, batch, self.tm(tok, batch, self.tcache))
 
-    def _prefill_finish(self, slots: list[int], group, nt, h) -> torch.Tensor:
-        """After the target read the prompts (``h``: their hidden states): first tokens, bookkeeping, and
-        the drafter's own prefill (it needs the first token, so it cannot ride in the target's forward)."""
+    def _prefill_finish(self, slots: list[int], tok, batch: RaggedBatch, h) -> torch.Tensor:
+        """After the target read the prompts (``h`` (N, d): their hidden states): first tokens, bookkeeping,
+        and the drafter's own prefill (it needs the first token, so it cannot ride in the target's forward)."""
         st = [self.state[b] for b in slots]
-        n = [len(s.prompt) for s in st]
-        tok, pos, rows, T = group
         dev = self.device
-        last = h.gather(1, (nt - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
+        last = h[batch.last()]
         seeds = steps = None  # the first token's stream (sampling only: greedy draws nothing)
         if not self.sampling.greedy:
             seeds = to_device([s.seed for s in st], dev)
             steps = torch.zeros(len(slots), dtype=torch.long, device=dev)
         x, _ = self._pick(self.tm.logits(last), seeds, steps, FINAL, False)
         ridx = to_device(slots, dev)
-        self.seq[ridx[:, None], pos] = tok
-        self.seq[ridx, nt] = x
+        self.seq[batch.slot_of, batch.pos] = tok
+        self.seq[ridx, to_device(batch.counts, dev)] = x
         self.last_feat[ridx] = last
         if self.cand is not None:
             if self.cand.needs_features:
-                self.feat[ridx[:, None], pos] = h
-            self.cand.prefill(slots, tok, pos, n, x, h)
-        for s, k in zip(st, n):
+                self.feat[batch.slot_of, batch.pos] = h
+            self.cand.prefill(slots, tok, batch, x, h)
+        for s, k in zip(st, batch.counts):
             s.tlen = k
             s.stats.target_forwards += 1
         return x
@@ -449,7 +440,7 @@ class BatchedSpeculativeEngine:
             drafted, qprobs = self._draft(run, st, gammas, ctxs, draft, seeds, steps)
         prof.mark("draft")
 
-        # 3. verification: slot b scores its last token and its drafts, padded to the longest
+        # 3. verification: slot b scores its last token and its drafts (its own count: nothing padded)
         T = max(drafted) + 1
         ar = torch.arange(T, device=dev)[None]
         tl = to_device([s.tlen for s in st], dev)
@@ -459,22 +450,18 @@ class BatchedSpeculativeEngine:
                           qprobs[:, :K] if qprobs is not None and K else None)
         # a chain: each draft's parent is the one before it, so the verification input is [last, drafts]
         tokens = torch.cat([self.seq[rows_t, tl][:, None], rec.tokens], 1)
-        pos = torch.where(ar <= nd[:, None], tl[:, None] + ar, self.trash)
-        kv_len = max(s.tlen + d + 1 for s, d in zip(st, drafted))
+        batch = RaggedBatch(run, [s.tlen for s in st], [d + 1 for d in drafted], dev)
+        flat = batch.flat(tokens)
         if joined:
             # the new prompts ride in this forward: projections and MLPs over all tokens at once
-            group, nt = self._prefill_inputs(joined)
-            h, hp = forward_groups(self.tm, [(tokens, pos, self.rows(run), kv_len), group], self.tcache)
-            logits = self.tm.logits(h)
-        elif sum(drafted) + R < R * T:
-            # ragged: the projections, MLPs and LM head score only the real tokens (a slot's γ costs the
-            # batch its own tokens, not the longest row's)
-            packed = to_device([i * T + j for i, d in enumerate(drafted) for j in range(d + 1)], dev)
-            h = self.tm(tokens, pos, self.tcache, kv_len, self.rows(run), packed=packed)
-            logits = unpack(self.tm.logits(h.reshape(R * T, -1).index_select(0, packed)), packed, R, T)
+            ptok, pbatch = self._prefill_batch(joined)
+            h_all = self.tm(torch.cat([flat, ptok]), batch.join(pbatch), self.tcache)
+            h, hp = h_all[: batch.n], h_all[batch.n:]
         else:
-            h = self.tm(tokens, pos, self.tcache, kv_len, self.rows(run))
-            logits = self.tm.logits(h)
+            h = self.tm(flat, batch, self.tcache)
+        # the LM head scores only the real tokens; verification reads them padded (R, T)
+        logits = batch.padded(self.tm.logits(h), T)
+        h = batch.padded(h, T)
         if samp.greedy:
             a, x = verify_greedy_batch(rec.tokens, rec.lengths, logits)
         else:
@@ -491,18 +478,18 @@ class BatchedSpeculativeEngine:
         self.last_feat[rows_t] = h.gather(1, a[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
         if self.cand is not None and self.cand.needs_features:
             self.feat[rows_t[:, None], torch.where(ar <= a[:, None], tl[:, None] + ar, self.trash)] = h
-        packed = [a, emitted.flatten()]
+        reads = [a, emitted.flatten()]
         vec_rows = [i for i, s in enumerate(st) if (v := self._vectorised(s)) is not None and v.fn is not None]
         if vec_rows:
             # the LDLP's γ for the next step, from the new last token and its feature: read with the counts
             fn = self._vectorised(st[vec_rows[0]]).fn
             emb = self.target.embed(x)
-            packed.append(fn(emb, self.last_feat[rows_t]).to(torch.long))
+            reads.append(fn(emb, self.last_feat[rows_t]).to(torch.long))
         prof.mark("verify")
         if joined:
-            packed.append(self._prefill_finish(joined, group, nt, hp))  # the new prompts' first tokens
+            reads.append(self._prefill_finish(joined, ptok, pbatch, hp))  # the new prompts' first tokens
             prof.mark("prefill")
-        host = torch.cat(packed).tolist()  # the step's one host read
+        host = torch.cat(reads).tolist()  # the step's one host read
         now = time.perf_counter()
         prof.mark("read")
         acc, em = host[:R], host[R: R + R * T]

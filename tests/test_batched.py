@@ -15,7 +15,7 @@ import torch
 from eagle_backbone import engine as bengine
 from eagle_backbone import sampling as bsampling
 from eagle_backbone.engine import BatchedSpeculativeEngine
-from eagle_backbone.batched.model import BatchedLlama
+from eagle_backbone.batched.model import BatchedLlama, RaggedBatch
 from eagle_backbone.batched.workload import run_workload
 from eagle_backbone.candidates import (
     DraftModelCandidateGenerator,
@@ -85,12 +85,35 @@ def test_compact_forward_gives_transformers_logits(t32):
     ref = t32.model(ids).logits
     m = BatchedLlama(t32.model, 32)
     cache = m.new_cache(3)
-    pos = torch.arange(11)[None].expand(3, 11)
-    h1 = m(ids[:, :7], pos[:, :7], cache, 7)
-    h2, extra = m(ids[:, 7:], pos[:, 7:], cache, 11, hidden_layers=(0, 1))
-    logits = m.logits(torch.cat([h1, h2], 1))
+    h1 = m(ids[:, :7].reshape(-1), RaggedBatch([0, 1, 2], [0] * 3, [7] * 3, "cpu"), cache)
+    h2, extra = m(ids[:, 7:].reshape(-1), RaggedBatch([0, 1, 2], [7] * 3, [4] * 3, "cpu"), cache, hidden_layers=(0, 1))
+    logits = m.logits(torch.cat([h1.view(3, 7, -1), h2.view(3, 4, -1)], 1))
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
-    assert len(extra) == 2 and extra[0].shape == (3, 4, 32)
+    assert len(extra) == 2 and extra[0].shape == (12, 32)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("slack", [0, 10_000])  # every row on its own / consecutive rows as dense blocks
+def test_ragged_rows_attend_over_their_own_slot_only(t32, attn, slack):
+    """Rows of different lengths and token counts in one forward, in slots out of order, each read in place:
+    every row's logits equal transformers' on that row's sequence alone."""
+    m = BatchedLlama(t32.model, 64, attn)
+    cache = m.new_cache(5)
+    seqs = prompts_of((9, 30, 4, 17, 12), seed=5)
+    # prefill all but each sequence's tail, then score the tails (1..3 tokens) in one ragged forward
+    tails = [1, 3, 1, 1, 2]
+    slots = [4, 0, 1, 2, 3]
+    heads = [s[: len(s) - t] for s, t in zip(seqs, tails)]
+    m(torch.tensor([x for h in heads for x in h]), RaggedBatch(slots, [0] * 5, [len(h) for h in heads], "cpu"), cache)
+    batch = RaggedBatch(slots, [len(h) for h in heads], tails, "cpu", dense_slack=slack)
+    if slack:
+        assert any(j - i > 1 for i, j in batch.blocks)  # slots 0, 1, 2 hold one token each: a dense block
+    got = m.logits(m(torch.tensor([x for s, t in zip(seqs, tails) for x in s[len(s) - t:]]), batch, cache))
+    o = 0
+    for seq, t in zip(seqs, tails):
+        ref = t32.model(torch.tensor([seq])).logits[0, -t:]
+        torch.testing.assert_close(got[o: o + t], ref, rtol=1e-5, atol=1e-5)
+        o += t
 
 
 def test_per_slot_rollback_overwrites_rejected_positions(t32):
@@ -99,16 +122,10 @@ def test_per_slot_rollback_overwrites_rejected_positions(t32):
     cache = m.new_cache(2)
     a, b = prompts_of((6, 9), seed=2)
     tail_a, tail_b = prompts_of((4, 4), seed=3)
-    junk = torch.tensor([[60, 61, 62], [63, 63, 63]])
-    # prefill (padded; slot 0's padding writes position 39, the scratch position)
-    tok = torch.zeros(2, 9, dtype=torch.long)
-    tok[0, :6], tok[1] = torch.tensor(a), torch.tensor(b)
-    pos = torch.arange(9)[None].repeat(2, 1)
-    pos[0, 6:] = 39
-    m(tok, pos, cache, 9)
-    m(junk, torch.tensor([[6, 7, 8], [9, 39, 39]]), cache, 10)  # drafts, then all rejected
-    h = m(torch.tensor([tail_a, tail_b]), torch.tensor([[6, 7, 8, 9], [9, 10, 11, 12]]), cache, 13)
-    got = m.logits(h)
+    m(torch.tensor(a + b), RaggedBatch([0, 1], [0, 0], [6, 9], "cpu"), cache)  # prefill, nothing padded
+    m(torch.tensor([60, 61, 62, 63]), RaggedBatch([0, 1], [6, 9], [3, 1], "cpu"), cache)  # drafts, all rejected
+    h = m(torch.tensor(tail_a + tail_b), RaggedBatch([0, 1], [6, 9], [4, 4], "cpu"), cache)
+    got = m.logits(h).view(2, 4, -1)
     for row, seq in enumerate((a + tail_a, b + tail_b)):
         ref = t32.model(torch.tensor([seq])).logits[0, -4:]
         torch.testing.assert_close(got[row], ref, rtol=1e-5, atol=1e-5)

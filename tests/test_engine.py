@@ -38,7 +38,7 @@ class ScriptedCandidates(CandidateGenerator):
             out[row, tok] = 0.0
         return out
 
-    def prefill(self, slots, tokens, positions, lengths, first, hidden):
+    def prefill(self, slots, tokens, batch, first, hidden):
         pass
 
     def start(self, slots, tlens):

@@ -250,7 +250,8 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
     disp: dict = {"target": [], "draft": [], "feed": [], "overhead": [], "step": []}
     t_start = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    for R in slots:
+    slot_counts = [int(R) for R in slots]  # (the loop below reuses the name ``slots`` for a row list)
+    for R in slot_counts:
         eng = engine_factory(R)
         dev, V = eng.device, eng.target.vocab_size
         cuda = dev.type == "cuda"
@@ -349,9 +350,9 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
             + (f" + {depth_ms[-1]:.2f} ms a depth" if depth_ms else ""))
     seconds = round(time.perf_counter() - t_start, 1)
     meta = {"context": context, "reps": reps, "seconds": seconds,
-            "profiled": [{"slots": list(slots), "seconds": seconds, "load_average_1min": load,
+            "profiled": [{"slots": slot_counts, "seconds": seconds, "load_average_1min": load,
                           "cpu_count": os.cpu_count()}]}
-    return CostTable(key, list(slots), list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, depth_ms, meta, disp)
+    return CostTable(key, slot_counts, list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, depth_ms, meta, disp)
 
 
 def slots_for(concurrency: int) -> list[int]:

@@ -1,39 +1,46 @@
 """Per-slot KV caches and a compact Llama forward over a Hugging Face model's own modules.
 
-Why a forward of our own (route b) and not transformers' ``LlamaModel.forward`` with a custom cache and a
-4D mask (route a): both run on the same :class:`SlotCache` and give the same logits, but transformers'
-forward costs per call a fixed overhead of Python (output capturing, kwargs checks, mask preparation, a
-rotary recomputation) on top of the same matrix products. Measured on the embedded target (8 layers,
-d=384, eager attention, one thread, a one-token step after 256 cached positions, median of 30
-interleaved, process CPU time; ``python -m eagle_backbone.batched.model``), on a quiet machine:
+The forward takes a *ragged batch* (vLLM's layout): the new tokens of every row flattened into one stream,
+row i bringing ``counts[i]`` tokens at positions ``starts[i]..`` of its cache slot. Projections, rotary and
+MLPs run once over the N real tokens; nothing is padded to the longest row, so a joined prefill of a
+400-token prompt costs its own tokens, and a γ = 0 slot costs one token next to a γ = 8 slot.
 
-    bf16  B=1: route a 11.05 ms, route b 10.17 ms (-8%);  B=16: route a 21.28 ms, route b 19.35 ms (-9%)
-    fp32  B=1: route a 10.09 ms, route b  9.34 ms (-7%);  B=16: route a 34.20 ms, route b 32.84 ms (-4%)
+Attention reads the cache **in place**: each row attends over its own slot's keys ``0 .. start + count - 1``
+as views of the preallocated buffers, so no forward copies or gathers a live K/V prefix and no slot pays
+for the longest slot's context. Two ways to run it, chosen per forward from host ints:
 
-(and -9%/-8% in bf16 when the machine was loaded), and a step calls the target once and the drafter up
-to γ+1 times. The compact forward calls the checkpoint's own submodules (RMSNorm, q/k/v/o projections,
-MLP, rotary inverse frequencies): no weight is copied or re-laid out, so any Llama-family
-checkpoint (Vicuna-7B included) loads unchanged through ``AutoModelForCausalLM``, and the per-token math is
-transformers' (tests/test_batched.py checks the logits). Only attention and the cache are ours:
+* **per row** (the general case): one attention call per row on its slot's views. Its cost is the row's own
+  keys plus a fixed Python/kernel overhead per row and layer.
+* **dense block**: rows that sit in consecutive slots with the same token count run as one batched call on
+  a view ``k[a : a + m, :, :L]`` with a mask (L the block's longest context). Chosen when the padding it
+  reads, ``m·L − Σ lengths``, is under ``dense_slack`` keys a row (short, similar contexts, where the
+  per-row overhead would dominate), and always on a GPU (one kernel instead of one a row; a varlen kernel
+  is the next step there).
 
-* :class:`SlotCache` holds (layers, slots, kv_heads, capacity, head_dim) key and value buffers allocated
-  once. A forward writes its keys at each row's own positions (an indexed store, no concatenation) and
-  attends over the first ``kv_len`` positions; rolling a slot back is setting its length, since a query at
-  position p only ever sees keys at positions <= p, and every such key was written by this or an earlier
-  accepted forward. Padded entries of a ragged input write to a scratch position past every real one (the
-  engine's choice; see eagle_backbone/engine.py).
-* Attention is transformers' eager math (scores in the model dtype, float32 softmax) by default: in
-  bfloat16 it gives a token the same logits whether scored alone or among γ+1, as conf/model/embedded.yaml
-  explains; ``attn="sdpa"`` uses torch's fused kernel with the same explicit mask.
+Why a forward of our own and not transformers' ``LlamaModel.forward`` with a custom cache: that forward
+pays a fixed Python overhead per call (output capturing, kwargs checks, mask preparation) on top of the same
+matrix products, and it cannot take a ragged batch. The compact forward calls the checkpoint's own
+submodules (RMSNorm, q/k/v/o projections, MLP, rotary inverse frequencies): no weight is copied or re-laid
+out, any Llama-family checkpoint (Vicuna-7B included) loads unchanged through ``AutoModelForCausalLM``, and
+the per-token math is transformers' (tests/test_batched.py checks the logits). Attention is transformers'
+eager math (scores in the model dtype, float32 softmax) by default; ``attn="sdpa"`` uses torch's fused
+kernel with the same visibility.
+
+Rolling a slot back is setting its length: a query at position p only reads keys at positions <= p, and
+every such key was written by this or an earlier accepted forward.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import copy
+import functools
 
 import torch
 from torch import nn
+
+from eagle_backbone.runtime import to_device
+
+DENSE_SLACK = 64  # padded keys a row may read in a dense block (~ the per-row overhead, in keys, on a CPU)
 
 
 class SlotCache:
@@ -47,43 +54,101 @@ class SlotCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # no lengths here: the engine keeps each slot's length on the host (one int a slot) and rolls back
-        # by using a shorter kv_len and overwriting positions, so the cache itself holds no state to reset
+        # by overwriting positions, so the cache itself holds no state to reset
         self.capacity = capacity
 
     @property
     def slots(self) -> int:
         return self.k.shape[1]
 
-    # ---- transformers' Cache protocol, enough for LlamaAttention (route a, used by the measurement) ----
-    def bind(self, rows, positions, kv_len):
-        self._rows, self._pos, self._kv = rows, positions, kv_len
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return write_and_read(self, layer_idx, key_states, value_states, self._rows, self._pos, self._kv)
+class RaggedBatch:
+    """Where a forward's N flat tokens go: row i has ``counts[i]`` new tokens at positions
+    ``starts[i] .. starts[i] + counts[i] - 1`` of cache slot ``slots[i]``, and attends over that slot's
+    positions ``0 .. starts[i] + counts[i] - 1``. Host lists, plus the tokens' positions and slots on the
+    device (one host-to-device copy)."""
+
+    def __init__(self, slots, starts, counts, device, dense_slack: int = DENSE_SLACK):
+        self.slots, self.starts, self.counts = list(slots), list(starts), list(counts)
+        if any(n < 1 for n in self.counts):
+            raise ValueError(f"every row of a ragged batch brings at least one token, got counts {self.counts}")
+        self.n = sum(self.counts)
+        self.ends = list(_cumsum(self.counts))  # row i's tokens are flat [ends[i] - counts[i], ends[i])
+        pos = [s + j for s, c in zip(self.starts, self.counts) for j in range(c)]
+        slot_of = [b for b, c in zip(self.slots, self.counts) for _ in range(c)]
+        both = to_device(pos + slot_of, device)
+        self.pos, self.slot_of = both[: self.n], both[self.n:]
+        self.device = torch.device(device)
+        self.blocks = self._plan(dense_slack)
+        self._pidx: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def last(self) -> torch.Tensor:
+        """Flat index of each row's last token (device)."""
+        return to_device([e - 1 for e in self.ends], self.device)
+
+    def join(self, other: RaggedBatch) -> RaggedBatch:
+        """This batch's rows, then ``other``'s (their flat tokens concatenated in that order)."""
+        out = copy.copy(self)
+        out.slots, out.starts, out.counts = self.slots + other.slots, self.starts + other.starts, self.counts + other.counts
+        out.n = self.n + other.n
+        out.ends = self.ends + [self.n + e for e in other.ends]
+        out.pos, out.slot_of = torch.cat([self.pos, other.pos]), torch.cat([self.slot_of, other.slot_of])
+        out.blocks = self.blocks + [(len(self) + i, len(self) + j) for i, j in other.blocks]
+        out._pidx = {}
+        return out
+
+    def _padded_index(self, T: int) -> torch.Tensor:
+        """Flat index of each real token in the padded (R, T) layout (device; built once per T)."""
+        if T not in self._pidx:
+            self._pidx[T] = to_device([i * T + j for i, c in enumerate(self.counts) for j in range(c)], self.device)
+        return self._pidx[T]
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """(R, T, ...) padded rows -> (N, ...) real tokens."""
+        R, T = x.shape[:2]
+        x = x.reshape(R * T, *x.shape[2:])
+        return x if self.n == R * T else x.index_select(0, self._padded_index(T))
+
+    def padded(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        """(N, ...) real tokens -> (R, T, ...), zeros past each row's count."""
+        R = len(self)
+        if self.n == R * T:
+            return x.view(R, T, *x.shape[1:])
+        out = x.new_zeros(R * T, *x.shape[1:]).index_copy_(0, self._padded_index(T), x)
+        return out.view(R, T, *x.shape[1:])
+
+    def _plan(self, slack: int) -> list[tuple[int, int]]:
+        """Row ranges [i, j): a range of length > 1 runs as one dense block, a range of one row on its own."""
+        out, i, R = [], 0, len(self.slots)
+        gpu = self.device.type == "cuda"
+        while i < R:
+            j = i + 1
+            while (j < R and self.slots[j] == self.slots[j - 1] + 1 and self.counts[j] == self.counts[i]):
+                j += 1
+            if j - i > 1 and not gpu:
+                lens = [s + c for s, c in zip(self.starts[i:j], self.counts[i:j])]
+                if (j - i) * max(lens) - sum(lens) > slack * (j - i):
+                    j = i + 1  # too ragged: per row
+            out.append((i, j))
+            i = j
+        return out
 
 
-def write_and_read(cache: SlotCache, layer: int, k: torch.Tensor, v: torch.Tensor, rows, positions, kv_len: int):
-    """Store (R, H, T, D) keys/values at ``positions`` (R, T) of ``rows`` (None: rows 0..R-1); return the
-    (R, H, kv_len, D) keys and values to attend over (views when ``rows`` is None, else a row gather)."""
-    kb, vb = cache.k[layer], cache.v[layer]
-    r = torch.arange(k.shape[0], device=k.device)[:, None] if rows is None else rows[:, None]
-    # advanced indices on dims 0 and 2 with a slice between: the indexed shape is (R, T, H, D)
-    kb[r, :, positions] = k.transpose(1, 2)
-    vb[r, :, positions] = v.transpose(1, 2)
-    if rows is None:
-        # a contiguous copy: bf16 matmuls on the strided slice run ~1.6x slower than copy + matmul
-        return kb[: k.shape[0], :, :kv_len].contiguous(), vb[: k.shape[0], :, :kv_len].contiguous()
-    return kb[rows, :, :kv_len], vb[rows, :, :kv_len]
+def _cumsum(xs):
+    t = 0
+    for x in xs:
+        t += x
+        yield t
 
 
-def visible(positions: torch.Tensor, kv_len: int, impl: str = "sdpa", dtype=torch.float32) -> torch.Tensor:
-    """(R, 1, T, kv_len): query at position p sees keys 0..p of its own slot. A bool mask for sdpa; for
-    eager the additive mask (0 or the dtype's minimum) that transformers' eager attention adds."""
-    keys = torch.arange(kv_len, device=positions.device)
-    mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
-    if impl == "sdpa":
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+@functools.lru_cache(maxsize=64)
+def _causal_bias(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(n, n): 0 on and below the diagonal, the dtype's minimum above (a block of n new tokens)."""
+    upper = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(n, n, dtype=dtype, device=device).masked_fill_(upper, torch.finfo(dtype).min)
 
 
 def _rotate_half(x):
@@ -91,61 +156,83 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def attention(q, k, v, mask: torch.Tensor, scaling: float, impl: str) -> torch.Tensor:
-    """q (R, Hq, T, D), k/v (R, Hkv, S, D), mask (R, 1, T, S) from :func:`visible` -> (R, T, Hq*D)."""
-    R, Hq, T, D = q.shape
+def _attend_row(q, k, v, start: int, scaling: float, impl: str) -> torch.Tensor:
+    """q (n, Hq, D) at positions start..start+n-1; k/v (Hkv, start+n, D), views of one slot -> (n, Hq*D)."""
+    n, Hq, D = q.shape
+    Hkv, L = k.shape[0], k.shape[1]
+    qh = q.transpose(0, 1)  # (Hq, n, D)
+    if impl == "sdpa":
+        mask = None
+        if n > 1:
+            mask = torch.arange(L, device=q.device) <= start + torch.arange(n, device=q.device)[:, None]
+        out = nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scaling,
+                                                         enable_gqa=Hq != Hkv)
+    else:
+        # transformers' eager math; GQA by grouping the query heads instead of copying keys
+        rep = Hq // Hkv
+        scores = torch.matmul(qh.reshape(Hkv, rep * n, D), k.transpose(1, 2)) * scaling
+        if n > 1:  # the new block is causal; every earlier key is visible to all of it
+            scores.view(Hkv, rep, n, L)[..., start:] += _causal_bias(n, scores.dtype, scores.device)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).view(Hq, n, D)
+    return out.transpose(0, 1).reshape(n, Hq * D)
+
+
+def _attend_block(q, kc, vc, batch: RaggedBatch, i: int, j: int, scaling: float, impl: str) -> torch.Tensor:
+    """Rows i..j-1 (consecutive slots, n tokens each) as one call on a view of their slots (padded to the
+    block's longest context with a mask) -> (m·n, Hq*D)."""
+    m, n = j - i, batch.counts[i]
+    a = batch.slots[i]
+    L = max(s + n for s in batch.starts[i:j])
+    lo, hi = batch.ends[i] - n, batch.ends[j - 1]
+    qb = q[lo:hi].view(m, n, q.shape[1], q.shape[2]).transpose(1, 2)  # (m, Hq, n, D)
+    pos = batch.pos[lo:hi].view(m, n)
+    visible = (torch.arange(L, device=q.device) <= pos[:, :, None])[:, None]  # (m, 1, n, L)
+    k, v = kc[a: a + m, :, :L], vc[a: a + m, :, :L]
+    R, Hq, T, D = qb.shape
     Hkv = k.shape[1]
     if impl == "sdpa":
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+        out = nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=visible, scale=scaling,
                                                          enable_gqa=Hq != Hkv)
-        return out.transpose(1, 2).reshape(R, T, Hq * D)
-    # eager, as transformers computes it; GQA by grouping the query heads instead of copying keys
-    rep = Hq // Hkv
-    qg = q.reshape(R, Hkv, rep * T, D)
-    scores = (torch.matmul(qg, k.transpose(2, 3)) * scaling).view(R, Hkv, rep, T, -1)
-    scores = scores + mask[:, :, None]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs.view(R, Hkv, rep * T, -1), v).view(R, Hq, T, D)
-    return out.transpose(1, 2).reshape(R, T, Hq * D)
+    else:
+        rep = Hq // Hkv
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, torch.finfo(q.dtype).min)
+        scores = (torch.matmul(qb.reshape(R, Hkv, rep * T, D), k.transpose(2, 3)) * scaling).view(R, Hkv, rep, T, L)
+        probs = torch.softmax(scores + bias[:, :, None], dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs.view(R, Hkv, rep * T, L), v).view(R, Hq, T, D)
+    return out.transpose(1, 2).reshape(R * T, Hq * D)
 
 
-def decoder_layer(layer: nn.Module, x: torch.Tensor, cos, sin, cache: SlotCache, li: int, rows, positions,
-                  kv_len: int, mask: torch.Tensor, impl: str) -> torch.Tensor:
-    """One transformers LlamaDecoderLayer on (R, T, d), with our cache and mask."""
-    R, T, _ = x.shape
+def attend(cache: SlotCache, layer: int, q, k, v, batch: RaggedBatch, scaling: float, impl: str) -> torch.Tensor:
+    """Store the flat tokens' keys/values (N, Hkv, D) at their slots' positions, then attend each row over
+    its own slot, in place: q (N, Hq, D) -> (N, Hq*D)."""
+    kc, vc = cache.k[layer], cache.v[layer]
+    kc[batch.slot_of, :, batch.pos] = k  # advanced indices on dims 0 and 2: the indexed shape is (N, H, D)
+    vc[batch.slot_of, :, batch.pos] = v
+    outs = []
+    for i, j in batch.blocks:
+        if j - i > 1:
+            outs.append(_attend_block(q, kc, vc, batch, i, j, scaling, impl))
+        else:
+            b, s, n = batch.slots[i], batch.starts[i], batch.counts[i]
+            lo = batch.ends[i] - n
+            outs.append(_attend_row(q[lo: lo + n], kc[b, :, : s + n], vc[b, :, : s + n], s, scaling, impl))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def decoder_layer(layer: nn.Module, x: torch.Tensor, cos, sin, cache: SlotCache, li: int, batch: RaggedBatch,
+                  impl: str) -> torch.Tensor:
+    """One transformers LlamaDecoderLayer on the flat tokens (N, d), with our cache."""
+    N = x.shape[0]
     attn = layer.self_attn
     hd = attn.head_dim
     h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(R, T, -1, hd).transpose(1, 2)
-    k = attn.k_proj(h).view(R, T, -1, hd).transpose(1, 2)
-    v = attn.v_proj(h).view(R, T, -1, hd).transpose(1, 2)
+    q = attn.q_proj(h).view(N, -1, hd)
+    k = attn.k_proj(h).view(N, -1, hd)
+    v = attn.v_proj(h).view(N, -1, hd)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    keys, values = write_and_read(cache, li, k, v, rows, positions, kv_len)
-    x = x + attn.o_proj(attention(q, keys, values, mask, attn.scaling, impl))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-def packed_decoder_layer(layer: nn.Module, x: torch.Tensor, packed: torch.Tensor, R: int, T: int, cos, sin,
-                         cache: SlotCache, li: int, rows, positions, kv_len: int, mask: torch.Tensor,
-                         impl: str) -> torch.Tensor:
-    """:func:`decoder_layer` for a ragged batch: ``x`` (N, d) holds only the real tokens, ``packed`` (N,)
-    their flat indices in the padded (R, T) layout. Projections and the MLP run over the N real tokens;
-    attention runs padded (padded queries see their own scratch keys only and are dropped)."""
-    attn = layer.self_attn
-    hd = attn.head_dim
-    h = layer.input_layernorm(x)
-
-    def padded(t):  # (N, H*D) -> (R, H, T, D), zeros at padded entries
-        full = t.new_zeros(R * T, t.shape[-1]).index_copy_(0, packed, t)
-        return full.view(R, T, -1, hd).transpose(1, 2)
-
-    q, k, v = padded(attn.q_proj(h)), padded(attn.k_proj(h)), padded(attn.v_proj(h))
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    keys, values = write_and_read(cache, li, k, v, rows, positions, kv_len)
-    out = attention(q, keys, values, mask, attn.scaling, impl).reshape(R * T, -1).index_select(0, packed)
-    x = x + attn.o_proj(out)
+    x = x + attn.o_proj(attend(cache, li, q, k, v, batch, attn.scaling, impl))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -158,14 +245,19 @@ class RotaryTable:
         self.cos, self.sin = cos[0], sin[0]  # (n, D), already in the model dtype as transformers casts them
 
     def __call__(self, positions):
-        return self.cos[positions][:, None], self.sin[positions][:, None]  # (R, 1, T, D)
+        return self.cos[positions][:, None], self.sin[positions][:, None]  # (N, 1, D): broadcast over heads
+
+
+def _check_attn(attn: str):
+    if attn not in ("eager", "sdpa"):
+        raise ValueError(f"attn must be 'eager' or 'sdpa', got {attn!r}")
 
 
 class BatchedLlama:
     """A Hugging Face Llama-family causal LM run on a :class:`SlotCache` (target or standalone draft LM).
 
-    ``forward(tokens, positions, cache, kv_len, rows=None, hidden_layers=())`` -> final-normed hidden
-    states (R, T, d) and the outputs of decoder layers ``hidden_layers`` (for EAGLE-3 style drafters);
+    ``forward(tokens (N,), batch, cache, hidden_layers=())`` -> final-normed hidden states (N, d) of the
+    flat tokens and the outputs of decoder layers ``hidden_layers`` (for EAGLE-3 style drafters);
     ``logits(h)`` applies the LM head (so callers score only the positions they need)."""
 
     def __init__(self, model: nn.Module, capacity: int, attn: str = "eager"):
@@ -174,8 +266,7 @@ class BatchedLlama:
         if layers is None or not all(hasattr(l, "self_attn") and hasattr(l.self_attn, "q_proj") for l in layers):
             raise ValueError(f"{type(model).__name__}: the batched engine runs Llama-family decoders "
                              "(layers with self_attn.q_proj/k_proj/v_proj/o_proj and an mlp)")
-        if attn not in ("eager", "sdpa"):
-            raise ValueError(f"attn must be 'eager' or 'sdpa', got {attn!r}")
+        _check_attn(attn)
         self.model, self.decoder, self.layers = model, decoder, list(layers)
         self.lm_head, self.embed_tokens = model.get_output_embeddings(), model.get_input_embeddings()
         self.attn, self.capacity = attn, capacity
@@ -189,25 +280,12 @@ class BatchedLlama:
     def new_cache(self, slots: int) -> SlotCache:
         return SlotCache(len(self.layers), slots, self.capacity, self.kv_heads, self.head_dim, self.dtype, self.device)
 
-    def forward(self, tokens, positions, cache: SlotCache, kv_len: int, rows=None, hidden_layers=(), packed=None):
-        """``packed`` (N,): flat indices of the real tokens of a ragged (R, T) input; the projections and MLPs
-        then run over those N only and the padded entries of the result are zeros."""
-        cos, sin = self.rope(positions)
-        mask = visible(positions, kv_len, self.attn, self.dtype)
-        extra = []
-        R, T = tokens.shape
-        if packed is not None:
-            x = self.embed_tokens(tokens.reshape(-1).index_select(0, packed))
-            for li, layer in enumerate(self.layers):
-                x = packed_decoder_layer(layer, x, packed, R, T, cos, sin, cache, li, rows, positions, kv_len,
-                                         mask, self.attn)
-                if li in hidden_layers:
-                    extra.append(unpack(x, packed, R, T))
-            h = unpack(self.decoder.norm(x), packed, R, T)
-            return (h, extra) if hidden_layers else h
+    def forward(self, tokens: torch.Tensor, batch: RaggedBatch, cache: SlotCache, hidden_layers=()):
+        cos, sin = self.rope(batch.pos)
         x = self.embed_tokens(tokens)
+        extra = []
         for li, layer in enumerate(self.layers):
-            x = decoder_layer(layer, x, cos, sin, cache, li, rows, positions, kv_len, mask, self.attn)
+            x = decoder_layer(layer, x, cos, sin, cache, li, batch, self.attn)
             if li in hidden_layers:
                 extra.append(x)
         h = self.decoder.norm(x)
@@ -219,28 +297,11 @@ class BatchedLlama:
         return self.lm_head(h)
 
 
-def unpack(x: torch.Tensor, packed: torch.Tensor, R: int, T: int) -> torch.Tensor:
-    """(N, ...) rows at flat indices ``packed`` -> (R, T, ...), zeros elsewhere."""
-    return x.new_zeros(R * T, *x.shape[1:]).index_copy_(0, packed, x).view(R, T, *x.shape[1:])
-
-
-class BatchedHFLlama(BatchedLlama):
-    """Route a: transformers' own ``LlamaModel.forward`` with :class:`SlotCache` as its cache and a 4D
-    additive mask (kept for the measurement in the module docstring, and as a reference in tests)."""
-
-    def forward(self, tokens, positions, cache, kv_len, rows=None, hidden_layers=()):
-        cache.bind(rows, positions, kv_len)
-        bias = visible(positions, kv_len, "eager", self.dtype)
-        return self.decoder(input_ids=tokens, attention_mask=bias, position_ids=positions, cache=cache,
-                            use_cache=True).last_hidden_state
-
-    __call__ = forward
-
-
 class BatchedEagleDrafter:
     """An :class:`~eagle_backbone.drafter.EagleDrafter` run on a :class:`SlotCache` (one layer)."""
 
     def __init__(self, drafter: nn.Module, lm_head: nn.Module, capacity: int, attn: str = "eager"):
+        _check_attn(attn)
         self.drafter, self.lm_head = drafter, lm_head  # the target's LM head reads the predicted features
         self.layer = drafter.layers[0]
         self.attn, self.capacity = attn, capacity
@@ -253,90 +314,12 @@ class BatchedEagleDrafter:
     def new_cache(self, slots: int) -> SlotCache:
         return SlotCache(1, slots, self.capacity, self.kv_heads, self.head_dim, self.dtype, self.device)
 
-    def __call__(self, tokens, features, positions, cache: SlotCache, kv_len: int, rows=None):
+    def __call__(self, tokens, features, batch: RaggedBatch, cache: SlotCache):
+        """tokens (N,), features (N, d): the pairs (t_{j+1}, f_j) -> predicted features (N, d)."""
         d = self.drafter
         h = d.fc(torch.cat([d.embed_tokens(tokens).to(features.dtype), features.to(self.dtype)], dim=-1))
-        cos, sin = self.rope(positions)
-        return decoder_layer(self.layer, h, cos, sin, cache, 0, rows, positions, kv_len,
-                             visible(positions, kv_len, self.attn, self.dtype), self.attn)
+        cos, sin = self.rope(batch.pos)
+        return decoder_layer(self.layer, h, cos, sin, cache, 0, batch, self.attn)
 
     def logits(self, h):
         return self.lm_head(h.to(self.lm_head.weight.dtype))
-
-def forward_groups(lm: BatchedLlama, groups, cache: SlotCache) -> list[torch.Tensor]:
-    """One forward over several row groups, each ``(tokens (R, T), positions (R, T), rows, kv_len)``, with
-    the projections and MLPs run once over all groups' tokens packed together and attention per group:
-    how a new prompt's prefill joins a decoding step without padding the step's rows to the prompt's
-    length. Returns each group's final-normed hidden states. (Measured against a separate prefill
-    forward by :func:`eagle_backbone.batched.bench.prefill_join_cost`.)"""
-    d = lm.embed_tokens.weight.shape[1]
-    shapes = [g[0].shape for g in groups]
-    sizes = [r * t for r, t in shapes]
-    x = torch.cat([lm.embed_tokens(g[0]).reshape(-1, d) for g in groups])
-    ropes = [lm.rope(g[1]) for g in groups]
-    masks = [visible(g[1], g[3], lm.attn, lm.dtype) for g in groups]
-    for li, layer in enumerate(lm.layers):
-        attn = layer.self_attn
-        hd = attn.head_dim
-        h = layer.input_layernorm(x)
-        q_all, k_all, v_all = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        outs = []
-        for (tok, pos, rows, kv_len), (R, T), (cos, sin), mask, q, k, v in zip(
-                groups, shapes, ropes, masks, q_all.split(sizes), k_all.split(sizes), v_all.split(sizes)):
-            q = q.view(R, T, -1, hd).transpose(1, 2)
-            k = k.view(R, T, -1, hd).transpose(1, 2)
-            v = v.view(R, T, -1, hd).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys, values = write_and_read(cache, li, k, v, rows, pos, kv_len)
-            outs.append(attention(q, keys, values, mask, attn.scaling, lm.attn).reshape(R * T, -1))
-        x = x + attn.o_proj(torch.cat(outs))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    h = lm.decoder.norm(x)
-    return [part.view(R, T, -1) for part, (R, T) in zip(h.split(sizes), shapes)]
-
-
-# ---- the route measurement -----------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def measure_routes(model, batches=(1, 16), context: int = 256, reps: int = 30, seed: int = 0) -> dict:
-    """Median ms of a one-token step after ``context`` cached positions, route a vs route b, per B.
-
-    Process CPU time, not wall time: on a shared machine other jobs inflate wall time by more than the
-    difference measured here (one thread: CPU time is the compute this process spent)."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    out = {}
-    for B in batches:
-        runners = {"a_transformers": BatchedHFLlama(model, context + 8), "b_compact": BatchedLlama(model, context + 8)}
-        caches = {k: r.new_cache(B) for k, r in runners.items()}
-        ctx = torch.randint(4, vocab, (B, context), generator=g)
-        pos = torch.arange(context)[None].expand(B, context)
-        for k, r in runners.items():
-            r(ctx, pos, caches[k], context)
-        step = torch.randint(4, vocab, (B, 1), generator=g)
-        spos = torch.full((B, 1), context)
-        times = {k: [] for k in runners}
-        for i in range(reps + 2):
-            for k, r in runners.items():
-                t0 = time.process_time()
-                r.logits(r(step, spos, caches[k], context + 1))
-                if i >= 2:
-                    times[k].append(1e3 * (time.process_time() - t0))
-        out[B] = {k: statistics.median(v) for k, v in times.items()}
-    return out
-
-
-if __name__ == "__main__":
-    from transformers import AutoModelForCausalLM
-
-    from eagle_backbone.paths import REPO_ROOT
-    from eagle_backbone.runtime import set_threads
-
-    set_threads(1)
-    for dtype in (torch.bfloat16, torch.float32):
-        m = AutoModelForCausalLM.from_pretrained(REPO_ROOT / "data/embedded/target", dtype=dtype,
-                                                 attn_implementation="eager").eval()
-        for B, r in measure_routes(m).items():
-            print(f"{dtype} B={B}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.items()))
