@@ -119,8 +119,8 @@ def allocate_depth(survival: Sequence[float], accept: Sequence[float], can_conti
     :class:`DepthCosts`. The objective, in two parts (each maximised exactly, tested against brute force):
 
     1. Scored drafts K ⊆ rows: maximise the plan's rate ρ = (E + Σ_K S_j) / (T + draft_ms + m · |K|),
-       every scored token costing m (the global greedy budget of DSpark and vLLM's adaptive verification,
-       taken in descending S: :func:`marginal_prefix`).
+       every scored token costing m ≥ 0 (the global greedy budget of DSpark and vLLM's adaptive
+       verification, taken in descending S: :func:`marginal_prefix`).
     2. Rows that draft on, C ⊆ {j ∈ K: can_continue[j]}: maximise, at the rate ρ of part 1,
        Σ_C S_j · a_j − ρ · (m · |C| + next_depth_ms(|C|)): the predicted next survivals net of their
        target tokens and the next depth's forward (C empty scores 0; ties go to the smaller C).
