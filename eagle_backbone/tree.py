@@ -374,59 +374,54 @@ def path_values(estimates: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     return torch.where(tree.valid, prod, 0)
 
 
-def _ranking(values: torch.Tensor, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-    """All rows' nodes in the order a budget takes them: value descending, then shallower first, then
-    row-major index. Returns (order (R*K,) flat indices, sorted values (R*K,), padding last as -inf).
-
-    Values are first clamped to the minimum along their path, so a child never outranks its parent even
-    when the given values are not monotone (products of estimates in [0, 1] already are)."""
-    A = tree.ancestors
-    v = torch.where(A, values[:, None, :], torch.full_like(values, float("inf"))[:, None, :]).amin(-1)
-    v = torch.where(tree.valid, v, float("-inf")).flatten()
-    by_depth = torch.sort(tree.depth.flatten(), stable=True).indices
-    by_value = torch.sort(v[by_depth], descending=True, stable=True).indices
-    order = by_depth[by_value]
-    return order, v[order]
+def _ranking_key(values: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """(R, K) the value a budget ranks nodes by: clamped to the minimum along the node's path (so a child
+    never outranks its parent even when the given values are not monotone; products of estimates in
+    [0, 1] already are), -inf for padding."""
+    inf = torch.full_like(values, float("inf"))[:, None, :]
+    v = torch.where(tree.ancestors, values[:, None, :], inf).amin(-1)
+    return torch.where(tree.valid, v, float("-inf"))
 
 
-def _take(order: torch.Tensor, n: torch.Tensor | int, tree: DraftTree) -> torch.Tensor:
-    """(R, K) bool: the first n of ``order`` (and only valid nodes)."""
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    return (rank.view_as(tree.valid) < n) & tree.valid
+def _order(key: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Indices sorting the last dim by key descending, then depth ascending (a parent before a child of
+    equal value), then index: two stable sorts, the minor key first."""
+    by_depth = torch.sort(depth, dim=-1, stable=True).indices
+    by_value = torch.sort(key.gather(-1, by_depth), dim=-1, descending=True, stable=True).indices
+    return by_depth.gather(-1, by_value)
 
 
-def top_nodes(values: torch.Tensor, tree: DraftTree, n: int, per_row: bool = False) -> torch.Tensor:
-    """(R, K) bool: the n most valuable nodes over the whole batch (or n per row with ``per_row``, EAGLE-2's
-    fixed total), ancestor-closed. Fewer when fewer nodes are valid."""
-    if not per_row:
-        return _take(_ranking(values, tree)[0], n, tree)
-    # per row: rank within the row by the same key (value, then depth, then index)
-    R, K = tree.tokens.shape
-    A = tree.ancestors
-    v = torch.where(A, values[:, None, :], torch.full_like(values, float("inf"))[:, None, :]).amin(-1)
-    v = torch.where(tree.valid, v, float("-inf"))
-    by_depth = torch.sort(tree.depth, dim=1, stable=True).indices
-    by_value = torch.sort(v.gather(1, by_depth), dim=1, descending=True, stable=True).indices
-    order = by_depth.gather(1, by_value)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(K, device=order.device).expand(R, K))
-    return (rank < n) & tree.valid
+def _rank(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of ``order`` along its last dim: each element's place in the order."""
+    places = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)
+
+
+def top_nodes(values: torch.Tensor, tree: DraftTree, n: int | torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """(R, K) bool, ancestor-closed: the n most valuable nodes over the whole batch, or with ``per_row`` the
+    n most valuable of each row (``n`` an int or (R,) per-row caps; EAGLE-2's fixed total is an int).
+    Fewer where fewer nodes are valid."""
+    key = _ranking_key(values, tree)
+    if per_row:
+        n = torch.as_tensor(n, device=values.device)
+        return (_rank(_order(key, tree.depth)) < (n[:, None] if n.dim() else n)) & tree.valid
+    return (_rank(_order(key.flatten(), tree.depth.flatten())).view_as(key) < n) & tree.valid
 
 
 class Selection(NamedTuple):
     chosen: torch.Tensor  # (R, K) bool, ancestor-closed per row
     n_drafts: torch.Tensor  # () long: chosen nodes over the batch; the budget N is R + n_drafts
     per_row: torch.Tensor  # (R,) chosen nodes per row
-    objective: torch.Tensor  # () expected tokens per second: (R + Σ chosen values) / cost(R, N)
+    objective: torch.Tensor  # () float64 expected tokens per second: (R + Σ chosen values) / cost(R, N)
 
 
 def budget_costs(cost: Callable[[int, int], float] | torch.Tensor | Sequence[float], R: int, n_max: int,
                  device=None) -> torch.Tensor:
     """(n_max + 1,) float64: the cost of scoring N = R + n tokens, n = 0..n_max, for R rows.
 
-    ``cost`` is a callable ``cost(R, N) -> seconds`` (e.g. ``lambda R, N: table.target_ms(R, N)`` plus
-    drafting) or a table indexed by N (``cost[N]``; past its end a budget is not allowed: inf). Both
-    depend only on shapes, so this is host work with no device read."""
+    ``cost`` is a callable ``cost(R, N) -> seconds`` (e.g. a step's verification plus drafting from
+    :class:`~eagle_backbone.batched.cost.CostTable`) or a table indexed by N (``cost[N]``; past its end a
+    budget is not allowed: inf). Both depend only on shapes: host work, no device read."""
     if callable(cost):
         vals = [float(cost(R, R + n)) for n in range(n_max + 1)]
         return torch.tensor(vals, dtype=torch.float64, device=device)
@@ -437,24 +432,30 @@ def budget_costs(cost: Callable[[int, int], float] | torch.Tensor | Sequence[flo
     return out
 
 
-def select_budget(values: torch.Tensor, tree: DraftTree, cost, n_max: int | None = None) -> Selection:
+def select_budget(values: torch.Tensor, tree: DraftTree, cost, n_max: int | None = None,
+                  per_row_cap: int | torch.Tensor | None = None) -> Selection:
     """One batch-wide budget: the n (0 <= n <= n_max, default R*K) maximising (R + top-n sum) / cost(R, R + n),
     and its top-n nodes. n = 0 (plain decoding, N = R) is always a candidate.
 
     For a fixed n the top-n values are the best sum over all n-node sets, and they are ancestor-closed
-    (values never rise down a path; ties go to the shallower node), so the best budget and set is found
-    by one sort and one cumulative sum, on the device. ``cost`` as in :func:`budget_costs`."""
+    (values never rise down a path; ties go to the shallower node), so the best budget and set come from
+    one sort and one cumulative sum, on the device. ``per_row_cap`` (int or (R,)) first keeps only each
+    row's best cap nodes (still closed). ``cost`` as in :func:`budget_costs`."""
     R, K = tree.tokens.shape
     n_max = R * K if n_max is None else min(n_max, R * K)
-    order, sv = _ranking(values, tree)
+    if per_row_cap is not None:
+        tree = DraftTree(tree.tokens, tree.parents, top_nodes(values, tree, per_row_cap, per_row=True))
+    key = _ranking_key(values, tree).flatten()
+    order = _order(key, tree.depth.flatten())
+    sv = key[order]  # padding (-inf) last
     gain = torch.cat([sv.new_zeros(1), torch.where(torch.isfinite(sv), sv, 0).cumsum(0)])[: n_max + 1]
     costs = budget_costs(cost, R, n_max, device=values.device)
-    n_valid = tree.valid.sum()
     n = torch.arange(n_max + 1, device=values.device)
-    obj = torch.where(n <= n_valid, (R + gain.to(torch.float64)) / costs, float("-inf"))
+    obj = torch.where(n <= tree.valid.sum(), (R + gain.to(torch.float64)) / costs, float("-inf"))
     best = obj.argmax()  # the first maximum: the smallest budget among equals
-    chosen = _take(order, best, tree)
-    return Selection(chosen, best, chosen.sum(-1), obj[best])
+    chosen = (_rank(order).view(R, K) < best) & tree.valid
+    # (obj[best] would read the host: a 0-d index tensor is turned into a Python int)
+    return Selection(chosen, best, chosen.sum(-1), obj.gather(0, best.view(1))[0])
 
 
 def prune(tree: DraftTree, keep: torch.Tensor, width: int | None = None):

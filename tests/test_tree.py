@@ -467,20 +467,26 @@ def test_selection_brute_force():
         knee = int(torch.randint(R, R * K + 2, (1,), generator=gen))
         cost = lambda R_, N: 1.0 + a * N + b * max(0, N - knee) + c * N * N  # noqa: E731
         table = budget_costs(cost, 0, R + R * K)  # the same costs as a table indexed by N
+        cap = torch.randint(0, K + 1, (R,), generator=gen)
         per_row = [closed_subsets(t, r) for r in range(R)]
-        best_obj, best_by_n = -1.0, {}
+        best_obj, best_capped, best_by_n = -1.0, -1.0, {}
         for combo in itertools.product(*per_row):
             n = sum(int(s.sum()) for s in combo)
             val = sum(float(v[r][s].sum()) for r, s in enumerate(combo))
-            best_obj = max(best_obj, (R + val) / cost(R, R + n))
+            obj = (R + val) / cost(R, R + n)
+            best_obj = max(best_obj, obj)
+            if all(int(s.sum()) <= int(cap[r]) for r, s in enumerate(combo)):
+                best_capped = max(best_capped, obj)
             best_by_n[n] = max(best_by_n.get(n, -1.0), val)
-        for c_ in (cost, table):
-            sel = select_budget(v, t, c_)
-            assert abs(float(sel.objective) - best_obj) < 1e-12
+        for c_, cap_, want in ((cost, None, best_obj), (table, None, best_obj), (cost, cap, best_capped)):
+            sel = select_budget(v, t, c_, per_row_cap=cap_)
+            assert abs(float(sel.objective) - want) < 1e-12
             assert bool(ancestor_closed(sel.chosen, t.parents).all()) and not bool((sel.chosen & ~t.valid).any())
             n = int(sel.n_drafts)
             assert n == int(sel.chosen.sum()) == int(sel.per_row.sum())
-            assert abs((R + float(v[sel.chosen].sum())) / cost(R, R + n) - best_obj) < 1e-12
+            assert abs((R + float(v[sel.chosen].sum())) / cost(R, R + n) - want) < 1e-12
+            if cap_ is not None:
+                assert bool((sel.per_row <= cap).all())
         # a fixed total n: the top-n sum is the best closed n-set's
         for n, val in best_by_n.items():
             ch = top_nodes(v, t, n)
@@ -525,3 +531,24 @@ def test_prune_keeps_paths():
     for r in range(50):
         assert token_paths(small, r) == token_paths(DraftTree(t.tokens, t.parents, keep), r)
         assert index[r][small.valid[r]].tolist() == keep[r].nonzero()[:, 0].tolist()
+
+
+def test_no_host_reads():
+    """On the meta device tensors have no values: any host read (.item(), bool(t), indexing by a 0-d
+    tensor, nonzero) raises. Verification and selection run there end to end."""
+    dev, R, K, V = "meta", 3, 6, 5
+    t = DraftTree(torch.zeros(R, K, dtype=torch.long, device=dev), torch.zeros(R, K, dtype=torch.long, device=dev),
+                  torch.zeros(R, K, dtype=torch.bool, device=dev))
+    f64 = dict(device=dev, dtype=torch.float64)
+    lengths = torch.zeros(R, dtype=torch.long, device=dev)
+    assert t.attention_mask().shape == (R, K + 1, K + 1) and t.positions(lengths, pad=9).shape == (R, K + 1)
+    assert t.is_valid().shape == (R,)
+    assert [x.shape for x in verify_tree_greedy(t, torch.zeros(R, K + 1, V, device=dev))] == [(R,), (R, K), (R,)]
+    u_acc, u_fin = tree_uniforms(lengths, lengths, K)
+    a, path, x = verify_tree_sampling(t, torch.zeros(R, K + 1, V, **f64), torch.zeros(R, K, V, **f64), t.valid,
+                                      u_acc, u_fin)
+    assert emitted_tokens(t, path, a, x).shape == (R, K + 1)
+    v = path_values(torch.zeros(R, K, **f64), t)
+    sel = select_budget(v, t, lambda R, N: 1.0 + N, per_row_cap=2)
+    assert sel.chosen.shape == (R, K) and sel.objective.shape == ()
+    assert top_nodes(v, t, 3).shape == (R, K) and prune(t, sel.chosen)[1].shape == (R, K)
