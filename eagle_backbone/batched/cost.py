@@ -256,8 +256,8 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
         dev, V = eng.device, eng.target.vocab_size
         cuda = dev.type == "cuda"
         ctx = torch.randint(4, V, (R, context), generator=g).to(dev)
-        slots = list(range(R))
-        prefill = RaggedBatch(slots, [0] * R, [context] * R, dev)
+        every = list(range(R))
+        prefill = RaggedBatch(every, [0] * R, [context] * R, dev)
         ctx = ctx.reshape(-1)
         eng.tm(ctx, prefill, eng.tcache)
         eagle = eng.kind == "eagle"
@@ -273,7 +273,7 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
 
         def target_fn(t):
             tok = torch.randint(4, V, (R * t,), generator=g).to(dev)
-            p = RaggedBatch(slots, [context] * R, [t] * R, dev)
+            p = RaggedBatch(every, [context] * R, [t] * R, dev)
 
             def run():
                 eng.tm.logits(eng.tm(tok, p, eng.tcache))
@@ -281,7 +281,7 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
 
         def feed_fn(t):
             tok = torch.randint(4, V, (R * t,), generator=g).to(dev)
-            p = RaggedBatch(slots, [context] * R, [t] * R, dev)
+            p = RaggedBatch(every, [context] * R, [t] * R, dev)
             f = torch.randn(R * t, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
 
             def run():
@@ -294,7 +294,7 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
 
         def draft_fn():
             tok = torch.randint(4, V, (R,), generator=g).to(dev)
-            p = RaggedBatch(slots, [context] * R, [1] * R, dev)
+            p = RaggedBatch(every, [context] * R, [1] * R, dev)
             s = torch.randn(R, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
 
             def run():
