@@ -224,7 +224,8 @@ def path_of(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
     return path[:, :K]
 
 
-def emitted_tokens(tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
+def emitted_tokens(tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor,
+                   next_token: torch.Tensor) -> torch.Tensor:
     """(R, K+1) the step's new tokens per row: the accepted path's tokens, then the next token at index
     ``accepted`` (0 after it), as the chain engine's ``emitted``."""
     toks = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), 0)
@@ -239,8 +240,8 @@ def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor):
     """``target_logits`` (R, 1+K, V) at [root, nodes] -> (accepted (R,), path (R, K), next token (R,)).
 
     A node is kept when its token and all its ancestors' tokens are the target's argmax at their parents;
-    the deepest kept node wins (between kept nodes of one depth, which only duplicate siblings make
-    possible, the first). ``path`` lists the accepted nodes root-side first, -1 padded; the next token is
+    the deepest kept node wins (among kept nodes of one depth, which only duplicate siblings make
+    possible, the smallest index). ``path`` lists the accepted nodes root-side first, -1 padded; the next token is
     the argmax at the last accepted node (the bonus token)."""
     R, K = tree.tokens.shape
     best = target_logits.argmax(-1)  # (R, 1+K)
@@ -299,7 +300,12 @@ def tree_walk(tree: DraftTree, p: torch.Tensor, q: torch.Tensor | None, determin
     One pass over node slots in index order does the whole walk: a row's current node c starts at the
     root, node i is tried iff it is valid and its parent is c (so c's children are tried in index order,
     and once a child is accepted its siblings no longer match); accepting it moves c to i, whose
-    children all have larger indices. Rows never wait on each other and nothing is read on the host."""
+    children all have larger indices. Rows never wait on each other and nothing is read on the host.
+
+    ``accept_prob`` of the tried nodes is what the target made of them: the online signal a calibrated
+    acceptance estimate can learn from. ``q`` per node is what DraftRecord.probs holds for a chain; the
+    rows of deterministic nodes may hold anything (their values never reach a result), so siblings drawn
+    from one distribution can share it through an expanded view."""
     R, K = tree.tokens.shape
     if K and q is None and deterministic is None:
         raise ValueError("tree_walk: sampled nodes need q (pass deterministic=all True for a top-k tree)")

@@ -202,7 +202,8 @@ def test_greedy_tree_equals_chain_verifier():
         logits = torch.randn(R, K + 1, V, generator=gen)
         best = logits.argmax(-1)
         # drafts that mostly match, so long accepts happen
-        draft = torch.where(torch.rand(R, K, generator=gen) < 0.7, best[:, :K], torch.randint(0, V, (R, K), generator=gen))
+        noise = torch.randint(0, V, (R, K), generator=gen)
+        draft = torch.where(torch.rand(R, K, generator=gen) < 0.7, best[:, :K], noise)
         lengths = torch.randint(0, K + 1, (R,), generator=gen)
         a, x = verify_greedy_batch(draft, lengths, logits)
         ta, path, tx = verify_tree_greedy(DraftTree.chain(draft, lengths), logits)
