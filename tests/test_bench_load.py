@@ -274,7 +274,8 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
            "data=mt_bench", f"data.path={prompts}", "data.limit=4", "generation.max_new_tokens=8", "rounds=1",
            "blocks=2", "concurrency=[1,2]", "temperatures=[0.0,1.0]", "threads=1", f"out_dir={out}",
            f"hydra.run.dir={tmp_path / 'run'}",
-           'contenders=["policy=static policy.gamma=2","policy=heuristic","policy=oracle"]']
+           'contenders=["policy=static policy.gamma=2","policy=heuristic","policy=oracle",'
+           f'"policy=ldlp policy.path={tmp_path / "no_ldlp"}"]']
     repo = Path(__file__).resolve().parent.parent
     res = subprocess.run(cmd, check=False, cwd=repo, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -287,6 +288,11 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
     assert all({"ar", "best_static", "batch1_static"} <= set(r["vs"]) for r in heur)
     assert all("oracle" in r["vs"] for r in heur if r["temperature"] == 0)
     assert (out / "batch_bench_ratio.png").is_file() and "## Temperature 1" in (out / "batch_bench.md").read_text()
+    # a checkpoint this clone has not trained: skipped, and said so in the JSON and on the page
+    runs = json.loads((out / "batch_bench_runs.json").read_text())
+    assert {s["contender"] for s in runs["skipped"]} >= {f"policy=ldlp policy.path={tmp_path / 'no_ldlp'}"}
+    assert runs["complete"] is True and "Skipped policy=ldlp" in (out / "batch_bench.md").read_text()
+    assert res.stdout.strip().splitlines()[-1].endswith("batch_bench.png, batch_bench_ratio.png")
     bad = subprocess.run(cmd[:-1] + ["blocks=0"], check=False, cwd=repo, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "blocks must be an integer >= 1" in bad.stderr + bad.stdout
 
@@ -383,3 +389,156 @@ def test_policy_interpolations_follow_the_running_config(tmp_path):
     running = OmegaConf.create({"model": {"name": "tiny"}, "out": str(tmp_path), "policy": {"gamma": 3}})
     node = resolve_in(running, composed.policy)
     assert node.model == "tiny" and node.dir == f"{tmp_path}/tiny" and "gamma" not in node
+
+
+# ---- issue 25: sweep settings, skipped contenders, unfinished results, cost tables -----------------------------
+
+
+def test_sweep_settings_are_checked_raw_before_anything_runs():
+    from eagle_backbone.batched.bench import check_contenders, check_sweep_args, draft_cap
+    from eagle_backbone.errors import ConfigError
+
+    bad = {"truncated": dict(concurrency=[1, 1.5]), "merged": dict(concurrency=[2, 2]),
+           "no rounds": dict(concurrency=[1], rounds=0), "no tokens": dict(concurrency=[1], max_new_tokens=0),
+           "a temperature twice": dict(concurrency=[1], temperatures=[0.7, 0.7]),
+           "a string": dict(concurrency=["2"])}
+    for case, kw in bad.items():
+        with pytest.raises(ConfigError) as e:
+            check_sweep_args(**kw)
+        assert "\n" not in str(e.value), case
+    with pytest.raises(ConfigError, match="repeats"):
+        check_sweep_args([4, 1, 4])
+    with pytest.raises(ConfigError, match="generation.max_new_tokens"):
+        check_sweep_args([1], max_new_tokens=0)
+    assert check_sweep_args([1, 2], [0, 1.0], 2, 1, 8, 10) == [0.0, 1.0]
+    # a γ above the engine's draft cap would be a "best static γ" the engine never drafted
+    assert draft_cap(8) == 7 and draft_cap(1000) == 32
+    with pytest.raises(ConfigError, match=r"static γ=9 above the engine's draft cap γ=7"):
+        check_contenders([Contender("ar", "ar", 0, None), Contender("static γ=9", "static", 9, lambda: StaticPolicy(9))], 8)
+    twice = [Contender("ar", "ar", 0, None)] + [Contender("static γ=2", "static", 2, lambda: StaticPolicy(2))] * 2
+    with pytest.raises(ConfigError, match="given twice"):
+        check_contenders(twice, 8)
+
+
+def test_a_stopped_sweep_says_so_and_a_reused_folder_keeps_no_older_file(t32, eagle32, tmp_path):
+    from eagle_backbone.batched.bench import written
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "batch_bench.png").write_bytes(b"an older run's plot")
+    (out / "batch_bench_ratio.png").write_bytes(b"an older run's plot")
+    first = []
+
+    def checkpoint(r):  # what a run killed after its first (T, C) leaves
+        if not first:
+            first.append(r)
+            write(r, out, {"model": "tiny"}, with_plot=False)
+
+    cs = [Contender("ar", "ar", 0, None), Contender("static γ=2", "static", 2, lambda: StaticPolicy(2))]
+    result = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts_of(4), cs, [1, 2], 6, rounds=1,
+                   checkpoint=checkpoint, log=lambda *_: None, bootstrap=10)
+    # the checkpoint: incomplete everywhere, and no plot of another run next to it
+    assert written(out) == ["batch_bench.json", "batch_bench_runs.json", "batch_bench.md"]
+    rows = json.loads((out / "batch_bench.json").read_text())
+    runs = json.loads((out / "batch_bench_runs.json").read_text())
+    assert rows and all(r["complete"] is False for r in rows)
+    assert runs["complete"] is False and runs["rounds_done"] == 0.5 and runs["rounds"] == 1
+    assert "Status: **incomplete**: 0.50 of 1 rounds done" in (out / "batch_bench.md").read_text()
+    # the finished run
+    assert result["complete"] is True and result["rounds_done"] == 1
+    write(result, out, {"model": "tiny"})
+    assert {"batch_bench.png", "batch_bench.md"} <= set(written(out))
+    assert json.loads((out / "batch_bench_runs.json").read_text())["complete"] is True
+    assert (out / "batch_bench.md").read_text().splitlines()[2] == "Status: complete (1 of 1 rounds)."
+    assert (out / "batch_bench.png").read_bytes() != b"an older run's plot"
+
+
+def test_only_a_missing_checkpoint_is_skipped_and_turns_left_out_are_refused(tmp_path):
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.errors import ConfigError, MissingCheckpoint
+    from ldlp.bench.loaders import PromptSet, check_turns_kept, missing_checkpoint
+
+    with pytest.raises(MissingCheckpoint, match=f"policy.path={tmp_path / 'none'}"):
+        missing_checkpoint("ldlp", OmegaConf.create({"path": str(tmp_path / "none")}))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MissingCheckpoint):
+        missing_checkpoint("load_aware_head", OmegaConf.create({"estimator": str(tmp_path / "empty")}))
+    missing_checkpoint("static", OmegaConf.create({"gamma": -1}))  # not a checkpoint problem: build_policy's to refuse
+    missing_checkpoint("load_aware", OmegaConf.create({"estimator": "confidence"}))
+    # MT-bench second turns need the model's own first answer: turns=all would silently drop them
+    q = tmp_path / "question.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "turns": ["First?", "Second?"]}) + "\n" for i in range(3)))
+    firsts = PromptSet((str(i), [1, 2, 3]) for i in range(3))
+    firsts.info = {"n_dropped": 0}
+    data = OmegaConf.create({"path": str(q), "format": "mt_bench", "turns": "all"})
+    with pytest.raises(ConfigError, match=r"data.turns=all: 3 of 6 user turns"):
+        check_turns_kept(data, firsts, "bench_batch")
+    check_turns_kept(OmegaConf.create({"path": str(q), "turns": "first"}), firsts, "bench_batch")
+
+
+def test_bench_batch_fails_on_a_bad_contender_in_one_line_before_loading(tmp_path):
+    """Only a missing checkpoint skips a contender (test_bench_batch_script_sweeps_c_by_t): policy.gamma=-1 is one
+    error line and exit 1, before any model loads (the target folder does not exist)."""
+    import subprocess
+    import sys
+
+    from conftest import pair_overrides
+
+    prompts = tmp_path / "question.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [q]}) + "\n"
+                               for i, q in enumerate(["Reverse a list.", "Sort a dict by value."])))
+    models = [o for o in pair_overrides(tmp_path / "gone", dtype="float32")]
+    cmd = [sys.executable, "scripts/bench_batch.py", "data=mt_bench", f"data.path={prompts}", "data.limit=2",
+           "generation.max_new_tokens=4", "rounds=1", "concurrency=[1]", "threads=1", f"out_dir={tmp_path / 'out'}",
+           f"hydra.run.dir={tmp_path / 'run'}", *models, 'contenders=["policy=static policy.gamma=-1"]']
+    repo = Path(__file__).resolve().parent.parent
+    bad = subprocess.run(cmd, check=False, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1
+    err = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert err[-1].startswith("error: static policy: gamma must be an integer >= 0") and "Traceback" not in bad.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_needs(t32, eagle32, tmp_path):
+    from conftest import make_drafter
+
+    from eagle_backbone.batched.cost import (
+        CostTable,
+        cost_key,
+        load_or_profile,
+        processor_name,
+        setup_key,
+        slots_for,
+        table_path,
+    )
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.errors import ConfigError
+
+    def factory_of(drafter, kind="eagle", attn="eager"):
+        return lambda R, policy=None: BatchedSpeculativeEngine(t32, drafter, kind, slots=R, capacity=256, attn=attn,
+                                                               policy=policy)
+
+    base = cost_key("tiny", t32.dtype, t32.device, 1)
+    assert base["cpu"] == processor_name("cpu") and base["cpu"]
+    keys = {name: {**base, **setup_key(f(1))} for name, f in {
+        "eagle": factory_of(eagle32), "draft LM": factory_of(t32.model, "draft_lm"),
+        "other weights": factory_of(make_drafter(t32, seed=5, dtype=torch.float32)),
+        "sdpa": factory_of(eagle32, attn="sdpa")}.items()}
+    assert keys["draft LM"]["drafter_kind"] == "draft_lm" and keys["sdpa"]["attn"] == "sdpa"
+    assert keys["eagle"]["drafter_sha256"] == setup_key(factory_of(eagle32)(2))["drafter_sha256"]
+    assert len({table_path(tmp_path, k) for k in keys.values()}) == 4  # never the same file
+    # profiled once, for the slot counts the run needs, with the dispersion of every cell
+    logs = []
+    table = load_or_profile(tmp_path, base, factory_of(eagle32), log=logs.append, slots=slots_for(2))
+    assert table.slots == [1, 2] and table.key == keys["eagle"]
+    assert len(table.dispersion["target"]) == 2 and all(v >= 0 for row in table.dispersion["target"] for v in row)
+    assert table.meta["path"] == str(table_path(tmp_path, keys["eagle"])) and table.meta["profiled"][0]["slots"] == [1, 2]
+    assert load_or_profile(tmp_path, base, factory_of(eagle32), slots=[1, 2]).target == table.target  # cached
+    wider = load_or_profile(tmp_path, base, factory_of(eagle32), log=logs.append, slots=slots_for(3))
+    assert wider.slots == [1, 2, 3] and wider.target[:2] == table.target
+    assert sum("profiling" in line for line in logs) == 2
+    # another drafter's table is refused by name, in one line
+    with pytest.raises(ConfigError, match="drafter_kind") as e:
+        CostTable.load(table.meta["path"], keys["draft LM"])
+    assert "\n" not in str(e.value)
