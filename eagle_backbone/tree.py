@@ -304,8 +304,7 @@ def tree_walk(tree: DraftTree, p: torch.Tensor, q: torch.Tensor | None, determin
 
     ``accept_prob`` of the tried nodes is what the target made of them: the online signal a calibrated
     acceptance estimate can learn from. ``q`` per node is what DraftRecord.probs holds for a chain; the
-    rows of deterministic nodes may hold anything (their values never reach a result), so siblings drawn
-    from one distribution can share it through an expanded view."""
+    rows of deterministic nodes may hold anything (their values never reach a result)."""
     R, K = tree.tokens.shape
     if K and q is None and deterministic is None:
         raise ValueError("tree_walk: sampled nodes need q (pass deterministic=all True for a top-k tree)")
