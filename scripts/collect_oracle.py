@@ -3,8 +3,16 @@
 import hydra
 from omegaconf import DictConfig
 
+import _setup
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.labels.collect import collect_oracle
+
+try:  # a launcher (conf/launcher/: submitit, SLURM) runs main() in a process where scripts/ is not importable:
+    import cloudpickle  # send scripts/_setup.py's code with the job instead of its module name
+
+    cloudpickle.register_pickle_by_value(_setup)
+except (ImportError, AttributeError):
+    pass
 
 
 @hydra.main(config_path="../conf", config_name="collect_oracle", version_base="1.3")

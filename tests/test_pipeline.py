@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -314,3 +315,227 @@ def test_overrides_enter_fingerprints_and_paths_reach_the_data_configs(tmp_path)
         for script in ("collect_oracle", "evaluate", "tune_policies", "bench_batch", "compare"):
             c = compose(config_name=script, overrides=base)
             assert Path(c.data.path).is_relative_to(tmp_path / "data" / "embedded" / "corpus"), script
+
+
+# ---- faults: what the sweep makes itself, retrained heads, stuck resumes, signals, two main commands ---------
+
+
+def test_a_cost_table_the_stage_makes_is_not_a_reason_to_rerun_but_a_new_one_is(tmp_path):
+    """The load sweep profiles a missing cost table into paths.cost and reads it: the next run must not redo the
+    sweep for the table it made itself, while a table profiled again by hand reruns it."""
+    script = tmp_path / "bench.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        args = dict(a.split("=", 1) for a in sys.argv[1:])
+        cost, out = Path(args["cost"]), Path(args["out_dir"])
+        if not (cost / "table.json").exists():
+            cost.mkdir(parents=True, exist_ok=True); (cost / "table.json").write_text("profiled")
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "runs.txt", "a") as f:
+            f.write("run\\n")
+    """))
+    cost = tmp_path / "cost"
+
+    def stages():
+        return [Stage("bench_batch", "bench", str(script), [f"out_dir={tmp_path / 'out'}", f"cost={cost}"],
+                      tmp_path / "out", reads=(str(cost),), fills=(str(cost),))]
+
+    assert _run_all(tmp_path, stages()) == ["bench_batch"]
+    assert _run_all(tmp_path, stages()) == []  # the table it profiled is recorded as its input
+    (cost / "table.json").write_text("profiled again")
+    assert _run_all(tmp_path, stages()) == ["bench_batch"]
+
+
+def test_retrained_draft_acceptance_heads_rerun_the_load_sweep_that_uses_them(tmp_path):
+    over = [f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}",
+            'bench_batch.contenders=["policy=load_aware_head","policy=static policy.gamma=2"]']
+    cfg = _compose_pipeline(over)
+    heads = Path(cfg.paths.draft_acceptance)
+    (heads / "t0.0").mkdir(parents=True)
+    (heads / "t0.0" / "model.safetensors").write_bytes(b"head")
+    stages = {s.name: s for s in plan(cfg, "embedded", over)}
+    bench = stages["bench_batch"]
+    assert str(heads) in bench.reads and str(cfg.paths.cost) in bench.reads and bench.fills == (str(cfg.paths.cost),)
+    before = fingerprint(bench, stages)[0]
+    (heads / "t0.0" / "model.safetensors").write_bytes(b"retrained head")
+    assert fingerprint(bench, stages)[0] != before
+    assert str(heads) not in stages["sweep:static:1"].reads  # a sweep that does not use them ignores them
+
+
+@pytest.fixture()
+def collector(tmp_path):
+    """A stand-in label collector with the real one's folder contract: manifest.json names the settings; another
+    collection there is refused unless overwrite=true (start over) or overwrite=changed (start over if other)."""
+    script = tmp_path / "collect.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        from pathlib import Path
+        args = dict(a.split("=", 1) for a in sys.argv[1:])
+        out = Path(args["out_dir"]); out.mkdir(parents=True, exist_ok=True)
+        manifest = out / "manifest.json"
+        mode = args.get("overwrite", "false")
+        old = json.loads(manifest.read_text()) if manifest.exists() else None
+        if old is not None and (mode == "true" or (mode == "changed" and old["text"] != args["text"])):
+            manifest.unlink(); old = None
+        if old is not None and old["text"] != args["text"]:
+            sys.exit("holds a collection made with other settings; pass overwrite=true")
+        manifest.write_text(json.dumps({"text": args["text"]}))
+        (out / "report.md").write_text(args["text"])
+    """))
+    return script
+
+
+def _oracle(script, tmp_path, text):
+    return [Stage("oracle", "collect", str(script), [f"out_dir={tmp_path / 'oracle'}", f"text={text}"],
+                  tmp_path / "oracle", product="report.md", resumes=True)]
+
+
+def test_a_resume_interrupted_between_the_decision_and_the_reset_does_not_get_stuck(collector, tmp_path, monkeypatch):
+    assert _run_all(tmp_path, _oracle(collector, tmp_path, "a")) == ["oracle"]
+    # new settings; the main command is killed before the collector starts (so before it reset the folder)
+    monkeypatch.setattr(StageRunner, "run_command", lambda self, stage: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        _run_all(tmp_path, _oracle(collector, tmp_path, "b"))
+    monkeypatch.undo()
+    assert _run_all(tmp_path, _oracle(collector, tmp_path, "b")) == ["oracle"]  # the rerun the advice names works
+    assert json.loads((tmp_path / "oracle" / "manifest.json").read_text()) == {"text": "b"}
+    # the state an earlier main command left: the new fingerprint stored, the old collection still there
+    stages = _oracle(collector, tmp_path, "c")
+    digest, inputs = fingerprint(stages[0], {})
+    store_fingerprint(stages[0], digest, inputs, complete=False)
+    assert _run_all(tmp_path, stages) == ["oracle"]  # overwrite=changed: the collection disagrees, it starts over
+    assert (tmp_path / "oracle" / "report.md").read_text() == "c"
+
+
+def test_sigterm_reaches_the_running_stage_and_its_children(tmp_path):
+    """SIGTERM to the main command stops the stage's whole process group (here a stage that started a child),
+    and the main command exits with 128 + 15; nothing keeps writing."""
+    stage_script = tmp_path / "stage.py"
+    stage_script.write_text(textwrap.dedent("""
+        import subprocess, sys, time
+        from pathlib import Path
+        out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+        child = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(0.05)"])
+        (out / "pids").write_text(f"{child.pid}")
+        while True:
+            time.sleep(0.05)
+    """))
+    main = tmp_path / "main.py"
+    main.write_text(textwrap.dedent(f"""
+        from pathlib import Path
+        from omegaconf import OmegaConf
+        from ldlp.pipeline import Stage, StageRunner
+        out = Path({str(tmp_path / 'out')!r})
+        stage = Stage("s", "a stage that runs until stopped", {str(stage_script)!r}, [str(out)], out)
+        StageRunner(OmegaConf.create({{"force": False, "paths": {{"results": str(out.parent / "results")}}}}),
+                    [stage])(stage, 1, 1)
+    """))
+    proc = subprocess.Popen([sys.executable, str(main)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    pids = tmp_path / "out" / "pids"
+    for _ in range(600):  # until the stage has started its child
+        if pids.is_file() and pids.read_text():
+            break
+        time.sleep(0.1)
+    child = int(pids.read_text())
+    proc.send_signal(15)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "SIGTERM: stopped stage 's'" in err and "rerun the same command" in err
+    for _ in range(600):  # the child is reaped by init once killed: wait until it is gone
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the stage's child survived the main command's SIGTERM")
+    stored = json.loads((tmp_path / "out" / "stage.json").read_text())
+    assert stored["complete"] is False  # the next run continues it
+
+
+def test_two_main_commands_cannot_hold_the_same_folders(tmp_path):
+    from ldlp.pipeline import FolderLock, lock_folders
+
+    cfg = _compose_pipeline([f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"])
+    folders = lock_folders(cfg, plan(cfg))
+    assert folders == [tmp_path / "data", tmp_path / "outputs"]
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from ldlp.pipeline import FolderLock
+        with FolderLock([{str(tmp_path / 'outputs')!r}]):
+            print("locked", flush=True)
+            sys.stdin.readline()
+    """)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match=f"{tmp_path / 'outputs'} is in use by another main command \\(pid "
+                                             f"{holder.pid}.*paths.outputs="):
+            with FolderLock(folders):
+                pass
+        assert not any(f.name == ".pipeline.lock" and f.stat().st_size == 0 for f in (tmp_path / "data").iterdir())
+    finally:
+        holder.communicate("\n", timeout=60)
+    with FolderLock(folders):  # free again once the other one ended
+        pass
+
+
+# ---- sharded collection through the launcher (pip install -e ".[slurm]") -----------------------------------
+
+
+def test_sharded_collection_through_the_submitit_launcher_gives_the_labels_of_one_collector(tmp_path):
+    """conf/launcher/local.yaml: the collectors as processes of hydra-submitit-launcher's local executor, the code
+    path of conf/launcher/slurm.yaml without a cluster. Two shards give the labels one collector gives."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from conftest import compose_config, pair_overrides, save_tiny_pair
+
+    from ldlp.labels.collect import collect_oracle
+    from ldlp.labels.store import load_oracle_rows
+
+    save_tiny_pair(tmp_path / "models", 4096)
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"What does function f{i} do?"}]}
+             for i in range(6)]
+    (tmp_path / "train.json").write_text(json.dumps(convs))
+    (tmp_path / "validation.json").write_text(json.dumps(convs[:2]))
+    common = pair_overrides(tmp_path / "models", dtype="float32") + [
+        f"data.path={tmp_path / 'train.json'}", f"data.validation_path={tmp_path / 'validation.json'}",
+        "data.limit=null", "data.validation_limit=null", "generation.max_new_tokens=6", "k_max=3", "shard_size=2",
+        "progress=false"]
+    out = _script("scripts/collect_oracle.py", "-m", "+launcher=local", "shard_id=range(0,2)", "num_shards=2",
+                  *common, f"out_dir={tmp_path / 'sharded'}", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Submitit 'local' sweep" in out.stdout + out.stderr
+    workers = {p.name.split(".")[0] for p in (tmp_path / "sharded" / "train").glob("*.json")}
+    assert workers == {"000-of-002", "001-of-002"}
+    collect_oracle(compose_config("collect_oracle", common + [f"out_dir={tmp_path / 'one'}"]))
+
+    def labels(folder):
+        rows = load_oracle_rows(folder).to_pandas()
+        return rows.sort_values(["seq_id", "index"])[["seq_id", "split", "index", "label"]].values.tolist()
+
+    assert labels(tmp_path / "sharded") == labels(tmp_path / "one") and len(labels(tmp_path / "one")) > 0
+    # the SLURM config composes with the same plugin (submitting needs a cluster)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="collect_oracle", overrides=["+launcher=slurm"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.array_parallelism == 16
+
+
+def test_a_collection_made_with_other_settings_starts_over_with_overwrite_changed(tmp_path):
+    """What the main command passes to the collector: overwrite=changed continues a matching collection and starts
+    a disagreeing one over, where overwrite=false refuses it."""
+    from conftest import compose_config, pair_overrides, save_tiny_pair
+
+    from ldlp.labels.collect import collect_oracle
+
+    save_tiny_pair(tmp_path / "models", 4096)
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Explain f{i}."}]} for i in range(2)]
+    (tmp_path / "train.json").write_text(json.dumps(convs))
+    common = pair_overrides(tmp_path / "models", dtype="float32") + [
+        f"data.path={tmp_path / 'train.json'}", "data.validation_path=null", "data.limit=null",
+        "generation.max_new_tokens=4", "shard_size=2", "progress=false", f"out_dir={tmp_path / 'o'}"]
+    collect_oracle(compose_config("collect_oracle", common + ["k_max=2"]))
+    with pytest.raises(ValueError, match="other settings"):
+        collect_oracle(compose_config("collect_oracle", common + ["k_max=3"]))
+    report = collect_oracle(compose_config("collect_oracle", common + ["k_max=3", "overwrite=changed"]))
+    assert report["k_max"] == 3 and json.loads((tmp_path / "o" / "manifest.json").read_text())["identity"]["k_max"] == 3
+    with pytest.raises(ValueError, match="overwrite must be false"):
+        collect_oracle(compose_config("collect_oracle", common + ["overwrite=sometimes"]))
