@@ -803,3 +803,114 @@ def test_pooling_refuses_runs_of_different_prompt_sets():
     assert "data_sha256" in _one_line(e) and "run 2 and run 1" in str(e.value)
     runs[1]["data_sha256"] = "a" * 64
     assert pool(runs, bootstrap=10)["reference"]
+
+
+# -- issue 25: prompt identity, label folders, publishing one run, one-line errors ----------------------------
+
+
+def test_duplicate_question_ids_are_refused_at_load(tmp_path):
+    from eagle_backbone.data.conversations import DataError, load_conversations
+
+    q = tmp_path / "question.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                         for i, c, t in ((1, "math", "2+2?"), (2, "code", "Sort."), (1, "writing", "A poem."))))
+    with pytest.raises(DataError) as e:
+        load_conversations(q)
+    assert f"{q}:3: duplicate id '1' (first at {q}:1)" in _one_line(e)
+    # skipping malformed records skips the repeat, counted, never a second prompt under the same id
+    kept = load_conversations(q, on_error="skip")
+    assert [c["id"] for c in kept] == ["1", "2"] and kept.skipped == 1
+
+
+def test_per_temperature_labels_are_found_however_t_was_spelt_and_missing_ones_name_the_collector(tmp_path):
+    from ldlp.training.draft_acceptance import label_folder, load_labels
+
+    (tmp_path / "embedded_train" / "t1").mkdir(parents=True)  # collect_acceptance.py temperature=1
+    assert label_folder(tmp_path, "embedded_train", 1.0) == tmp_path / "embedded_train" / "t1"
+    assert label_folder(tmp_path, "embedded_train", 0.7) == tmp_path / "embedded_train" / "t0.7"
+    with pytest.raises(ValueError) as e:
+        load_labels(label_folder(tmp_path, "embedded_train", 0.7))
+    msg = _one_line(e)
+    assert "scripts/collect_acceptance.py data=embedded_train temperature=0.7" in msg and "collect_oracle" not in msg
+
+
+def _a_run(folder: Path, model: str = "m", tuning: bool = True, sweep_complete: bool | None = True) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "results.md").write_text("| policy |\n")
+    (folder / "results.csv").write_text(f"model,policy\n{model},static\n")
+    (folder / "tokens_per_s.png").write_bytes(b"png")
+    (folder / "summary.json").write_text(json.dumps({"headline": {model: {}}, "rows": []}))
+    if tuning:
+        (folder / "tuning").mkdir()
+        (folder / "tuning" / "tuning.md").write_text("tuning")
+        (folder / "tuning" / "tuning.json").write_text("{}")
+    if sweep_complete is not None:
+        (folder / "load_sweep").mkdir()
+        for f in ("batch_bench.md", "batch_bench.png"):
+            (folder / "load_sweep" / f).write_text(f)
+        (folder / "load_sweep" / "batch_bench.json").write_text(json.dumps([{"complete": sweep_complete}]))
+        (folder / "load_sweep" / "batch_bench_runs.json").write_text(json.dumps({"meta": {"model": model}}))
+    return folder
+
+
+def test_publishing_takes_one_complete_run_of_this_model_or_refuses(tmp_path):
+    from eagle_backbone.errors import ConfigError
+    from ldlp.pipeline import PUBLISHED_FILES, publish
+    from ldlp.report.publish import check_publishable, group_files, prune_published
+
+    assert set(group_files()) == set(PUBLISHED_FILES)  # the check covers every file publish copies
+    published, readme = tmp_path / "published", tmp_path / "README.md"
+    readme.write_text("# r\n")
+    old = _a_run(tmp_path / "old")
+    publish(old, published, readme, None, "m", "cmd")
+    assert (published / "tuning" / "tuning.json").is_file()
+    # a newer run without tuning: the older run's tuning is removed, not linked from the new page
+    new = _a_run(tmp_path / "new", tuning=False)
+    files = check_publishable(new, "m")
+    assert prune_published(published, files) == ["tuning/tuning.md", "tuning/tuning.json"]
+    publish(new, published, readme, None, "m", "cmd")
+    assert not (published / "tuning").exists() or not any((published / "tuning").iterdir())
+    assert "tuning/tuning.md" not in (published / "README.md").read_text()
+    # refused, in one line, before anything is copied
+    bad = {"another model": (_a_run(tmp_path / "other", model="vicuna"), "not model.name=m"),
+           "an unfinished sweep": (_a_run(tmp_path / "stopped", sweep_complete=False), "unfinished load sweep"),
+           "no run": (tmp_path / "nothing", "missing results.md")}
+    half = _a_run(tmp_path / "half")
+    (half / "tuning" / "tuning.json").unlink()
+    bad["half a group"] = (half, "tuning is incomplete")
+    for case, (folder, why) in bad.items():
+        with pytest.raises(ConfigError) as e:
+            check_publishable(folder, "m")
+        assert why in _one_line(e), case
+
+
+def test_scripts_print_the_projects_own_value_errors_in_one_line(monkeypatch, capsys):
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from _setup import one_line_errors
+
+    from eagle_backbone.batched.bench import check_sweep_args
+    from eagle_backbone.errors import ConfigError
+
+    @one_line_errors
+    def main(fail):
+        fail()
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for fail in (lambda: check_sweep_args([0]), lambda: (_ for _ in ()).throw(ConfigError("data.path=x: bad\nmore"))):
+        with pytest.raises(SystemExit) as e:
+            main(fail)
+        assert e.value.code == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ")
+
+    def library():  # a ValueError raised outside the project's code keeps its traceback
+        raise ValueError("not ours")
+
+    library.__code__ = library.__code__.replace(co_filename="/usr/lib/python3/somewhere.py")
+    with pytest.raises(ValueError, match="not ours"):
+        main(library)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ValueError, match="concurrency"):
+        main(lambda: check_sweep_args([0]))
