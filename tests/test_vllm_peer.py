@@ -138,7 +138,7 @@ def test_vllm_ar_and_eagle_equal_the_targets_greedy_decoding(tmp_path):
         runner = VllmRunner(k, EMBEDDED / "target", EMBEDDED / "drafter", tmp_path / "drafters",
                             python=_vllm_python(), max_model_len=64, log_dir=tmp_path)
         try:
-            outs, summ = runner.run(prompts, 2, 12, pair.target.eos_token_ids, [0, 1, 2])
+            outs, summ = runner.run(prompts, 2, 12, [0, 1, 2], None, pair.target.eos_token_ids)
         finally:
             runner.close()
         assert outs == ref, (k, outs, ref)
