@@ -486,3 +486,26 @@ def test_steps_build_no_device_tensor_from_host_lists(t32, eagle32, draft_lm, mo
         out = run_workload(engine, prompts_of((5, 9, 3)), 2, 8)
         assert [len(o.tokens) for o in out.outputs] == [8, 8, 8]
     assert calls == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ragged_attention_and_greedy_identity_on_a_gpu(t32, draft_lm):
+    """On a GPU every block of consecutive rows runs dense (one kernel, padded to the block's longest
+    context with a mask): rows of different lengths still get transformers' logits, and the engine's greedy
+    output is the target's own (on the same device), with joined prefills and refilled slots."""
+    target = copy.deepcopy(t32).to("cuda")
+    m = BatchedLlama(target.model, 64)
+    cache = m.new_cache(4)
+    seqs = prompts_of((9, 30, 4, 17), seed=5)
+    m(torch.tensor([x for s in seqs for x in s[:-1]], device="cuda"),
+      RaggedBatch(range(4), [0] * 4, [len(s) - 1 for s in seqs], "cuda"), cache)
+    batch = RaggedBatch(range(4), [len(s) - 1 for s in seqs], [1] * 4, "cuda")
+    assert batch.blocks == [(0, 4)]
+    got = m.logits(m(torch.tensor([s[-1] for s in seqs], device="cuda"), batch, cache)).cpu()
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(got[row], t32.model(torch.tensor([seq])).logits[0, -1], rtol=1e-4, atol=1e-4)
+    prompts = prompts_of((5, 12, 3, 8, 6, 1, 9))
+    engine = BatchedSpeculativeEngine(target, copy.deepcopy(draft_lm).to("cuda"), "draft_lm", slots=3,
+                                      policy=PromptGamma)
+    outs = run_workload(engine, prompts, 3, 16).outputs
+    assert [o.tokens for o in outs] == ar(target, prompts, 16)
