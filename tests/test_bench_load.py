@@ -542,3 +542,24 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
     with pytest.raises(ConfigError, match="drafter_kind") as e:
         CostTable.load(table.meta["path"], keys["draft LM"])
     assert "\n" not in str(e.value)
+
+
+def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, eagle32, tmp_path):
+    from eagle_backbone.batched.cost import cost_key, load_or_profile
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from ldlp.load_aware import LoadAwareMarginal
+
+    cand = EagleCandidateGenerator(eagle32, t32)
+    torch.set_num_threads(1)
+    key = cost_key("tiny", t32.dtype, t32.device, 1)
+    table = load_or_profile(tmp_path, key, lambda R, policy=None: BatchedSpeculativeEngine(
+        t32, cand, slots=R, capacity=256, attn="eager", policy=policy), log=lambda *_: None, slots=[1, 2])
+    cs = [Contender("ar", "ar", 0, None),
+          Contender("load_aware", "load_aware", None, lambda: LoadAwareMarginal(str(tmp_path), "tiny", max_gamma=3,
+                                                                                 profile_if_missing=False))]
+    result = sweep(t32, cand, prompts_of(4), cs, [2], 6, rounds=1, log=lambda *_: None, bootstrap=10)
+    assert result["cost_tables"] == {"load_aware": {"key": table.key, "path": table.meta["path"]}}
+    write(result, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "batch_bench_runs.json").read_text())["cost_tables"]["load_aware"]["path"] \
+        == table.meta["path"]
+    assert f"Cost table of load_aware: {table.meta['path']}" in (tmp_path / "out" / "batch_bench.md").read_text()

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from eagle_backbone.batched.peer import PEER_POLICIES, peer_lines
+from eagle_backbone.batched.cost import table_record
 from eagle_backbone.batched.workload import run_workload
 from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.errors import ConfigError
@@ -272,9 +273,9 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                             outs, summ = [o.tokens for o in res.outputs], res.summary()
                             if hasattr(eng.batch_policy, "own_s"):  # a batch policy's own seconds in the run
                                 summ["policy_s"] = eng.batch_policy.own_s
-                            table = getattr(eng.batch_policy, "costs", None)
-                            if table is not None and c.label not in cost_tables:
-                                cost_tables[c.label] = {"key": table.key, "path": (table.meta or {}).get("path")}
+                            used = table_record(eng.batch_policy)
+                            if used is not None and c.label not in cost_tables:
+                                cost_tables[c.label] = used
                             if with_cats:
                                 summ["by_category"] = res.by_category([categories[i] for i in idx])
                         same = None

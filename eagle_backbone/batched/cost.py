@@ -355,6 +355,15 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
     return CostTable(key, slot_counts, list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, depth_ms, meta, disp)
 
 
+def table_record(policy) -> dict | None:
+    """The key and file of the cost table ``policy`` planned with (a load-aware policy after binding), for the
+    results that used it; None for a policy without one."""
+    table = getattr(policy, "costs", None)
+    if not isinstance(table, CostTable):
+        return None
+    return {"key": table.key, "path": (table.meta or {}).get("path")}
+
+
 def slots_for(concurrency: int) -> list[int]:
     """The slot counts a run of at most ``concurrency`` sequences in flight needs: the grid's below it, and it."""
     c = int(concurrency)

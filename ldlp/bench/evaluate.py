@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from eagle_backbone.batched.cost import table_record
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.metrics import total
@@ -194,6 +195,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "ar_tokens_per_s_rounds": [x.tokens_per_s for x in ar_rounds],
         "lossless_mismatches": mismatches,
         "policy_config": OmegaConf.to_container(policy_cfg, resolve=True),
+        "cost_table": table_record(policy),  # the key and file of the step-cost table it planned with, if any
         "tuned_from": str(cfg.tuned_from) if tuned else None,
         "seed": seed,
         "machine": machine_info(),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle_backbone.batched.cost import table_record
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.runtime import resolve_dtype
 from eagle_backbone.timing import interleaved
@@ -53,7 +54,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     prompts = [ids for _, ids in prompt_set]
     categories = prompt_categories(cfg.data, [pid for pid, _ in prompt_set])  # the file's, None where it has none
     n, seed = int(cfg.generation.max_new_tokens), int(cfg.seed)
-    runners, labels, settings, adaptive = [], [], [], []
+    runners, labels, settings, adaptive, policies = [], [], [], [], []
     for name, pcfg in contenders:
         pcfg, _ = apply_tuned(pcfg, cfg.get("tuned_from"), name)
         policy = build_policy(pcfg)
@@ -63,6 +64,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         if label in labels:
             raise ValueError(f"contender {label!r} is listed twice")
         runners.append(engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, policy), sampling))
+        policies.append(policy)
         labels.append(label)
         settings.append({k: v for k, v in dict(pcfg).items() if k != "_target_"})
         adaptive.append(bool(getattr(policy, "adaptive", True)))
@@ -130,7 +132,9 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
               "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "machine": machine_info(),
               "model": str(cfg.model.get("name", "")), "labels": labels,
               "dtype": resolve_dtype(cfg.model.get("dtype"), str(cfg.model.get("device") or "cpu")), "seconds": secs.tolist(),
-              "tokens": tokens.tolist(), "categories": categories, "costs": _costs(timed)}
+              "tokens": tokens.tolist(), "categories": categories, "costs": _costs(timed),
+              # per contender, the key and file of the step-cost table it planned with (load-aware policies)
+              "cost_tables": {lab: t for lab, t in zip(labels, map(table_record, policies)) if t is not None}}
     result.update(verdict(result))
     return result
 
