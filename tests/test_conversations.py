@@ -206,3 +206,12 @@ def test_embedded_corpus_is_built_when_missing(tmp_path, monkeypatch):
     assert convs and (tmp_path / "corpus" / "validation.json").exists()
     with pytest.raises(FileNotFoundError):  # other folders are never built
         load_conversations(tmp_path / "elsewhere" / "train.json")
+
+
+def test_min_prompt_tokens_leaves_short_prompts_out_and_counts_them(tokenizer):
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": "word " * n}]} for i, n in enumerate((2, 40, 5, 80))]
+    every = build_prompts(tokenizer, convs, None)
+    cut = sorted(len(ids) for _, ids in every)[1] + 1
+    kept = build_prompts(tokenizer, convs, None, min_prompt_tokens=cut)
+    assert [cid for cid, _ in kept] == [cid for cid, ids in every if len(ids) >= cut] and len(kept) == 2
+    assert kept.too_short == 2 and kept.too_long == 0

@@ -251,6 +251,7 @@ class Prompts(list):
     (and ``dropped``: their ids, ``conversation_id`` or ``conversation_id@turnK``)."""
 
     too_long: int = 0
+    too_short: int = 0  # under min_prompt_tokens: left out by design (a long-prompt set), not lost
     dropped: list = []
 
 
@@ -329,7 +330,7 @@ def resolve_chat_template(tokenizer, chat_template: str | None) -> str | None:
 
 
 def build_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int | None, turns: str = "first",
-                  chat_template: str | None = None) -> Prompts:
+                  chat_template: str | None = None, min_prompt_tokens: int | None = None) -> Prompts:
     """Token ids of the prompts in ``conversations``, ``[(conversation_id, prompt_ids), ...]``; the list's
     ``too_long`` is the number of prompts dropped for length.
 
@@ -340,12 +341,13 @@ def build_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int |
     dialogue for ``"all"`` beyond it (MT-bench's second turns need the model's own first answer, which
     is not in the file). Leading assistant turns (ShareGPT has some) are dropped. Prompts over
     ``max_prompt_tokens`` are dropped and counted, not left-truncated: cutting the front would cut the
-    system prompt and the template's structure.
+    system prompt and the template's structure. Prompts under ``min_prompt_tokens`` (a long-prompt set) are
+    dropped and counted as ``too_short``.
     """
     if turns not in ("first", "all"):
         raise ValueError(f"data.turns must be 'first' or 'all', got {turns!r}")
     template = resolve_chat_template(tokenizer, chat_template)
-    prompts, too_long, dropped = [], 0, []
+    prompts, too_long, dropped, too_short = [], 0, [], 0
     for conv in conversations:
         messages = to_messages(conv["conversations"])
         system = [m for m in messages[:1] if m["role"] == "system"]
@@ -368,11 +370,16 @@ def build_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int |
                 if turns == "all":
                     break  # later turns only grow
                 continue
-            prompts.append((conv["id"] if n_before == 0 else f"{conv['id']}@turn{n_before}", ids))
+            if min_prompt_tokens is not None and len(ids) < min_prompt_tokens:
+                too_short += 1  # a later turn may be long enough
+            else:
+                prompts.append((conv["id"] if n_before == 0 else f"{conv['id']}@turn{n_before}", ids))
             if turns == "first":
                 break
     if too_long:
         log.warning("dropped %d prompt(s) longer than max_prompt_tokens=%s", too_long, max_prompt_tokens)
+    if too_short:
+        log.info("left out %d prompt(s) shorter than min_prompt_tokens=%s", too_short, min_prompt_tokens)
     prompts = Prompts(prompts)
-    prompts.too_long, prompts.dropped = too_long, dropped
+    prompts.too_long, prompts.dropped, prompts.too_short = too_long, dropped, too_short
     return prompts

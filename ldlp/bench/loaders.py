@@ -104,11 +104,16 @@ def load_prompts(data_cfg, tokenizer) -> PromptSet:
                                            on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
                                            sample_seed=data_cfg.get("sample_seed"))
         prompts = build_prompts(tokenizer, conversations, data_cfg.get("max_prompt_tokens"),
+                                min_prompt_tokens=data_cfg.get("min_prompt_tokens"),
                                 turns=data_cfg.get("turns", "first"), chat_template=data_cfg.get("chat_template"))
         if not prompts:
-            raise ValueError(f"data.path={path}: no prompts (empty file or every conversation skipped)")
+            raise ValueError(f"data.path={path}: no prompts (empty file, every conversation skipped, or every prompt "
+                             f"outside data.min_prompt_tokens={data_cfg.get('min_prompt_tokens')} .. "
+                             f"data.max_prompt_tokens={data_cfg.get('max_prompt_tokens')})")
         out = PromptSet((str(cid), list(ids)) for cid, ids in prompts)
         out.info = prompt_set_info(data_cfg, getattr(prompts, "too_long", 0), getattr(conversations, "skipped", 0))
+        out.info.update(min_prompt_tokens=data_cfg.get("min_prompt_tokens"), n_too_short=getattr(prompts, "too_short", 0),
+                        mean_prompt_tokens=sum(len(ids) for _, ids in out) / len(out))
         out.dropped = list(getattr(prompts, "dropped", []))  # the dropped prompts' ids (per-category counts)
         _PROMPTS[key] = out
     return _PROMPTS[key]
