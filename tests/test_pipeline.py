@@ -140,6 +140,8 @@ def test_publish_copies_the_run_and_writes_the_pages(tmp_path):
     (results / "results.md").write_text("## Static vs adaptive\n\n| a |\n|---|\n| 1 |\n")
     for f in ("results.csv", "tokens_per_s.png", "summary.json", "tuning/tuning.md", "tuning/tuning.json"):
         (results / f).write_text(f)
+    (results / "run_settings.json").write_text(json.dumps({"model.dtype": "float32", "cpu": "AMD EPYC",
+                                                           "cpu_bf16": False, "overrides": []}))
     readme = tmp_path / "README.md"
     readme.write_text("# P\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
     rows = [{"contender": "static γ=6", "tau": 4.0, "tokens_per_s": 200.0},
@@ -152,6 +154,7 @@ def test_publish_copies_the_run_and_writes_the_pages(tmp_path):
     assert (published / "tuning" / "tuning.json").read_text() == "tuning/tuning.json"
     page = (published / "README.md").read_text()
     assert "| 1 |" in page and "(tokens_per_s.png)" in page and "3.0 min" in page
+    assert "Models in float32 on AMD EPYC (bf16 matmuls in hardware: no)." in page  # the dtype of its figures
     text = readme.read_text()
     assert "old" not in text and text.endswith("<!-- results:end -->\nrest\n")
     assert table_rows(text) == ["static γ=6", "ldlp"]  # one row per head-to-head contender, the AR row left out
