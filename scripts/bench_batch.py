@@ -92,11 +92,12 @@ def main(cfg: DictConfig) -> None:
 
 
 def prepare_cost_tables(policies, target, candidates, attn: str, concurrency: int) -> None:
-    """The cost table of every load-aware contender that reads its setup's table (no cost_table=), loaded now,
-    or profiled for the slot counts this run needs only (up to the largest C), before any clock starts."""
+    """The cost table of every load-aware contender, before any clock starts: a table given (cost_table=) checked
+    against this setup (drafter kind and weights, attention, processor...), else its setup's table loaded, or
+    profiled for the slot counts this run needs only (up to the largest C)."""
     import torch
 
-    from eagle_backbone.batched.cost import cost_key, load_or_profile, slots_for
+    from eagle_backbone.batched.cost import CostTable, cost_key, full_key, load_or_profile, slots_for
     from eagle_backbone.engine import BatchedSpeculativeEngine
 
     if candidates is None:
@@ -107,7 +108,11 @@ def prepare_cost_tables(policies, target, candidates, attn: str, concurrency: in
 
     done = set()
     for p in policies:
-        if getattr(p, "cost_dir", None) is None or getattr(p, "cost_table_path", None) is not None:
+        if getattr(p, "cost_dir", None) is None:
+            continue
+        if getattr(p, "cost_table_path", None) is not None:  # a table given: it must be this setup's
+            key = full_key(cost_key(p.model_name, target.dtype, target.device, torch.get_num_threads()), factory)
+            CostTable.load(p.cost_table_path, key)
             continue
         if (p.cost_dir, p.model_name) in done:
             continue
