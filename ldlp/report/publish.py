@@ -20,6 +20,7 @@ from eagle_backbone.errors import ConfigError
 CORE = ("results.md", "results.csv", "tokens_per_s.png", "summary.json")
 GROUPS = {
     "stage times": (("stage_seconds.json",), ()),
+    "run settings": (("run_settings.json",), ()),
     "tuning": (("tuning/tuning.md", "tuning/tuning.json"), ()),
     # (files the group needs, files it may lack): the ratio plot exists only when a row has a ratio
     "load sweep": (("load_sweep/batch_bench.md", "load_sweep/batch_bench.json", "load_sweep/batch_bench.png"),
