@@ -144,3 +144,46 @@ def test_vllm_ar_and_eagle_equal_the_targets_greedy_decoding(tmp_path):
         assert outs == ref, (k, outs, ref)
         assert summ["new_tokens"] == sum(map(len, ref)) and summ["wall_s"] > 0
         assert summ["tau"] == 1.0 if k is None else summ["tau"] >= 1.0
+
+
+class _FakePeer:
+    """A peer runner without vLLM: the target's own greedy outputs (or one token changed), fixed seconds."""
+
+    def __init__(self, target, k, wrong=False):
+        self.target, self.k, self.wrong, self.calls = target, k, wrong, []
+
+    def run(self, prompts, C, max_new_tokens, seeds, sampling=None, stop_ids=()):
+        self.calls.append((len(prompts), C, max_new_tokens, sorted(stop_ids)))
+        outs = [self.target.reference_greedy(p, max_new_tokens) for p in prompts]
+        if self.wrong:
+            outs[0] = [(outs[0][0] + 1) % self.target.vocab_size] + outs[0][1:]
+        tok = sum(map(len, outs))
+        tau = 1.0 if not self.k else 2.0
+        return outs, {"new_tokens": tok, "wall_s": tok / (100.0 * C), "tokens_per_s": 100.0 * C, "cpu_s": tok / 90.0,
+                      "tokens_per_cpu_s": 90.0, "tau": tau, "token_latency_ms_mean": 1.0, "token_latency_ms_p90": None,
+                      "request_latency_ms_mean": 5.0, "request_latency_ms_p90": 6.0}
+
+
+def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
+    from eagle_backbone.batched.bench import Contender, markdown, sweep
+    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.policy import StaticPolicy
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in (4, 7, 5, 9)]
+    ar_peer, spec_peer = _FakePeer(t32, None), _FakePeer(t32, 2, wrong=True)
+    cs = [Contender("ar", "ar", 0, None), Contender("static γ=2", "static", 2, lambda: StaticPolicy(2)),
+          Contender("vllm ar", "vllm", 0, None, ar_peer), Contender("vllm eagle k=2", "vllm", 2, None, spec_peer)]
+    result = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts, cs, [1, 2], 8, rounds=1, blocks=2,
+                   log=lambda _: None)
+    # the peer took the same blocks, budget and stop tokens, at every C
+    assert sorted(c[1] for c in ar_peer.calls) == [1, 1, 2, 2]
+    assert all(c[2] == 8 and c[3] == sorted(t32.eos_token_ids) for c in ar_peer.calls)
+    rows = {(r["contender"], r["concurrency"]): r for r in result["rows"]}
+    assert rows[("vllm ar", 2)]["lossless"] is True and rows[("vllm ar", 2)]["tokens_per_s"] == pytest.approx(200.0)
+    assert rows[("vllm eagle k=2", 1)]["lossless"] is False  # checked against the target like every contender
+    assert all(not rows[(p, C)].get("vs") for p in ("vllm ar", "vllm eagle k=2") for C in (1, 2))
+    page = markdown(result)
+    assert "Peer engine (vLLM" in page and "| vllm eagle k=2 |" in page
+    line = next(x for x in page.splitlines() if x.startswith("| 2 | 200.0 (τ 1.00)"))
+    assert "k=2" in line and line.endswith("| **no** |")
