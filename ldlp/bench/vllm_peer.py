@@ -235,7 +235,7 @@ class VllmRunner:
                                  self.log_path)
         self.C, self.info = C, self.worker.ready
         self.log_fn(f"{contender_label(self.k)}: vLLM {self.info.get('vllm')} worker for C={C} ready in "
-                    f"{time.perf_counter() - t0:.0f} s")
+                    f"{time.perf_counter() - t0:.0f} s ({self.info.get('torch_threads')} torch thread(s))")
 
     def warm_up(self, prompts: list[list[int]], C: int, max_new_tokens: int, stop_ids) -> None:
         if self.C != C:

@@ -93,9 +93,11 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         llm = _build(settings)
+        import torch
         import vllm
 
-        _send({"ready": True, "vllm": vllm.__version__, "load_s": time.perf_counter() - t0})
+        _send({"ready": True, "vllm": vllm.__version__, "load_s": time.perf_counter() - t0,
+               "torch_threads": torch.get_num_threads()})
     except Exception as e:  # noqa: BLE001  (reported to the benchmark, which stops with it)
         _send({"error": f"building vLLM's LLM failed: {type(e).__name__}: {e}"})
         raise
