@@ -46,15 +46,19 @@ CONTENT_HASH_LIMIT = 64 << 20  # upstream output files up to this size are hashe
 FORWARDED = ("model", "generation", "data", "paths", "threads")
 PEER_OWN = ("model.name", "model.drafter", "model.drafter_kind")
 LOCK = ".pipeline.lock"  # in paths.data_dir and paths.outputs: one main command at a time on those folders
-# expected seconds per stage (by stage name, sweeps by kind) when this machine has no stage_seconds.json yet:
-# the main command on an idle 2-core CPU, per dtype it resolves to (docs/pipeline.md#how-long-it-takes)
+# expected seconds per stage (by stage name, sweeps by kind) where this machine has no stage_seconds.json yet,
+# on an idle 2-core CPU, per the dtype model.dtype resolves to (docs/pipeline.md#how-long-it-takes).
+# bfloat16: a CPU with bf16 matmuls, the committed run's stage_seconds.json (the load sweep and the head to head
+# scaled to their present sizes). float32: a CPU without them (AMD EPYC Zen 3), projected: the oracle from its
+# 773 s in bf16 there and the 2.4x float32 gain measured on it, the decoding stages from its 2.3x lower
+# tokens/s at static γ=6 (results/embedded/batch1_parity_float32) than the bf16 machine's sweep.
 EXPECTED_S = {
-    "bfloat16": {"corpus": 20, "oracle": 110, "ldlp": 30, "acceptance": 15, "tune": 30, "sweep:static": 70,
-                 "sweep:adaptive": 75, "sweep:peer_static": 15, "sweep:peer": 40, "bench_batch": 250,
-                 "head_to_head": 240},
-    "float32": {"corpus": 20, "oracle": 110, "ldlp": 30, "acceptance": 15, "tune": 30, "sweep:static": 70,
-                "sweep:adaptive": 75, "sweep:peer_static": 15, "sweep:peer": 40, "bench_batch": 250,
-                "head_to_head": 240},
+    "bfloat16": {"corpus": 20, "oracle": 108, "ldlp": 22, "acceptance": 13, "tune": 24, "sweep:static": 59,
+                 "sweep:adaptive": 58, "sweep:peer_static": 12, "sweep:peer": 39, "bench_batch": 125,
+                 "head_to_head": 205},
+    "float32": {"corpus": 21, "oracle": 326, "ldlp": 50, "acceptance": 30, "tune": 55, "sweep:static": 136,
+                "sweep:adaptive": 133, "sweep:peer_static": 28, "sweep:peer": 90, "bench_batch": 290,
+                "head_to_head": 470},
 }
 
 
@@ -539,6 +543,12 @@ class StageRunner:
             self.times = json.loads(self.times_file.read_text()) if self.times_file.is_file() else {}
         except json.JSONDecodeError:
             self.times = {}
+        # CPU seconds of each stage's processes: on a shared machine, close to what a one-thread stage takes idle
+        self.cpu_times_file = self.times_file.with_name("stage_cpu_seconds.json")
+        try:
+            self.cpu_times = json.loads(self.cpu_times_file.read_text()) if self.cpu_times_file.is_file() else {}
+        except json.JSONDecodeError:
+            self.cpu_times = {}
         self.ran: list[str] = []
         self.grace_s = 30.0  # after forwarding a signal, how long a stage may take to stop before it is killed
 
@@ -585,7 +595,9 @@ class StageRunner:
             shutil.rmtree(stage.out)  # a half-finished sweep is redone whole: its rows must share a process
         store_fingerprint(stage, digest, inputs, complete=False)
         t0 = time.perf_counter()
+        cpu0 = _children_cpu_s()
         code = self.run_command(stage)
+        cpu = _children_cpu_s() - cpu0
         if code != 0:
             raise RuntimeError(f"stage {stage.name!r} failed (exit {code}); fix it and rerun the same "
                                f"command: finished stages are skipped")
@@ -597,9 +609,11 @@ class StageRunner:
         seconds = time.perf_counter() - t0
         self.times[stage.name] = round(seconds, 1)
         atomic_write_json(self.times_file, self.times)
+        self.cpu_times[stage.name] = round(cpu, 1)
+        atomic_write_json(self.cpu_times_file, self.cpu_times)
         self.ran.append(stage.name)
-        print(f"  {stage.name} finished in {seconds:.0f} s (total {time.perf_counter() - self.t_start:.0f} s)",
-              flush=True)
+        print(f"  {stage.name} finished in {seconds:.0f} s, {cpu:.0f} s of CPU (total "
+              f"{time.perf_counter() - self.t_start:.0f} s)", flush=True)
         return True
 
     def run_command(self, stage: Stage) -> int:
@@ -673,6 +687,13 @@ class StageRunner:
             lines.append(f"[{n}/{n}] head_to_head: its contenders are chosen from the sweeps' summary; runs when they "
                          f"or its inputs changed, ~{expected or 0:.0f} s")
         return lines, total
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _reset_collection(out: Path) -> None:
@@ -842,8 +863,8 @@ def results_page(results_md: str, name: str, command: str, stage_seconds: dict, 
              "Next to this page: " + " · ".join(f"[{label}]({f})" for f, label in links if (published / f).is_file()),
              "", "How to read the figures below: the sweep ranks policies by speedup over each run's own AR baseline, "
              "with runs minutes apart on a shared machine, so its \"best adaptive in the sweep\" is a screening "
-             "number; the head to head times its contenders in turns on the same prompts, but its 60 prompts give "
-             "an interval too wide to resolve a gain of 2%."
+             "number; the head to head times its contenders in turns on the same prompts, but its few dozen prompts "
+             "give an interval too wide to resolve a gain of 2%."
              + (" The pooled long head-to-head runs ([head_to_head_long/pooled.md](head_to_head_long/pooled.md)) "
                 "are the measurement to quote." if pooled else ""),
              "", results_md.strip(), "", "![tokens/s against γ](tokens_per_s.png)", ""]

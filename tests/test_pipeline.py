@@ -96,6 +96,8 @@ def test_an_interrupted_stage_runs_again_and_the_fingerprint_is_stored_next_to_i
     assert stored["inputs"]["args"] == stages[0].args
     seconds = json.loads((tmp_path / "results" / "stage_seconds.json").read_text())
     assert set(seconds) == {"up", "down"}
+    cpu = json.loads((tmp_path / "results" / "stage_cpu_seconds.json").read_text())  # what it would take idle
+    assert set(cpu) == {"up", "down"} and all(v >= 0 for v in cpu.values())
 
 
 def _compose_pipeline(overrides):
