@@ -97,6 +97,87 @@ class DraftRecord:
     probs: torch.Tensor | None = None  # (R, K, V) drafter distributions (sampling only)
 
 
+@dataclass
+class StepPlan:
+    """The plan phase's output: the step's running slots and what each may draft."""
+
+    run: list[int]  # slot indices (host)
+    slots: list[Slot]
+    gammas: list[int]  # drafts each row may make (0: a plain decoding step for that slot)
+    contexts: list[DraftContext | None]  # per-slot policies' contexts (the slow path), built on demand
+    rows: torch.Tensor  # (R,) the slot indices on the device
+    tlens: list[int]  # position of each slot's last token
+    seeds: torch.Tensor | None  # (R,) the slots' random streams (None when greedy)
+    steps: torch.Tensor | None  # (R,)
+
+    @property
+    def max_gamma(self) -> int:
+        return max(self.gammas) if self.gammas else 0
+
+
+@dataclass
+class Drafts:
+    """The draft phase's output: chains of drafted tokens (R, G), the count per row (host) and, when
+    sampling, the distributions they were drawn from (R, G, V)."""
+
+    tokens: torch.Tensor
+    drafted: list[int]
+    probs: torch.Tensor | None = None
+
+    @staticmethod
+    def none(plan: StepPlan, device) -> Drafts:
+        return Drafts(torch.zeros(len(plan.run), 0, dtype=torch.long, device=device), [0] * len(plan.run))
+
+    def add(self, depth: int, idx, active: list[int], tok, probs, greedy: bool) -> None:
+        """Depth ``depth``'s drafts for rows ``active`` (``idx``: their index, a slice when all rows)."""
+        self.tokens[idx, depth - 1] = tok
+        if not greedy:
+            if self.probs is None:
+                R, G = self.tokens.shape
+                self.probs = probs.new_zeros(R, G, probs.shape[-1])
+            self.probs[idx, depth - 1] = probs
+        for i in active:
+            self.drafted[i] = depth
+
+
+@dataclass
+class Verification:
+    """The verify phase's output: the drafts as verified, the target's logits and hidden states at each
+    row's last token and drafts (R, T, ·), the rows' positions (device) and, when prompts joined the
+    forward, their tokens, batch and hidden states."""
+
+    record: DraftRecord
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    tlens: torch.Tensor
+    prefill: tuple | None = None
+
+
+@dataclass
+class Acceptance:
+    """The accept phase's output (device): accepted drafts per row (R,), the token after them (R,), and
+    the emitted tokens (R, T): the accepted drafts then the next token."""
+
+    accepted: torch.Tensor
+    next_token: torch.Tensor
+    emitted: torch.Tensor
+
+
+class HostRead(dict):
+    """The step's one device-to-host read: named device tensors packed into one transfer, read back by
+    name (a (R, T) tensor comes back as R lists)."""
+
+    @classmethod
+    def read(cls, parts: dict[str, torch.Tensor]) -> HostRead:
+        flat = torch.cat([t.reshape(-1).to(torch.long) for t in parts.values()]).tolist()
+        out, o = cls(), 0
+        for name, t in parts.items():
+            vals = flat[o: o + t.numel()]
+            o += t.numel()
+            out[name] = [vals[i: i + t.shape[1]] for i in range(0, len(vals), t.shape[1])] if t.dim() == 2 else vals
+        return out
+
+
 def _overrides(policy, name: str) -> bool:
     return getattr(type(policy), name) is not getattr(DraftLengthPolicy, name)
 
@@ -396,19 +477,39 @@ class BatchedSpeculativeEngine:
                             accepted_history=s.stats.accept_lengths, drafted_history=s.stats.draft_lengths,
                             position=len(s.new), max_gamma=max_gamma, _embed=self.target.embed)
 
+    # ---- one speculative step, in phases: plan -> draft -> verify -> accept -> commit ----------------
     def _spec_step(self, run: list[int], joined: list[int], finished: list[int]):
-        prof, dev, samp = self.prof, self.device, self.sampling
+        prof = self.prof
+        plan = self._plan(run)
+        prof.mark("policy")
+        drafts = self._draft(plan) if plan.max_gamma else Drafts.none(plan, self.device)
+        prof.mark("draft")
+        ver = self._verify(plan, drafts, joined)
+        acc = self._accept(plan, drafts, ver)
+        self._commit_device(plan, ver, acc)
+        reads = self._reads(plan, acc)
+        prof.mark("verify")
+        if joined:
+            reads["first_tokens"] = self._prefill_finish(joined, *ver.prefill)
+            prof.mark("prefill")
+        host = HostRead.read(reads)  # the step's one host read
+        prof.mark("read")
+        self._commit_host(plan, drafts, host, finished)
+        if joined:
+            self._first_tokens(joined, host["first_tokens"], finished)
+        prof.mark("host")
+
+    def _plan(self, run: list[int]) -> StepPlan:
+        """γ per running slot (host ints; no device read for static or vectorised policies)."""
         st = [self.state[b] for b in run]
-        R = len(run)
-        # 1. γ per slot (host ints; no device read for static or vectorised policies)
-        gammas, ctxs = [], []
-        bp = self.batch_policy
+        bp, R = self.batch_policy, len(run)
         caps = [max(0, min(s.max_new - len(s.new) - 1, self.limit - 1 - s.tlen, self.max_draft)) for s in st]
-        planned = bp.plan(caps if self.kind is not None else [0] * R) if bp is not None else None
+        if self.kind is None:
+            caps = [0] * R
+        planned = bp.plan(caps) if bp is not None else None
+        gammas, ctxs = [], []
         for i, (b, s) in enumerate(zip(run, st)):
-            max_gamma = caps[i]
-            vec = self._vectorised(s)
-            ctx = None
+            vec, ctx = self._vectorised(s), None
             if planned is not None:
                 g = planned[i]
             elif vec is not None and vec.constant is not None:
@@ -416,180 +517,171 @@ class BatchedSpeculativeEngine:
             elif vec is not None and s.gamma_next is not None:
                 g = s.gamma_next
             else:
-                ctx = self._context(b, s, max_gamma)
+                ctx = self._context(b, s, caps[i])
                 g = s.policy.gamma(ctx)
             if not isinstance(g, int) or isinstance(g, bool) or g < 0:
                 raise ValueError(f"policy {getattr(s.policy, 'name', s.policy)!r} returned gamma={g!r} for slot {b}; "
                                  "it must be an integer >= 0")
-            gammas.append(min(g, max_gamma) if self.kind is not None else 0)
+            gammas.append(min(g, caps[i]))
             ctxs.append(ctx)
-        prof.mark("policy")
+        seeds = steps = None  # the slots' random streams (sampling only: greedy draws nothing)
+        if not self.sampling.greedy:
+            seeds = to_device([s.seed for s in st], self.device)
+            steps = to_device([s.step + 1 for s in st], self.device)
+        return StepPlan(run, st, gammas, ctxs, to_device(run, self.device), [s.tlen for s in st], seeds, steps)
 
-        # 2. drafting
-        G = max(gammas) if gammas else 0
-        draft = torch.zeros(R, G, dtype=torch.long, device=dev)
-        qprobs = None  # (R, G, V) the drafter's distributions, when sampling
-        drafted = [0] * R
-        rows_t = to_device(run, dev)
-        # the slots' random streams, once a step (sampling only: greedy draws nothing)
-        seeds = steps = None
-        if not samp.greedy:
-            seeds = to_device([s.seed for s in st], dev)
-            steps = to_device([s.step + 1 for s in st], dev)
-        if G:
-            drafted, qprobs = self._draft(run, st, gammas, ctxs, draft, seeds, steps)
-        prof.mark("draft")
+    def _draft(self, plan: StepPlan) -> Drafts:
+        """Draft chains of up to γ per row with the candidate generator, one forward a depth for the rows
+        still drafting, asking the policy after each depth where it reads drafts."""
+        R, G = len(plan.run), plan.max_gamma
+        out = Drafts(torch.zeros(R, G, dtype=torch.long, device=self.device), [0] * R)
+        # every running slot reads what the target accepted (also γ=0 slots: the forward runs anyway)
+        logits, state = self.cand.start(plan.run, plan.tlens)
+        active = [i for i in range(R) if plan.gammas[i] > 0]
+        for depth in range(1, G + 1):
+            # while every row drafts (always so at batch 1) the rows are a slice, not a gather: fewer kernels
+            whole = len(active) == R
+            idx = slice(None) if whole else to_device(active, self.device)
+            pick = (lambda t: t) if whole else (lambda t: None if t is None else t[idx])
+            tok, probs = self._pick(pick(logits), pick(plan.seeds), pick(plan.steps), DRAFT + depth - 1,
+                                    self._needs_probs(plan))
+            out.add(depth, idx, active, tok, probs, self.sampling.greedy)
+            self.prof.mark("draft")
+            nxt = self._keep_drafting(plan, out, depth, active, tok, probs, pick(state))
+            self.prof.mark("policy")
+            if not nxt:
+                break
+            logits, state = self._extend(plan, depth, active, nxt, tok, logits, state)
+            active = nxt
+        return out
 
-        # 3. verification: slot b scores its last token and its drafts (its own count: nothing padded)
-        T = max(drafted) + 1
-        ar = torch.arange(T, device=dev)[None]
-        tl = to_device([s.tlen for s in st], dev)
-        nd = to_device(drafted, dev)
+    def _needs_probs(self, plan: StepPlan) -> bool:
+        bp = self.batch_policy
+        if bp is not None:
+            return bp.reads_drafts
+        return any(_overrides(s.policy, "keep_drafting") for s in plan.slots)
+
+    def _keep_drafting(self, plan: StepPlan, out: Drafts, depth: int, active, tok, probs, state) -> list[int]:
+        """The rows that draft depth + 1; a batch policy may also drop this depth's drafts."""
+        bp, gammas = self.batch_policy, plan.gammas
+        nxt = [i for i in active if gammas[i] > depth]
+        if bp is not None:
+            if not bp.reads_drafts:
+                return nxt
+            # the batch policy keeps or drops this depth's drafts and picks the rows that go on
+            codes = bp.keep_rows(depth, active, state, probs)
+            for i, c in zip(active, codes):
+                if c == 0:
+                    out.drafted[i] = depth - 1
+            return [i for i, c in zip(active, codes) if c == 2 and gammas[i] > depth]
+        keepers = [i for i in nxt if _overrides(plan.slots[i].policy, "keep_drafting")]
+        if not keepers:
+            return nxt
+        toks = tok.tolist()  # policies that read drafts decide on the host (their own cost: the slow path)
+        where = {i: j for j, i in enumerate(active)}
+        stop = set()
+        for i in keepers:
+            j = where[i]
+            ctx = plan.contexts[i] or self._context(plan.run[i], plan.slots[i], gammas[i])
+            plan.contexts[i] = ctx
+            ctx.draft_state = None if state is None else state[j]
+            if not plan.slots[i].policy.keep_drafting(ctx, depth, toks[j], probs[j]):
+                stop.add(i)
+        return [i for i in nxt if i not in stop]
+
+    def _extend(self, plan: StepPlan, depth: int, active, nxt, tok, logits, state):
+        """One drafter forward for the rows still drafting; the next depth's logits (and states) for all rows."""
+        cand, R = self.cand, len(plan.run)
+        if len(nxt) == R:  # every row goes on (always so at batch 1): no gather, no scatter
+            out_logits, state = cand.extend(plan.run, tok, plan.tlens, depth, state)
+            return out_logits.to(logits.dtype), state
+        sel = to_device(nxt, self.device)
+        src = to_device([active.index(i) for i in nxt], self.device)
+        out_logits, out_state = cand.extend([plan.run[i] for i in nxt], tok[src], [plan.tlens[i] for i in nxt], depth,
+                                            None if state is None else state[sel])
+        logits = logits.clone()
+        logits[sel] = out_logits.to(logits.dtype)
+        if state is not None:
+            state = state.clone()
+            state[sel] = out_state
+        return logits, state
+
+    def _verify(self, plan: StepPlan, drafts: Drafts, joined: list[int]) -> Verification:
+        """One target forward: each slot scores its last token and its drafts (its own count: nothing
+        padded); prompts admitted this step ride in the same forward (projections and MLPs over all tokens)."""
+        dev, R = self.device, len(plan.run)
+        T = max(drafts.drafted) + 1
         K = T - 1
-        rec = DraftRecord(draft[:, :K], nd, torch.arange(-1, K - 1, device=dev).expand(R, K),
-                          qprobs[:, :K] if qprobs is not None and K else None)
+        rec = DraftRecord(drafts.tokens[:, :K], to_device(drafts.drafted, dev),
+                          torch.arange(-1, K - 1, device=dev).expand(R, K),
+                          drafts.probs[:, :K] if drafts.probs is not None and K else None)
+        tl = to_device(plan.tlens, dev)
         # a chain: each draft's parent is the one before it, so the verification input is [last, drafts]
-        tokens = torch.cat([self.seq[rows_t, tl][:, None], rec.tokens], 1)
-        batch = RaggedBatch(run, [s.tlen for s in st], [d + 1 for d in drafted], dev)
-        flat = batch.flat(tokens)
+        tokens = torch.cat([self.seq[plan.rows, tl][:, None], rec.tokens], 1)
+        batch = RaggedBatch(plan.run, plan.tlens, [d + 1 for d in drafts.drafted], dev)
+        flat, prefill = batch.flat(tokens), None
         if joined:
-            # the new prompts ride in this forward: projections and MLPs over all tokens at once
             ptok, pbatch = self._prefill_batch(joined)
             h_all = self.tm(torch.cat([flat, ptok]), batch.join(pbatch), self.tcache)
-            h, hp = h_all[: batch.n], h_all[batch.n:]
+            h, prefill = h_all[: batch.n], (ptok, pbatch, h_all[batch.n:])
         else:
             h = self.tm(flat, batch, self.tcache)
-        # the LM head scores only the real tokens; verification reads them padded (R, T)
-        logits = batch.padded(self.tm.logits(h), T)
-        h = batch.padded(h, T)
+        # the LM head scores only the real tokens; acceptance reads them padded (R, T)
+        return Verification(rec, batch.padded(self.tm.logits(h), T), batch.padded(h, T), tl, prefill)
+
+    def _accept(self, plan: StepPlan, drafts: Drafts, ver: Verification) -> Acceptance:
+        """Greedy or speculative-sampling acceptance, batched on the device; the emitted tokens per row."""
+        rec, samp = ver.record, self.sampling
         if samp.greedy:
-            a, x = verify_greedy_batch(rec.tokens, rec.lengths, logits)
+            a, x = verify_greedy_batch(rec.tokens, rec.lengths, ver.logits)
         else:
-            p = probs_from_logits(logits, samp)
-            u = uniforms(seeds, steps, torch.cat([ACCEPT + torch.arange(T - 1, device=dev),
-                                                  to_device([FINAL], dev)]))
-            a, x = verify_sampling_batch(rec.tokens, rec.lengths, rec.probs, p,
-                                         u[:, : T - 1], u[:, -1])
+            K = rec.tokens.shape[1]
+            draws = torch.cat([ACCEPT + torch.arange(K, device=self.device), to_device([FINAL], self.device)])
+            u = uniforms(plan.seeds, plan.steps, draws)
+            a, x = verify_sampling_batch(rec.tokens, rec.lengths, rec.probs, probs_from_logits(ver.logits, samp),
+                                         u[:, :K], u[:, -1])
         emitted = torch.cat([rec.tokens, torch.zeros_like(x)[:, None]], 1)
         emitted.scatter_(1, a[:, None], x[:, None])
-        # bookkeeping on the device: tokens by position, the target feature behind the new last token
-        wpos = torch.where(ar <= a[:, None], tl[:, None] + 1 + ar, self.trash)
-        self.seq[rows_t[:, None], wpos] = emitted
-        self.last_feat[rows_t] = h.gather(1, a[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
+        return Acceptance(a, x, emitted)
+
+    def _commit_device(self, plan: StepPlan, ver: Verification, acc: Acceptance) -> None:
+        """Bookkeeping on the device: tokens by position, the target features behind the kept tokens."""
+        a, rows, tl, h = acc.accepted, plan.rows, ver.tlens, ver.hidden
+        ar = torch.arange(acc.emitted.shape[1], device=self.device)[None]
+        kept = ar <= a[:, None]
+        self.seq[rows[:, None], torch.where(kept, tl[:, None] + 1 + ar, self.trash)] = acc.emitted
+        self.last_feat[rows] = h.gather(1, a[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
         if self.cand is not None and self.cand.needs_features:
-            self.feat[rows_t[:, None], torch.where(ar <= a[:, None], tl[:, None] + ar, self.trash)] = h
-        reads = [a, emitted.flatten()]
-        vec_rows = [i for i, s in enumerate(st) if (v := self._vectorised(s)) is not None and v.fn is not None]
-        if vec_rows:
-            # the LDLP's γ for the next step, from the new last token and its feature: read with the counts
-            fn = self._vectorised(st[vec_rows[0]]).fn
-            emb = self.target.embed(x)
-            reads.append(fn(emb, self.last_feat[rows_t]).to(torch.long))
-        prof.mark("verify")
-        if joined:
-            reads.append(self._prefill_finish(joined, ptok, pbatch, hp))  # the new prompts' first tokens
-            prof.mark("prefill")
-        host = torch.cat(reads).tolist()  # the step's one host read
-        now = time.perf_counter()
-        prof.mark("read")
-        acc, em = host[:R], host[R: R + R * T]
-        gnext = host[R + R * T: R + R * T + (R if vec_rows else 0)]
-        firsts = host[len(host) - len(joined):] if joined else []
-        for i, (b, s) in enumerate(zip(run, st)):
-            k = acc[i]
-            s.stats.target_forwards += 1
-            s.stats.drafted_tokens += drafted[i]
-            s.stats.accepted_tokens += k
-            s.stats.draft_lengths.append(drafted[i])
-            s.stats.accept_lengths.append(k)
+            self.feat[rows[:, None], torch.where(kept, tl[:, None] + ar, self.trash)] = h
+
+    def _reads(self, plan: StepPlan, acc: Acceptance) -> dict[str, torch.Tensor]:
+        """What the host reads after this step: accept counts, emitted tokens and, for a vectorised policy
+        (the LDLP), the next step's γ from the new last token and its feature."""
+        reads = {"accepted": acc.accepted, "emitted": acc.emitted}
+        vec = [v for s in plan.slots if (v := self._vectorised(s)) is not None and v.fn is not None]
+        if vec:
+            reads["gamma_next"] = vec[0].fn(self.target.embed(acc.next_token), self.last_feat[plan.rows]).to(torch.long)
+        return reads
+
+    def _commit_host(self, plan: StepPlan, drafts: Drafts, host: HostRead, finished: list[int]) -> None:
+        """Counters, lengths, policy feedback and emitted tokens on the host; generators roll back."""
+        now, bp = time.perf_counter(), self.batch_policy
+        acc, em, gnext = host["accepted"], host["emitted"], host.get("gamma_next")
+        for i, (b, s) in enumerate(zip(plan.run, plan.slots)):
+            k, d = acc[i], drafts.drafted[i]
+            s.stats.record_step(d, k)
             s.step += 1
             s.tlen += k + 1
             if gnext:
                 s.gamma_next = gnext[i]
             if bp is None and _overrides(s.policy, "observe"):
-                ctx = ctxs[i] or self._context(b, s, 0)
-                s.policy.observe(ctx, drafted[i], k)
-            taken = self._emit(b, s, em[i * T: i * T + k + 1], now, finished)
-            cut = max(0, k - taken)  # kept drafts past an EOS or the budget are never emitted: waste
-            if cut:
-                s.stats.accepted_tokens -= cut
-                s.stats.accept_lengths[-1] -= cut
+                s.policy.observe(plan.contexts[i] or self._context(b, s, 0), d, k)
+            taken = self._emit(b, s, em[i][: k + 1], now, finished)
+            s.stats.uncount_accepted(max(0, k - taken))  # kept drafts past an EOS or the budget: never emitted
         if self.cand is not None:
-            self.cand.settle(run, [s.tlen for s in st])
+            self.cand.settle(plan.run, [s.tlen for s in plan.slots])
         if bp is not None:
-            bp.observe_rows(drafted, acc)
-        if joined:
-            self._first_tokens(joined, firsts, finished)
-        prof.mark("host")
-
-    def _draft(self, run, st, gammas, ctxs, draft, seeds, steps):
-        """Fill ``draft`` (R, G) with the candidate generator; returns the drafted count per row and, when
-        sampling, the distributions the drafts were drawn from (R, G, V). ``seeds``/``steps`` (R,): the rows'
-        random streams (None when greedy)."""
-        dev, prof, cand = self.device, self.prof, self.cand
-        R, G = draft.shape
-        tls = [s.tlen for s in st]
-        # every running slot reads what the target accepted (also γ=0 slots: the forward runs anyway)
-        logits, state = cand.start(run, tls)
-        bp = self.batch_policy
-        keepers = [bp is None and _overrides(s.policy, "keep_drafting") for s in st]
-        reads = bp is not None and bp.reads_drafts
-        need_probs = any(keepers) or reads
-        drafted = [0] * R
-        qprobs = None
-        active = [i for i in range(R) if gammas[i] > 0]
-        for depth in range(1, G + 1):
-            # while every row drafts (always so at batch 1) the rows are a slice, not a gather: fewer kernels
-            whole = len(active) == R
-            idx = slice(None) if whole else to_device(active, dev)
-            tok, probs = self._pick(logits if whole else logits[idx], None if seeds is None else seeds[idx],
-                                    None if steps is None else steps[idx], DRAFT + depth - 1, need_probs)
-            draft[idx, depth - 1] = tok
-            if not self.sampling.greedy:
-                if qprobs is None:
-                    qprobs = probs.new_zeros(R, G, probs.shape[-1])
-                qprobs[idx, depth - 1] = probs
-            for i in active:
-                drafted[i] = depth
-            nxt = [i for i in active if gammas[i] > depth]
-            prof.mark("draft")
-            if reads:
-                # the batch policy keeps or drops this depth's drafts and picks the rows that go on
-                codes = bp.keep_rows(depth, active, None if state is None else (state if whole else state[idx]), probs)
-                for i, c in zip(active, codes):
-                    if c == 0:
-                        drafted[i] = depth - 1
-                nxt = [i for i, c in zip(active, codes) if c == 2 and gammas[i] > depth]
-            elif need_probs and bp is None:
-                toks = tok.tolist()  # policies that read drafts decide on the host (their own cost)
-                cont = set(nxt)
-                for j, i in enumerate(active):
-                    if keepers[i] and i in cont:
-                        ctx = ctxs[i] or self._context(run[i], st[i], gammas[i])
-                        ctxs[i] = ctx
-                        ctx.draft_state = None if state is None else state[i]
-                        if not st[i].policy.keep_drafting(ctx, depth, toks[j], probs[j]):
-                            cont.discard(i)
-                nxt = [i for i in nxt if i in cont]
-            prof.mark("policy")
-            if not nxt:
-                break
-            # one drafter forward for the rows still drafting
-            if len(nxt) == R:  # every row goes on (always so at batch 1): no gather, no scatter
-                out_logits, state = cand.extend(run, tok, tls, depth, state)
-                logits = out_logits.to(logits.dtype)
-            else:
-                sel = to_device(nxt, dev)
-                src = to_device([active.index(i) for i in nxt], dev)
-                out_logits, out_state = cand.extend([run[i] for i in nxt], tok[src], [tls[i] for i in nxt], depth,
-                                                    None if state is None else state[sel])
-                logits = logits.clone()
-                logits[sel] = out_logits.to(logits.dtype)
-                if state is not None:
-                    state = state.clone()
-                    state[sel] = out_state
-            active = nxt
-        return drafted, qprobs
+            bp.observe_rows(drafts.drafted, acc)
 
     def _emit(self, b: int, s: Slot, toks: list[int], now: float, finished: list[int]) -> int:
         """Append accepted tokens on the host, cutting at the first EOS and at the budget; returns how many."""

@@ -35,6 +35,20 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
+    def record_step(self, drafted: int, accepted: int) -> None:
+        """One verification: ``drafted`` drafts scored, ``accepted`` of them kept."""
+        self.target_forwards += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.draft_lengths.append(drafted)
+        self.accept_lengths.append(accepted)
+
+    def uncount_accepted(self, n: int) -> None:
+        """The last step's ``n`` kept drafts were never emitted (past an EOS or the budget): waste."""
+        if n:
+            self.accepted_tokens -= n
+            self.accept_lengths[-1] -= n
+
     def __add__(self, other: "GenerationStats") -> "GenerationStats":
         out = GenerationStats()
         for f in fields(self):

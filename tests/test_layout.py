@@ -178,3 +178,12 @@ def test_reading_labels_and_replaying_policies_do_not_import_lightning():
             "assert 'lightning' not in sys.modules, sorted(m for m in sys.modules if 'lightning' in m)[:5]")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_no_engine_method_is_longer_than_60_lines():
+    """The step reads as its phases (plan, draft, verify, accept, commit): no function of the engine module,
+    the step and each phase included, runs over 60 lines."""
+    tree = ast.parse((REPO_ROOT / "eagle_backbone" / "engine.py").read_text())
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60}
+    assert not long, f"engine functions over 60 lines: {long}"
