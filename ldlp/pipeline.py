@@ -46,17 +46,17 @@ CONTENT_HASH_LIMIT = 64 << 20  # upstream output files up to this size are hashe
 FORWARDED = ("model", "generation", "data", "paths", "threads")
 PEER_OWN = ("model.name", "model.drafter", "model.drafter_kind")
 LOCK = ".pipeline.lock"  # in paths.data_dir and paths.outputs: one main command at a time on those folders
-# expected seconds per stage (by stage name, sweeps by kind) where this machine has no stage_seconds.json yet,
+# expected seconds per stage (by stage name, sweeps by kind; "start": a process that loads the models and exits) where this machine has no stage_seconds.json yet,
 # on an idle 2-core CPU, per the dtype model.dtype resolves to (docs/pipeline.md#how-long-it-takes).
 # bfloat16: a CPU with bf16 matmuls, the committed run's stage_seconds.json (the load sweep and the head to head
 # scaled to their present sizes). float32: a CPU without them (AMD EPYC Zen 3), projected: the oracle from its
 # 773 s in bf16 there and the 2.4x float32 gain measured on it, the decoding stages from its 2.3x lower
 # tokens/s at static γ=6 (results/embedded/batch1_parity_float32) than the bf16 machine's sweep.
 EXPECTED_S = {
-    "bfloat16": {"corpus": 20, "oracle": 108, "ldlp": 22, "acceptance": 13, "tune": 24, "sweep:static": 59,
+    "bfloat16": {"start": 6, "corpus": 20, "oracle": 108, "ldlp": 22, "acceptance": 13, "tune": 24, "sweep:static": 59,
                  "sweep:adaptive": 58, "sweep:peer_static": 12, "sweep:peer": 39, "bench_batch": 125,
                  "head_to_head": 205},
-    "float32": {"corpus": 21, "oracle": 326, "ldlp": 50, "acceptance": 30, "tune": 55, "sweep:static": 136,
+    "float32": {"start": 8, "corpus": 21, "oracle": 326, "ldlp": 50, "acceptance": 30, "tune": 55, "sweep:static": 136,
                 "sweep:adaptive": 133, "sweep:peer_static": 28, "sweep:peer": 90, "bench_batch": 290,
                 "head_to_head": 470},
 }
@@ -81,6 +81,7 @@ class Stage:
     resolved: dict = field(default_factory=dict)  # settings its script resolves on this machine (model.dtype=auto)
     fills: tuple[str, ...] = ()  # reads it creates when missing (the cost table): hashed again once it finished
     resumes: bool = False  # continues a partial output (the oracle's parts): reset first when its inputs changed
+    parallel: int = 1  # collectors side by side (shard_id=0..N-1 of num_shards=N, in args): see StageRunner.commands
 
     @property
     def command(self) -> list[str]:
@@ -293,6 +294,9 @@ def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
     pair = _model_folders(cfg, model, overrides)
     oracle, ldlp, acceptance = Path(p.oracle), Path(p.ldlp), Path(p.acceptance)
     corpus = Path(p.embedded) / "corpus"
+    shards = int(cfg.oracle.get("parallel") or 1)
+    if shards < 1:
+        raise ValueError(f"oracle.parallel must be an integer >= 1 (collectors side by side), got {shards}")
     label_configs = ("collect_oracle.yaml", "data/*.yaml", "generation/*.yaml", "recipe/collect_oracle/*.yaml")
     ldlp_configs = ("train_ldlp.yaml", "ldlp/*.yaml", "trainer/*.yaml", "logger/*.yaml", "experiment/*.yaml",
                     "recipe/train_ldlp/*.yaml")
@@ -300,9 +304,12 @@ def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
     stages = [
         Stage("corpus", "build the embedded conversation corpus", "build_corpus.py",
               [f"out_dir={corpus}"] + threads, corpus, configs=("build_corpus.yaml",), product="test.json"),
-        Stage("oracle", "collect oracle draft-length labels (greedy)", "collect_oracle.py",
-              [f"model={model}", f"out_dir={oracle}"] + threads + list(cfg.oracle.overrides), oracle,
-              after=("corpus",), reads=pair, configs=label_configs, product="report.md", resumes=True),
+        Stage("oracle", "collect oracle draft-length labels (greedy)" + (f", {shards} collectors side by side"
+                                                                         if shards > 1 else ""), "collect_oracle.py",
+              [f"model={model}", f"out_dir={oracle}"] + threads + ([f"num_shards={shards}"] if shards > 1 else [])
+              + list(cfg.oracle.overrides), oracle,
+              after=("corpus",), reads=pair, configs=label_configs, product="report.md", resumes=True,
+              parallel=shards),
         Stage("ldlp", "train the LDLP on the oracle labels", "train_ldlp.py",
               list(cfg.ldlp.overrides) + [f"model={model}", f"ldlp_training.oracle_dir={oracle}",
                                           f"ldlp_training.out_dir={ldlp}"] + threads,
@@ -572,7 +579,10 @@ class StageRunner:
             return float(self.times[stage.name])
         table = EXPECTED_S.get(stage.resolved.get("model.dtype"), EXPECTED_S["float32"])
         kind = stage.name.rsplit(":", 1)[0] if stage.name.startswith("sweep:") else stage.name
-        return table.get(kind)
+        one = table.get(kind)  # one collector; N side by side on N idle cores, plus the check and report passes
+        if one is None or stage.parallel <= 1:
+            return one
+        return one / min(stage.parallel, os.cpu_count() or 1) + 2 * table.get("start", 8)
 
     def __call__(self, stage: Stage, k: int, n: int) -> bool:
         """Run ``stage`` unless it is done for the same inputs; True when it ran."""
@@ -590,7 +600,7 @@ class StageRunner:
                 stage.extra = stage.extra + ["overwrite=true"]
             else:  # first run or continuing: a collection this stage did not make (other settings) starts over
                 stage.extra = stage.extra + ["overwrite=changed"]
-        print(f"{head} ({why}) ...\n  $ {shlex.join(stage.command)}", flush=True)
+        print(f"{head} ({why}) ...\n  $ {_shown(stage)}", flush=True)
         if stage.clear and stage.out.exists():
             shutil.rmtree(stage.out)  # a half-finished sweep is redone whole: its rows must share a process
         store_fingerprint(stage, digest, inputs, complete=False)
@@ -617,42 +627,70 @@ class StageRunner:
         return True
 
     def run_command(self, stage: Stage) -> int:
-        """Run the stage's command in its own process group; SIGTERM, SIGINT or SIGHUP to the main command is
-        forwarded to that group (the stage and anything it started), and the main command then stops with it:
-        no stage keeps writing after the main command is gone. A stage still running ``grace_s`` after the
-        signal is killed."""
-        proc = subprocess.Popen(stage.command, cwd=REPO_ROOT, env=self.env, start_new_session=True)
+        """Run the stage's command (``stage.parallel`` > 1: its collectors side by side, :meth:`commands`), each
+        process in its own process group; SIGTERM, SIGINT or SIGHUP to the main command is forwarded to those
+        groups (the stage and anything it started), and the main command then stops with it: no stage keeps
+        writing after the main command is gone. A stage still running ``grace_s`` after the signal is killed."""
+        code = 0
+        for group in self.commands(stage):
+            code = self._run_group(stage, group)
+            if code != 0:
+                break
+        return code
+
+    @staticmethod
+    def commands(stage: Stage) -> list[list[list[str]]]:
+        """The command groups of ``stage``, run one group after the other, the commands of a group side by side.
+        ``parallel`` = N > 1 (its args hold ``num_shards=N``): shard 0 alone with ``max_parts_this_run=0`` (it
+        checks or resets the folder: the ``overwrite`` of ``extra``), then the N shards side by side, then shard 0
+        again with ``max_parts_this_run=0`` (it writes the report and manifest over every part)."""
+        if stage.parallel <= 1:
+            return [[stage.command]]
+        base = [c for c in stage.command if not c.startswith("overwrite=")]
+        check = [c for c in stage.command] + ["shard_id=0", "max_parts_this_run=0"]
+        return [[check], [base + [f"shard_id={i}"] for i in range(stage.parallel)],
+                [base + ["shard_id=0", "max_parts_this_run=0"]]]
+
+    def _run_group(self, stage: Stage, commands: list[list[str]]) -> int:
+        procs = [subprocess.Popen(c, cwd=REPO_ROOT, env=self.env, start_new_session=True) for c in commands]
         got: list[int] = []
+
+        def signal_all(signum):
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:
+                    pass
 
         def forward(signum, _frame):
             got.append(signum)
-            try:
-                os.killpg(proc.pid, signum)
-            except ProcessLookupError:
-                pass
+            signal_all(signum)
 
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         try:
             previous = {s: signal.signal(s, forward) for s in handled}
         except ValueError:  # not the main thread: signals cannot be handled here
             previous = {}
+        codes: list[int] = []
         try:
-            deadline = None
+            deadline, stopping = None, False
             while True:
-                try:
-                    code = proc.wait(timeout=0.2)
+                codes = [p.poll() for p in procs]
+                if all(c is not None for c in codes):
                     break
-                except subprocess.TimeoutExpired:
-                    if got and deadline is None:
-                        deadline = time.monotonic() + self.grace_s
-                    if deadline is not None and time.monotonic() > deadline:
-                        try:
-                            os.killpg(proc.pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
+                if any(c not in (None, 0) for c in codes) and not got and not stopping:
+                    stopping = True  # one collector failed: stop the others; the rerun continues where they were
+                    signal_all(signal.SIGTERM)
+                    deadline = time.monotonic() + self.grace_s
+                if got and deadline is None:
+                    deadline = time.monotonic() + self.grace_s
+                if deadline is not None and time.monotonic() > deadline:
+                    signal_all(signal.SIGKILL)
+                time.sleep(0.2)
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+        code = next((c for c in codes if c != 0), 0)
         if got:
             name = signal.Signals(got[0]).name
             print(f"{name}: stopped stage {stage.name!r} (exit {code}); rerun the same command to continue",
@@ -678,7 +716,7 @@ class StageRunner:
                 total += expected or 0.0
             t = f"~{expected:.0f} s" if expected is not None else "? s"
             lines.append(f"[{k}/{n}] {stage.name}: {'run' if run else 'skip'} ({why}), {t if run else 'skipped'}"
-                         f"\n    $ {shlex.join(stage.command)}")
+                         f"\n    $ {_shown(stage)}")
         if head_to_head:
             h = Stage("head_to_head", "", "compare.py", [], Path("."),
                       resolved=next((s.resolved for s in stages if s.resolved), {}))
@@ -687,6 +725,12 @@ class StageRunner:
             lines.append(f"[{n}/{n}] head_to_head: its contenders are chosen from the sweeps' summary; runs when they "
                          f"or its inputs changed, ~{expected or 0:.0f} s")
         return lines, total
+
+
+def _shown(stage: Stage) -> str:
+    """The stage's command as a shell line (its shards in one line)."""
+    return shlex.join(stage.command) + (f" shard_id=0..{stage.parallel - 1}   ({stage.parallel} collectors side by side)"
+                                        if stage.parallel > 1 else "")
 
 
 def _children_cpu_s() -> float:

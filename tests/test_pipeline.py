@@ -544,3 +544,32 @@ def test_a_collection_made_with_other_settings_starts_over_with_overwrite_change
     assert report["k_max"] == 3 and json.loads((tmp_path / "o" / "manifest.json").read_text())["identity"]["k_max"] == 3
     with pytest.raises(ValueError, match="overwrite must be false"):
         collect_oracle(compose_config("collect_oracle", common + ["overwrite=sometimes"]))
+
+
+def test_collectors_side_by_side_check_the_folder_first_and_report_last(tmp_path):
+    """oracle.parallel=N: shard 0 checks (or resets) the folder alone, then N collectors run side by side without
+    overwrite=, then shard 0 writes the report over every part."""
+    script = tmp_path / "shards.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        args = dict(a.split("=", 1) for a in sys.argv[1:])
+        out = Path(args["out_dir"]); out.mkdir(parents=True, exist_ok=True)
+        with open(out / "calls.txt", "a") as f:
+            f.write(f"{args['shard_id']}/{args['num_shards']} parts={args.get('max_parts_this_run', 'all')} "
+                    f"overwrite={args.get('overwrite', '-')}\\n")
+        if args.get("max_parts_this_run") != "0":
+            (out / f"part-{args['shard_id']}").write_text("labels")
+        else:
+            (out / "report.md").write_text(" ".join(sorted(p.name for p in out.glob("part-*"))))
+    """))
+    stage = Stage("oracle", "collect", str(script), [f"out_dir={tmp_path / 'o'}", "num_shards=3"], tmp_path / "o",
+                  product="report.md", resumes=True, parallel=3)
+    assert _run_all(tmp_path, [stage]) == ["oracle"]
+    calls = (tmp_path / "o" / "calls.txt").read_text().splitlines()
+    assert calls[0] == "0/3 parts=0 overwrite=changed" and calls[-1] == "0/3 parts=0 overwrite=-"
+    assert sorted(calls[1:4]) == ["0/3 parts=all overwrite=-", "1/3 parts=all overwrite=-", "2/3 parts=all overwrite=-"]
+    assert (tmp_path / "o" / "report.md").read_text() == "part-0 part-1 part-2"
+    cfg = _compose_pipeline([f"paths.outputs={tmp_path}", "oracle.parallel=2"])
+    oracle = next(s for s in plan(cfg) if s.name == "oracle")
+    assert oracle.parallel == 2 and "num_shards=2" in oracle.args  # in the fingerprint: part files are per collector
