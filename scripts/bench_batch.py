@@ -32,6 +32,7 @@ def main(cfg: DictConfig) -> None:
         machine_info,
         missing_checkpoint,
         policy_config,
+        prepare_cost_tables,
         sampling_config,
     )
     from ldlp.bench.vllm_peer import make_contender, parse_contender
@@ -89,36 +90,6 @@ def main(cfg: DictConfig) -> None:
     write(result, out, meta)
     print(Path(out, "batch_bench.md").read_text())
     print(f"wrote {out}/" + ", ".join(written(out)))
-
-
-def prepare_cost_tables(policies, target, candidates, attn: str, concurrency: int) -> None:
-    """The cost table of every load-aware contender, before any clock starts: a table given (cost_table=) checked
-    against this setup (drafter kind and weights, attention, processor...), else its setup's table loaded, or
-    profiled for the slot counts this run needs only (up to the largest C)."""
-    import torch
-
-    from eagle_backbone.batched.cost import CostTable, cost_key, full_key, load_or_profile, slots_for
-    from eagle_backbone.engine import BatchedSpeculativeEngine
-
-    if candidates is None:
-        return
-
-    def factory(R: int, policy=None):  # as the policy builds them (ldlp/load_aware.py)
-        return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=256, attn=attn, policy=policy)
-
-    done = set()
-    for p in policies:
-        if getattr(p, "cost_dir", None) is None:
-            continue
-        if getattr(p, "cost_table_path", None) is not None:  # a table given: it must be this setup's
-            key = full_key(cost_key(p.model_name, target.dtype, target.device, torch.get_num_threads()), factory)
-            CostTable.load(p.cost_table_path, key)
-            continue
-        if (p.cost_dir, p.model_name) in done:
-            continue
-        done.add((p.cost_dir, p.model_name))
-        key = cost_key(p.model_name, target.dtype, target.device, torch.get_num_threads())
-        load_or_profile(p.cost_dir, key, factory, p.profile_if_missing, log=log.info, slots=slots_for(concurrency))
 
 
 if __name__ == "__main__":

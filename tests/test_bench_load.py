@@ -548,14 +548,17 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
     from eagle_backbone.candidates import DraftModelCandidateGenerator
     from ldlp.load_aware import LoadAwareMarginal
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from bench_batch import prepare_cost_tables
+    from ldlp.bench.loaders import prepare_cost_tables
 
     given = LoadAwareMarginal(str(tmp_path), "tiny", cost_table=table.meta["path"])
     torch.set_num_threads(1)
     prepare_cost_tables([given], t32, EagleCandidateGenerator(eagle32, t32), "eager", 2)  # its own setup: fine
     with pytest.raises(ConfigError, match="drafter_kind"):
         prepare_cost_tables([given], t32, DraftModelCandidateGenerator(t32.model, t32), "eager", 2)
+    # at batch 1 (evaluate, the head to head) a missing table is profiled for one slot only
+    prepare_cost_tables([LoadAwareMarginal(str(tmp_path / "b1"), "tiny")], t32, EagleCandidateGenerator(eagle32, t32),
+                        None, 1)
+    assert [json.loads(f.read_text())["slots"] for f in (tmp_path / "b1").glob("*.json")] == [[1]]
 
 
 def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, eagle32, tmp_path):

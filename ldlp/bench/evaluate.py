@@ -42,6 +42,7 @@ from ldlp.bench.loaders import (
     load_pair_cached,
     load_tokenizer_cached,
     machine_info,
+    prepare_cost_tables,
     sampling_config,
 )
 from ldlp.bench.runners import (
@@ -96,6 +97,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         spec_runner = peer_runner(policy, pair)
         engine = policy.engine
     else:
+        prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
         if hasattr(policy, "bind"):
             policy.bind(pair.target, pair.candidates, max_new_tokens, sampling)
         decoder = SpeculativeDecoder(pair.target, pair.candidates, policy, profile=bool(ev.get("profile", False)))

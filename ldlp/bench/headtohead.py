@@ -26,7 +26,15 @@ from eagle_backbone.batched.cost import table_record
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.runtime import resolve_dtype
 from eagle_backbone.timing import interleaved
-from ldlp.bench.loaders import apply_tuned, build_policy, load_pair_cached, load_prompts, machine_info, sampling_config
+from ldlp.bench.loaders import (
+    apply_tuned,
+    build_policy,
+    load_pair_cached,
+    load_prompts,
+    machine_info,
+    prepare_cost_tables,
+    sampling_config,
+)
 from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
 from ldlp.bench.conversation import prompt_categories
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
@@ -58,6 +66,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     for name, pcfg in contenders:
         pcfg, _ = apply_tuned(pcfg, cfg.get("tuned_from"), name)
         policy = build_policy(pcfg)
+        prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
         if hasattr(policy, "bind"):
             policy.bind(pair.target, pair.candidates, n, sampling)
         label = _label(name, policy)

@@ -190,6 +190,35 @@ def check_turns_kept(data_cfg, prompt_set, what: str) -> None:
                           "rest alone); use data.turns=first, or scripts/evaluate.py data.turns=all for every turn")
 
 
+def prepare_cost_tables(policies, target, candidates, attn: str | None, concurrency: int) -> None:
+    """The cost table of every load-aware contender, before any clock starts: a table given (cost_table=) checked
+    against this setup (drafter kind and weights, attention, processor...), else its setup's table loaded, or
+    profiled for the slot counts this run needs only (up to ``concurrency``, the largest C; 1 at batch 1).
+    ``attn``: the engine's attention math (None: the target's default, as ``SpeculativeDecoder`` uses it)."""
+    from eagle_backbone.batched.cost import CostTable, cost_key, full_key, load_or_profile, slots_for
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+
+    if candidates is None:
+        return
+
+    def factory(R: int, policy=None):  # as the policy builds them (ldlp/load_aware.py)
+        return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=256, attn=attn, policy=policy)
+
+    done = set()
+    for p in policies:
+        if getattr(p, "cost_dir", None) is None:
+            continue
+        if getattr(p, "cost_table_path", None) is not None:  # a table given: it must be this setup's
+            key = full_key(cost_key(p.model_name, target.dtype, target.device, torch.get_num_threads()), factory)
+            CostTable.load(p.cost_table_path, key)
+            continue
+        if (p.cost_dir, p.model_name) in done:
+            continue
+        done.add((p.cost_dir, p.model_name))
+        key = cost_key(p.model_name, target.dtype, target.device, torch.get_num_threads())
+        load_or_profile(p.cost_dir, key, factory, p.profile_if_missing, log=log.info, slots=slots_for(concurrency))
+
+
 def build_policy(policy_cfg):
     from hydra.utils import instantiate
 
