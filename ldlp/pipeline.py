@@ -542,6 +542,8 @@ class StageRunner:
 
     def __init__(self, cfg, stages: list[Stage]):
         self.force = _force_level(cfg.force)
+        h2h = cfg.get("head_to_head") or {}
+        self.h2h_rounds = int(h2h.get("rounds") or 2)  # EXPECTED_S's head to head has 2 rounds
         self.stages = {s.name: s for s in stages}
         self.t_start = time.perf_counter()
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -721,6 +723,8 @@ class StageRunner:
             h = Stage("head_to_head", "", "compare.py", [], Path("."),
                       resolved=next((s.resolved for s in stages if s.resolved), {}))
             expected = self.expected_s(h)
+            if expected is not None and "head_to_head" not in self.times:
+                expected *= self.h2h_rounds / 2
             total += expected or 0.0
             lines.append(f"[{n}/{n}] head_to_head: its contenders are chosen from the sweeps' summary; runs when they "
                          f"or its inputs changed, ~{expected or 0:.0f} s")
