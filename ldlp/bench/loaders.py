@@ -185,9 +185,10 @@ def check_turns_kept(data_cfg, prompt_set, what: str) -> None:
     users = sum(1 for c in conversations for t in c["conversations"] if ROLE_OF.get(t["from"]) == "user")
     kept = len(prompt_set) + int(getattr(prompt_set, "info", {}).get("n_dropped", 0) or 0)
     if kept < users:
-        raise ConfigError(f"data.turns=all: {users - kept} of {users} user turns in {data_cfg.get('path')} need the "
-                          f"model's own earlier answers, which {what} does not generate (it would benchmark the "
-                          "rest alone); use data.turns=first, or scripts/evaluate.py data.turns=all for every turn")
+        raise ConfigError(f"data.turns=all: {users - kept} of {users} user turns in {data_cfg.get('path')} would be "
+                          f"left out (they need the model's own earlier answers, which {what} does not generate, or "
+                          "follow a turn dropped for length); use data.turns=first, or scripts/evaluate.py "
+                          "data.turns=all for every turn")
 
 
 def prepare_cost_tables(policies, target, candidates, attn: str | None, concurrency: int) -> None:
