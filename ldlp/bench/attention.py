@@ -1,0 +1,166 @@
+"""What batching costs at real prompt lengths: the attention routes, and the engine's scaling with its
+prefill share (``scripts/bench_attention.py``, docs/batched.md).
+
+1. **Routes** (:func:`attention_routes`): one decoding step's attention over R slots with contexts drawn
+   from a prompt set's lengths, every layer of the target, timed by process CPU time, interleaved:
+
+   * ``gather``: the retired route: index every running row's whole K/V prefix out of the cache (a copy
+     of R × the longest context) and attend over the longest context with a mask;
+   * ``copy``: the same when the rows are all slots in order (a contiguous copy instead of a gather);
+   * ``per_row``: the engine's route: each row attends over views of its own slot (nothing copied);
+   * ``dense``: the engine's dense block: one call on a view of consecutive slots, masked to the longest;
+   * ``flex``: ``torch.nn.attention.flex_attention`` with a block mask from the rows' lengths (eager: this
+     CPU build has no compiled kernel without ``torch.compile``), where it runs.
+
+2. **Scaling** (:func:`engine_scaling`): batched AR on a prompt set at each C, with prefill in its own
+   forward so that its seconds are separable: generated tokens per process CPU-second, the prefill's share
+   of the run, and decode-only tokens per CPU-second (prefill seconds left out). Prefill costs the same
+   per prompt token at any C (its matrices are already a batch), so a prompt set whose prompts are long
+   against the tokens generated scales by Amdahl's law however cheap a decoding step becomes.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+from eagle_backbone.batched.model import BatchedLlama, RaggedBatch, attend
+
+ROUTES = ("gather", "copy", "per_row", "dense", "flex")
+
+
+def _timed(fns: dict, reps: int) -> dict[str, float]:
+    """Median process-CPU ms of each function, interleaved in rotating order (one warm-up round)."""
+    times = {n: [] for n in fns}
+    names = list(fns)
+    for r in range(reps + 1):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.process_time()
+            fns[n]()
+            if r:
+                times[n].append(1e3 * (time.process_time() - t0))
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def _padded_attention(q, k, v, lens, scaling):
+    """(R, H, 1, D) queries over (R, H, L, D) keys, key j visible to row r while j < lens[r] (eager math)."""
+    L = k.shape[2]
+    visible = torch.arange(L) < torch.tensor(lens)[:, None]
+    bias = torch.zeros(len(lens), 1, 1, L, dtype=q.dtype).masked_fill_(~visible[:, None, None], torch.finfo(q.dtype).min)
+    probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * scaling + bias, -1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _flex(q, k, v, lens, scaling):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = torch.tensor(lens)
+    mask = create_block_mask(lambda b, h, qi, kv: kv < n[b], len(lens), None, 1, k.shape[2], device="cpu")
+    return flex_attention(q, k, v, block_mask=mask, scale=scaling)
+
+
+@torch.inference_mode()
+def attention_routes(lm: BatchedLlama, lengths: list[int], slots=(1, 16, 32), reps: int = 10, seed: int = 0) -> list[dict]:
+    """Median CPU ms of one step's attention (all layers, one new token per row) by each route, per R;
+    contexts sampled from ``lengths``."""
+    rng = random.Random(seed)
+    a = lm.layers[0].self_attn
+    H, D, nl = lm.kv_heads, lm.head_dim, len(lm.layers)
+    out = []
+    for R in slots:
+        lens = [rng.choice(lengths) + 1 for _ in range(R)]
+        cache = lm.new_cache(R) if max(lens) < lm.capacity else None
+        if cache is None:
+            raise ValueError(f"contexts up to {max(lens)} need a capacity above {lm.capacity}")
+        cache.k.normal_()
+        cache.v.normal_()
+        q = torch.randn(R, H * (a.config.num_attention_heads // H), D, dtype=lm.dtype)
+        kv = torch.randn(R, H, D, dtype=lm.dtype)
+        L, rows = max(lens), torch.arange(R)
+        qp = q[:, :, None].transpose(1, 2).reshape(R, -1, 1, D)  # (R, Hq, 1, D)
+        per_row = RaggedBatch(range(R), [n - 1 for n in lens], [1] * R, "cpu", dense_slack=0)
+        dense = RaggedBatch(range(R), [n - 1 for n in lens], [1] * R, "cpu", dense_slack=10**9)
+        fns = {
+            "gather": lambda: [_padded_attention(qp, cache.k[i][rows, :, :L], cache.v[i][rows, :, :L], lens, a.scaling)
+                               for i in range(nl)],
+            "copy": lambda: [_padded_attention(qp, cache.k[i][:R, :, :L].contiguous(), cache.v[i][:R, :, :L].contiguous(),
+                                               lens, a.scaling) for i in range(nl)],
+            "per_row": lambda: [attend(cache, i, q, kv, kv, per_row, a.scaling, "eager") for i in range(nl)],
+            "dense": lambda: [attend(cache, i, q, kv, kv, dense, a.scaling, "eager") for i in range(nl)],
+            "flex": lambda: [_flex(qp, cache.k[i][:R, :, :L], cache.v[i][:R, :, :L], lens, a.scaling) for i in range(nl)],
+        }
+        errors = {}
+        try:
+            fns["flex"]()
+        except Exception as e:  # no flex_attention on this build/CPU: recorded, not fatal
+            errors["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            del fns["flex"]
+        ms = _timed(fns, reps)
+        out.append({"slots": R, "mean_context": statistics.mean(lens), "max_context": L, "ms": ms, "errors": errors,
+                    "copied_mb": 2 * nl * R * H * L * D * cache.k.element_size() / 1e6})
+    return out
+
+
+@torch.inference_mode()
+def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_new_tokens: int = 48) -> list[dict]:
+    """Batched AR over ``prompts`` at each C, prefill in its own forward: CPU-seconds split into prefill and
+    decoding (the share from the engine's profiled mode), tokens per CPU-second with and without the prefill."""
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+
+    from eagle_backbone.batched.workload import run_workload
+
+    out = []
+    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    for C in concurrency:
+        eng = BatchedSpeculativeEngine(target, None, slots=C, capacity=capacity, prefill="separate", profile=True)
+        res = run_workload(eng, prompts, C, max_new_tokens)
+        prefill = eng.prof.s.get("prefill", 0.0)
+        total = sum(eng.prof.s.values())
+        share = prefill / total if total > 0 else 0.0
+        out.append({"concurrency": C, "tokens": res.new_tokens, "cpu_s": res.cpu_s, "wall_s": res.wall_s,
+                    "tokens_per_cpu_s": res.new_tokens / res.cpu_s, "prefill_share": share,
+                    "decode_tokens_per_cpu_s": res.new_tokens / (res.cpu_s * (1 - share))})
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The page: the routes per dtype and set, then the engine's scaling per set."""
+    m = result["meta"]
+    lines = ["# The engine at real prompt lengths", "",
+             f"model: {m['model']}, threads: {m['threads']}, cpu: {m['machine'].get('cpu')} "
+             f"(bf16 matmuls in hardware: {m['machine'].get('cpu_bf16')}), torch {m['machine'].get('torch')}", "",
+             f"Command: `{m['command']}`", "",
+             "## Attention routes of one decoding step (all layers, one new token a row)", "",
+             "Median process-CPU ms, interleaved; `gather`/`copy` are the retired route (every row's K/V prefix "
+             "copied, attention over the longest context); `per_row` and `dense` are the engine's (views of the "
+             "cache). MB: the K/V the retired route copies a step.", ""]
+    routes = [r for r in ROUTES if any(r in row["ms"] for x in result["routes"] for row in x["rows"])]
+    lines += ["| dtype | prompt set | R | mean / max context | " + " | ".join(routes) + " | MB copied | retired / per_row |",
+              "|---|---|---:|---|" + "---:|" * (len(routes) + 2)]
+    for x in result["routes"]:
+        for row in x["rows"]:
+            ms = row["ms"]
+            cells = " | ".join(f"{ms[r]:.2f}" if r in ms else "–" for r in routes)
+            retired = min(ms["gather"], ms["copy"]) if row["slots"] > 1 else ms["copy"]
+            lines.append(f"| {x['dtype']} | {x['set']} | {row['slots']} | {row['mean_context']:.0f} / {row['max_context']} "
+                         f"| {cells} | {row['copied_mb']:.0f} | {retired / ms['per_row']:.2f}× |")
+    errs = {e for x in result["routes"] for row in x["rows"] for e in row["errors"].values()}
+    if errs:
+        lines += ["", "Routes that did not run: " + "; ".join(sorted(errs))]
+    lines += ["", f"## Batched AR against C ({m['dtype']}, {m['max_new_tokens']} new tokens a prompt)", "",
+              "Generated tokens per process CPU-second (one thread: the compute spent), with the prefill's share "
+              "of the engine's time (prefill in its own forward here) and the tokens per CPU-second of decoding "
+              "alone. Scaling: over C = 1.", "",
+              "| prompt set | mean prompt tokens | C | tokens / CPU-s | scaling | prefill share | decode tokens / CPU-s | decode scaling |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result["scaling"]:
+        base = s["rows"][0]
+        for r in s["rows"]:
+            lines.append(f"| {s['set']} | {s['mean_prompt_tokens']:.0f} | {r['concurrency']} | {r['tokens_per_cpu_s']:.1f} "
+                         f"| {r['tokens_per_cpu_s'] / base['tokens_per_cpu_s']:.2f}× | {r['prefill_share']:.0%} "
+                         f"| {r['decode_tokens_per_cpu_s']:.1f} "
+                         f"| {r['decode_tokens_per_cpu_s'] / base['decode_tokens_per_cpu_s']:.2f}× |")
+    return "\n".join(lines) + "\n"

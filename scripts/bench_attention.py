@@ -1,0 +1,69 @@
+"""The engine at real prompt lengths: attention routes and batched AR's scaling with its prefill share.
+
+    python scripts/bench_attention.py long_path=../shared/data/sharegpt_v3_500/ShareGPT_V3_filtered_500.json
+    python scripts/bench_attention.py --help
+"""
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import hydra
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("bench_attention")
+
+
+@hydra.main(config_path="../conf", config_name="bench_attention", version_base="1.3")
+@one_line_errors
+def main(cfg: DictConfig) -> None:
+    from hydra import compose
+
+    from eagle_backbone.batched.model import BatchedLlama
+    from eagle_backbone.io import atomic_write_json, atomic_write_text
+    from eagle_backbone.loading import load_target
+    from eagle_backbone.runtime import resolve_dtype
+    from ldlp.bench.attention import attention_routes, engine_scaling, markdown
+    from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
+
+    threads = start(cfg)
+    if cfg.long_path is not None and not Path(cfg.long_path).is_file():
+        raise ValueError(f"long_path={cfg.long_path}: no such file (the long prompt set's file)")
+    tok = load_tokenizer_cached(cfg.model)
+    sets = {cfg.data.name: [ids for _, ids in load_prompts(cfg.data, tok)][: cfg.prompts]}
+    if cfg.long_path is not None:
+        long_cfg = compose(config_name="bench_attention", overrides=[f"data={cfg.long_data}", f"data.path={cfg.long_path}",
+                                                                     "data.limit=null"]).data
+        sets[long_cfg.name] = [ids for _, ids in load_prompts(long_cfg, tok)][: cfg.prompts]
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    routes = []
+    for dtype in cfg.dtypes:
+        target = load_target({**model, "dtype": dtype})
+        lm = BatchedLlama(target.model, max(len(p) for ps in sets.values() for p in ps) + cfg.max_new_tokens + 2)
+        for name, ps in sets.items():
+            lengths = [len(p) + cfg.max_new_tokens // 2 for p in ps]  # mid-generation contexts
+            log.info("routes: %s, %s", dtype, name)
+            routes.append({"dtype": dtype, "set": name, "rows": attention_routes(lm, lengths, tuple(cfg.slots), cfg.reps,
+                                                                                  cfg.seed)})
+    target = load_target(model)
+    scaling = []
+    for name, ps in sets.items():
+        log.info("scaling: %s", name)
+        scaling.append({"set": name, "mean_prompt_tokens": sum(map(len, ps)) / len(ps),
+                        "rows": engine_scaling(target, ps, tuple(cfg.concurrency), cfg.max_new_tokens)})
+    meta = {"model": cfg.model.name, "dtype": str(resolve_dtype(cfg.model.dtype, cfg.model.device)).replace("torch.", ""),
+            "threads": threads, "max_new_tokens": cfg.max_new_tokens, "prompts": cfg.prompts, "machine": machine_info(),
+            "command": "python scripts/bench_attention.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    result = {"meta": meta, "routes": routes, "scaling": scaling}
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "attention.json", result, indent=2)
+    atomic_write_text(out / "attention.md", markdown(result))
+    print(markdown(result))
+    log.info("wrote %s and %s", out / "attention.json", out / "attention.md")
+
+
+if __name__ == "__main__":
+    main()
