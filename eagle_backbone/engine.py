@@ -1,33 +1,34 @@
 """The speculative engine: S slots decode at once, each with its own prompt, position, γ and budget.
 Batch 1 is the same engine with one slot (:class:`SpeculativeDecoder`, :func:`autoregressive_generate`).
 
-One step, for the running slots:
+A step runs in named phases over the running slots (:meth:`BatchedSpeculativeEngine._spec_step`):
 
-1. γ per slot: a vectorised policy (static, LDLP) gives all at once (the LDLP's γ for the next step is
-   computed right after verification and read with the accept counts); any other policy is asked per
-   slot with its own :class:`~eagle_backbone.policy.DraftContext`.
-2. Drafting, by the candidate generator (:mod:`eagle_backbone.candidates`): it first reads what the target
+1. **plan**: γ per slot. A vectorised policy (static, LDLP) gives all at once (the LDLP's γ for the next
+   step is computed right after verification and read with the accept counts); a batch policy (load-aware)
+   plans the whole batch; any other policy is asked per slot with its own
+   :class:`~eagle_backbone.policy.DraftContext` (the slow path).
+2. **draft**: the candidate generator (:mod:`eagle_backbone.candidates`) first reads what the target
    accepted since the last step (EAGLE: the accepted tokens with the target's features; draft LM: the
    accepted tokens), then drafts one depth per forward for the slots still drafting. A slot stops at its
-   γ or when its policy's ``keep_drafting`` says so.
-3. One target forward verifies every slot: slot b contributes its last token and its γ_b drafts, padded
-   to the step's longest; γ_b = 0 is a plain decoding step. Greedy or speculative-sampling verification
-   runs batched on the device.
-4. Rollback is setting lengths: the target keeps the accepted prefix, the generator keeps what it needs
-   (EAGLE's drafter only pairs built from true features, the draft LM the tokens that were accepted).
-5. One host read per step: accept counts, emitted tokens (and the LDLP's next γ, and the first tokens of
-   prompts admitted this step) in one packed tensor. Budgets and EOS are then checked on the host;
-   finished slots are free for the next prompt.
+   γ or when its policy says so.
+3. **verify**: one target forward over a ragged batch (:class:`~eagle_backbone.batched.model.RaggedBatch`):
+   slot b brings its last token and its γ_b drafts, nothing padded; γ_b = 0 is a plain decoding step. Each
+   slot attends over its own cache in place (no copy of its prefix, no padding to the longest slot).
+4. **accept**: greedy or speculative-sampling acceptance, batched on the device.
+5. **commit**: bookkeeping on the device, then the step's one host read (:class:`HostRead`: accept counts,
+   emitted tokens, the LDLP's next γ, the first tokens of prompts admitted this step), then budgets, EOS,
+   counters and policy feedback on the host. Rollback is setting lengths: the target keeps the accepted
+   prefix, the generator what it needs (EAGLE's drafter only pairs built from true features, the draft LM
+   the tokens that were accepted). Finished slots are free for the next prompt.
 
-A prompt admitted while other slots run is prefilled inside the step's target forward (projections and
-MLPs packed over both groups' tokens, attention per group): measured cheaper than its own forward
-(``prefill_join_cost`` in bench.py). The drafter's prefill needs the first token, so it is a forward of
-its own right after. Policies that read drafts (``keep_drafting``) decide on the host, one read per
-draft depth: that cost is theirs, and vectorised policies do not pay it.
+A prompt admitted while other slots run is prefilled inside the step's target forward (more rows of the
+same ragged batch: projections and MLPs over all tokens at once); the drafter's prefill needs the first
+token, so it is a forward of its own right after. Policies that read drafts (``keep_drafting``) decide on
+the host, one read per draft depth: that cost is theirs, and vectorised policies do not pay it.
 
-Positions past a slot's length are scratch: padded queries write to a trash position (the last of the
-buffers) that no real query can see. Greedy output equals each sequence's own greedy decoding by the
-target (:meth:`~eagle_backbone.target.TargetModel.reference_greedy`; float32 bit for bit, and bfloat16 with
+Bookkeeping writes past a slot's length go to a trash position (the last of the buffers) that no real
+query can see. Greedy output equals each sequence's own greedy decoding by the target
+(:meth:`~eagle_backbone.target.TargetModel.reference_greedy`; float32 bit for bit, and bfloat16 with
 eager attention on the embedded pair); sampled output has the target's distribution, with a random stream
 per sequence.
 """
@@ -287,8 +288,8 @@ class BatchedSpeculativeEngine:
     ``policy``: a :class:`DraftLengthPolicy` copied per slot (``copy.deepcopy``) or a zero-argument factory;
     None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot (default: the
     target's context). ``prefill``: "joined" (default: new prompts ride in the step's target forward, the
-    projections and MLPs packed over all tokens, attention per group; 8-30% cheaper than a forward of
-    their own on the embedded target, see ``prefill_join_cost`` in eagle_backbone/batched/bench.py) or
+    more rows of the step's ragged batch: projections and MLPs over all tokens at once; measured by
+    ``prefill_join_cost`` in the batched benchmark) or
     "separate" (their own target forward before the step).
     """
 
