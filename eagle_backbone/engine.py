@@ -287,10 +287,9 @@ class BatchedSpeculativeEngine:
 
     ``policy``: a :class:`DraftLengthPolicy` copied per slot (``copy.deepcopy``) or a zero-argument factory;
     None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot (default: the
-    target's context). ``prefill``: "joined" (default: new prompts ride in the step's target forward, the
-    more rows of the step's ragged batch: projections and MLPs over all tokens at once; measured by
-    ``prefill_join_cost`` in the batched benchmark) or
-    "separate" (their own target forward before the step).
+    target's context). ``prefill``: "joined" (default: new prompts ride in the step's target forward as
+    more rows of its ragged batch, projections and MLPs over all tokens at once; measured by
+    ``prefill_join_cost`` in the batched benchmark) or "separate" (their own target forward before the step).
     """
 
     def __init__(self, target: TargetModel, candidates=None, kind: str | None = None, slots: int = 8,
