@@ -20,6 +20,7 @@ of a noisy machine; the summary reports medians over rounds.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -366,6 +367,9 @@ def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
     return apply_overrides(cfg, stages, overrides, model)
 
 
+_policy_cache: dict = {}
+
+
 def _policy_reads(cfg, policies, stages: list[Stage], overrides) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The folders of ``cfg.paths`` that the policies read and no stage of the plan writes (the load-aware
     policies' cost tables in paths.cost, the per-temperature draft acceptance heads in paths.draft_acceptance),
@@ -375,18 +379,22 @@ def _policy_reads(cfg, policies, stages: list[Stage], overrides) -> tuple[tuple[
     written = {str(s.out) for s in stages} | {str(Path(cfg.paths.embedded) / "corpus")}
     roots = {str(cfg.paths.get(k)) for k in ("root", "data_dir", "outputs")}
     folders = {str(v) for k, v in cfg.paths.items() if isinstance(v, str)} - roots
-    paths_overrides = forwarded(overrides, ("paths",))
+    # the policies' paths as the stages resolve them: every leaf of the main command's paths
+    paths_overrides = [f"paths.{k}={v}" for k, v in cfg.paths.items() if isinstance(v, str)]
     reads = []
     for name in dict.fromkeys(str(x) for x in policies):
         if not (CONF_DIR / "policy" / f"{name}.yaml").is_file():
             continue
-        try:
-            from omegaconf import OmegaConf
+        key = (name, tuple(paths_overrides), str(CONF_DIR))
+        if key not in _policy_cache:
+            try:
+                from omegaconf import OmegaConf
 
-            policy = OmegaConf.to_container(_compose("evaluate", [f"policy={name}"] + paths_overrides).policy,
-                                            resolve=True)
-        except Exception:  # a policy config that needs more than the defaults: the sweep itself will say so
-            continue
+                _policy_cache[key] = OmegaConf.to_container(
+                    _compose("evaluate", [f"policy={name}"] + paths_overrides).policy, resolve=True)
+            except Exception:  # a policy config that needs more than the defaults: the sweep itself will say so
+                _policy_cache[key] = {}
+        policy = _policy_cache[key]
         reads += [str(v) for v in policy.values() if isinstance(v, str) and v in folders and v not in written]
     reads = tuple(dict.fromkeys(reads))
     cost = str(cfg.paths.get("cost"))
@@ -808,18 +816,19 @@ def run(cfg, model: str = "embedded", overrides=()) -> dict | None:
     (returns None)."""
     check_models(cfg, model, overrides)
     stages = plan(cfg, model, overrides)
-    runner = StageRunner(cfg, stages)
-    h2h = cfg.get("head_to_head")
-    lines, total = runner.preview(stages, bool(h2h and h2h.get("enabled")))
-    source = "this machine's last run" if runner.times else "reference estimates"
-    print(f"plan ({len(lines)} stages, expected {total / 60:.1f} min for those that run; times from {source}, "
-          f"model.dtype={next((s.resolved['model.dtype'] for s in stages if s.resolved), '?')}):", flush=True)
-    for line in lines:
-        print("  " + line, flush=True)
-    if cfg.get("dry_run"):
-        return None
-    runner.stages = {s.name: s for s in stages}
-    with FolderLock(lock_folders(cfg, stages)):
+    dry = bool(cfg.get("dry_run"))
+    with (contextlib.nullcontext() if dry else FolderLock(lock_folders(cfg, stages))):  # a dry run only reads
+        runner = StageRunner(cfg, stages)
+        h2h = cfg.get("head_to_head")
+        lines, total = runner.preview(stages, bool(h2h and h2h.get("enabled")))
+        source = "this machine's last run" if runner.times else "reference estimates"
+        print(f"plan ({len(lines)} stages, expected {total / 60:.1f} min for those that run; times from {source}, "
+              f"model.dtype={next((s.resolved['model.dtype'] for s in stages if s.resolved), '?')}):", flush=True)
+        for line in lines:
+            print("  " + line, flush=True)
+        if dry:
+            return None
+        runner.stages = {s.name: s for s in stages}
         return _run(cfg, model, overrides, stages, runner)
 
 
