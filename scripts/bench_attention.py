@@ -25,7 +25,7 @@ def main(cfg: DictConfig) -> None:
     from eagle_backbone.io import atomic_write_json, atomic_write_text
     from eagle_backbone.loading import load_target
     from eagle_backbone.runtime import resolve_dtype
-    from ldlp.bench.attention import attention_routes, engine_scaling, markdown
+    from ldlp.bench.attention import attention_routes, engine_scaling, linear_kernels, markdown
     from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
 
     threads = start(cfg)
@@ -38,10 +38,11 @@ def main(cfg: DictConfig) -> None:
                                                                      "data.limit=null"]).data
         sets[long_cfg.name] = [ids for _, ids in load_prompts(long_cfg, tok)][: cfg.prompts]
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    routes = []
+    routes, linear = [], []
     for dtype in cfg.dtypes:
         target = load_target({**model, "dtype": dtype})
         lm = BatchedLlama(target.model, max(len(p) for ps in sets.values() for p in ps) + cfg.max_new_tokens + 2)
+        linear.append({"dtype": dtype, "rows": linear_kernels(lm, reps=cfg.reps, seed=cfg.seed)})
         for name, ps in sets.items():
             lengths = [len(p) + cfg.max_new_tokens // 2 for p in ps]  # mid-generation contexts
             log.info("routes: %s, %s", dtype, name)
@@ -56,7 +57,7 @@ def main(cfg: DictConfig) -> None:
     meta = {"model": cfg.model.name, "dtype": str(resolve_dtype(cfg.model.dtype, cfg.model.device)).replace("torch.", ""),
             "threads": threads, "max_new_tokens": cfg.max_new_tokens, "prompts": cfg.prompts, "machine": machine_info(),
             "command": "python scripts/bench_attention.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
-    result = {"meta": meta, "routes": routes, "scaling": scaling}
+    result = {"meta": meta, "routes": routes, "linear": linear, "scaling": scaling}
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "attention.json", result, indent=2)

@@ -12,7 +12,12 @@ prefill share (``scripts/bench_attention.py``, docs/batched.md).
    * ``flex``: ``torch.nn.attention.flex_attention`` with a block mask from the rows' lengths (eager: this
      CPU build has no compiled kernel without ``torch.compile``), where it runs.
 
-2. **Scaling** (:func:`engine_scaling`): batched AR on a prompt set at each C, with prefill in its own
+2. **Linear kernels** (:func:`linear_kernels`): the target's projections at M tokens through
+   ``torch.nn.functional.linear`` (what the compact forward calls) against oneDNN's linear
+   (``torch.ops.mkldnn._linear_pointwise``, the kind of kernel CPU serving engines call), with whether each
+   gives a row the same bits alone (M = 1) and inside M rows.
+
+3. **Scaling** (:func:`engine_scaling`): batched AR on a prompt set at each C, with prefill in its own
    forward so that its seconds are separable: generated tokens per process CPU-second, the prefill's share
    of the run, and decode-only tokens per CPU-second (prefill seconds left out). Prefill costs the same
    per prompt token at any C (its matrices are already a batch), so a prompt set whose prompts are long
@@ -105,6 +110,33 @@ def attention_routes(lm: BatchedLlama, lengths: list[int], slots=(1, 16, 32), re
 
 
 @torch.inference_mode()
+def linear_kernels(lm: BatchedLlama, tokens=(1, 16, 80), reps: int = 10, seed: int = 0) -> list[dict]:
+    """Median CPU ms of one layer's q/k/v/o and MLP projections at M tokens, torch's F.linear against oneDNN's
+    linear; ``same_bits_alone``: each kernel gives the first row the same bits at M = 1 as inside M rows."""
+    g = torch.Generator().manual_seed(seed)
+    layer = lm.layers[0]
+    mods = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+    onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    kernels = {"F.linear": lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)}
+    if onednn is not None:
+        kernels["onednn"] = lambda m, x: onednn(x, m.weight, m.bias, "none", [], "")
+    out = []
+    for M in tokens:
+        xs = {m: torch.randn(M, m.in_features, generator=g).to(lm.dtype) for m in mods}
+        fns = {k: (lambda f=f: [f(m, xs[m]) for m in mods]) for k, f in kernels.items()}
+        try:
+            ms = _timed(fns, reps)
+        except RuntimeError as e:  # oneDNN without this dtype on this CPU
+            ms = _timed({"F.linear": fns["F.linear"]}, reps)
+            ms["onednn_error"] = str(e).splitlines()[0][:160]
+        same = {k: all(torch.equal(f(m, xs[m][:1]), f(m, xs[m])[:1]) for m in mods) for k, f in kernels.items()
+                if k in ms}
+        out.append({"tokens": M, "ms": ms, "same_bits_alone": same})
+    return out
+
+
+@torch.inference_mode()
 def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_new_tokens: int = 48) -> list[dict]:
     """Batched AR over ``prompts`` at each C, prefill in its own forward: CPU-seconds split into prefill and
     decoding (the share from the engine's profiled mode), tokens per CPU-second with and without the prefill."""
@@ -150,6 +182,17 @@ def markdown(result: dict) -> str:
     errs = {e for x in result["routes"] for row in x["rows"] for e in row["errors"].values()}
     if errs:
         lines += ["", "Routes that did not run: " + "; ".join(sorted(errs))]
+    lines += ["", "## Linear kernels (one layer's projections at M tokens)", "",
+              "Median process-CPU ms; same bits alone: a row scored alone (M = 1) gets the bits it gets inside M rows.", "",
+              "| dtype | M | F.linear | oneDNN | F.linear / oneDNN | same bits alone (F.linear, oneDNN) |",
+              "|---|---:|---:|---:|---:|---|"]
+    for x in result.get("linear", []):
+        for r in x["rows"]:
+            ms, same = r["ms"], r["same_bits_alone"]
+            one, base = ms.get("onednn"), ms["F.linear"]
+            speed = "–" if one is None else f"{base / one:.2f}×"
+            lines.append(f"| {x['dtype']} | {r['tokens']} | {base:.3f} | {'–' if one is None else f'{one:.3f}'} | {speed} | "
+                         f"{same.get('F.linear')}, {same.get('onednn', '–')} |")
     lines += ["", f"## Batched AR against C ({m['dtype']}, {m['max_new_tokens']} new tokens a prompt)", "",
               "Generated tokens per process CPU-second (one thread: the compute spent), with the prefill's share "
               "of the engine's time (prefill in its own forward here) and the tokens per CPU-second of decoding "
