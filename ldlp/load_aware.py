@@ -6,7 +6,7 @@ expected emitted tokens per second:
     E = Σ_b (1 + Σ_{i ≤ γ_b} S_bi),   S_bi = Π_{j ≤ i} a_bj   (a_bj: P(draft j kept | drafts < j kept))
     T = overhead(R) + feed(R) + Σ_depths draft(A_d) + target(R, N = Σ_b (γ_b + 1))
 
-with ``target``, ``draft``, ``feed`` and ``overhead`` read from a :class:`~eagle_backbone.batched.cost.CostTable`
+with ``target``, ``draft``, ``feed`` and ``overhead`` read from a :class:`~eagle_backbone.cost.CostTable`
 profiled on this machine. Drafting goes depth by depth because a_bi needs the drafter's state at depth i.
 
 Three policies share :class:`LoadAwarePolicy` (the cost table, the running acceptance rate, the plan of a
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.batched.cost import CostTable, cost_key, load_or_profile
+from eagle_backbone.cost import CostTable, cost_key, load_or_profile
 from eagle_backbone.policy import BatchDraftPolicy, DraftContext
 from ldlp.calibration import EPS, OnlineLogitCalibration
 

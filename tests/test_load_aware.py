@@ -1,4 +1,4 @@
-"""policy=load_aware and its ablations (ldlp/load_aware.py), its cost table (eagle_backbone/batched/cost.py) and
+"""policy=load_aware and its ablations (ldlp/load_aware.py), its cost table (eagle_backbone/cost.py) and
 online recalibration (ldlp/calibration.py): the allocation the policies call against brute force, their
 decisions against the pre-refactor single-class policy, the two cost extremes, the YAMLs, and losslessness
 in a batch, greedy and sampled. Tiny float32 models; synthetic cost tables; no clock read."""
@@ -17,7 +17,7 @@ import torch
 from test_batched import _chi2_pvalue, _pair_distribution, ar, noisy_copy, prompts_of
 
 import ldlp.load_aware as la
-from eagle_backbone.batched.cost import CostTable, check_costs, cost_key, profile_costs, table_path
+from eagle_backbone.cost import CostTable, check_costs, cost_key, profile_costs, table_path
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
 from eagle_backbone.policy import DraftContext
@@ -389,7 +389,7 @@ def test_greedy_identity_in_a_batch(tmp_path, t32, eagle32, mode):
                  **({"threshold": 0.02} if mode == "fixed" else {}))
     prompts = prompts_of((3, 11, 6, 8, 4, 9), seed=7)
     eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=pol)
-    from eagle_backbone.batched.workload import run_workload
+    from ldlp.bench.workload import run_workload
 
     res = run_workload(eng, prompts, 3, 16)
     assert [o.tokens for o in res.outputs] == ar(t32, prompts, 16)
@@ -470,6 +470,6 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="estimator"):
         LoadAwareMarginal(cost_dir=str(tmp_path), model="tiny", estimator=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="no cost table"):
-        from eagle_backbone.batched.cost import load_or_profile
+        from eagle_backbone.cost import load_or_profile
 
         load_or_profile(tmp_path, {"dtype": "float32", "device": "cpu", "threads": 1}, None, profile_if_missing=False)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.batched.model import RaggedBatch
+from eagle_backbone.llama import RaggedBatch
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_write_json
 
@@ -456,13 +456,3 @@ def check_costs(table: CostTable, engine_factory, prompts: list[list[int]], slot
             rows.append({"slots": R, "gamma": g, "measured_ms": ms, "predicted_ms": pred, "tokens_per_row": per_row,
                          "measured_tokens_per_ms": R * per_row / ms, "predicted_tokens_per_ms": R * per_row / pred})
     return rows
-
-
-def check_markdown(rows: list[dict]) -> str:
-    lines = ["| slots | γ | measured ms | predicted ms | error | tokens a row | tokens/ms measured | tokens/ms predicted |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['slots']} | {r['gamma']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
-                     f"{100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}% | {r['tokens_per_row']:.2f} | "
-                     f"{r['measured_tokens_per_ms']:.2f} | {r['predicted_tokens_per_ms']:.2f} |")
-    return "\n".join(lines) + "\n"
