@@ -161,14 +161,11 @@ def threshold_codes(survival: Sequence[float], accept: Sequence[float], can_cont
 def uniform_gamma(costs: CostTable, R: int, cap: int, accept: float, feed_tokens: float) -> int:
     """The γ ≤ ``cap`` that maximises expected tokens per ms for R slots drafting alike at acceptance rate
     ``accept`` (0: plain decoding), with the drafter's catch-up forward over ``feed_tokens`` a row."""
-    c = costs
-    base = c.overhead_ms(R) + c.target_ms(R, R)
-    best_g, best_rate = 0, R / base
-    value, t_draft = 0.0, c.feed_ms(R, feed_tokens)
+    best_g, best_rate = 0, R / costs.step_ms(R, [], R, feed_tokens)
+    value = 0.0
     for g in range(1, cap + 1):
         value += accept ** g
-        t_draft += c.draft_ms(R, R)
-        rate = R * (1 + value) / (c.overhead_ms(R) + t_draft + c.target_ms(R, R * (g + 1)))
+        rate = R * (1 + value) / costs.step_ms(R, [R] * g, R * (g + 1), feed_tokens)
         if rate > best_rate:
             best_g, best_rate = g, rate
     return best_g

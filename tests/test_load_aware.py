@@ -473,3 +473,21 @@ def test_bad_settings_are_one_line_errors(tmp_path):
         from eagle_backbone.cost import load_or_profile
 
         load_or_profile(tmp_path, {"dtype": "float32", "device": "cpu", "threads": 1}, None, profile_if_missing=False)
+
+
+def test_step_ms_is_the_one_step_formula():
+    """CostTable.step_ms (read by the load-aware policies, check_costs and replay): bookkeeping + verification
+    + (catch-up + one depth per entry of depth_rows, when any row drafts); uniform_gamma plans with it."""
+    from ldlp.load_aware import uniform_gamma
+
+    c = rich_table(1.0)
+    for R in (1, 3, 8, 20):
+        assert c.step_ms(R, [], R, 2.0) == pytest.approx(c.overhead_ms(R) + c.target_ms(R, R))
+        depths = [R, max(1, R // 2), 1]
+        want = (c.overhead_ms(R) + c.target_ms(R, R + sum(depths)) + c.feed_ms(R, 2.0)
+                + sum(c.draft_ms(a, R) for a in depths))
+        assert c.step_ms(R, depths, R + sum(depths), 2.0) == pytest.approx(want)
+        for accept in (0.0, 0.5, 0.9):  # the γ that maximises tokens per ms under the formula
+            rates = [R * sum(accept ** i for i in range(g + 1)) / c.step_ms(R, [R] * g, R * (g + 1), 2.0)
+                     for g in range(7)]
+            assert uniform_gamma(c, R, 6, accept, 2.0) == max(range(7), key=lambda g: (rates[g], -g))
