@@ -1,8 +1,10 @@
-"""The decoding core: target, drafters (EAGLE-1, draft LM), candidate generation, sampling and
-verification, the engine (S slots at once; batch 1 is one slot), the draft-length policy interface, metrics, loading, I/O, runtime settings and
-timing (``timing``: the one interleaved runner every comparison of timings uses).
+"""The decoding core: target, drafters (EAGLE-1, draft LM), the compact Llama forward on per-slot KV caches
+(``llama``), candidate generation, sampling and verification, the engine (S slots at once; batch 1 is one slot),
+the draft-length policy interface, the measured step cost model and its profiler (``cost``), metrics, loading,
+I/O, runtime settings and timing (``timing``: the one interleaved runner every comparison of timings uses).
 
-May import torch, transformers, safetensors and omegaconf; never ``ldlp``. Subpackages: ``data``
-(conversations, corpus, tokenizer), ``train`` (the embedded pair), ``batched`` (the engine's compact model on per-slot caches, continuous
-batching, the step cost model, the load benchmark).
+May import torch, transformers, safetensors and omegaconf; never ``ldlp``. No module here imports matplotlib
+or writes Markdown: benchmarks, workloads, statistics, pages and plots live in ``ldlp.bench``. Subpackages:
+``data`` (conversations, corpus, tokenizer) and ``train`` (the embedded pair); each imports the core, and the
+core imports neither.
 """

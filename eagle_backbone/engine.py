@@ -11,7 +11,7 @@ A step runs in named phases over the running slots (:meth:`BatchedSpeculativeEng
    accepted since the last step (EAGLE: the accepted tokens with the target's features; draft LM: the
    accepted tokens), then drafts one depth per forward for the slots still drafting. A slot stops at its
    γ or when its policy says so.
-3. **verify**: one target forward over a ragged batch (:class:`~eagle_backbone.batched.model.RaggedBatch`):
+3. **verify**: one target forward over a ragged batch (:class:`~eagle_backbone.llama.RaggedBatch`):
    slot b brings its last token and its γ_b drafts, nothing padded; γ_b = 0 is a plain decoding step. Each
    slot attends over its own cache in place (no copy of its prefix, no padding to the longest slot).
 4. **accept**: greedy or speculative-sampling acceptance, batched on the device.
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_backbone.batched.model import BatchedLlama, RaggedBatch
+from eagle_backbone.llama import BatchedLlama, RaggedBatch
 from eagle_backbone.candidates import CandidateGenerator, make_candidates
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import (

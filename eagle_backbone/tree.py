@@ -425,7 +425,7 @@ def budget_costs(cost: Callable[[int, int], float] | torch.Tensor | Sequence[flo
     """(n_max + 1,) float64: the cost of scoring N = R + n tokens, n = 0..n_max, for R rows.
 
     ``cost`` is a callable ``cost(R, N) -> seconds`` (e.g. a step's verification plus drafting from
-    :class:`~eagle_backbone.batched.cost.CostTable`) or a table indexed by N (``cost[N]``; past its end a
+    :class:`~eagle_backbone.cost.CostTable`) or a table indexed by N (``cost[N]``; past its end a
     budget is not allowed: inf). Both depend only on shapes: host work, no device read."""
     if callable(cost):
         vals = [float(cost(R, R + n)) for n in range(n_max + 1)]

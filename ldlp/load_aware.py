@@ -6,7 +6,7 @@ expected emitted tokens per second:
     E = Σ_b (1 + Σ_{i ≤ γ_b} S_bi),   S_bi = Π_{j ≤ i} a_bj   (a_bj: P(draft j kept | drafts < j kept))
     T = overhead(R) + feed(R) + Σ_depths draft(A_d) + target(R, N = Σ_b (γ_b + 1))
 
-with ``target``, ``draft``, ``feed`` and ``overhead`` read from a :class:`~eagle_backbone.batched.cost.CostTable`
+with ``target``, ``draft``, ``feed`` and ``overhead`` read from a :class:`~eagle_backbone.cost.CostTable`
 profiled on this machine. Drafting goes depth by depth because a_bi needs the drafter's state at depth i.
 
 Three policies share :class:`LoadAwarePolicy` (the cost table, the running acceptance rate, the plan of a
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.batched.cost import CostTable, cost_key, load_or_profile
+from eagle_backbone.cost import CostTable, cost_key, load_or_profile
 from eagle_backbone.policy import BatchDraftPolicy, DraftContext
 from ldlp.calibration import EPS, OnlineLogitCalibration
 
@@ -161,14 +161,11 @@ def threshold_codes(survival: Sequence[float], accept: Sequence[float], can_cont
 def uniform_gamma(costs: CostTable, R: int, cap: int, accept: float, feed_tokens: float) -> int:
     """The γ ≤ ``cap`` that maximises expected tokens per ms for R slots drafting alike at acceptance rate
     ``accept`` (0: plain decoding), with the drafter's catch-up forward over ``feed_tokens`` a row."""
-    c = costs
-    base = c.overhead_ms(R) + c.target_ms(R, R)
-    best_g, best_rate = 0, R / base
-    value, t_draft = 0.0, c.feed_ms(R, feed_tokens)
+    best_g, best_rate = 0, R / costs.step_ms(R, [], R, feed_tokens)
+    value = 0.0
     for g in range(1, cap + 1):
         value += accept ** g
-        t_draft += c.draft_ms(R, R)
-        rate = R * (1 + value) / (c.overhead_ms(R) + t_draft + c.target_ms(R, R * (g + 1)))
+        rate = R * (1 + value) / costs.step_ms(R, [R] * g, R * (g + 1), feed_tokens)
         if rate > best_rate:
             best_g, best_rate = g, rate
     return best_g

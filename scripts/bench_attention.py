@@ -21,7 +21,7 @@ log = logging.getLogger("bench_attention")
 def main(cfg: DictConfig) -> None:
     from hydra import compose
 
-    from eagle_backbone.batched.model import BatchedLlama
+    from eagle_backbone.llama import BatchedLlama
     from eagle_backbone.io import atomic_write_json, atomic_write_text
     from eagle_backbone.loading import load_target
     from eagle_backbone.runtime import resolve_dtype

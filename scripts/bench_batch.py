@@ -19,7 +19,7 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from eagle_backbone.batched.bench import Contender, check_contenders, check_sweep_args, sweep, write, written
+    from ldlp.bench.load_sweep import Contender, check_contenders, check_sweep_args, sweep, write, written
     from eagle_backbone.candidates import make_candidates
     from eagle_backbone.errors import MissingCheckpoint
     from ldlp.bench.conversation import prompt_categories

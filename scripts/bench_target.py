@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from eagle_backbone.bench import batch_invariance, forward_costs
+from ldlp.bench.target import batch_invariance, forward_costs
 from eagle_backbone.loading import load_target
 
 

@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from eagle_backbone.train.model_card import build_model_card
+from ldlp.bench.model_card import build_model_card
 
 
 @hydra.main(config_path="../conf", config_name="model_card", version_base="1.3")

@@ -12,9 +12,8 @@ from omegaconf import DictConfig
 @hydra.main(config_path="../conf", config_name="profile_cost", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from eagle_backbone.batched.cost import (
+    from eagle_backbone.cost import (
         check_costs,
-        check_markdown,
         cost_key,
         full_key,
         profile_costs,
@@ -22,6 +21,7 @@ def main(cfg: DictConfig) -> None:
     )
     from eagle_backbone.errors import ConfigError
     from eagle_backbone.engine import BatchedSpeculativeEngine
+    from ldlp.bench.load_sweep import check_markdown
     from ldlp.bench.loaders import load_pair_cached
 
     threads = start(cfg)

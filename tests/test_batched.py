@@ -1,4 +1,4 @@
-"""The batched engine (eagle_backbone/batched): greedy identity with each sequence's own batch-1 output,
+"""The batched engine (eagle_backbone/engine.py, eagle_backbone/llama.py; the workload in ldlp/bench/workload.py): greedy identity with each sequence's own batch-1 output,
 sampling exactness in a batch, per-slot cache rollback, continuous batching and bad input.
 
 Tiny float32 Llamas (tests/conftest.py); the embedded pair, where present, gives an EAGLE drafter whose
@@ -15,8 +15,8 @@ import torch
 from eagle_backbone import engine as bengine
 from eagle_backbone import sampling as bsampling
 from eagle_backbone.engine import BatchedSpeculativeEngine
-from eagle_backbone.batched.model import BatchedLlama, RaggedBatch
-from eagle_backbone.batched.workload import run_workload
+from eagle_backbone.llama import BatchedLlama, RaggedBatch
+from ldlp.bench.workload import run_workload
 from eagle_backbone.candidates import (
     DraftModelCandidateGenerator,
     EagleCandidateGenerator,
@@ -418,7 +418,7 @@ def test_sweep_groups_by_category(t32, eagle32):
     (contender, C) with a column per category."""
     from conftest import table_rows
 
-    from eagle_backbone.batched.bench import Contender, markdown, sweep
+    from ldlp.bench.load_sweep import Contender, markdown, sweep
 
     prompts = prompts_of((5, 9, 3, 11, 6, 2))
     categories = ["writing", "coding", "writing", None, "coding", "writing"]  # None: left out of the grouping

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import table_rows
 
-from eagle_backbone.batched.bench import (
+from ldlp.bench.load_sweep import (
     BASELINES,
     ROW_KEYS,
     Contender,
@@ -311,7 +311,7 @@ def test_pipeline_plans_the_short_load_sweep_and_publishes_its_page(tmp_path):
                                                          f"paths.data_dir={tmp_path / 'data'}"])
     stage = next(s for s in plan(cfg) if s.name == "bench_batch")
     assert stage.out == Path(cfg.paths.results) / "load_sweep" and stage.script == "bench_batch.py"
-    assert "concurrency=[1,4,16,32]" in stage.args and "temperatures=[0.0,1.0]" in stage.args
+    assert "concurrency=[1,4,16]" in stage.args and "temperatures=[0.0,1.0]" in stage.args  # conf/pipeline.yaml
     contenders = next(a for a in stage.args if a.startswith("contenders="))
     for spec in cfg.bench_batch.contenders:  # a policy without its conf/policy/<name>.yaml is left out
         name = spec.split()[0].split("=", 1)[1]
@@ -395,7 +395,7 @@ def test_policy_interpolations_follow_the_running_config(tmp_path):
 
 
 def test_sweep_settings_are_checked_raw_before_anything_runs():
-    from eagle_backbone.batched.bench import check_contenders, check_sweep_args, draft_cap
+    from ldlp.bench.load_sweep import check_contenders, check_sweep_args, draft_cap
     from eagle_backbone.errors import ConfigError
 
     bad = {"truncated": dict(concurrency=[1, 1.5]), "merged": dict(concurrency=[2, 2]),
@@ -421,7 +421,7 @@ def test_sweep_settings_are_checked_raw_before_anything_runs():
 
 
 def test_a_stopped_sweep_says_so_and_a_reused_folder_keeps_no_older_file(t32, eagle32, tmp_path):
-    from eagle_backbone.batched.bench import written
+    from ldlp.bench.load_sweep import written
 
     out = tmp_path / "out"
     out.mkdir()
@@ -503,7 +503,7 @@ def test_bench_batch_fails_on_a_bad_contender_in_one_line_before_loading(tmp_pat
 def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_needs(t32, eagle32, tmp_path):
     from conftest import make_drafter
 
-    from eagle_backbone.batched.cost import (
+    from eagle_backbone.cost import (
         CostTable,
         cost_key,
         load_or_profile,
@@ -562,7 +562,7 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
 
 
 def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, eagle32, tmp_path):
-    from eagle_backbone.batched.cost import cost_key, load_or_profile
+    from eagle_backbone.cost import cost_key, load_or_profile
     from eagle_backbone.engine import BatchedSpeculativeEngine
     from ldlp.load_aware import LoadAwareMarginal
 

@@ -98,7 +98,7 @@ def test_shipped_target_verification_logits_equal_decoding_logits_bitwise():
     """conf/model/embedded.yaml runs the target in bfloat16 with eager attention because then a token's
     logits are the same bits whether it is verified among γ+1 tokens or decoded alone: greedy output
     cannot differ from plain decoding even at a near-tie."""
-    from eagle_backbone.bench import batch_invariance
+    from ldlp.bench.target import batch_invariance
     from eagle_backbone.loading import load_target
 
     cfg = _shipped_model_config()

@@ -890,7 +890,7 @@ def test_scripts_print_the_projects_own_value_errors_in_one_line(monkeypatch, ca
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     from _setup import one_line_errors
 
-    from eagle_backbone.batched.bench import check_sweep_args
+    from ldlp.bench.load_sweep import check_sweep_args
     from eagle_backbone.errors import ConfigError
 
     @one_line_errors

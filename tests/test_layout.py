@@ -1,10 +1,12 @@
-"""The layout's rules, read from the source with ``ast``: no import cycles among the project's modules, no
-module importing another's private (``_name``) names, every stage package within what its ``__init__``
-says it may import, and reading labels or replaying policies without Lightning."""
+"""The layout's rules, read from the source with ``ast``: no import cycles among the project's modules nor
+among its packages, no module importing another's private (``_name``) names, every stage package within what
+its ``__init__`` says it may import, no plots or Markdown in the decoding core, and reading labels or replaying
+policies without Lightning."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +28,11 @@ RULES = {
 # the method's top-level modules (all but the orchestrator): eagle_backbone and each other, never a stage package
 RULES.update({f"ldlp.{f.stem}": ("ldlp.labels", "ldlp.training", "ldlp.bench", "ldlp.report", "ldlp.pipeline")
               for f in (REPO_ROOT / "ldlp").glob("*.py") if f.stem not in ("__init__", "pipeline")})
+
+# modules above every package (orchestrators nothing in the packages imports): a node of their own in the
+# package graph, so that the orchestrator importing the stages it runs is not a cycle of its package with them
+ENTRY_POINTS = ("ldlp.pipeline",)
+CORE = "eagle_backbone"
 
 
 # -- the checker ---------------------------------------------------------------------------------------------
@@ -85,20 +92,26 @@ def check_layout(root: Path, packages, rules) -> dict[str, list[str]]:
                 if within(name, prefix):
                     found["rules"] += [f"{where}: {name} imports {target} ({prefix} never imports {b})"
                                        for b in banned if within(target, b)]
-    # cycles: depth-first search, each cycle reported once (from its smallest module)
+    found["cycles"] = _cycles(graph)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every cycle a depth-first search meets, each reported once (rotated to start at its smallest node)."""
+    found: list[str] = []
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(m: str) -> None:
         state[m] = 1
         stack.append(m)
-        for n in sorted(graph[m]):
+        for n in sorted(graph.get(m, ())):
             if state.get(n) == 1:
                 cycle = stack[stack.index(n):]
                 k = cycle.index(min(cycle))
                 text = " -> ".join(cycle[k:] + cycle[:k] + [min(cycle)])
-                if text not in found["cycles"]:
-                    found["cycles"].append(text)
+                if text not in found:
+                    found.append(text)
             elif n not in state:
                 visit(n)
         stack.pop()
@@ -107,6 +120,62 @@ def check_layout(root: Path, packages, rules) -> dict[str, list[str]]:
     for m in sorted(graph):
         if m not in state:
             visit(m)
+    return found
+
+
+def package_of(name: str, path: Path, entry_points=()) -> str:
+    """The package a module belongs to: itself for a package's ``__init__`` or an entry point, else its parent."""
+    if path.name == "__init__.py" or name in entry_points:
+        return name
+    return name.rsplit(".", 1)[0]
+
+
+def package_cycles(root: Path, packages, entry_points=()) -> list[str]:
+    """Cycles among packages: package A depends on package B when a module of A imports a module of B (a
+    subpackage is a package of its own; ``entry_points`` are nodes of their own). Two packages that import
+    each other, through any modules, are a cycle even when no two modules are."""
+    modules = project_modules(root, packages)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        a = package_of(name, path, entry_points)
+        graph.setdefault(a, set())
+        for target, _, _ in imports(name, path, modules):
+            if target in modules:
+                b = package_of(target, modules[target], entry_points)
+                if b != a:
+                    graph[a].add(b)
+    return _cycles(graph)
+
+
+def imported_by(root: Path, packages, module: str) -> list[str]:
+    """The project's modules that import ``module``."""
+    modules = project_modules(root, packages)
+    return sorted(n for n, p in modules.items() if n != module and any(t == module for t, _, _ in imports(n, p, modules)))
+
+
+MARKDOWN_FILE = re.compile(r"\.md\b")
+
+
+def plots_and_markdown(root: Path, package: str) -> list[str]:
+    """Where a package's modules plot or write Markdown: an import of matplotlib (at any depth), a function
+    whose name says Markdown, or a string (docstrings aside) naming a ``.md`` file."""
+    found = []
+    for name, path in project_modules(root, (package,)).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        where = path.relative_to(root)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [f"{where}:{node.lineno}: imports {a.name}" for a in node.names if within(a.name, "matplotlib")]
+            elif isinstance(node, ast.ImportFrom) and node.module and within(node.module, "matplotlib"):
+                found.append(f"{where}:{node.lineno}: imports {node.module}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "markdown" in node.name.lower():
+                found.append(f"{where}:{node.lineno}: defines {node.name}")
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+                  and MARKDOWN_FILE.search(node.value)):
+                found.append(f"{where}:{node.lineno}: names a Markdown file ({node.value[:40]!r})")
     return found
 
 
@@ -147,6 +216,40 @@ def test_checker_passes_a_clean_package(tmp_path):
                                                                                 "rules": []}
 
 
+def test_package_checker_finds_a_cycle_between_packages_without_a_module_cycle(tmp_path):
+    _write(tmp_path, {
+        "core/__init__.py": "",
+        "core/engine.py": "from core.sub import model\n",  # core -> core.sub
+        "core/errors.py": "",
+        "core/sub/__init__.py": "",
+        "core/sub/model.py": "",
+        "core/sub/bench.py": "from core import engine, errors\n",  # core.sub -> core: no module cycle
+        "method/__init__.py": "",
+        "method/rules.py": "import core.engine\n",
+        "method/stage/__init__.py": "",
+        "method/stage/run.py": "from method import rules\n",  # method.stage -> method
+        "method/main.py": "from method.stage import run\n",  # method -> method.stage, unless main is an entry point
+    })
+    assert check_layout(tmp_path, ("core", "method"), {})["cycles"] == []
+    assert package_cycles(tmp_path, ("core", "method")) == ["core -> core.sub -> core",
+                                                            "method -> method.stage -> method"]
+    assert package_cycles(tmp_path, ("core", "method"), entry_points=("method.main",)) == ["core -> core.sub -> core"]
+    assert imported_by(tmp_path, ("core", "method"), "core.engine") == ["core.sub.bench", "method.rules"]
+
+
+def test_plot_and_markdown_checker(tmp_path):
+    _write(tmp_path, {
+        "core/__init__.py": '"""Writes no README.md (a docstring may name one)."""\n',
+        "core/a.py": "def plot():\n    import matplotlib.pyplot as plt\n",
+        "core/b.py": "from matplotlib import ticker\n",
+        "core/c.py": "def table_markdown(rows):\n    return ''\n",
+        "core/d.py": "def write(out):\n    (out / 'page.md').write_text('x')\n",
+        "core/e.py": "import json\n\n\ndef f():\n    return json.dumps({'amd': 1, 'x.mdl': 2})\n",
+    })
+    found = plots_and_markdown(tmp_path, "core")
+    assert [f.split(": ", 1)[0] for f in found] == ["core/a.py:2", "core/b.py:1", "core/c.py:1", "core/d.py:2"]
+
+
 # -- the project ---------------------------------------------------------------------------------------------
 
 
@@ -157,6 +260,23 @@ def layout():
 
 def test_no_import_cycles(layout):
     assert layout["cycles"] == []
+
+
+def test_no_package_level_cycles():
+    """No two packages depend on each other (eagle_backbone and its subpackages, ldlp and its stages), the
+    orchestrator (``ENTRY_POINTS``) standing above them all."""
+    assert package_cycles(REPO_ROOT, PACKAGES, ENTRY_POINTS) == []
+
+
+def test_entry_points_are_imported_by_no_package_module():
+    for m in ENTRY_POINTS:
+        assert imported_by(REPO_ROOT, PACKAGES, m) == [], f"{m} is an entry point: nothing in the packages imports it"
+
+
+def test_decoding_core_neither_plots_nor_writes_markdown():
+    """Benchmarks, pages and plots live in ldlp.bench; no module under eagle_backbone/ imports matplotlib,
+    defines a Markdown renderer or names a ``.md`` file."""
+    assert plots_and_markdown(REPO_ROOT, CORE) == []
 
 
 def test_no_private_imports_across_modules(layout):

@@ -1,4 +1,4 @@
-"""policy=load_aware and its ablations (ldlp/load_aware.py), its cost table (eagle_backbone/batched/cost.py) and
+"""policy=load_aware and its ablations (ldlp/load_aware.py), its cost table (eagle_backbone/cost.py) and
 online recalibration (ldlp/calibration.py): the allocation the policies call against brute force, their
 decisions against the pre-refactor single-class policy, the two cost extremes, the YAMLs, and losslessness
 in a batch, greedy and sampled. Tiny float32 models; synthetic cost tables; no clock read."""
@@ -17,7 +17,7 @@ import torch
 from test_batched import _chi2_pvalue, _pair_distribution, ar, noisy_copy, prompts_of
 
 import ldlp.load_aware as la
-from eagle_backbone.batched.cost import CostTable, check_costs, cost_key, profile_costs, table_path
+from eagle_backbone.cost import CostTable, check_costs, cost_key, profile_costs, table_path
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
 from eagle_backbone.policy import DraftContext
@@ -389,7 +389,7 @@ def test_greedy_identity_in_a_batch(tmp_path, t32, eagle32, mode):
                  **({"threshold": 0.02} if mode == "fixed" else {}))
     prompts = prompts_of((3, 11, 6, 8, 4, 9), seed=7)
     eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=pol)
-    from eagle_backbone.batched.workload import run_workload
+    from ldlp.bench.workload import run_workload
 
     res = run_workload(eng, prompts, 3, 16)
     assert [o.tokens for o in res.outputs] == ar(t32, prompts, 16)
@@ -470,6 +470,24 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="estimator"):
         LoadAwareMarginal(cost_dir=str(tmp_path), model="tiny", estimator=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="no cost table"):
-        from eagle_backbone.batched.cost import load_or_profile
+        from eagle_backbone.cost import load_or_profile
 
         load_or_profile(tmp_path, {"dtype": "float32", "device": "cpu", "threads": 1}, None, profile_if_missing=False)
+
+
+def test_step_ms_is_the_one_step_formula():
+    """CostTable.step_ms (read by the load-aware policies, check_costs and replay): bookkeeping + verification
+    + (catch-up + one depth per entry of depth_rows, when any row drafts); uniform_gamma plans with it."""
+    from ldlp.load_aware import uniform_gamma
+
+    c = rich_table(1.0)
+    for R in (1, 3, 8, 20):
+        assert c.step_ms(R, [], R, 2.0) == pytest.approx(c.overhead_ms(R) + c.target_ms(R, R))
+        depths = [R, max(1, R // 2), 1]
+        want = (c.overhead_ms(R) + c.target_ms(R, R + sum(depths)) + c.feed_ms(R, 2.0)
+                + sum(c.draft_ms(a, R) for a in depths))
+        assert c.step_ms(R, depths, R + sum(depths), 2.0) == pytest.approx(want)
+        for accept in (0.0, 0.5, 0.9):  # the γ that maximises tokens per ms under the formula
+            rates = [R * sum(accept ** i for i in range(g + 1)) / c.step_ms(R, [R] * g, R * (g + 1), 2.0)
+                     for g in range(7)]
+            assert uniform_gamma(c, R, 6, accept, 2.0) == max(range(7), key=lambda g: (rates[g], -g))

@@ -1,4 +1,5 @@
-"""Replay on oracle rows counts exactly what the engine does; the cost fit and the tuner work."""
+"""Replay on oracle rows counts exactly what the engine does; the cost fit, pricing by the cost table and the
+tuner work."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
-from ldlp.bench.replay import CostModel, OracleRows, fit_costs, grid, replay, stand_in_probs, tune
+from eagle_backbone.cost import CostTable
+from ldlp.bench.replay import CostModel, OracleRows, TableCosts, fit_costs, grid, replay, stand_in_probs, tune, tuning_markdown
 from ldlp.policies import ConfidencePolicy, DDDPolicy, HeuristicPolicy
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [6]]
@@ -88,3 +90,36 @@ def test_tune_reports_best_static_and_oracle_headroom(setup):
 def test_rows_must_have_the_columns():
     with pytest.raises(ValueError, match="lack the columns"):
         OracleRows({"label": torch.zeros(3).numpy()})
+
+
+def _affine_table(overhead=0.5, base=8.0, per_token=0.7, draft=0.9, feed=0.0) -> CostTable:
+    """A table that is affine at one slot: the target ``base + per_token * (t - 1)``, a draft depth ``draft``,
+    the drafter's catch-up ``feed`` whatever its tokens."""
+    slots, tokens = [1, 2, 4], [1, 2, 3, 5, 9]
+    return CostTable({}, slots, tokens, [[R * (base + per_token * (t - 1)) for t in tokens] for R in slots],
+                     [draft * R for R in slots], [[feed] * len(tokens) for _ in slots], [overhead] * len(slots))
+
+
+def test_table_costs_price_a_step_by_the_tables_formula():
+    tab = _affine_table(feed=0.3)
+    costs = TableCosts(tab)
+    assert costs.seconds(0, 0) == pytest.approx((0.5 + 8.0) / 1e3)  # plain decoding: no drafter forward
+    assert costs.seconds(3, 2) == pytest.approx((0.5 + 8.0 + 3 * 0.7 + 0.3 + 3 * 0.9) / 1e3)
+    assert costs.seconds(3, 2) == pytest.approx(tab.step_ms(1, [1, 1, 1], 4, 3) / 1e3)
+    assert costs.as_dict()["step_ms"] == pytest.approx(8.5) and costs.as_dict()["draft_ms"] == pytest.approx(0.9)
+
+
+def test_replay_priced_by_the_cost_table_counts_the_same_and_matches_its_affine_fit(setup):
+    """Replay reads the load-aware policies' cost table at one slot: the counts do not depend on the price, and
+    a table that is affine at one slot (no catch-up cost) prices exactly as the fitted model with its terms."""
+    _, _, rows = setup
+    table_costs = TableCosts(_affine_table())
+    linear = CostModel((0.5 + 8.0) / 1e3, (0.7 + 0.9) / 1e3)
+    for make in (lambda: StaticPolicy(3), lambda: StaticPolicy(0), lambda: DDDPolicy(-3.0, 5)):
+        a, b = replay(rows, make(), table_costs), replay(rows, make(), linear)
+        assert (a.steps, a.drafted, a.accepted, a.new_tokens) == (b.steps, b.drafted, b.accepted, b.new_tokens)
+        assert a.seconds == pytest.approx(b.seconds)
+    results = tune(rows, table_costs, {"static": (lambda p: StaticPolicy(**p), grid({"gamma": [1, 3]}))},
+                   progress=False)
+    assert "priced by the measured cost table" in tuning_markdown(results, table_costs, rows, "test")
+    assert "fitted to timed static-γ runs" in tuning_markdown(results, linear, rows, "test")

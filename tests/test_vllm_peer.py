@@ -165,7 +165,7 @@ class _FakePeer:
 
 
 def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
-    from eagle_backbone.batched.bench import Contender, markdown, sweep
+    from ldlp.bench.load_sweep import Contender, markdown, sweep
     from eagle_backbone.candidates import EagleCandidateGenerator
     from eagle_backbone.policy import StaticPolicy
 

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from eagle_backbone.batched.model import BatchedLlama, RaggedBatch, attend
+from eagle_backbone.llama import BatchedLlama, RaggedBatch, attend
 
 ROUTES = ("gather", "copy", "per_row", "dense", "flex")
 
@@ -142,7 +142,7 @@ def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_ne
     decoding (the share from the engine's profiled mode), tokens per CPU-second with and without the prefill."""
     from eagle_backbone.engine import BatchedSpeculativeEngine
 
-    from eagle_backbone.batched.workload import run_workload
+    from ldlp.bench.workload import run_workload
 
     out = []
     capacity = max(len(p) for p in prompts) + max_new_tokens + 2

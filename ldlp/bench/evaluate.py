@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from eagle_backbone.batched.cost import table_record
+from eagle_backbone.cost import table_record
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.metrics import total

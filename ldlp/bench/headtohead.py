@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle_backbone.batched.cost import table_record
+from eagle_backbone.cost import table_record
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.runtime import resolve_dtype
 from eagle_backbone.timing import interleaved

@@ -196,7 +196,7 @@ def prepare_cost_tables(policies, target, candidates, attn: str | None, concurre
     against this setup (drafter kind and weights, attention, processor...), else its setup's table loaded, or
     profiled for the slot counts this run needs only (up to ``concurrency``, the largest C; 1 at batch 1).
     ``attn``: the engine's attention math (None: the target's default, as ``SpeculativeDecoder`` uses it)."""
-    from eagle_backbone.batched.cost import CostTable, cost_key, full_key, load_or_profile, slots_for
+    from eagle_backbone.cost import CostTable, cost_key, full_key, load_or_profile, slots_for
     from eagle_backbone.engine import BatchedSpeculativeEngine
 
     if candidates is None:

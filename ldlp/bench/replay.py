@@ -6,8 +6,13 @@ and entropy per step are stored), and drafting k tokens there keeps ``min(label,
 moves ``min(label, k) + 1`` positions on. :func:`replay` therefore walks each collected sequence the
 way the engine would, asking the *real* policy objects (``gamma``, ``keep_drafting``, ``observe``), and
 counts target forwards, drafted and accepted tokens exactly, without running a model. Only time is
-modelled: :class:`CostModel` is a per-step cost plus a cost per drafted and per accepted token,
-fitted by :func:`measure_costs` to timed static-γ generations of the real engine on this machine.
+modelled, by either of two prices for a step:
+
+* :class:`TableCosts`: the engine's measured cost table (:class:`~eagle_backbone.cost.CostTable`, the one
+  the load-aware policies plan with) at one slot, through its step formula (``CostTable.step_ms``);
+* :class:`CostModel`: a per-step cost plus a cost per drafted and per accepted token, fitted by
+  :func:`measure_costs` to timed static-γ generations of the real engine on this machine (the default of
+  ``scripts/tune_policies.py``, and a check on the table: :func:`fit_costs`).
 
 ``keep_drafting`` receives a stand-in for the drafter's distribution with the stored top-1
 probability as its largest entry and (to rounding) the stored entropy: enough for the rules that read
@@ -40,6 +45,38 @@ class CostModel:
 
     def as_dict(self) -> dict:
         return {"step_ms": 1e3 * self.step_s, "draft_ms": 1e3 * self.draft_s, "accepted_ms": 1e3 * self.accepted_s}
+
+    def describe(self) -> str:
+        c = self.as_dict()
+        return (f"a step costs {c['step_ms']:.2f} ms + {c['draft_ms']:.2f} ms per drafted token + "
+                f"{c['accepted_ms']:.2f} ms per accepted token (fitted to timed static-γ runs of the engine)")
+
+
+@dataclass
+class TableCosts:
+    """Seconds of one replayed step read from a measured :class:`~eagle_backbone.cost.CostTable` with ``slots``
+    running rows (1: replay walks one sequence at a time): :meth:`~eagle_backbone.cost.CostTable.step_ms` with
+    ``drafted`` draft depths over every row, ``drafted + 1`` tokens a row scored and the drafter's catch-up
+    over ``accepted + 1`` tokens a row (this step's emitted tokens: the engine feeds them at the next step, so
+    a sequence's total is the same)."""
+
+    table: object  # eagle_backbone.cost.CostTable
+    slots: int = 1
+
+    def seconds(self, drafted: int, accepted: int) -> float:
+        R = self.slots
+        return self.table.step_ms(R, [R] * drafted, R * (drafted + 1), accepted + 1) / 1e3
+
+    def as_dict(self) -> dict:
+        R, t = self.slots, self.table
+        return {"source": "cost_table", "path": (t.meta or {}).get("path"), "key": t.key, "slots": R,
+                "step_ms": t.step_ms(R, [], R, 1), "draft_ms": t.draft_ms(R, R)}
+
+    def describe(self) -> str:
+        c = self.as_dict()
+        where = f" {c['path']}" if c["path"] else ""
+        return (f"steps are priced by the measured cost table{where} at {self.slots} slot(s) (CostTable.step_ms; "
+                f"a plain step {c['step_ms']:.2f} ms, a draft depth {c['draft_ms']:.2f} ms)")
 
 
 @dataclass
@@ -129,7 +166,7 @@ class OracleRows:
         return len(self.cols["label"])
 
 
-def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel, embed=None, vocab_size: int = 2 ** 15,
+def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel | TableCosts, embed=None, vocab_size: int = 2 ** 15,
            oracle_cap: int = 8) -> ReplayResult:
     """Walk every sequence as the engine would under ``policy`` (or ``"oracle"``: draft exactly what the
     target accepts, at most ``oracle_cap``). ``embed`` maps token ids to target embeddings (the LDLP
@@ -233,7 +270,7 @@ def grid(params: dict) -> list[dict]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
 
 
-def tune(rows: OracleRows, costs: CostModel, policies: dict, embed=None, vocab_size: int = 2 ** 15,
+def tune(rows: OracleRows, costs: CostModel | TableCosts, policies: dict, embed=None, vocab_size: int = 2 ** 15,
          oracle_cap: int = 8, progress: bool = True) -> list[dict]:
     """Replay every policy config in ``policies`` ({name: (build(params) -> policy, [params, ...])}) and
     the oracle; one dict per config with its τ, tokens/s, drafted and wasted tokens and the share of
@@ -265,13 +302,11 @@ def best_per_policy(results: list[dict]) -> dict[str, dict]:
     return best
 
 
-def tuning_markdown(results: list[dict], costs: CostModel, rows: OracleRows, where: str) -> str:
+def tuning_markdown(results: list[dict], costs: CostModel | TableCosts, rows: OracleRows, where: str) -> str:
     best = best_per_policy(results)
-    c = costs.as_dict()
     lines = [f"## Policy tuning by exact replay on oracle labels ({where})", "",
              f"{len(rows)} positions in {len(rows.sequences)} sequences. Counts (τ, drafted, wasted) are exact; "
-             f"time is modelled: a step costs {c['step_ms']:.2f} ms + {c['draft_ms']:.2f} ms per drafted token + "
-             f"{c['accepted_ms']:.2f} ms per accepted token (fitted to timed static-γ runs of the engine).", "",
+             f"time is modelled: {costs.describe()}.", "",
              "Best setting per policy:", "",
              "| policy | setting | τ | modelled tokens/s | drafted | wasted | headroom captured |",
              "|---|---|---:|---:|---:|---:|---:|"]

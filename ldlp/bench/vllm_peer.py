@@ -201,7 +201,7 @@ def vllm_available(python: str | None = None) -> bool:
 class VllmRunner:
     """A contender's runs on vLLM: :meth:`run` decodes one block of prompts with at most C in flight and
     returns the token ids per prompt and a summary with the keys of
-    :meth:`~eagle_backbone.batched.workload.WorkloadResult.summary` (token-gap p90 excepted: vLLM reports
+    :meth:`~ldlp.bench.workload.WorkloadResult.summary` (token-gap p90 excepted: vLLM reports
     each request's first and last token times, so the mean gap is exact and the p90 is not measured)."""
 
     def __init__(self, k: int | None, target_dir: str | Path, drafter_dir: str | Path | None, cache_root: str | Path,
@@ -289,7 +289,7 @@ class VllmRunner:
 
 
 def _p90(xs: list[float]) -> float:
-    from eagle_backbone.batched.workload import percentile
+    from ldlp.bench.workload import percentile
 
     return percentile(xs, 0.9)
 
@@ -300,7 +300,7 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
     k=K``, policy ``vllm``, gamma 0 or K, and a :class:`VllmRunner` on the pair's target (and its EAGLE drafter,
     converted under ``outputs/vllm_peer/drafters``; worker logs in ``outputs/vllm_peer/logs``).
     ``vllm_cfg``: ``python`` (None: this interpreter), ``dtype`` (float32)."""
-    from eagle_backbone.batched.bench import Contender
+    from ldlp.bench.load_sweep import Contender
 
     k = spec["k"]
     if k is not None and str(model_cfg.get("drafter_kind", "eagle")) != "eagle":

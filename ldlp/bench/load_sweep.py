@@ -3,7 +3,7 @@ and adaptive policies at concurrency C, on a continuous-batching workload, with 
 
 For every round, every temperature T, every C and every block of the prompts (``blocks`` workloads, fewer
 when a block would hold fewer prompts than C), every contender runs the block through
-:func:`~eagle_backbone.batched.workload.run_workload` with C streams in flight, in turns (the order rotating
+:func:`~ldlp.bench.workload.run_workload` with C streams in flight, in turns (the order rotating
 between rounds, T, C and blocks, so that a slow phase of a shared machine hits all alike). Every contender
 runs on the one engine (:class:`~eagle_backbone.engine.BatchedSpeculativeEngine`) with one candidate
 generator. Rows report each round's blocks summed, medians over rounds.
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.batched.peer import PEER_POLICIES, peer_lines
-from eagle_backbone.batched.cost import table_record
-from eagle_backbone.batched.workload import run_workload
+from ldlp.bench.peer_rows import PEER_POLICIES, peer_lines
+from eagle_backbone.cost import table_record
+from ldlp.bench.workload import run_workload
 from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
@@ -57,7 +57,7 @@ class Contender:
     policy: str  # "ar", "static" or the policy's name
     gamma: int | None  # static γ; None when adaptive (and 0 for AR)
     make: Callable | None  # zero-argument policy factory (one instance per slot); None: AR
-    runner: object | None = None  # a peer engine's runner (vLLM; eagle_backbone/batched/peer.py); None: this engine
+    runner: object | None = None  # a peer engine's runner (vLLM; ldlp/bench/peer_rows.py); None: this engine
 
 
 def _median(xs):
@@ -756,6 +756,17 @@ def plot_ratios(result: dict, path: str | Path, baseline: str = "best_static") -
     return _save(fig, plt, path)
 
 
+def check_markdown(rows: list[dict]) -> str:
+    """The cost check's table (:func:`eagle_backbone.cost.check_costs`'s rows): measured against predicted step ms."""
+    lines = ["| slots | γ | measured ms | predicted ms | error | tokens a row | tokens/ms measured | tokens/ms predicted |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['slots']} | {r['gamma']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
+                     f"{100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}% | {r['tokens_per_row']:.2f} | "
+                     f"{r['measured_tokens_per_ms']:.2f} | {r['predicted_tokens_per_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 OUTPUT_FILES = ("batch_bench.json", "batch_bench_runs.json", "batch_bench.md", "batch_bench.png",
                 "batch_bench_ratio.png")
 
@@ -802,7 +813,7 @@ def prefill_join_cost(target, concurrency=(2, 4, 8, 16, 32), prompt_len: int = 4
     target forward (then the C-1 running slots' verification forward), or joined to that step's forward
     (one ragged batch: projections and MLPs over all tokens at once, attention per row)? Median
     process-CPU ms of each, interleaved, per C."""
-    from eagle_backbone.batched.model import BatchedLlama, RaggedBatch
+    from eagle_backbone.llama import BatchedLlama, RaggedBatch
 
     g = torch.Generator().manual_seed(seed)
     lm = BatchedLlama(target.model, context + prompt_len + gamma + 4)
@@ -860,7 +871,7 @@ def profile_components(target, candidates, prompts, make_policy, concurrency=(1,
 
 
 if __name__ == "__main__":
-    # python -m eagle_backbone.batched.bench OUT_DIR: the prefill-join measurement and a profiled breakdown
+    # python -m ldlp.bench.load_sweep OUT_DIR: the prefill-join measurement and a profiled breakdown
     # of static γ=3 on the embedded pair (bf16, eager), written to OUT_DIR/prefill_join.json and profile.json
     import sys
 

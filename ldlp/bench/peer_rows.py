@@ -3,9 +3,9 @@ same prompts, budgets, stops and rounds, in turns with this engine's contenders,
 sets them side by side (issue 22): per C, vLLM's AR and its best EAGLE k against this engine's batched AR and
 best static γ, as paired ratios of tokens/s (this engine / the peer) over the (round, block) workloads both ran.
 
-A peer contender carries a ``runner`` (:class:`~eagle_backbone.batched.bench.Contender`) whose
+A peer contender carries a ``runner`` (:class:`~ldlp.bench.load_sweep.Contender`) whose
 ``run(prompts, C, max_new_tokens, seeds, sampling, stop_ids)`` returns the token ids per prompt and a summary
-with :meth:`~eagle_backbone.batched.workload.WorkloadResult.summary`'s keys; the sweep checks its greedy outputs
+with :meth:`~ldlp.bench.workload.WorkloadResult.summary`'s keys; the sweep checks its greedy outputs
 against the target's like every other contender's. Its rows' ``policy`` is in :data:`PEER_POLICIES`: they are
 neither static γ nor adaptive policies, so they take no part in choosing the baselines or in the
 adaptive contenders' ratios.

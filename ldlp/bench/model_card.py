@@ -28,7 +28,6 @@ from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import Clock, set_threads
 from eagle_backbone.target import TargetModel, rollback
 from eagle_backbone.timing import interleaved
-from eagle_backbone.train.lm import packed_blocks
 
 
 def _tokens(tokenizer, convs) -> list[int]:
@@ -144,6 +143,8 @@ def build_model_card(cfg) -> dict:
     train = load_conversations(corpus / "train.json")
     val = load_conversations(corpus / "validation.json")
     test = load_conversations(corpus / "test.json")
+
+    from eagle_backbone.train.lm import packed_blocks  # Lightning: imported when a card is built
 
     val_blocks = packed_blocks(tokenizer, val, cfg.block_size)
     target_loss = lm_validation_loss(target.model, val_blocks, max_blocks=cfg.max_val_blocks)

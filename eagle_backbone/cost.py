@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.batched.model import RaggedBatch
+from eagle_backbone.llama import RaggedBatch
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_write_json
 
@@ -159,6 +159,18 @@ class CostTable:
 
     def overhead_ms(self, R: int) -> float:
         return self._memo(("overhead", R), lambda: self._by_slots(R, self.overhead))
+
+    def step_ms(self, R: int, depth_rows, scored: float, fed_per_row: float) -> float:
+        """One speculative step of R running rows, the formula every reader of the table shares (the
+        load-aware policies, :func:`check_costs`, replay at R = 1): the engine's bookkeeping, the target's
+        verification forward scoring ``scored`` tokens in all, and, when any row drafts, the drafter's
+        catch-up forward over ``fed_per_row`` tokens a row plus one draft depth per entry of ``depth_rows``
+        (the rows still drafting at that depth). Plain decoding (no depth) pays no drafter forward."""
+        ms = self.overhead_ms(R) + self.target_ms(R, scored)
+        depths = [int(a) for a in depth_rows if a > 0]
+        if depths:
+            ms += self.feed_ms(R, fed_per_row) + sum(self.draft_ms(a, R) for a in depths)
+        return ms
 
     def save(self, path: str | Path) -> Path:
         self.meta["path"] = str(path)
@@ -413,8 +425,8 @@ def check_costs(table: CostTable, engine_factory, prompts: list[list[int]], slot
                 steps: int = 12, max_new_tokens: int = 48) -> list[dict]:
     """The table's predicted step times against measured ones: for each R in ``slots`` and static γ in
     ``gammas``, real prompts decode R at a time (a finished one's slot takes the next) and ``steps`` steps with
-    all R running and none prefilling are timed (median). Predicted: overhead +
-    target(R, R(γ+1)) + (feed(R, tokens a row emitted) + γ draft depths when γ > 0). Returns rows with both
+    all R running and none prefilling are timed (median). Predicted: :meth:`CostTable.step_ms` (overhead +
+    target(R, R(γ+1)) + (feed(R, tokens a row emitted) + γ draft depths when γ > 0)). Returns rows with both
     and the tokens per millisecond each implies, so that a reader sees whether the table ranks the γs as
     the machine does."""
     from eagle_backbone.policy import StaticPolicy
@@ -450,19 +462,7 @@ def check_costs(table: CostTable, engine_factory, prompts: list[list[int]], slot
             if not times:
                 continue
             ms, per_row = statistics.median(times), statistics.mean(emitted)
-            pred = table.overhead_ms(R) + table.target_ms(R, R * (g + 1))
-            if g:
-                pred += table.feed_ms(R, per_row) + g * table.draft_ms(R, R)
+            pred = table.step_ms(R, [R] * g, R * (g + 1), per_row)
             rows.append({"slots": R, "gamma": g, "measured_ms": ms, "predicted_ms": pred, "tokens_per_row": per_row,
                          "measured_tokens_per_ms": R * per_row / ms, "predicted_tokens_per_ms": R * per_row / pred})
     return rows
-
-
-def check_markdown(rows: list[dict]) -> str:
-    lines = ["| slots | γ | measured ms | predicted ms | error | tokens a row | tokens/ms measured | tokens/ms predicted |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['slots']} | {r['gamma']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "
-                     f"{100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f}% | {r['tokens_per_row']:.2f} | "
-                     f"{r['measured_tokens_per_ms']:.2f} | {r['predicted_tokens_per_ms']:.2f} |")
-    return "\n".join(lines) + "\n"
