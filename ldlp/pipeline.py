@@ -552,6 +552,7 @@ class StageRunner:
         self.force = _force_level(cfg.force)
         h2h = cfg.get("head_to_head") or {}
         self.h2h_rounds = int(h2h.get("rounds") or 2)  # EXPECTED_S's head to head has 2 rounds
+        self.h2h_out = Path(cfg.paths.runs) / "head_to_head" if cfg.paths.get("runs") else None
         self.stages = {s.name: s for s in stages}
         self.t_start = time.perf_counter()
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -733,9 +734,14 @@ class StageRunner:
             expected = self.expected_s(h)
             if expected is not None and "head_to_head" not in self.times:
                 expected *= self.h2h_rounds / 2
-            total += expected or 0.0
-            lines.append(f"[{n}/{n}] head_to_head: its contenders are chosen from the sweeps' summary; runs when they "
-                         f"or its inputs changed, ~{expected or 0:.0f} s")
+            stored = stored_fingerprint(Stage("head_to_head", "", "", [], self.h2h_out)) if self.h2h_out else None
+            if not runs and stored and stored.get("complete"):  # nothing upstream runs: its contenders stay
+                lines.append(f"[{n}/{n}] head_to_head: skip (nothing before it runs: its contenders and inputs are "
+                             "those of its last run), skipped")
+            else:
+                total += expected or 0.0
+                lines.append(f"[{n}/{n}] head_to_head: run if its contenders (chosen from the sweeps' summary) or its "
+                             f"inputs changed, ~{expected or 0:.0f} s")
         return lines, total
 
 

@@ -273,7 +273,7 @@ def test_dry_run_prints_the_plan_and_model_dtype_reaches_every_stage(tmp_path):
     text, commands = _plan_lines(tmp_path, "model.dtype=float32", "generation.max_new_tokens=16")
     assert text.startswith("plan (") and "model.dtype=float32" in text.splitlines()[0] and "expected" in text
     assert len(commands) >= 14 and "corpus" in commands and "bench_batch" in commands
-    assert "run (first run)" in text and "head_to_head: its contenders are chosen" in text
+    assert "run (first run)" in text and "head_to_head: run if its contenders (chosen from the sweeps' summary)" in text
     for name, command in commands.items():
         args = command.split()
         if name == "corpus":  # its config has no model or generation
