@@ -509,3 +509,23 @@ def test_ragged_attention_and_greedy_identity_on_a_gpu(t32, draft_lm):
                                       policy=PromptGamma)
     outs = run_workload(engine, prompts, 3, 16).outputs
     assert [o.tokens for o in outs] == ar(target, prompts, 16)
+
+
+def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
+    """scripts/bench_attention.py's library on a tiny model: every route (flex where this build runs it), the
+    linear kernels and the scaling rows, and a page that names them; no figure is checked (timings)."""
+    from ldlp.bench.attention import attention_routes, engine_scaling, linear_kernels, markdown
+
+    lm = BatchedLlama(t32.model, 64)
+    routes = attention_routes(lm, [5, 20, 40], slots=(1, 3), reps=1)
+    assert [r["slots"] for r in routes] == [1, 3]
+    assert all({"gather", "copy", "per_row", "dense"} <= set(r["ms"]) for r in routes)
+    linear = linear_kernels(lm, tokens=(1, 4), reps=1)
+    assert all("F.linear" in r["ms"] for r in linear)
+    scaling = engine_scaling(t32, prompts_of((6, 9, 4)), concurrency=(1, 2), max_new_tokens=4)
+    assert [r["concurrency"] for r in scaling] == [1, 2] and all(0 <= r["prefill_share"] <= 1 for r in scaling)
+    meta = {"model": "tiny", "threads": 1, "machine": {}, "command": "x", "dtype": "float32", "max_new_tokens": 4}
+    page = markdown({"meta": meta, "routes": [{"dtype": "float32", "set": "s", "rows": routes}],
+                     "linear": [{"dtype": "float32", "rows": linear}],
+                     "scaling": [{"set": "s", "mean_prompt_tokens": 6.3, "rows": scaling}]})
+    assert "| float32 | s | 3 |" in page and "Batched AR against C" in page

@@ -51,11 +51,14 @@ def _timed(fns: dict, reps: int) -> dict[str, float]:
 
 
 def _padded_attention(q, k, v, lens, scaling):
-    """(R, H, 1, D) queries over (R, H, L, D) keys, key j visible to row r while j < lens[r] (eager math)."""
-    L = k.shape[2]
+    """(R, Hq, 1, D) queries over (R, Hkv, L, D) keys, key j visible to row r while j < lens[r] (eager math;
+    grouped query heads, as the engine groups them)."""
+    R, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
     visible = torch.arange(L) < torch.tensor(lens)[:, None]
-    bias = torch.zeros(len(lens), 1, 1, L, dtype=q.dtype).masked_fill_(~visible[:, None, None], torch.finfo(q.dtype).min)
-    probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * scaling + bias, -1, dtype=torch.float32).to(q.dtype)
+    bias = torch.zeros(R, 1, 1, L, dtype=q.dtype).masked_fill_(~visible[:, None, None], torch.finfo(q.dtype).min)
+    scores = torch.matmul(q.reshape(R, Hkv, Hq // Hkv, D), k.transpose(2, 3)) * scaling + bias
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
 
@@ -64,7 +67,7 @@ def _flex(q, k, v, lens, scaling):
 
     n = torch.tensor(lens)
     mask = create_block_mask(lambda b, h, qi, kv: kv < n[b], len(lens), None, 1, k.shape[2], device="cpu")
-    return flex_attention(q, k, v, block_mask=mask, scale=scaling)
+    return flex_attention(q, k, v, block_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
 
 
 @torch.inference_mode()
@@ -82,7 +85,7 @@ def attention_routes(lm: BatchedLlama, lengths: list[int], slots=(1, 16, 32), re
             raise ValueError(f"contexts up to {max(lens)} need a capacity above {lm.capacity}")
         cache.k.normal_()
         cache.v.normal_()
-        q = torch.randn(R, H * (a.config.num_attention_heads // H), D, dtype=lm.dtype)
+        q = torch.randn(R, a.config.num_attention_heads, D, dtype=lm.dtype)
         kv = torch.randn(R, H, D, dtype=lm.dtype)
         L, rows = max(lens), torch.arange(R)
         qp = q[:, :, None].transpose(1, 2).reshape(R, -1, 1, D)  # (R, Hq, 1, D)
