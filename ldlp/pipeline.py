@@ -866,8 +866,8 @@ def _run(cfg, model, overrides, stages, runner) -> dict:
     summary["stage_seconds"] = {s.name: runner.times.get(s.name) for s in stages}
     summary["elapsed_s"] = time.perf_counter() - runner.t_start
     if cfg.get("publish"):
-        for line in publish(out_dir, Path(cfg.paths.published), REPO_ROOT / "README.md", summary, name,
-                            command="python scripts/pipeline.py publish=true"):
+        for line in publish_run(out_dir, Path(cfg.paths.published), REPO_ROOT / "README.md", summary, name,
+                                command="python scripts/pipeline.py publish=true"):
             print(line, flush=True)
     return summary
 
@@ -994,6 +994,17 @@ def _copy(src: Path, dst: Path) -> None:
     from eagle_backbone.io import atomic_replace
 
     atomic_replace(tmp, dst)
+
+
+def publish_run(results: Path, published: Path, readme: Path, summary: dict | None, name: str, command: str) -> list[str]:
+    """:func:`publish` one complete set from one run of this model, or a one-line error before anything is
+    copied (:func:`~ldlp.report.publish.check_publishable`); published files this run lacks are removed."""
+    from ldlp.report.publish import check_publishable, prune_published
+
+    files = check_publishable(results, name)
+    removed = prune_published(published, files)  # an older run's files this run does not replace
+    done = publish(results, published, readme, summary, name, command)
+    return done + ([f"removed {', '.join(removed)} from {published} (not in this run)"] if removed else [])
 
 
 def publish(results: Path, published: Path, readme: Path, summary: dict | None, name: str, command: str) -> list[str]:

@@ -10,11 +10,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from _setup import start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.pipeline import run
 
 
 @hydra.main(config_path="../conf", config_name="pipeline", version_base="1.3")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     hydra_cfg = HydraConfig.get()

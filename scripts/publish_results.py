@@ -8,23 +8,17 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.pipeline import publish
-from ldlp.report.publish import check_publishable, prune_published
+from ldlp.pipeline import publish_run
 
 
 @hydra.main(config_path="../conf", config_name="publish_results", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
-    name = str(cfg.model.name)
     # one complete set from one run of this model, or one error line before anything is copied
-    files = check_publishable(cfg.results, name)
-    removed = prune_published(cfg.published, files)  # an older run's files this run does not replace
-    for line in publish(cfg.results, cfg.published, REPO_ROOT / "README.md", None, name,
-                        command="python scripts/publish_results.py"):
+    for line in publish_run(cfg.results, cfg.published, REPO_ROOT / "README.md", None, str(cfg.model.name),
+                            command="python scripts/publish_results.py"):
         print(line)
-    if removed:
-        print(f"removed {', '.join(removed)} from {cfg.published} (not in this run)")
 
 
 if __name__ == "__main__":

@@ -882,6 +882,15 @@ def test_publishing_takes_one_complete_run_of_this_model_or_refuses(tmp_path):
         with pytest.raises(ConfigError) as e:
             check_publishable(folder, "m")
         assert why in _one_line(e), case
+    # both ways of publishing (publish_results.py, the main command's publish=true) go through publish_run
+    from ldlp.pipeline import publish_run
+
+    before = sorted(p.relative_to(published) for p in published.rglob("*"))
+    with pytest.raises(ConfigError, match="not model.name=m"):
+        publish_run(bad["another model"][0], published, readme, None, "m", "cmd")
+    assert sorted(p.relative_to(published) for p in published.rglob("*")) == before  # nothing copied or removed
+    assert any("published" in line for line in publish_run(old, published, readme, None, "m", "cmd"))
+    assert (published / "tuning" / "tuning.json").is_file()
 
 
 def test_scripts_print_the_projects_own_value_errors_in_one_line(monkeypatch, capsys):
