@@ -872,7 +872,7 @@ def profile_components(target, candidates, prompts, make_policy, concurrency=(1,
 
 if __name__ == "__main__":
     # python -m ldlp.bench.load_sweep OUT_DIR: the prefill-join measurement and a profiled breakdown
-    # of static γ=3 on the embedded pair (bf16, eager), written to OUT_DIR/prefill_join.json and profile.json
+    # of static γ=3 on the embedded pair (dtype auto, eager), written to OUT_DIR/prefill_join.json and profile.json
     import sys
 
     from eagle_backbone.loading import load_pair
@@ -883,7 +883,7 @@ if __name__ == "__main__":
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/bench_batch")
     e = REPO_ROOT / "data" / "embedded"
     pair = load_pair({"target": str(e / "target"), "drafter": str(e / "drafter"), "drafter_kind": "eagle",
-                      "dtype": "bfloat16", "device": "cpu", "attn_implementation": "eager", "tokenizer": str(e / "target")})
+                      "dtype": "auto", "device": "cpu", "attn_implementation": "eager", "tokenizer": str(e / "target")})
     join = {f"prompt_len={n}": prefill_join_cost(pair.target, prompt_len=n) for n in (40, 200)}
     atomic_write_json(out_dir / "prefill_join.json", join)
     for n, rows in join.items():
