@@ -529,3 +529,21 @@ def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
                      "linear": [{"dtype": "float32", "rows": linear}],
                      "scaling": [{"set": "s", "mean_prompt_tokens": 6.3, "rows": scaling}]})
     assert "| float32 | s | 3 |" in page and "Batched AR against C" in page
+
+
+def test_the_engine_at_an_earlier_commit_loads_from_git_and_agrees(t32, eagle32):
+    """scripts/bench_engine_ref.py's library: the decoding core at a commit runs beside today's on the same
+    prompts (here the commit that introduced the comparison), and their greedy outputs agree."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from ldlp.bench.at_ref import compare
+
+    ref = subprocess.run(["git", "log", "-1", "--format=%h", "--", "ldlp/bench/at_ref.py"], cwd=EMBEDDED.parent.parent,
+                         capture_output=True, text=True).stdout.strip()
+    if not ref:
+        pytest.skip("no git history here (the comparison reads the core from git)")
+    rows = compare(SimpleNamespace(target=t32, drafter=eagle32), {"tiny": prompts_of((5, 9, 3))}, ref, concurrency=(2,),
+                   gammas=(0, 2), rounds=2, max_new_tokens=6, bootstrap=50, log=lambda *_: None)
+    assert [(r["concurrency"], r["gamma"]) for r in rows] == [(2, 0), (2, 2)]
+    assert all(r["outputs_agree"] and r["ratio"] > 0 for r in rows)
