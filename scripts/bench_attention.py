@@ -19,24 +19,15 @@ log = logging.getLogger("bench_attention")
 @hydra.main(config_path="../conf", config_name="bench_attention", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from hydra import compose
-
     from eagle_backbone.llama import BatchedLlama
     from eagle_backbone.io import atomic_write_json, atomic_write_text
     from eagle_backbone.loading import load_target
     from eagle_backbone.runtime import resolve_dtype
     from ldlp.bench.attention import attention_routes, engine_scaling, linear_kernels, markdown
-    from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
+    from ldlp.bench.loaders import load_tokenizer_cached, machine_info, short_and_long_prompts
 
     threads = start(cfg)
-    if cfg.long_path is not None and not Path(cfg.long_path).is_file():
-        raise ValueError(f"long_path={cfg.long_path}: no such file (the long prompt set's file)")
-    tok = load_tokenizer_cached(cfg.model)
-    sets = {cfg.data.name: [ids for _, ids in load_prompts(cfg.data, tok)][: cfg.prompts]}
-    if cfg.long_path is not None:
-        long_cfg = compose(config_name="bench_attention", overrides=[f"data={cfg.long_data}", f"data.path={cfg.long_path}",
-                                                                     "data.limit=null"]).data
-        sets[long_cfg.name] = [ids for _, ids in load_prompts(long_cfg, tok)][: cfg.prompts]
+    sets = short_and_long_prompts(cfg, "bench_attention", load_tokenizer_cached(cfg.model))
     model = OmegaConf.to_container(cfg.model, resolve=True)
     routes, linear = [], []
     for dtype in cfg.dtypes:

@@ -15,27 +15,19 @@ from omegaconf import DictConfig
 @hydra.main(config_path="../conf", config_name="bench_engine_ref", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from hydra import compose
-
     from eagle_backbone.io import atomic_write_json, atomic_write_text
     from ldlp.bench.at_ref import compare, markdown
-    from ldlp.bench.loaders import load_pair_cached, load_prompts, load_tokenizer_cached, machine_info
+    from ldlp.bench.loaders import load_pair_cached, load_tokenizer_cached, machine_info, short_and_long_prompts
 
     threads = start(cfg)
-    if cfg.long_path is not None and not Path(cfg.long_path).is_file():
-        raise ValueError(f"long_path={cfg.long_path}: no such file (the long prompt set's file)")
-    tok = load_tokenizer_cached(cfg.model)
-    sets = {cfg.data.name: [ids for _, ids in load_prompts(cfg.data, tok)][: cfg.prompts]}
-    if cfg.long_path is not None:
-        long_cfg = compose(config_name="bench_engine_ref", overrides=[f"data={cfg.long_data}", f"data.path={cfg.long_path}",
-                                                                      "data.limit=null"]).data
-        sets[long_cfg.name] = [ids for _, ids in load_prompts(long_cfg, tok)][: cfg.prompts]
+    sets = short_and_long_prompts(cfg, "bench_engine_ref", load_tokenizer_cached(cfg.model))
     pair = load_pair_cached(cfg.model)
     rows = compare(pair, sets, cfg.ref, tuple(cfg.concurrency), tuple(cfg.gammas), cfg.rounds, cfg.max_new_tokens,
                    cfg.bootstrap, cfg.seed)
+    machine = machine_info()
     meta = {"ref": cfg.ref, "model": cfg.model.name, "dtype": str(pair.target.dtype).replace("torch.", ""),
-            "threads": threads, "cpu": machine_info()["cpu"], "max_new_tokens": cfg.max_new_tokens, "rounds": cfg.rounds,
-            "prompts": {k: len(v) for k, v in sets.items()}, "machine": machine_info(),
+            "threads": threads, "cpu": machine["cpu"], "max_new_tokens": cfg.max_new_tokens, "rounds": cfg.rounds,
+            "prompts": {k: len(v) for k, v in sets.items()}, "machine": machine,
             "command": "python scripts/bench_engine_ref.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

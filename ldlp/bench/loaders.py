@@ -282,3 +282,19 @@ def machine_info() -> dict:
 def sampling_config(gen_cfg) -> SamplingConfig:
     return SamplingConfig(temperature=float(gen_cfg.get("temperature", 0.0)), top_k=int(gen_cfg.get("top_k", 0)),
                           top_p=float(gen_cfg.get("top_p", 1.0)))
+
+
+def short_and_long_prompts(cfg, config_name: str, tokenizer) -> dict[str, list[list[int]]]:
+    """The first ``cfg.prompts`` prompt ids of ``cfg.data`` (the short set) and, when ``cfg.long_path`` is given,
+    of the ``cfg.long_data`` config read from that file (the long set), keyed by each set's name; a missing
+    long file is one error line before any model loads. Call inside the Hydra app of ``config_name``."""
+    from hydra import compose
+
+    if cfg.long_path is not None and not Path(cfg.long_path).is_file():
+        raise ValueError(f"long_path={cfg.long_path}: no such file (the long prompt set's file)")
+    sets = {cfg.data.name: [ids for _, ids in load_prompts(cfg.data, tokenizer)][: cfg.prompts]}
+    if cfg.long_path is not None:
+        long_cfg = compose(config_name=config_name, overrides=[f"data={cfg.long_data}", f"data.path={cfg.long_path}",
+                                                               "data.limit=null"]).data
+        sets[long_cfg.name] = [ids for _, ids in load_prompts(long_cfg, tokenizer)][: cfg.prompts]
+    return sets
