@@ -28,6 +28,15 @@ kernel with the same visibility.
 
 Rolling a slot back is setting its length: a query at position p only reads keys at positions <= p, and
 every such key was written by this or an earlier accepted forward.
+
+**Draft trees** (EAGLE-2 style verification): a row may bring a tree instead of a chain, ``parents[j]`` the
+row index of token j's parent or -1 for the slot's cached prefix (token 0, the last accepted token, is -1;
+a chain is ``[-1, 0, 1, ...]``). Token j is still *written* at position ``start + j`` (so a row stays one
+contiguous span of its slot), but it is *rotated* as if it sat at ``start + depth(j)``, its place on its own
+path, and it sees the prefix, its ancestors in the row and itself: each node's output is what the model
+gives on ``prefix + path-to-node`` alone. Batches without trees (``parents=None``, or rows that are chains)
+run exactly the chain code. After verification :meth:`SlotCache.move` copies the accepted path's keys and
+values from their scattered positions to ``start, start + 1, ...``, where a chain would have written them.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import torch
 from torch import nn
 
 from eagle_backbone.runtime import to_device
+from eagle_backbone.tree import ancestor_matrix
 
 DENSE_SLACK = 64  # padded keys a row may read in a dense block (~ the per-row overhead, in keys, on a CPU)
 
@@ -61,26 +71,56 @@ class SlotCache:
     def slots(self) -> int:
         return self.k.shape[1]
 
+    def move(self, slots, src, dst) -> None:
+        """For every p, copy slot ``slots[p]``'s keys and values at position ``src[p]`` to position ``dst[p]``,
+        in every layer (device index tensors or host lists, all of one length; ``dst`` distinct within a slot).
+
+        After a tree verification the accepted path sits at scattered positions ``start + node``; moving it
+        to ``start, start + 1, ...`` leaves the slot as if the path had been run as a chain. All positions
+        are read before any is written, so a source that is also a destination (a path moved left onto
+        itself) is copied from its old contents."""
+        slots, src, dst = (x if torch.is_tensor(x) else to_device(list(x), self.k.device) for x in (slots, src, dst))
+        for buf in (self.k, self.v):
+            # advanced indices on dims 1 and 3 (a slice between them): the gathered shape is (P, layers, H, D)
+            # and the same indices scatter it back; the gather is a copy, which is what makes overlaps safe
+            buf[:, slots, :, dst] = buf[:, slots, :, src]
+
 
 class RaggedBatch:
     """Where a forward's N flat tokens go: row i has ``counts[i]`` new tokens at positions
     ``starts[i] .. starts[i] + counts[i] - 1`` of cache slot ``slots[i]``, and attends over that slot's
     positions ``0 .. starts[i] + counts[i] - 1``. Host lists, plus the tokens' positions and slots on the
-    device (one host-to-device copy)."""
+    device (one host-to-device copy).
 
-    def __init__(self, slots, starts, counts, device, dense_slack: int = DENSE_SLACK):
+    ``parents`` (optional, one entry a row): ``None`` for a chain row, or a host list of ``counts[i]`` ints,
+    token j's parent in the row (``< j``) or -1 for the cached prefix. Tree rows rotate token j at
+    ``starts[i] + depth(j)`` (``rope_pos``; ``pos`` stays where it is written) and mask it to the prefix,
+    its ancestors and itself. Rows given as chains are stored as ``None``; a batch with no tree row keeps
+    ``parents = None`` and ``rope_pos is pos``."""
+
+    def __init__(self, slots, starts, counts, device, dense_slack: int = DENSE_SLACK, parents=None):
         self.slots, self.starts, self.counts = list(slots), list(starts), list(counts)
         if any(n < 1 for n in self.counts):
             raise ValueError(f"every row of a ragged batch brings at least one token, got counts {self.counts}")
+        self.parents = _tree_rows(parents, self.counts)
         self.n = sum(self.counts)
         self.ends = list(_cumsum(self.counts))  # row i's tokens are flat [ends[i] - counts[i], ends[i])
         pos = [s + j for s, c in zip(self.starts, self.counts) for j in range(c)]
         slot_of = [b for b, c in zip(self.slots, self.counts) for _ in range(c)]
-        both = to_device(pos + slot_of, device)
-        self.pos, self.slot_of = both[: self.n], both[self.n:]
+        if self.parents is None:
+            both = to_device(pos + slot_of, device)
+            self.pos, self.slot_of = both[: self.n], both[self.n:]
+            self.rope_pos = self.pos  # a chain is rotated where it is written
+        else:
+            rope = [s + d for s, c, p in zip(self.starts, self.counts, self.parents)
+                    for d in (range(c) if p is None else _depths(p))]
+            every = to_device(pos + slot_of + rope, device)
+            self.pos, self.slot_of, self.rope_pos = every[: self.n], every[self.n: 2 * self.n], every[2 * self.n:]
         self.device = torch.device(device)
         self.blocks = self._plan(dense_slack)
         self._pidx: dict[int, torch.Tensor] = {}
+        self._anc: torch.Tensor | None = None  # tree rows' ancestor matrices, built on first use
+        self._masks: dict = {}  # (i, j, impl, dtype) -> a tree block's mask, shared by every layer
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -96,9 +136,48 @@ class RaggedBatch:
         out.n = self.n + other.n
         out.ends = self.ends + [self.n + e for e in other.ends]
         out.pos, out.slot_of = torch.cat([self.pos, other.pos]), torch.cat([self.slot_of, other.slot_of])
+        if self.parents is None and other.parents is None:
+            out.rope_pos = out.pos
+        else:
+            out.parents = (self.parents or [None] * len(self)) + (other.parents or [None] * len(other))
+            out.rope_pos = torch.cat([self.rope_pos, other.rope_pos])
         out.blocks = self.blocks + [(len(self) + i, len(self) + j) for i, j in other.blocks]
-        out._pidx = {}
+        out._pidx, out._anc, out._masks = {}, None, {}
         return out
+
+    def is_tree(self, i: int) -> bool:
+        return self.parents is not None and self.parents[i] is not None
+
+    def tree_mask(self, i: int, j: int, impl: str, dtype: torch.dtype) -> torch.Tensor:
+        """The mask of tree rows i..j-1 (consecutive slots, n tokens each) over keys ``0 .. L-1``, L their
+        longest context: (m, 1, n, L), bool visibility for sdpa, an additive bias in ``dtype`` for eager.
+        Token t of row r sees the keys before ``starts[r]`` and, of the row's own span, its ancestors and
+        itself. Built on the device once per batch (every layer reads the same one)."""
+        key = (i, j, impl, dtype)
+        if key not in self._masks:
+            m, n = j - i, self.counts[i]
+            L = max(s + n for s in self.starts[i:j])
+            t = sum(p is not None for p in self.parents[:i])  # row i's index among the tree rows
+            anc = self._ancestors()[t: t + m, :n, :n]  # (m, n, n); rows i..j-1 are all tree rows
+            start = self.pos[self.ends[i] - n: self.ends[j - 1]: n]  # each row's first position, (m,)
+            rel = torch.arange(L, device=self.device) - start[:, None]  # key position within the row's span
+            own = anc.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(m, n, L)) & ((rel >= 0) & (rel < n))[:, None]
+            visible = ((rel < 0)[:, None] | own)[:, None]  # (m, 1, n, L)
+            if impl != "sdpa":
+                visible = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(
+                    ~visible, torch.finfo(dtype).min)
+            self._masks[key] = visible
+        return self._masks[key]
+
+    def _ancestors(self) -> torch.Tensor:
+        """(tree rows, T, T) bool, T their largest count: ``A[t, a, b]``, token b is token a or one of its
+        ancestors (tree.ancestor_matrix's pointer jumping on the device; padding hangs off the prefix)."""
+        if self._anc is None:
+            rows = [p for p in self.parents if p is not None]
+            T = max(len(p) for p in rows)
+            flat = to_device([x for p in rows for x in p + [-1] * (T - len(p))], self.device)
+            self._anc = ancestor_matrix(flat.view(len(rows), T))
+        return self._anc
 
     def _padded_index(self, T: int) -> torch.Tensor:
         """Flat index of each real token in the padded (R, T) layout (device; built once per T)."""
@@ -121,12 +200,15 @@ class RaggedBatch:
         return out.view(R, T, *x.shape[1:])
 
     def _plan(self, slack: int) -> list[tuple[int, int]]:
-        """Row ranges [i, j): a range of length > 1 runs as one dense block, a range of one row on its own."""
+        """Row ranges [i, j): a range of length > 1 runs as one dense block, a range of one row on its own.
+        A block holds only chain rows or only tree rows (one mask rule per block)."""
         out, i, R = [], 0, len(self.slots)
         gpu = self.device.type == "cuda"
+        tree = self.parents
         while i < R:
             j = i + 1
-            while (j < R and self.slots[j] == self.slots[j - 1] + 1 and self.counts[j] == self.counts[i]):
+            while (j < R and self.slots[j] == self.slots[j - 1] + 1 and self.counts[j] == self.counts[i]
+                   and (tree is None or (tree[j] is None) == (tree[i] is None))):
                 j += 1
             if j - i > 1 and not gpu:
                 lens = [s + c for s, c in zip(self.starts[i:j], self.counts[i:j])]
@@ -135,6 +217,35 @@ class RaggedBatch:
             out.append((i, j))
             i = j
         return out
+
+
+def _tree_rows(parents, counts) -> list | None:
+    """Check a batch's ``parents`` against its counts; chains become None, and no tree at all is None."""
+    if parents is None:
+        return None
+    parents = list(parents)
+    if len(parents) != len(counts):
+        raise ValueError(f"parents has {len(parents)} rows, the batch {len(counts)}")
+    out = []
+    for i, (p, c) in enumerate(zip(parents, counts)):
+        if p is not None:
+            p = [int(x) for x in p]
+            if len(p) != c:
+                raise ValueError(f"row {i}: {len(p)} parents for {c} tokens")
+            if any(not -1 <= x < j for j, x in enumerate(p)):
+                raise ValueError(f"row {i}: a token's parent must be -1 or an earlier token of the row, got {p}")
+            if all(x == j - 1 for j, x in enumerate(p)):
+                p = None  # a chain: the chain code is the same math, with less work
+        out.append(p)
+    return None if all(p is None for p in out) else out
+
+
+def _depths(parents: list[int]) -> list[int]:
+    """Each token's number of ancestors in its row (parents come first, so one pass)."""
+    d = []
+    for x in parents:
+        d.append(0 if x < 0 else d[x] + 1)
+    return d
 
 
 def _cumsum(xs):
@@ -156,14 +267,18 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _attend_row(q, k, v, start: int, scaling: float, impl: str) -> torch.Tensor:
-    """q (n, Hq, D) at positions start..start+n-1; k/v (Hkv, start+n, D), views of one slot -> (n, Hq*D)."""
+def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None) -> torch.Tensor:
+    """q (n, Hq, D) at positions start..start+n-1; k/v (Hkv, start+n, D), views of one slot -> (n, Hq*D).
+
+    ``tree``: a tree row's mask from :meth:`RaggedBatch.tree_mask` ((1, 1, n, start+n)); None: causal."""
     n, Hq, D = q.shape
     Hkv, L = k.shape[0], k.shape[1]
     qh = q.transpose(0, 1)  # (Hq, n, D)
     if impl == "sdpa":
         mask = None
-        if n > 1:
+        if tree is not None:
+            mask = tree[0, 0]
+        elif n > 1:
             mask = torch.arange(L, device=q.device) <= start + torch.arange(n, device=q.device)[:, None]
         out = nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scaling,
                                                          enable_gqa=Hq != Hkv)
@@ -171,7 +286,10 @@ def _attend_row(q, k, v, start: int, scaling: float, impl: str) -> torch.Tensor:
         # transformers' eager math; GQA by grouping the query heads instead of copying keys
         rep = Hq // Hkv
         scores = torch.matmul(qh.reshape(Hkv, rep * n, D), k.transpose(1, 2)) * scaling
-        if n > 1:  # the new block is causal; every earlier key is visible to all of it
+        # every earlier key is visible to all of the new block (its bias there is 0): add only over the block
+        if tree is not None:
+            scores.view(Hkv, rep, n, L)[..., start:] += tree[0, 0, :, start:]
+        elif n > 1:  # a chain's block is causal
             scores.view(Hkv, rep, n, L)[..., start:] += _causal_bias(n, scores.dtype, scores.device)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).view(Hq, n, D)
@@ -180,25 +298,30 @@ def _attend_row(q, k, v, start: int, scaling: float, impl: str) -> torch.Tensor:
 
 def _attend_block(q, kc, vc, batch: RaggedBatch, i: int, j: int, scaling: float, impl: str) -> torch.Tensor:
     """Rows i..j-1 (consecutive slots, n tokens each) as one call on a view of their slots (padded to the
-    block's longest context with a mask) -> (m·n, Hq*D)."""
+    block's longest context with a mask) -> (m·n, Hq*D). A block of tree rows takes the batch's cached
+    tree mask; a chain block's mask is built here."""
     m, n = j - i, batch.counts[i]
     a = batch.slots[i]
     L = max(s + n for s in batch.starts[i:j])
     lo, hi = batch.ends[i] - n, batch.ends[j - 1]
     qb = q[lo:hi].view(m, n, q.shape[1], q.shape[2]).transpose(1, 2)  # (m, Hq, n, D)
-    pos = batch.pos[lo:hi].view(m, n)
-    visible = (torch.arange(L, device=q.device) <= pos[:, :, None])[:, None]  # (m, 1, n, L)
+    if batch.is_tree(i):
+        mask = batch.tree_mask(i, j, impl, q.dtype)  # (m, 1, n, L): bool for sdpa, additive for eager
+    else:
+        pos = batch.pos[lo:hi].view(m, n)
+        mask = (torch.arange(L, device=q.device) <= pos[:, :, None])[:, None]  # (m, 1, n, L)
+        if impl != "sdpa":
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, torch.finfo(q.dtype).min)
     k, v = kc[a: a + m, :, :L], vc[a: a + m, :, :L]
     R, Hq, T, D = qb.shape
     Hkv = k.shape[1]
     if impl == "sdpa":
-        out = nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=visible, scale=scaling,
+        out = nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scaling,
                                                          enable_gqa=Hq != Hkv)
     else:
         rep = Hq // Hkv
-        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, torch.finfo(q.dtype).min)
         scores = (torch.matmul(qb.reshape(R, Hkv, rep * T, D), k.transpose(2, 3)) * scaling).view(R, Hkv, rep, T, L)
-        probs = torch.softmax(scores + bias[:, :, None], dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.softmax(scores + mask[:, :, None], dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs.view(R, Hkv, rep * T, L), v).view(R, Hq, T, D)
     return out.transpose(1, 2).reshape(R * T, Hq * D)
 
@@ -216,7 +339,8 @@ def attend(cache: SlotCache, layer: int, q, k, v, batch: RaggedBatch, scaling: f
         else:
             b, s, n = batch.slots[i], batch.starts[i], batch.counts[i]
             lo = batch.ends[i] - n
-            outs.append(_attend_row(q[lo: lo + n], kc[b, :, : s + n], vc[b, :, : s + n], s, scaling, impl))
+            tree = batch.tree_mask(i, j, impl, q.dtype) if batch.is_tree(i) else None
+            outs.append(_attend_row(q[lo: lo + n], kc[b, :, : s + n], vc[b, :, : s + n], s, scaling, impl, tree))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -281,7 +405,7 @@ class BatchedLlama:
         return SlotCache(len(self.layers), slots, self.capacity, self.kv_heads, self.head_dim, self.dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, batch: RaggedBatch, cache: SlotCache, hidden_layers=()):
-        cos, sin = self.rope(batch.pos)
+        cos, sin = self.rope(batch.rope_pos)  # a tree node turns as at its depth, not where it is written
         x = self.embed_tokens(tokens)
         extra = []
         for li, layer in enumerate(self.layers):
@@ -318,7 +442,7 @@ class BatchedEagleDrafter:
         """tokens (N,), features (N, d): the pairs (t_{j+1}, f_j) -> predicted features (N, d)."""
         d = self.drafter
         h = d.fc(torch.cat([d.embed_tokens(tokens).to(features.dtype), features.to(self.dtype)], dim=-1))
-        cos, sin = self.rope(batch.pos)
+        cos, sin = self.rope(batch.rope_pos)
         return decoder_layer(self.layer, h, cos, sin, cache, 0, batch, self.attn)
 
     def logits(self, h):
