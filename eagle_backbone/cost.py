@@ -126,6 +126,19 @@ class CostTable:
     # per cell, the interquartile range of its repetitions over their median (same layout as the cell's list)
     dispersion: dict = field(default_factory=dict)
 
+    @classmethod
+    def linear(cls, step_ms: float, draft_ms: float, accepted_ms: float = 0.0) -> CostTable:
+        """A synthetic table whose :meth:`step_ms` is ``step_ms + draft_ms * γ + accepted_ms * accepted`` at one
+        slot (``step_ms(1, [1] * γ, γ + 1, accepted + 1)``): a flat verification forward, one draft depth
+        ``draft_ms`` and a catch-up forward ``accepted_ms`` a token beyond the first. It has one slot column,
+        so it prices a step the same at any slot count. For a linear fit to timed generations and for synthetic
+        prices in tests; ``meta["linear"]`` keeps the three terms."""
+        step_ms, draft_ms, accepted_ms = float(step_ms), float(draft_ms), float(accepted_ms)
+        if min(step_ms, draft_ms, accepted_ms) < 0:
+            raise ValueError(f"a linear cost table needs costs >= 0, got {step_ms}, {draft_ms}, {accepted_ms}")
+        return cls({"source": "linear"}, [1], [1, 2], [[step_ms, step_ms]], [draft_ms], [[0.0, accepted_ms]], [0.0],
+                   meta={"linear": {"step_ms": step_ms, "draft_ms": draft_ms, "accepted_ms": accepted_ms}})
+
     def _by_slots(self, R: float, per_row: list[float]) -> float:
         return max(0.0, _interp(self.slots, per_row, R))
 

@@ -332,7 +332,7 @@ def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
     if cfg.tune.get("enabled"):
         tune_dir = Path(p.results) / "tuning"
         tuned = tune_dir / "tuning.json"
-        stages.append(Stage("tune", "tune the adaptive policies by replay on the validation labels (timed cost model)",
+        stages.append(Stage("tune", "tune the adaptive policies by replay on the validation labels (measured cost table)",
                             "tune_policies.py",
                             [f"model={model}", f"oracle_dir={oracle}", f"out_dir={tune_dir}"] + _checkpoints(cfg)
                             + threads + list(cfg.tune.overrides),

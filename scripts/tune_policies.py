@@ -1,8 +1,9 @@
 """Tune draft-length policies by exact replay on the oracle validation split (see ldlp/bench/replay.py).
 
     python scripts/tune_policies.py
-    python scripts/tune_policies.py grid.ddd.threshold=[-2,-4,-6] costs.rounds=3
-    python scripts/tune_policies.py costs.table=FILE   # price steps by a cost table (scripts/profile_cost.py)
+    python scripts/tune_policies.py grid.ddd.threshold=[-2,-4,-6] costs.check.enabled=false
+    python scripts/tune_policies.py costs.table=FILE   # price steps by this cost table (scripts/profile_cost.py)
+    python scripts/tune_policies.py costs.linear.step_ms=12 costs.linear.draft_ms=1.5   # a synthetic linear price
 """
 
 import json
@@ -12,10 +13,12 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from eagle_backbone.cost import CostTable
+from eagle_backbone.errors import ConfigError
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.bench.loaders import build_policy, load_pair_cached, load_prompts, policy_config
-from ldlp.bench.replay import (CostModel, OracleRows, TableCosts, best_per_policy, grid, measure_costs, tune,
-                               tuning_markdown)
+from ldlp.bench.loaders import build_policy, cost_engine_factory, load_cost_table, load_pair_cached, load_prompts, \
+    policy_config
+from ldlp.bench.replay import OracleRows, best_per_policy, costs_record, grid, tune, tuning_markdown
 
 
 def _builder(cfg: DictConfig, name: str):
@@ -23,24 +26,41 @@ def _builder(cfg: DictConfig, name: str):
     return lambda params: build_policy(OmegaConf.merge(base, params))
 
 
+def _costs(cfg: DictConfig, pair) -> CostTable:
+    """The cost table that prices the replayed steps: a synthetic linear one (costs.linear), else this setup's
+    measured table at one slot, found as the load-aware policies find theirs (costs.table, or paths.cost,
+    profiled at one slot when missing)."""
+    c = cfg.costs
+    lin = c.get("linear") or {}
+    if lin.get("step_ms") is not None or lin.get("draft_ms") is not None:
+        if lin.get("step_ms") is None or lin.get("draft_ms") is None:
+            raise ConfigError("tune_policies: a linear price needs both costs.linear.step_ms and costs.linear.draft_ms")
+        return CostTable.linear(lin.step_ms, lin.draft_ms, lin.get("accepted_ms") or 0.0)
+    if pair.candidates is None:
+        raise ConfigError("tune_policies: the model has no drafter, so there is no cost table to price drafts by; "
+                          "give a linear price (costs.linear.step_ms=... costs.linear.draft_ms=...)")
+    return load_cost_table(c.cost_dir, cfg.model.name, pair.target, pair.candidates, path=c.get("table"),
+                           profile_if_missing=bool(c.profile_if_missing))
+
+
+def _check(cfg: DictConfig, pair, costs: CostTable) -> list[dict]:
+    """The table's predicted step times at one slot against timed static-γ steps of the engine on validation
+    prompts (:func:`eagle_backbone.cost.check_costs`): whether it ranks the γs as this machine does."""
+    from eagle_backbone.cost import check_costs
+
+    prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
+    factory = cost_engine_factory(pair.target, pair.candidates, capacity=None)
+    return check_costs(costs, factory, prompts, slots=(1,), gammas=list(cfg.costs.check.gammas),
+                       steps=int(cfg.costs.check.steps), max_new_tokens=int(cfg.costs.check.max_new_tokens))
+
+
 @hydra.main(config_path="../conf", config_name="tune_policies", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
     pair = load_pair_cached(cfg.model)
-    fitted = None
-    if cfg.costs.measure:
-        prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
-        fitted, _ = measure_costs(pair.target, pair.candidates, prompts, tuple(cfg.costs.gammas),
-                                  cfg.costs.max_new_tokens, cfg.costs.rounds, cfg.seed)
-    else:
-        f = cfg.costs.fixed
-        fitted = CostModel(f.step_ms / 1e3, f.draft_ms / 1e3, f.accepted_ms / 1e3)
-    costs = fitted
-    if cfg.costs.get("table"):  # the load-aware policies' measured table prices the steps; the fit is a check
-        from eagle_backbone.cost import CostTable
-
-        costs = TableCosts(CostTable.load(cfg.costs.table))
+    costs = _costs(cfg, pair)
+    check = _check(cfg, pair, costs) if cfg.costs.check.enabled and pair.candidates is not None else None
     rows = OracleRows.load(cfg.oracle_dir, cfg.split)
     policies = {name: (_builder(cfg, name), grid(OmegaConf.to_container(params))) for name, params in cfg.grid.items()}
     results = tune(rows, costs, policies, embed=pair.target.embed, vocab_size=pair.target.vocab_size,
@@ -49,12 +69,17 @@ def main(cfg: DictConfig) -> None:
     shown = oracle_dir.relative_to(REPO_ROOT) if oracle_dir.is_relative_to(REPO_ROOT) else oracle_dir
     where = f"{shown}, split {cfg.split}"
     md = tuning_markdown(results, costs, rows, where)
+    if check:
+        from ldlp.bench.load_sweep import check_markdown
+
+        md += ("\nThe cost table against timed static-γ steps of the engine at one slot (validation prompts):\n\n"
+               + check_markdown(check))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tuning.md").write_text(md)
-    record = {"costs": costs.as_dict(), "results": results}
-    if costs is not fitted:
-        record["fitted_costs"] = fitted.as_dict()  # the fit beside the table, as a check
+    record = {"costs": costs_record(costs), "results": results}
+    if check is not None:
+        record["cost_check"] = check  # the table beside timed engine steps, as a check
     (out / "tuning.json").write_text(json.dumps(record, indent=2))
     print(md.split("Every setting tried")[0])
     print("Best settings as overrides for scripts/evaluate.py:")

@@ -14,9 +14,10 @@ from oracle_helpers import greedy_oracle
 from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.cost import CostTable
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
-from ldlp.bench.replay import CostModel, OracleRows, replay
+from ldlp.bench.replay import OracleRows, replay
 from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json
 from ldlp.policies import AcceptancePolicy
 from ldlp.training.acceptance import examples, load_rows, train_acceptance_head
@@ -158,7 +159,7 @@ def test_policy_is_lossless_and_replays_exactly(mimic, trained):
             assert out.tokens == autoregressive_generate(target, p, BUDGET).tokens
             stats.append(out.stats)
         rows = OracleRows.load(oracle, "validation")
-        res = replay(rows, AcceptancePolicy(str(head_dir), threshold, cap), CostModel(0.01, 0.001),
+        res = replay(rows, AcceptancePolicy(str(head_dir), threshold, cap), CostTable.linear(10.0, 1.0),
                      vocab_size=target.vocab_size)
         assert res.drafted == sum(s.drafted_tokens for s in stats), threshold
         assert res.accepted == sum(s.accepted_tokens for s in stats)

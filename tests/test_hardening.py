@@ -758,7 +758,8 @@ def test_replay_checks_head_sizes_against_the_stored_rows(tmp_path):
     import numpy as np
 
     from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
-    from ldlp.bench.replay import CostModel, OracleRows, replay
+    from eagle_backbone.cost import CostTable
+    from ldlp.bench.replay import OracleRows, replay
     from ldlp.policies import AcceptancePolicy, LDLPPolicy
     from ldlp.predictor import LDLP, LDLPConfig
 
@@ -769,7 +770,7 @@ def test_replay_checks_head_sizes_against_the_stored_rows(tmp_path):
                        "draft_state": np.zeros((n, k * d), np.float32)})
     AcceptanceHead(AcceptanceHeadConfig(hidden_size=d + 4, k_max=k)).save_pretrained(tmp_path / "acc")
     LDLP(LDLPConfig(input_dim=2 * (d + 4))).save_pretrained(tmp_path / "ldlp")
-    costs = CostModel(step_s=1.0, draft_s=0.1)
+    costs = CostTable.linear(step_ms=1000.0, draft_ms=100.0)
     for policy, what in ((AcceptancePolicy(str(tmp_path / "acc"), max_gamma=k), f"hidden_size={d + 4}"),
                          (LDLPPolicy(str(tmp_path / "ldlp")), f"input_dim={2 * (d + 4)}")):
         with pytest.raises(ValueError, match=what):

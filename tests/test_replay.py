@@ -1,5 +1,5 @@
-"""Replay on oracle rows counts exactly what the engine does; the cost fit, pricing by the cost table and the
-tuner work."""
+"""Replay on oracle rows counts exactly what the engine does; pricing by the cost table (measured or linear), the
+linear fit and the tuner work."""
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.cost import CostTable
-from ldlp.bench.replay import CostModel, OracleRows, TableCosts, fit_costs, grid, replay, stand_in_probs, tune, tuning_markdown
+from ldlp.bench.replay import (OracleRows, costs_record, fit_costs, grid, replay, stand_in_probs, step_seconds, tune,
+                               tuning_markdown)
 from ldlp.policies import ConfidencePolicy, DDDPolicy, HeuristicPolicy
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [6]]
@@ -35,7 +36,7 @@ def test_replay_counts_equal_the_engine(setup, make):
     target, drafter, rows = setup
     cand = EagleCandidateGenerator(drafter, target)
     stats = [SpeculativeDecoder(target, cand, make()).generate(p, BUDGET).stats for p in PROMPTS]
-    res = replay(rows, make(), CostModel(0.01, 0.001), embed=target.embed, vocab_size=target.vocab_size)
+    res = replay(rows, make(), CostTable.linear(10.0, 1.0), embed=target.embed, vocab_size=target.vocab_size)
     assert res.steps == sum(s.target_forwards - 1 for s in stats)  # the engine also counts the prefill
     assert res.drafted == sum(s.drafted_tokens for s in stats)
     assert res.accepted == sum(s.accepted_tokens for s in stats)
@@ -45,7 +46,7 @@ def test_replay_counts_equal_the_engine(setup, make):
 
 def test_oracle_replay_wastes_nothing_and_bounds_static(setup):
     target, _, rows = setup
-    costs = CostModel(0.010, 0.002)
+    costs = CostTable.linear(10.0, 2.0)
     oracle = replay(rows, "oracle", costs, oracle_cap=8)
     assert oracle.wasted == 0
     for g in range(0, 9):
@@ -63,22 +64,36 @@ def test_stand_in_distribution_keeps_top_probability_and_entropy():
         assert entropy == pytest.approx(h, abs=0.02)
 
 
+def test_a_linear_cost_table_prices_exactly_its_three_terms():
+    lin = CostTable.linear(12.0, 1.5, 0.4)
+    for drafted, accepted in [(0, 0), (1, 0), (1, 1), (4, 2), (8, 8)]:
+        want = 12.0 + 1.5 * drafted + 0.4 * accepted
+        assert lin.step_ms(1, [1] * drafted, drafted + 1, accepted + 1) == pytest.approx(want)
+        assert step_seconds(lin, drafted, accepted) == pytest.approx(want / 1e3)
+    assert costs_record(lin) == {"source": "linear", "step_ms": 12.0, "draft_ms": 1.5, "accepted_ms": 0.4}
+    with pytest.raises(ValueError, match=">= 0"):
+        CostTable.linear(12.0, -1.0)
+
+
 def test_cost_fit_recovers_known_costs():
-    truth = CostModel(0.012, 0.0015, 0.0004)
+    step_ms, draft_ms, accepted_ms = 12.0, 1.5, 0.4
     stats = []
     for f, d, a in [(30, 0, 0), (20, 40, 25), (15, 60, 30), (12, 96, 35), (25, 25, 20)]:
         stats.append(GenerationStats(target_forwards=f, drafted_tokens=d, accepted_tokens=a,
-                                     wall_s=truth.step_s * f + truth.draft_s * d + truth.accepted_s * a))
+                                     wall_s=(step_ms * f + draft_ms * d + accepted_ms * a) / 1e3))
     fit = fit_costs(stats)
-    assert fit.step_s == pytest.approx(truth.step_s) and fit.draft_s == pytest.approx(truth.draft_s)
-    assert fit.accepted_s == pytest.approx(truth.accepted_s, abs=1e-9)
+    assert isinstance(fit, CostTable)  # the fit is a (linear) cost table, not a second kind of model
+    terms = fit.meta["linear"]
+    assert terms["step_ms"] == pytest.approx(step_ms) and terms["draft_ms"] == pytest.approx(draft_ms)
+    assert terms["accepted_ms"] == pytest.approx(accepted_ms, abs=1e-6)
+    assert fit.step_ms(1, [1] * 4, 5, 3) == pytest.approx(step_ms + 4 * draft_ms + 2 * accepted_ms)
     with pytest.raises(ValueError, match="several static"):
         fit_costs(stats[:2])
 
 
 def test_tune_reports_best_static_and_oracle_headroom(setup):
     _, _, rows = setup
-    results = tune(rows, CostModel(0.010, 0.002), {
+    results = tune(rows, CostTable.linear(10.0, 2.0), {
         "static": (lambda p: StaticPolicy(**p), grid({"gamma": [1, 2, 4, 8]})),
         "ddd": (lambda p: DDDPolicy(**p), grid({"threshold": [-0.5, -2.0], "max_gamma": 8}))}, progress=False)
     assert [r["policy"] for r in results].count("static") == 4 and results[-1]["policy"] == "oracle"
@@ -100,26 +115,27 @@ def _affine_table(overhead=0.5, base=8.0, per_token=0.7, draft=0.9, feed=0.0) ->
                      [draft * R for R in slots], [[feed] * len(tokens) for _ in slots], [overhead] * len(slots))
 
 
-def test_table_costs_price_a_step_by_the_tables_formula():
+def test_replay_prices_a_step_by_the_tables_formula_at_one_slot():
     tab = _affine_table(feed=0.3)
-    costs = TableCosts(tab)
-    assert costs.seconds(0, 0) == pytest.approx((0.5 + 8.0) / 1e3)  # plain decoding: no drafter forward
-    assert costs.seconds(3, 2) == pytest.approx((0.5 + 8.0 + 3 * 0.7 + 0.3 + 3 * 0.9) / 1e3)
-    assert costs.seconds(3, 2) == pytest.approx(tab.step_ms(1, [1, 1, 1], 4, 3) / 1e3)
-    assert costs.as_dict()["step_ms"] == pytest.approx(8.5) and costs.as_dict()["draft_ms"] == pytest.approx(0.9)
+    assert step_seconds(tab, 0, 0) == pytest.approx((0.5 + 8.0) / 1e3)  # plain decoding: no drafter forward
+    assert step_seconds(tab, 3, 2) == pytest.approx((0.5 + 8.0 + 3 * 0.7 + 0.3 + 3 * 0.9) / 1e3)
+    assert step_seconds(tab, 3, 2) == pytest.approx(tab.step_ms(1, [1, 1, 1], 4, 3) / 1e3)
+    record = costs_record(tab)
+    assert record["source"] == "cost_table" and record["slots"] == 1
+    assert record["step_ms"] == pytest.approx(8.5) and record["draft_ms"] == pytest.approx(0.9)
 
 
-def test_replay_priced_by_the_cost_table_counts_the_same_and_matches_its_affine_fit(setup):
+def test_replay_priced_by_the_cost_table_counts_the_same_and_matches_its_linear_table(setup):
     """Replay reads the load-aware policies' cost table at one slot: the counts do not depend on the price, and
-    a table that is affine at one slot (no catch-up cost) prices exactly as the fitted model with its terms."""
+    a table that is affine at one slot (no catch-up cost) prices exactly as the linear table with its terms."""
     _, _, rows = setup
-    table_costs = TableCosts(_affine_table())
-    linear = CostModel((0.5 + 8.0) / 1e3, (0.7 + 0.9) / 1e3)
+    table = _affine_table()
+    linear = CostTable.linear(0.5 + 8.0, 0.7 + 0.9)
     for make in (lambda: StaticPolicy(3), lambda: StaticPolicy(0), lambda: DDDPolicy(-3.0, 5)):
-        a, b = replay(rows, make(), table_costs), replay(rows, make(), linear)
+        a, b = replay(rows, make(), table), replay(rows, make(), linear)
         assert (a.steps, a.drafted, a.accepted, a.new_tokens) == (b.steps, b.drafted, b.accepted, b.new_tokens)
         assert a.seconds == pytest.approx(b.seconds)
-    results = tune(rows, table_costs, {"static": (lambda p: StaticPolicy(**p), grid({"gamma": [1, 3]}))},
+    results = tune(rows, table, {"static": (lambda p: StaticPolicy(**p), grid({"gamma": [1, 3]}))},
                    progress=False)
-    assert "priced by the measured cost table" in tuning_markdown(results, table_costs, rows, "test")
-    assert "fitted to timed static-γ runs" in tuning_markdown(results, linear, rows, "test")
+    assert "priced by the measured cost table" in tuning_markdown(results, table, rows, "test")
+    assert "a linear cost table" in tuning_markdown(results, linear, rows, "test")

@@ -162,12 +162,13 @@ def dropped_note(result: dict) -> str:
 
 
 def _costs(stats) -> dict | None:
-    """Seconds per target pass, drafted token and accepted token, fitted to the timed generations (the
-    replay tuner's cost model, measured in the comparison's own setting); None when they cannot separate."""
+    """Milliseconds per target pass, drafted token and accepted token, fitted to the timed generations (a linear
+    cost table, :func:`ldlp.bench.replay.fit_costs`, in the comparison's own setting); None when they cannot
+    separate."""
     from ldlp.bench.replay import fit_costs
 
     try:
-        return fit_costs(stats).as_dict()
+        return dict(fit_costs(stats).meta["linear"])
     except ValueError:
         return None
 

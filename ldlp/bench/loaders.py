@@ -191,33 +191,52 @@ def check_turns_kept(data_cfg, prompt_set, what: str) -> None:
                           "data.turns=all for every turn")
 
 
+def cost_engine_factory(target, candidates, attn: str | None = None, capacity: int | None = 256):
+    """``factory(R, policy=None)``: a batched engine of R slots over this pair, as the load-aware policies build them
+    to profile their cost table (ldlp/load_aware.py); ``attn`` None: the target's default, as
+    ``SpeculativeDecoder`` uses it."""
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+
+    def factory(R: int, policy=None):
+        return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=capacity, attn=attn, policy=policy)
+    return factory
+
+
+def load_cost_table(cost_dir, model_name: str, target, candidates, attn: str | None = None, slots=(1,),
+                    path=None, profile_if_missing: bool = True):
+    """The :class:`~eagle_backbone.cost.CostTable` of this setup, found as the load-aware policies find theirs:
+    ``path`` (a table given) checked against this setup, else the table for its key under ``cost_dir``,
+    profiled for ``slots`` when missing (``profile_if_missing``)."""
+    from eagle_backbone.cost import CostTable, cost_key, full_key, load_or_profile
+
+    factory = cost_engine_factory(target, candidates, attn)
+    key = cost_key(model_name, target.dtype, target.device, torch.get_num_threads())
+    if path is not None:
+        return CostTable.load(path, full_key(key, factory))
+    return load_or_profile(cost_dir, key, factory, profile_if_missing, log=log.info, slots=list(slots))
+
+
 def prepare_cost_tables(policies, target, candidates, attn: str | None, concurrency: int) -> None:
     """The cost table of every load-aware contender, before any clock starts: a table given (cost_table=) checked
     against this setup (drafter kind and weights, attention, processor...), else its setup's table loaded, or
     profiled for the slot counts this run needs only (up to ``concurrency``, the largest C; 1 at batch 1).
     ``attn``: the engine's attention math (None: the target's default, as ``SpeculativeDecoder`` uses it)."""
-    from eagle_backbone.cost import CostTable, cost_key, full_key, load_or_profile, slots_for
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.cost import slots_for
 
     if candidates is None:
         return
-
-    def factory(R: int, policy=None):  # as the policy builds them (ldlp/load_aware.py)
-        return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=256, attn=attn, policy=policy)
-
     done = set()
     for p in policies:
         if getattr(p, "cost_dir", None) is None:
             continue
         if getattr(p, "cost_table_path", None) is not None:  # a table given: it must be this setup's
-            key = full_key(cost_key(p.model_name, target.dtype, target.device, torch.get_num_threads()), factory)
-            CostTable.load(p.cost_table_path, key)
+            load_cost_table(None, p.model_name, target, candidates, attn, path=p.cost_table_path)
             continue
         if (p.cost_dir, p.model_name) in done:
             continue
         done.add((p.cost_dir, p.model_name))
-        key = cost_key(p.model_name, target.dtype, target.device, torch.get_num_threads())
-        load_or_profile(p.cost_dir, key, factory, p.profile_if_missing, log=log.info, slots=slots_for(concurrency))
+        load_cost_table(p.cost_dir, p.model_name, target, candidates, attn, slots_for(concurrency),
+                        profile_if_missing=p.profile_if_missing)
 
 
 def build_policy(policy_cfg):

@@ -6,13 +6,11 @@ and entropy per step are stored), and drafting k tokens there keeps ``min(label,
 moves ``min(label, k) + 1`` positions on. :func:`replay` therefore walks each collected sequence the
 way the engine would, asking the *real* policy objects (``gamma``, ``keep_drafting``, ``observe``), and
 counts target forwards, drafted and accepted tokens exactly, without running a model. Only time is
-modelled, by either of two prices for a step:
-
-* :class:`TableCosts`: the engine's measured cost table (:class:`~eagle_backbone.cost.CostTable`, the one
-  the load-aware policies plan with) at one slot, through its step formula (``CostTable.step_ms``);
-* :class:`CostModel`: a per-step cost plus a cost per drafted and per accepted token, fitted by
-  :func:`measure_costs` to timed static-γ generations of the real engine on this machine (the default of
-  ``scripts/tune_policies.py``, and a check on the table: :func:`fit_costs`).
+modelled, by the one cost model of a step, :class:`~eagle_backbone.cost.CostTable` (the table the
+load-aware policies plan with), read at one slot through its step formula (``CostTable.step_ms``,
+:func:`step_seconds`). ``scripts/tune_policies.py`` prices by this setup's measured table (profiled at one
+slot when missing); :meth:`CostTable.linear <eagle_backbone.cost.CostTable.linear>` builds a synthetic
+linear one.
 
 ``keep_drafting`` receives a stand-in for the drafter's distribution with the stored top-1
 probability as its largest entry and (to rounding) the stored entropy: enough for the rules that read
@@ -28,55 +26,36 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from eagle_backbone.cost import CostTable
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy
 from ldlp.bench.stats import headroom_captured, percent
 
 
-@dataclass
-class CostModel:
-    """Seconds of one decoding step as ``step_s + draft_s * drafted + accepted_s * accepted``."""
+def step_seconds(costs: CostTable, drafted: int, accepted: int) -> float:
+    """Seconds of one replayed step, read from the cost table at one slot (replay walks one sequence at a time,
+    as the batch-1 engine decodes it): :meth:`~eagle_backbone.cost.CostTable.step_ms` with ``drafted`` draft
+    depths, ``drafted + 1`` tokens scored and the drafter's catch-up over ``accepted + 1`` tokens (this step's
+    emitted tokens: the engine feeds them at the next step, so a sequence's total is the same)."""
+    return costs.step_ms(1, [1] * drafted, drafted + 1, accepted + 1) / 1e3
 
-    step_s: float  # the target forward and the step's fixed work
-    draft_s: float  # one drafter step, plus the verification cost of one more scored token
-    accepted_s: float = 0.0  # the drafter re-reading an accepted token's true feature
 
-    def seconds(self, drafted: int, accepted: int) -> float:
-        return self.step_s + self.draft_s * drafted + self.accepted_s * accepted
+def costs_record(costs: CostTable) -> dict:
+    """What priced the steps, for tuning.json: a linear table's three terms, or a measured table's file, key
+    and its plain step and draft depth at one slot."""
+    if "linear" in (costs.meta or {}):
+        return {"source": "linear", **costs.meta["linear"]}
+    return {"source": "cost_table", "path": (costs.meta or {}).get("path"), "key": costs.key, "slots": 1,
+            "step_ms": costs.step_ms(1, [], 1, 1), "draft_ms": costs.draft_ms(1, 1)}
 
-    def as_dict(self) -> dict:
-        return {"step_ms": 1e3 * self.step_s, "draft_ms": 1e3 * self.draft_s, "accepted_ms": 1e3 * self.accepted_s}
 
-    def describe(self) -> str:
-        c = self.as_dict()
+def describe_costs(costs: CostTable) -> str:
+    c = costs_record(costs)
+    if c["source"] == "linear":
         return (f"a step costs {c['step_ms']:.2f} ms + {c['draft_ms']:.2f} ms per drafted token + "
-                f"{c['accepted_ms']:.2f} ms per accepted token (fitted to timed static-γ runs of the engine)")
-
-
-@dataclass
-class TableCosts:
-    """Seconds of one replayed step read from a measured :class:`~eagle_backbone.cost.CostTable` with ``slots``
-    running rows (1: replay walks one sequence at a time): :meth:`~eagle_backbone.cost.CostTable.step_ms` with
-    ``drafted`` draft depths over every row, ``drafted + 1`` tokens a row scored and the drafter's catch-up
-    over ``accepted + 1`` tokens a row (this step's emitted tokens: the engine feeds them at the next step, so
-    a sequence's total is the same)."""
-
-    table: object  # eagle_backbone.cost.CostTable
-    slots: int = 1
-
-    def seconds(self, drafted: int, accepted: int) -> float:
-        R = self.slots
-        return self.table.step_ms(R, [R] * drafted, R * (drafted + 1), accepted + 1) / 1e3
-
-    def as_dict(self) -> dict:
-        R, t = self.slots, self.table
-        return {"source": "cost_table", "path": (t.meta or {}).get("path"), "key": t.key, "slots": R,
-                "step_ms": t.step_ms(R, [], R, 1), "draft_ms": t.draft_ms(R, R)}
-
-    def describe(self) -> str:
-        c = self.as_dict()
-        where = f" {c['path']}" if c["path"] else ""
-        return (f"steps are priced by the measured cost table{where} at {self.slots} slot(s) (CostTable.step_ms; "
-                f"a plain step {c['step_ms']:.2f} ms, a draft depth {c['draft_ms']:.2f} ms)")
+                f"{c['accepted_ms']:.2f} ms per accepted token (a linear cost table)")
+    where = f" {c['path']}" if c["path"] else ""
+    return (f"steps are priced by the measured cost table{where} at one slot (CostTable.step_ms; "
+            f"a plain step {c['step_ms']:.2f} ms, a draft depth {c['draft_ms']:.2f} ms)")
 
 
 @dataclass
@@ -166,7 +145,7 @@ class OracleRows:
         return len(self.cols["label"])
 
 
-def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel | TableCosts, embed=None, vocab_size: int = 2 ** 15,
+def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostTable, embed=None, vocab_size: int = 2 ** 15,
            oracle_cap: int = 8) -> ReplayResult:
     """Walk every sequence as the engine would under ``policy`` (or ``"oracle"``: draft exactly what the
     target accepts, at most ``oracle_cap``). ``embed`` maps token ids to target embeddings (the LDLP
@@ -221,7 +200,7 @@ def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel |
             res.drafted += k
             res.accepted += a
             res.new_tokens += min(a + 1, remaining)  # a draft that ends on EOS leaves no room for a bonus token
-            res.seconds += costs.seconds(k, a)
+            res.seconds += step_seconds(costs, k, a)
             if not isinstance(policy, str):
                 accepted_hist.append(a)
                 drafted_hist.append(k)
@@ -231,8 +210,10 @@ def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostModel |
     return res
 
 
-def fit_costs(stats) -> CostModel:
-    """Least squares (non-negative) of generation seconds on target forwards, drafted and accepted tokens.
+def fit_costs(stats) -> CostTable:
+    """A linear cost table (:meth:`~eagle_backbone.cost.CostTable.linear`) fitted by non-negative least squares
+    of generation seconds on target forwards, drafted and accepted tokens: how timed generations split their
+    time (the head to head reports it for its own).
 
     ``stats``: GenerationStats of timed static-γ generations (several γ, so the terms separate)."""
     from sklearn.linear_model import LinearRegression
@@ -242,23 +223,7 @@ def fit_costs(stats) -> CostModel:
     if len(stats) < 3 or np.linalg.matrix_rank(X) < 3:
         raise ValueError("fit_costs needs timed generations at several static γ (at least 3 that differ)")
     coef = LinearRegression(fit_intercept=False, positive=True).fit(X, y).coef_
-    return CostModel(step_s=float(coef[0]), draft_s=float(coef[1]), accepted_s=float(coef[2]))
-
-
-def measure_costs(target, candidates, prompts, gammas=(1, 3, 5, 8), max_new_tokens: int = 64, rounds: int = 2,
-                  seed: int = 0) -> tuple[CostModel, list]:
-    """Time greedy static-γ generations of the real engine (the γ take turns on every prompt, for ``rounds``
-    rounds) and fit the costs; the stats come back by round, then γ, then prompt."""
-    from eagle_backbone.engine import SpeculativeDecoder
-    from eagle_backbone.policy import StaticPolicy
-    from eagle_backbone.timing import interleaved
-
-    decoders = [SpeculativeDecoder(target, candidates, StaticPolicy(g)) for g in gammas]
-    decoders[0].generate(prompts[0], 8)  # warm-up
-    runs = interleaved(decoders, prompts, rounds, lambda dec, p, k, r: dec.generate(p, max_new_tokens, seed=seed).stats,
-                       order="fixed")
-    stats = [runs[i][r][k] for r in range(rounds) for i in range(len(gammas)) for k in range(len(prompts))]
-    return fit_costs(stats), stats
+    return CostTable.linear(*(1e3 * max(0.0, float(c)) for c in coef))
 
 
 def grid(params: dict) -> list[dict]:
@@ -270,7 +235,7 @@ def grid(params: dict) -> list[dict]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
 
 
-def tune(rows: OracleRows, costs: CostModel | TableCosts, policies: dict, embed=None, vocab_size: int = 2 ** 15,
+def tune(rows: OracleRows, costs: CostTable, policies: dict, embed=None, vocab_size: int = 2 ** 15,
          oracle_cap: int = 8, progress: bool = True) -> list[dict]:
     """Replay every policy config in ``policies`` ({name: (build(params) -> policy, [params, ...])}) and
     the oracle; one dict per config with its τ, tokens/s, drafted and wasted tokens and the share of
@@ -302,11 +267,11 @@ def best_per_policy(results: list[dict]) -> dict[str, dict]:
     return best
 
 
-def tuning_markdown(results: list[dict], costs: CostModel | TableCosts, rows: OracleRows, where: str) -> str:
+def tuning_markdown(results: list[dict], costs: CostTable, rows: OracleRows, where: str) -> str:
     best = best_per_policy(results)
     lines = [f"## Policy tuning by exact replay on oracle labels ({where})", "",
              f"{len(rows)} positions in {len(rows.sequences)} sequences. Counts (τ, drafted, wasted) are exact; "
-             f"time is modelled: {costs.describe()}.", "",
+             f"time is modelled: {describe_costs(costs)}.", "",
              "Best setting per policy:", "",
              "| policy | setting | τ | modelled tokens/s | drafted | wasted | headroom captured |",
              "|---|---|---:|---:|---:|---:|---:|"]
