@@ -1,30 +1,32 @@
 """The speculative engine: S slots decode at once, each with its own prompt, position, γ and budget.
 Batch 1 is the same engine with one slot (:class:`SpeculativeDecoder`, :func:`autoregressive_generate`).
 
-A step runs in named phases over the running slots (:meth:`BatchedSpeculativeEngine._spec_step`):
+A step runs in named phases over the running slots (:meth:`BatchedSpeculativeEngine._spec_step`), each a
+method with typed inputs and outputs:
 
-1. **plan**: γ per slot. A vectorised policy (static, LDLP) gives all at once (the LDLP's γ for the next
-   step is computed right after verification and read with the accept counts); a batch policy (load-aware)
-   plans the whole batch; any other policy is asked per slot with its own
-   :class:`~eagle_backbone.policy.DraftContext` (the slow path).
-2. **draft**: the candidate generator (:mod:`eagle_backbone.candidates`) first reads what the target
-   accepted since the last step (EAGLE: the accepted tokens with the target's features; draft LM: the
-   accepted tokens), then drafts one depth per forward for the slots still drafting. A slot stops at its
-   γ or when its policy says so.
-3. **verify**: one target forward over a ragged batch (:class:`~eagle_backbone.llama.RaggedBatch`):
-   slot b brings its last token and its γ_b drafts, nothing padded; γ_b = 0 is a plain decoding step. Each
-   slot attends over its own cache in place (no copy of its prefix, no padding to the longest slot).
-4. **accept**: greedy or speculative-sampling acceptance, batched on the device.
+1. **plan** (:class:`StepPlan`): γ per slot from the policy (:mod:`eagle_backbone.policy`): its ``plan``
+   over the running rows, or, for a policy that ``plans_ahead`` (the LDLP), the γ it computed right after
+   the last verification and the host read with the accept counts. The step's host-to-device copy
+   (slots, positions, random streams) is one transfer.
+2. **draft** (:class:`Drafts`): the candidate generator (:mod:`eagle_backbone.candidates`) first reads what
+   the target accepted since the last step, then drafts one depth per forward for the rows still drafting.
+   A policy that reads drafts gives stop codes on the device after each depth; with ``early_exit`` (a CPU,
+   where reading is no synchronisation) the engine reads them to skip the rows that stopped, otherwise
+   they stay masks and the rows draft to their caps.
+3. **verify** (:class:`Verification`): one target forward over a ragged batch
+   (:class:`~eagle_backbone.llama.RaggedBatch`): slot b brings its last token and its drafts, nothing
+   padded; γ_b = 0 is a plain decoding step. Each slot attends over its own cache in place.
+4. **accept** (:class:`Acceptance`): greedy or speculative-sampling acceptance, batched on the device,
+   bounded by each row's drafted count.
 5. **commit**: bookkeeping on the device, then the step's one host read (:class:`HostRead`: accept counts,
-   emitted tokens, the LDLP's next γ, the first tokens of prompts admitted this step), then budgets, EOS,
-   counters and policy feedback on the host. Rollback is setting lengths: the target keeps the accepted
-   prefix, the generator what it needs (EAGLE's drafter only pairs built from true features, the draft LM
-   the tokens that were accepted). Finished slots are free for the next prompt.
+   emitted tokens, drafted counts kept on the device, a planned-ahead γ, what the policy's observation
+   needs, the first tokens of prompts admitted this step), then budgets, EOS, counters and the policy's
+   ``observe`` on the host. Rollback is setting lengths: the target keeps the accepted prefix, the
+   generator what it needs. Finished slots are free for the next prompt.
 
 A prompt admitted while other slots run is prefilled inside the step's target forward (more rows of the
 same ragged batch: projections and MLPs over all tokens at once); the drafter's prefill needs the first
-token, so it is a forward of its own right after. Policies that read drafts (``keep_drafting``) decide on
-the host, one read per draft depth: that cost is theirs, and vectorised policies do not pay it.
+token, so it is a forward of its own right after.
 
 Bookkeeping writes past a slot's length go to a trash position (the last of the buffers) that no real
 query can see. Greedy output equals each sequence's own greedy decoding by the target
@@ -35,10 +37,8 @@ per sequence.
 
 from __future__ import annotations
 
-import copy
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,12 +46,7 @@ import torch
 from eagle_backbone.llama import BatchedLlama, RaggedBatch
 from eagle_backbone.candidates import CandidateGenerator, make_candidates
 from eagle_backbone.metrics import GenerationStats
-from eagle_backbone.policy import (
-    BatchDraftPolicy,
-    DraftContext,
-    DraftLengthPolicy,
-    StaticPolicy,
-)
+from eagle_backbone.policy import DROP, GO, Depth, DraftPolicy, OwnTime, Rows, StaticPolicy, as_draft_policy, go_while
 from eagle_backbone.runtime import to_device
 from eagle_backbone.sampling import (
     ACCEPT,
@@ -105,9 +100,10 @@ class StepPlan:
     run: list[int]  # slot indices (host)
     slots: list[Slot]
     gammas: list[int]  # drafts each row may make (0: a plain decoding step for that slot)
-    contexts: list[DraftContext | None]  # per-slot policies' contexts (the slow path), built on demand
+    view: Rows  # what the policy saw (and sees again at observe)
     rows: torch.Tensor  # (R,) the slot indices on the device
     tlens: list[int]  # position of each slot's last token
+    tl: torch.Tensor  # (R,) the same on the device
     seeds: torch.Tensor | None  # (R,) the slots' random streams (None when greedy)
     steps: torch.Tensor | None  # (R,)
 
@@ -118,12 +114,15 @@ class StepPlan:
 
 @dataclass
 class Drafts:
-    """The draft phase's output: chains of drafted tokens (R, G), the count per row (host) and, when
-    sampling, the distributions they were drawn from (R, G, V)."""
+    """The draft phase's output: chains of drafted tokens (R, G), the count per row on the host (exact, or
+    each row's cap when the stop codes stayed on the device) and, then, the exact counts on the device
+    (``lengths``); when sampling, the distributions the drafts were drawn from (R, G, V)."""
 
     tokens: torch.Tensor
     drafted: list[int]
     probs: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # (R,) exact counts when the host has only the caps
+    going: torch.Tensor | None = None  # (R,) rows whose codes still say GO (device mode)
 
     @staticmethod
     def none(plan: StepPlan, device) -> Drafts:
@@ -139,6 +138,22 @@ class Drafts:
             self.probs[idx, depth - 1] = probs
         for i in active:
             self.drafted[i] = depth
+
+    def apply_codes(self, depth: int, idx, active: list[int], codes, on_host: bool) -> None:
+        """A policy's stop codes for this depth's rows: on the host (the counts become exact), or as device
+        masks (``lengths`` and ``going``; the host keeps the caps)."""
+        if on_host:
+            for i, c in zip(active, codes):
+                if c == DROP:
+                    self.drafted[i] = depth - 1
+            return
+        if self.lengths is None:
+            R = self.tokens.shape[0]
+            self.lengths = torch.zeros(R, dtype=torch.long, device=self.tokens.device)
+            self.going = torch.ones(R, dtype=torch.bool, device=self.tokens.device)
+        going = self.going[idx]
+        self.lengths[idx] = torch.where(going & (codes != DROP), depth, self.lengths[idx])
+        self.going[idx] = going & (codes == GO)
 
 
 @dataclass
@@ -170,46 +185,16 @@ class HostRead(dict):
 
     @classmethod
     def read(cls, parts: dict[str, torch.Tensor]) -> HostRead:
-        flat = torch.cat([t.reshape(-1).to(torch.long) for t in parts.values()]).tolist()
+        # float64 carries the integers exactly (token ids, counts) and a policy's floats
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in parts.values()]).tolist()
         out, o = cls(), 0
         for name, t in parts.items():
             vals = flat[o: o + t.numel()]
+            if not t.is_floating_point():
+                vals = [int(x) for x in vals]
             o += t.numel()
             out[name] = [vals[i: i + t.shape[1]] for i in range(0, len(vals), t.shape[1])] if t.dim() == 2 else vals
         return out
-
-
-def _overrides(policy, name: str) -> bool:
-    return getattr(type(policy), name) is not getattr(DraftLengthPolicy, name)
-
-
-class VectorisedGamma:
-    """γ for many slots in one call, where a policy allows it: static γ (a constant) and the LDLP (one
-    predictor forward for all slots). A policy may also offer ``gamma_batch(embeddings, features)``."""
-
-    def __init__(self, fn: Callable | None, constant: int | None = None):
-        self.fn, self.constant = fn, constant
-
-    @staticmethod
-    def of(policy: DraftLengthPolicy) -> VectorisedGamma | None:
-        if isinstance(policy, BatchDraftPolicy):
-            return None
-        if any(_overrides(policy, h) for h in ("keep_drafting", "observe")):
-            return None
-        if hasattr(policy, "gamma_batch"):
-            return VectorisedGamma(policy.gamma_batch)
-        if isinstance(policy, StaticPolicy) and type(policy).gamma is StaticPolicy.gamma:
-            return VectorisedGamma(None, policy.fixed_gamma)
-        if getattr(policy, "name", None) == "ldlp" and hasattr(policy, "model") and hasattr(policy, "offset"):
-            model, offset, cap = policy.model, int(policy.offset), policy.max_gamma
-
-            def ldlp(embeddings, features):
-                n = model.predict_length(embeddings.float(), features.float()).to(torch.long) + offset
-                n = n.clamp_min(0)
-                return n if cap is None else n.clamp_max(cap)
-
-            return VectorisedGamma(ldlp)
-        return None
 
 
 @dataclass
@@ -219,13 +204,12 @@ class Slot:
     prompt: list[int]
     max_new: int
     seed: int
-    policy: DraftLengthPolicy
     request: object = None  # the caller's handle (e.g. a prompt index)
     new: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     step: int = 0  # decoding steps done (prefill = step 0)
     tlen: int = 0  # target positions cached; the last token sits at position tlen
-    gamma_next: int | None = None  # from the vectorised policy, read with the accept counts
+    gamma_next: int | None = None  # planned ahead (plans_ahead policies), read with the accept counts
     done: bool = False
     t_admit: float = 0.0
     token_times: list[float] = field(default_factory=list)
@@ -285,16 +269,21 @@ class BatchedSpeculativeEngine:
     ``candidates``: a :class:`~eagle_backbone.candidates.CandidateGenerator` (the engine binds its own copy),
     or a drafter model with its ``kind`` (eagle | draft_lm); None decodes without drafts.
 
-    ``policy``: a :class:`DraftLengthPolicy` copied per slot (``copy.deepcopy``) or a zero-argument factory;
-    None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot (default: the
-    target's context). ``prefill``: "joined" (default: new prompts ride in the step's target forward as
-    more rows of its ragged batch, projections and MLPs over all tokens at once; measured by
-    ``prefill_join_cost`` in the batched benchmark) or "separate" (their own target forward before the step).
+    ``policy``: a :class:`~eagle_backbone.policy.DraftPolicy` (one instance for every slot), a per-sequence
+    :class:`~eagle_backbone.policy.DraftLengthPolicy` (copied per slot: the slow path) or a zero-argument
+    factory of either; None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot
+    (default: the target's context). ``prefill``: "joined" (default: new prompts ride in the step's target
+    forward as more rows of its ragged batch, projections and MLPs over all tokens at once) or "separate"
+    (their own target forward before the step). ``early_exit``: read a policy's stop codes after each draft
+    depth, so that rows that stopped draft and score nothing more (default: where a read is no
+    synchronisation, a CPU); off, the codes stay on the device as masks, every row drafts to its cap and the
+    target scores up to the caps (the step's only read is then the one after verification).
     """
 
     def __init__(self, target: TargetModel, candidates=None, kind: str | None = None, slots: int = 8,
                  policy=None, sampling: SamplingConfig | None = None, capacity: int | None = None,
-                 attn: str | None = None, prefill: str = "joined", profile: bool = False, max_draft: int = 32):
+                 attn: str | None = None, prefill: str = "joined", profile: bool = False, max_draft: int = 32,
+                 early_exit: bool | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"batch size (slots) must be an integer >= 1, got {slots!r}")
         if prefill not in ("separate", "joined"):
@@ -318,27 +307,11 @@ class BatchedSpeculativeEngine:
         if candidates is not None and candidates.needs_features:
             self.feat = torch.zeros(slots, buf, target.hidden_size, dtype=target.dtype, device=self.device)
         self.cand = candidates.bound(self) if candidates is not None else None
-        self.batch_policy: BatchDraftPolicy | None = None
-        if policy is None:
-            self._make_policy = lambda: StaticPolicy(0)
-        elif callable(policy) and not isinstance(policy, DraftLengthPolicy):
-            first = policy()
-            if isinstance(first, BatchDraftPolicy):
-                self.batch_policy = first  # one instance decides for the whole batch
-            self._make_policy = policy
-        elif isinstance(policy, BatchDraftPolicy):
-            self.batch_policy = policy
-        else:
-            self._make_policy = lambda: copy.deepcopy(policy)
-        if self.batch_policy is not None:
-            shared = self.batch_policy
-            self._make_policy = lambda: shared
-            shared.bind_engine(self)
-        else:
-            # sizes of a policy's own model against the pair: now, not mid-run
-            probe = self._make_policy()
-            if hasattr(probe, "check_pair"):
-                probe.check_pair(target, candidates)
+        self.policy: DraftPolicy = StaticPolicy(0) if policy is None else as_draft_policy(policy)
+        self.policy.bind_engine(self)
+        self.policy.check_pair(target, candidates)  # sizes of a policy's own model against the pair: now, not mid-run
+        self.early_exit = self.device.type != "cuda" if early_exit is None else bool(early_exit)
+        self.own = OwnTime()  # the policy's own seconds (plan, stop, observe)
         self.state: list[Slot | None] = [None] * slots
         self._admitted: list[int] = []
         self.prof = _Profile(self.device, profile)
@@ -360,9 +333,8 @@ class BatchedSpeculativeEngine:
             raise ValueError(f"slot {slot} does not exist (the engine has {self.slots})")
         if self.state[slot] is not None and not self.state[slot].done:
             raise ValueError(f"slot {slot} is busy")
-        policy = self._make_policy()
-        policy.begin(ids)
-        s = Slot(ids, max_new_tokens, int(seed), policy, request, t_admit=time.perf_counter())
+        self.own.call(self.policy.begin, slot, ids)
+        s = Slot(ids, max_new_tokens, int(seed), request, t_admit=time.perf_counter())
         self.state[slot] = s
         if max_new_tokens == 0:
             s.done = True
@@ -382,10 +354,10 @@ class BatchedSpeculativeEngine:
             return None
         return to_device(slots, self.device)
 
-    def _vectorised(self, s: Slot):
-        if not hasattr(s, "_vec"):
-            s._vec = VectorisedGamma.of(s.policy)
-        return s._vec
+    @property
+    def policy_s(self) -> float:
+        """The policy's own seconds so far (its plan, stop and observe calls)."""
+        return self.own.s
 
     def _pick(self, logits, seeds, steps, draw: int, need_probs: bool):
         """Token per row from (R, V) logits: argmax (greedy; softmax only if asked) or a draw of its stream."""
@@ -403,14 +375,15 @@ class BatchedSpeculativeEngine:
         tok = to_device([t for p in prompts for t in p], self.device)
         return tok, RaggedBatch(slots, [0] * len(slots), [len(p) for p in prompts], self.device)
 
-    def _prefill(self, slots: list[int]) -> torch.Tensor:
-        """Target and drafter prefill of new prompts in their own forwards; returns their first tokens."""
+    def _prefill(self, slots: list[int]) -> dict[str, torch.Tensor]:
+        """Target and drafter prefill of new prompts in their own forwards; returns what the host reads."""
         tok, batch = self._prefill_batch(slots)
         return self._prefill_finish(slots, tok, batch, self.tm(tok, batch, self.tcache))
 
-    def _prefill_finish(self, slots: list[int], tok, batch: RaggedBatch, h) -> torch.Tensor:
+    def _prefill_finish(self, slots: list[int], tok, batch: RaggedBatch, h) -> dict[str, torch.Tensor]:
         """After the target read the prompts (``h`` (N, d): their hidden states): first tokens, bookkeeping,
-        and the drafter's own prefill (it needs the first token, so it cannot ride in the target's forward)."""
+        and the drafter's own prefill (it needs the first token, so it cannot ride in the target's forward).
+        Returns the device tensors the host reads: the first tokens and a planned-ahead γ."""
         st = [self.state[b] for b in slots]
         dev = self.device
         last = h[batch.last()]
@@ -430,13 +403,19 @@ class BatchedSpeculativeEngine:
         for s, k in zip(st, batch.counts):
             s.tlen = k
             s.stats.target_forwards += 1
-        return x
+        reads = {"first_tokens": x}
+        if self.policy.plans_ahead and self.kind is not None:
+            ahead = self._plan_ahead(slots, st, x, last)
+            if ahead is not None:
+                reads["gamma_first"] = ahead
+        return reads
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[int]:
-        """Prefill newly admitted slots, then one speculative step for all running slots. Returns the
-        slots whose sequence finished."""
+        """One step: a speculative step for all running slots, with newly admitted prompts prefilled in its
+        target forward; or, when nothing runs yet (or prefill is "separate"), the prefill of the new prompts
+        alone. Returns the slots whose sequence finished."""
         finished: list[int] = []
         prof = self.prof
         prof.start()
@@ -444,9 +423,11 @@ class BatchedSpeculativeEngine:
         self._admitted = []
         run = [b for b in self.running() if b not in new]
         if new and (self.prefill == "separate" or not run):
-            self._first_tokens(new, self._prefill(new), finished)
+            # a step of its own (with its one read): prompts admitted while nothing runs, or separate prefill
+            self._first_tokens(new, HostRead.read(self._prefill(new)), finished)
             prof.mark("prefill")
-            new, run = [], self.running()
+            prof.flush()
+            return finished
         if not run:
             prof.flush()
             return finished
@@ -455,27 +436,29 @@ class BatchedSpeculativeEngine:
         self.steps += 1
         return finished
 
-    def _first_tokens(self, slots, x, finished):
-        firsts = x.tolist() if isinstance(x, torch.Tensor) else x  # a separate prefill's own host read
+    def _first_tokens(self, slots, host: HostRead, finished):
         now = time.perf_counter()
-        for b, t in zip(slots, firsts):
+        for i, (b, t) in enumerate(zip(slots, host["first_tokens"])):
             s = self.state[b]
             self._emit(b, s, [t], now, finished)
-            if not s.done:
-                self._gamma_after_prefill(b)
+            if "gamma_first" in host:
+                s.gamma_next = host["gamma_first"][i]
 
-    def _gamma_after_prefill(self, b: int):
-        s = self.state[b]
-        vec = self._vectorised(s)
-        if vec is not None and vec.fn is not None:
-            emb = self.target.embed(self.seq[b, s.tlen][None])
-            s.gamma_next = int(vec.fn(emb, self.last_feat[b][None])[0])
+    def _rows(self, run: list[int], st: list[Slot], caps, last_tokens: torch.Tensor, features: torch.Tensor) -> Rows:
+        return Rows(run, caps, [len(s.new) for s in st], last_tokens, features,
+                    [s.stats.accept_lengths for s in st], [s.stats.draft_lengths for s in st], self.target.embed,
+                    [s.new[-1] for s in st] if caps is not None else None)
 
-    def _context(self, b: int, s: Slot, max_gamma: int) -> DraftContext:
-        # the feature is a copy: a policy may keep its contexts, and the buffer row changes every step
-        return DraftContext(step=s.step, last_token=int(s.new[-1]), feature=self.last_feat[b].clone(),
-                            accepted_history=s.stats.accept_lengths, drafted_history=s.stats.draft_lengths,
-                            position=len(s.new), max_gamma=max_gamma, _embed=self.target.embed)
+    def _plan_ahead(self, run: list[int], st: list[Slot], last_tokens, features) -> torch.Tensor | None:
+        """A ``plans_ahead`` policy's γ for the next step, from the new last tokens and features: a device
+        tensor rides in the step's one read; a host list is stored at once (None returned)."""
+        view = self._rows(run, st, None, last_tokens, features)
+        g = self.own.call(self.policy.plan, view)
+        if isinstance(g, torch.Tensor):
+            return g
+        for s, v in zip(st, g):
+            s.gamma_next = int(v)
+        return None
 
     # ---- one speculative step, in phases: plan -> draft -> verify -> accept -> commit ----------------
     def _spec_step(self, run: list[int], joined: list[int], finished: list[int]):
@@ -487,54 +470,56 @@ class BatchedSpeculativeEngine:
         ver = self._verify(plan, drafts, joined)
         acc = self._accept(plan, drafts, ver)
         self._commit_device(plan, ver, acc)
-        reads = self._reads(plan, acc)
+        reads = self._reads(plan, drafts, acc)
         prof.mark("verify")
         if joined:
-            reads["first_tokens"] = self._prefill_finish(joined, *ver.prefill)
+            reads.update(self._prefill_finish(joined, *ver.prefill))
             prof.mark("prefill")
         host = HostRead.read(reads)  # the step's one host read
         prof.mark("read")
         self._commit_host(plan, drafts, host, finished)
         if joined:
-            self._first_tokens(joined, host["first_tokens"], finished)
+            self._first_tokens(joined, host, finished)
         prof.mark("host")
 
     def _plan(self, run: list[int]) -> StepPlan:
-        """γ per running slot (host ints; no device read for static or vectorised policies)."""
+        """γ per running slot, as host ints: a plan-ahead policy's from the last read, any other's from its
+        ``plan`` (a device tensor returned here costs a read of its own: shipped policies return host lists)."""
         st = [self.state[b] for b in run]
-        bp, R = self.batch_policy, len(run)
         caps = [max(0, min(s.max_new - len(s.new) - 1, self.limit - 1 - s.tlen, self.max_draft)) for s in st]
         if self.kind is None:
-            caps = [0] * R
-        planned = bp.plan(caps) if bp is not None else None
-        gammas, ctxs = [], []
-        for i, (b, s) in enumerate(zip(run, st)):
-            vec, ctx = self._vectorised(s), None
-            if planned is not None:
-                g = planned[i]
-            elif vec is not None and vec.constant is not None:
-                g = vec.constant
-            elif vec is not None and s.gamma_next is not None:
-                g = s.gamma_next
-            else:
-                ctx = self._context(b, s, caps[i])
-                g = s.policy.gamma(ctx)
-            if not isinstance(g, int) or isinstance(g, bool) or g < 0:
-                raise ValueError(f"policy {getattr(s.policy, 'name', s.policy)!r} returned gamma={g!r} for slot {b}; "
-                                 "it must be an integer >= 0")
-            gammas.append(min(g, caps[i]))
-            ctxs.append(ctx)
+            caps = [0] * len(run)
         seeds = steps = None  # the slots' random streams (sampling only: greedy draws nothing)
+        tlens = [s.tlen for s in st]
+        host = run + tlens
         if not self.sampling.greedy:
-            seeds = to_device([s.seed for s in st], self.device)
-            steps = to_device([s.step + 1 for s in st], self.device)
-        return StepPlan(run, st, gammas, ctxs, to_device(run, self.device), [s.tlen for s in st], seeds, steps)
+            host += [s.seed for s in st] + [s.step + 1 for s in st]
+        up = to_device(host, self.device)  # the step's host-to-device copy, one transfer
+        R = len(run)
+        rows, tl = up[:R], up[R: 2 * R]
+        if not self.sampling.greedy:
+            seeds, steps = up[2 * R: 3 * R], up[3 * R:]
+        view = self._rows(run, st, caps, self.seq[rows, tl], self.last_feat[rows])
+        if self.policy.plans_ahead:
+            planned = [s.gamma_next if s.gamma_next is not None else 0 for s in st]
+        else:
+            planned = self.own.call(self.policy.plan, view)
+            if isinstance(planned, torch.Tensor):
+                planned = planned.tolist()
+        for b, g in zip(run, planned):
+            if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+                raise ValueError(f"policy {self.policy.name!r} returned gamma={g!r} for slot {b}; "
+                                 "it must be an integer >= 0")
+        gammas = [min(g, c) for g, c in zip(planned, caps)]
+        return StepPlan(run, st, gammas, view, rows, tlens, tl, seeds, steps)
 
     def _draft(self, plan: StepPlan) -> Drafts:
         """Draft chains of up to γ per row with the candidate generator, one forward a depth for the rows
-        still drafting, asking the policy after each depth where it reads drafts."""
+        still drafting; a policy that reads drafts gives stop codes after each depth."""
         R, G = len(plan.run), plan.max_gamma
         out = Drafts(torch.zeros(R, G, dtype=torch.long, device=self.device), [0] * R)
+        reads = self.policy.reads_drafts
+        logp = torch.zeros(R, dtype=torch.float64, device=self.device) if reads else None
         # every running slot reads what the target accepted (also γ=0 slots: the forward runs anyway)
         logits, state = self.cand.start(plan.run, plan.tlens)
         active = [i for i in range(R) if plan.gammas[i] > 0]
@@ -544,10 +529,12 @@ class BatchedSpeculativeEngine:
             idx = slice(None) if whole else to_device(active, self.device)
             pick = (lambda t: t) if whole else (lambda t: None if t is None else t[idx])
             tok, probs = self._pick(pick(logits), pick(plan.seeds), pick(plan.steps), DRAFT + depth - 1,
-                                    self._needs_probs(plan))
+                                    reads)
             out.add(depth, idx, active, tok, probs, self.sampling.greedy)
             self.prof.mark("draft")
-            nxt = self._keep_drafting(plan, out, depth, active, tok, probs, pick(state))
+            nxt = [i for i in active if plan.gammas[i] > depth]
+            if reads:
+                nxt = self._stop(plan, out, depth, active, idx, tok, probs, pick(state), logp, nxt)
             self.prof.mark("policy")
             if not nxt:
                 break
@@ -555,39 +542,20 @@ class BatchedSpeculativeEngine:
             active = nxt
         return out
 
-    def _needs_probs(self, plan: StepPlan) -> bool:
-        bp = self.batch_policy
-        if bp is not None:
-            return bp.reads_drafts
-        return any(_overrides(s.policy, "keep_drafting") for s in plan.slots)
-
-    def _keep_drafting(self, plan: StepPlan, out: Drafts, depth: int, active, tok, probs, state) -> list[int]:
-        """The rows that draft depth + 1; a batch policy may also drop this depth's drafts."""
-        bp, gammas = self.batch_policy, plan.gammas
-        nxt = [i for i in active if gammas[i] > depth]
-        if bp is not None:
-            if not bp.reads_drafts:
-                return nxt
-            # the batch policy keeps or drops this depth's drafts and picks the rows that go on
-            codes = bp.keep_rows(depth, active, state, probs)
-            for i, c in zip(active, codes):
-                if c == 0:
-                    out.drafted[i] = depth - 1
-            return [i for i, c in zip(active, codes) if c == 2 and gammas[i] > depth]
-        keepers = [i for i in nxt if _overrides(plan.slots[i].policy, "keep_drafting")]
-        if not keepers:
+    def _stop(self, plan: StepPlan, out: Drafts, depth: int, active, idx, tok, probs, state, logp, nxt) -> list[int]:
+        """The policy's stop codes for this depth's rows; the rows that draft the next depth."""
+        logp[idx] += torch.log(probs.gather(1, tok[:, None])[:, 0].double())
+        d = Depth(depth, active, plan.rows[idx], tok, probs, state, logp[idx])
+        codes = self.own.call(self.policy.stop, d)
+        if codes.dtype == torch.bool:
+            codes = go_while(codes)
+        if not self.early_exit:  # masks on the device; the rows draft on to their caps
+            out.apply_codes(depth, idx, active, codes, on_host=False)
             return nxt
-        toks = tok.tolist()  # policies that read drafts decide on the host (their own cost: the slow path)
-        where = {i: j for j, i in enumerate(active)}
-        stop = set()
-        for i in keepers:
-            j = where[i]
-            ctx = plan.contexts[i] or self._context(plan.run[i], plan.slots[i], gammas[i])
-            plan.contexts[i] = ctx
-            ctx.draft_state = None if state is None else state[j]
-            if not plan.slots[i].policy.keep_drafting(ctx, depth, toks[j], probs[j]):
-                stop.add(i)
-        return [i for i in nxt if i not in stop]
+        host = codes.tolist()  # where a read is no synchronisation (a CPU): skip the rows that stopped
+        out.apply_codes(depth, idx, active, host, on_host=True)
+        go = {i for i, c in zip(active, host) if c == GO}
+        return [i for i in nxt if i in go]
 
     def _extend(self, plan: StepPlan, depth: int, active, nxt, tok, logits, state):
         """One drafter forward for the rows still drafting; the next depth's logits (and states) for all rows."""
@@ -612,10 +580,11 @@ class BatchedSpeculativeEngine:
         dev, R = self.device, len(plan.run)
         T = max(drafts.drafted) + 1
         K = T - 1
-        rec = DraftRecord(drafts.tokens[:, :K], to_device(drafts.drafted, dev),
+        lengths = drafts.lengths if drafts.lengths is not None else to_device(drafts.drafted, dev)
+        rec = DraftRecord(drafts.tokens[:, :K], lengths,
                           torch.arange(-1, K - 1, device=dev).expand(R, K),
                           drafts.probs[:, :K] if drafts.probs is not None and K else None)
-        tl = to_device(plan.tlens, dev)
+        tl = plan.tl
         # a chain: each draft's parent is the one before it, so the verification input is [last, drafts]
         tokens = torch.cat([self.seq[plan.rows, tl][:, None], rec.tokens], 1)
         batch = RaggedBatch(plan.run, plan.tlens, [d + 1 for d in drafts.drafted], dev)
@@ -654,34 +623,38 @@ class BatchedSpeculativeEngine:
         if self.cand is not None and self.cand.needs_features:
             self.feat[rows[:, None], torch.where(kept, tl[:, None] + ar, self.trash)] = h
 
-    def _reads(self, plan: StepPlan, acc: Acceptance) -> dict[str, torch.Tensor]:
-        """What the host reads after this step: accept counts, emitted tokens and, for a vectorised policy
-        (the LDLP), the next step's γ from the new last token and its feature."""
+    def _reads(self, plan: StepPlan, drafts: Drafts, acc: Acceptance) -> dict[str, torch.Tensor]:
+        """What the host reads after this step: accept counts, emitted tokens, the exact drafted counts when
+        they stayed on the device, what the policy's observation needs and a planned-ahead γ."""
         reads = {"accepted": acc.accepted, "emitted": acc.emitted}
-        vec = [v for s in plan.slots if (v := self._vectorised(s)) is not None and v.fn is not None]
-        if vec:
-            reads["gamma_next"] = vec[0].fn(self.target.embed(acc.next_token), self.last_feat[plan.rows]).to(torch.long)
+        if drafts.lengths is not None:
+            reads["drafted"] = drafts.lengths
+        for name, t in self.policy.reads().items():
+            reads["policy:" + name] = t
+        if self.policy.plans_ahead and self.kind is not None:
+            ahead = self._plan_ahead(plan.run, plan.slots, acc.next_token, self.last_feat[plan.rows])
+            if ahead is not None:
+                reads["gamma_next"] = ahead
         return reads
 
     def _commit_host(self, plan: StepPlan, drafts: Drafts, host: HostRead, finished: list[int]) -> None:
         """Counters, lengths, policy feedback and emitted tokens on the host; generators roll back."""
-        now, bp = time.perf_counter(), self.batch_policy
+        now = time.perf_counter()
         acc, em, gnext = host["accepted"], host["emitted"], host.get("gamma_next")
+        drafted = host.get("drafted", drafts.drafted)
         for i, (b, s) in enumerate(zip(plan.run, plan.slots)):
-            k, d = acc[i], drafts.drafted[i]
+            k, d = acc[i], drafted[i]
             s.stats.record_step(d, k)
             s.step += 1
             s.tlen += k + 1
             if gnext:
                 s.gamma_next = gnext[i]
-            if bp is None and _overrides(s.policy, "observe"):
-                s.policy.observe(plan.contexts[i] or self._context(b, s, 0), d, k)
             taken = self._emit(b, s, em[i][: k + 1], now, finished)
             s.stats.uncount_accepted(max(0, k - taken))  # kept drafts past an EOS or the budget: never emitted
         if self.cand is not None:
             self.cand.settle(plan.run, [s.tlen for s in plan.slots])
-        if bp is not None:
-            bp.observe_rows(drafts.drafted, acc)
+        extra = {name[7:]: v for name, v in host.items() if name.startswith("policy:")}
+        self.own.call(self.policy.observe, plan.view, drafted, acc, extra)
 
     def _emit(self, b: int, s: Slot, toks: list[int], now: float, finished: list[int]) -> int:
         """Append accepted tokens on the host, cutting at the first EOS and at the budget; returns how many."""
@@ -744,7 +717,7 @@ class SpeculativeDecoder:
     ``target_s``, ``policy_s``; CUDA events on a GPU, one synchronisation a step). Off by default: the timed
     loop marks nothing (on this CPU the marks cost about 1% of a step at γ = 4)."""
 
-    def __init__(self, target: TargetModel, candidates: CandidateGenerator | None, policy: DraftLengthPolicy | None = None,
+    def __init__(self, target: TargetModel, candidates: CandidateGenerator | None, policy: DraftPolicy | None = None,
                  attn: str | None = None, profile: bool = False, capacity: int | None = None):
         self.target, self.candidates = target, candidates
         self.policy = policy if policy is not None else StaticPolicy(4)

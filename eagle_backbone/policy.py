@@ -1,33 +1,151 @@
-"""The draft-length policy interface: what decides γ at every step.
+"""The draft-policy protocol: what decides, at every step, how much each running sequence drafts.
 
-The engine asks a policy twice per step:
+A :class:`DraftPolicy` is batched first: one instance serves every slot of an engine, and sees the running
+rows as device tensors. Per step over the R running rows the engine calls:
 
-* ``gamma(ctx)`` before drafting. ``ctx`` carries what a predictor such as the LDLP needs: the last
-  accepted token, its embedding, the target feature at the position that produced it (the pair the
-  drafter reads next), the step index and the history of accepted lengths.
-* ``keep_drafting(ctx, i, token, probs)`` after drafted token ``i`` (1-based) with the drafter's
-  distribution ``probs`` over that token; returning False stops the chain early. Threshold methods
-  (confidence, entropy, cumulative log-probability) live here, and so do acceptance heads, which read
-  ``ctx.draft_state``: the drafter hidden state that ``probs`` came from (EAGLE drafters; None for a
-  standalone draft LM).
+1. ``plan(rows) -> list[int] | Tensor (R,)``: the most each row drafts this step (its depth cap; 0 is a
+   plain decoding step for that row). ``rows`` (:class:`Rows`) carries the last tokens and their target
+   features on the device, and on the host what the engine knows without reading the device: the slots,
+   the caps (budgets, context), the tokens generated so far and the past accept counts. A host list costs
+   no read; a device tensor is read with the step's one host read when the policy ``plans_ahead`` (the
+   engine then calls ``plan`` right after verification, for the next step, with ``caps=None``: the LDLP).
+2. ``stop(d) -> Tensor (A,)`` after each draft depth, only when ``reads_drafts``: a code per row that drafted
+   at this depth (:class:`Depth`: its tokens, the drafter's distributions and states, the chain's
+   log-probability), computed on the device: ``DROP`` (drop this draft and stop), ``STOP`` (keep it and
+   stop) or ``GO`` (keep it and draft on). Threshold rules are masks: ``go_while(mask)``.
+3. ``observe(rows, drafted, accepted)`` after verification, with host lists from the step's one read.
 
-After verification ``observe(ctx, drafted, accepted)`` lets stateful schedules (transformers'
-heuristic) update. ``begin(prompt_ids)`` is called once per generation before the clock starts.
-γ = 0 is legal: the engine then takes a plain target step.
+``begin(slot, prompt_ids)`` is called when a prompt enters a slot; ``bind_engine(engine)`` once when an
+engine is built (cost tables, per-slot state); ``check_pair(target, candidates)`` may refuse a pair.
+
+**Host reads.** Every shipped policy reads the host at most once a step: the engine's own read after
+verification carries the accept counts, the emitted tokens, the drafted counts and a planned-ahead γ.
+Where a device read is no synchronisation (a CPU), the engine also reads the stop codes after each depth
+to skip the rows that stopped (``early_exit``); on a GPU it drafts every row to its cap with the codes as
+masks and verifies up to the caps (see :class:`~eagle_backbone.engine.BatchedSpeculativeEngine`).
+
+**The slow path.** A per-sequence policy (:class:`DraftLengthPolicy`: ``gamma(ctx)``,
+``keep_drafting(ctx, i, token, probs)``, ``observe(ctx, drafted, accepted)`` on host values) runs through
+:class:`PerSlot`, which keeps one copy per slot and reads the drafts on the host at every depth. It is
+there for quick experiments; a policy meant to be measured under load implements :class:`DraftPolicy`.
+:class:`OneRow` drives a :class:`DraftPolicy` one sequence at a time (replay, per-sequence tools).
 """
 
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import torch
 
 from eagle_backbone.runtime import to_device
 
+DROP, STOP, GO = 0, 1, 2  # stop()'s codes per row
+
+
+def go_while(mask: torch.Tensor) -> torch.Tensor:
+    """Codes from a device mask: GO where ``mask`` holds (keep drafting), STOP elsewhere (keep this draft, stop)."""
+    return torch.where(mask, GO, STOP)
+
+
+@dataclass
+class Rows:
+    """The running rows of a step, as a policy sees them at ``plan`` (and ``observe``)."""
+
+    slots: list[int]  # engine slot of each row (host)
+    caps: list[int] | None  # the most each row may draft (budget, context); None when planning ahead
+    positions: list[int]  # tokens generated so far per row, the last one included (host)
+    last_tokens: torch.Tensor  # (R,) the last token of each row, not yet seen by the target
+    features: torch.Tensor  # (R, d) the target feature at the position that produced it
+    accepted: list[list[int]] = field(default_factory=list)  # per row, accepted drafts of past steps (host)
+    drafted: list[list[int]] = field(default_factory=list)  # per row, drafted tokens of past steps (host)
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+    last_ids: list[int] | None = None  # the last tokens on the host, where the engine has them without a read
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @cached_property
+    def embeddings(self) -> torch.Tensor:
+        """(R, d) the target's input embeddings of the last tokens (computed on first use)."""
+        return self.embed(self.last_tokens)
+
+
+@dataclass
+class Depth:
+    """One draft depth, for the A rows that drafted at it (``rows``: their positions in the step's rows)."""
+
+    depth: int  # 1-based
+    rows: list[int]
+    slots: torch.Tensor  # (A,) their engine slots (device)
+    tokens: torch.Tensor  # (A,) the drafted tokens
+    probs: torch.Tensor  # (A, V) the drafter's distributions they came from
+    states: torch.Tensor | None  # (A, d) the drafter states behind probs (None for a draft LM)
+    logp: torch.Tensor  # (A,) log-probability of each row's chain up to this depth (this token included)
+
+
+class DraftPolicy:
+    """Base class of the batched protocol (module docstring): subclasses set ``name`` and override ``plan``
+    (and ``stop`` with ``reads_drafts = True``, ``observe``, ``begin`` where they keep state)."""
+
+    name = "base"
+    adaptive = True  # False for a fixed γ (results report gamma then)
+    reads_drafts = False  # True: stop() is called after every depth
+    plans_ahead = False  # True: plan() reads device tensors only and is called right after verification
+
+    def bind_engine(self, engine) -> None:
+        """Called once by each engine built with this policy."""
+
+    def check_pair(self, target, candidates) -> None:
+        """Raise a one-line ValueError when the policy cannot serve this pair (a predictor trained for others)."""
+
+    def begin(self, slot: int, prompt_ids: list[int]) -> None:
+        """A new prompt enters ``slot`` (before the clock starts)."""
+
+    def plan(self, rows: Rows) -> list[int] | torch.Tensor:
+        raise NotImplementedError
+
+    def stop(self, d: Depth) -> torch.Tensor:
+        return torch.full_like(d.tokens, GO)
+
+    def reads(self) -> dict[str, torch.Tensor]:
+        """Device tensors this step's observation needs on the host: they ride in the step's one read."""
+        return {}
+
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
+        """Called after each verification with the step's drafted and accepted counts per row, and the
+        host values of :meth:`reads` (``extra``, by name)."""
+
+
+class StaticPolicy(DraftPolicy):
+    """A fixed γ every step: EAGLE's and most papers' default."""
+
+    name = "static"
+    adaptive = False
+
+    def __init__(self, gamma: int = 4):
+        if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 0:
+            raise ValueError(f"static policy: gamma must be an integer >= 0, got {gamma!r}")
+        self._gamma = gamma
+
+    @property
+    def fixed_gamma(self) -> int:
+        return self._gamma
+
+    def plan(self, rows: Rows) -> list[int]:
+        return [self._gamma] * len(rows)
+
+
+# ---- the slow path: per-sequence policies on host values ---------------------------------------------
+
 
 @dataclass
 class DraftContext:
+    """What a per-sequence policy sees (host values, the feature on the device)."""
+
     step: int  # 0-based decoding step (one target forward each)
     last_token: int  # the last accepted token, not yet seen by the target
     feature: torch.Tensor  # (d,) target feature at the position that produced last_token
@@ -49,10 +167,12 @@ class DraftContext:
 
 
 class DraftLengthPolicy:
-    """Base class: subclasses set ``name`` and override ``gamma`` (and optionally the hooks)."""
+    """A per-sequence policy on host values (the slow path, through :class:`PerSlot`): override ``gamma``
+    and optionally ``keep_drafting`` (False stops the chain after draft ``i``, keeping it), ``observe``
+    and ``begin``."""
 
-    name = "base"
-    adaptive = True  # False for a fixed γ (results report gamma then)
+    name = "per_slot"
+    adaptive = True
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Called once per generation, before timing starts."""
@@ -66,57 +186,136 @@ class DraftLengthPolicy:
     def observe(self, ctx: DraftContext, drafted: int, accepted: int) -> None:
         """Called after each verification."""
 
+
+def _overrides(obj, name: str) -> bool:
+    return getattr(type(obj), name) is not getattr(DraftLengthPolicy, name)
+
+
+class PerSlot(DraftPolicy):
+    """Runs per-sequence policies (:class:`DraftLengthPolicy`), one copy per slot (``factory()`` each time a
+    prompt enters a slot). The slow path: a context per row and step, and, for a policy that reads drafts,
+    a host read of every depth's tokens and distributions."""
+
+    def __init__(self, factory: Callable[[], DraftLengthPolicy]):
+        self.factory = factory
+        probe = factory()
+        self.name, self.adaptive = getattr(probe, "name", "per_slot"), getattr(probe, "adaptive", True)
+        self.reads_drafts = _overrides(probe, "keep_drafting")
+        self._probe = probe
+        self.per_slot: dict[int, DraftLengthPolicy] = {}
+        self._ctx: dict[int, DraftContext] = {}
+
+    @classmethod
+    def of(cls, policy: DraftLengthPolicy) -> PerSlot:
+        return cls(lambda: copy.deepcopy(policy))
+
     def check_pair(self, target, candidates) -> None:
-        """Called when a decoder is built, before any generation: raise a one-line ValueError when the
-        policy cannot serve this target and candidate generator (a predictor trained for other sizes)."""
+        if hasattr(self._probe, "check_pair"):
+            self._probe.check_pair(target, candidates)
+
+    def begin(self, slot: int, prompt_ids: list[int]) -> None:
+        p = self.factory()
+        p.begin(prompt_ids)
+        self.per_slot[slot] = p
+
+    def _context(self, rows: Rows, i: int, cap: int) -> DraftContext:
+        # the feature is a copy: a policy may keep its contexts, and the engine's buffer row changes every step
+        last = rows.last_ids[i] if rows.last_ids is not None else int(rows.last_tokens[i])
+        return DraftContext(step=len(rows.accepted[i]) if rows.accepted else 0, last_token=last,
+                            feature=rows.features[i].clone(), accepted_history=rows.accepted[i] if rows.accepted else [],
+                            drafted_history=rows.drafted[i] if rows.drafted else [], position=rows.positions[i],
+                            max_gamma=cap, _embed=rows.embed)
+
+    def plan(self, rows: Rows) -> list[int]:
+        out = []
+        for i, b in enumerate(rows.slots):
+            ctx = self._ctx[b] = self._context(rows, i, rows.caps[i] if rows.caps is not None else 0)
+            out.append(self.per_slot[b].gamma(ctx))
+        return out
+
+    def stop(self, d: Depth) -> torch.Tensor:
+        toks = d.tokens.tolist()  # the slow path's host read of this depth
+        codes = []
+        for j, b in enumerate(d.slots.tolist()):
+            ctx = self._ctx[b]
+            ctx.draft_state = None if d.states is None else d.states[j]
+            codes.append(GO if self.per_slot[b].keep_drafting(ctx, d.depth, toks[j], d.probs[j]) else STOP)
+        return to_device(codes, d.tokens.device)
+
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
+        for i, b in enumerate(rows.slots):
+            p = self.per_slot[b]
+            if _overrides(p, "observe"):
+                p.observe(self._ctx.get(b) or self._context(rows, i, 0), drafted[i], accepted[i])
 
 
-class StaticPolicy(DraftLengthPolicy):
-    """A fixed γ every step: EAGLE's and most papers' default."""
+def as_draft_policy(policy) -> DraftPolicy:
+    """A :class:`DraftPolicy` as it is; a per-sequence policy (or a zero-argument factory of one) through
+    :class:`PerSlot`; a factory of a :class:`DraftPolicy` called once."""
+    if isinstance(policy, DraftPolicy):
+        return policy
+    if isinstance(policy, DraftLengthPolicy):
+        return PerSlot.of(policy)
+    if callable(policy):
+        first = policy()
+        if isinstance(first, DraftPolicy):
+            return first
+        if isinstance(first, DraftLengthPolicy):
+            return PerSlot(policy)
+    raise ValueError(f"policy must be a DraftPolicy, a DraftLengthPolicy or a factory of one, got {policy!r}")
 
-    name = "static"
-    adaptive = False
 
-    def __init__(self, gamma: int = 4):
-        if not isinstance(gamma, int) or gamma < 0:
-            raise ValueError(f"static policy: gamma must be an integer >= 0, got {gamma!r}")
-        self._gamma = gamma
+class OneRow:
+    """A :class:`DraftPolicy` driven one sequence at a time through the per-sequence calls (``begin(prompt)``,
+    ``gamma(ctx)``, ``keep_drafting(ctx, i, token, probs)``, ``observe(ctx, drafted, accepted)``): replay
+    and per-sequence tools ask a batched policy what it would do for one row (slot 0)."""
 
-    @property
-    def fixed_gamma(self) -> int:
-        return self._gamma
+    def __init__(self, policy: DraftPolicy, slot: int = 0):
+        self.policy, self.slot = policy, slot
+        self.name, self.adaptive = policy.name, policy.adaptive
+        self._rows: Rows | None = None
+        self._logp = 0.0
+
+    def begin(self, prompt_ids) -> None:
+        self.policy.begin(self.slot, list(prompt_ids))
+
+    def _rows_of(self, ctx: DraftContext, caps) -> Rows:
+        dev = ctx.feature.device
+        return Rows([self.slot], caps, [ctx.position], to_device([ctx.last_token], dev), ctx.feature[None],
+                    [list(ctx.accepted_history)], [list(ctx.drafted_history)], ctx._embed, [ctx.last_token])
 
     def gamma(self, ctx: DraftContext) -> int:
-        return self._gamma
+        self._logp = 0.0
+        self._rows = self._rows_of(ctx, None if self.policy.plans_ahead else [ctx.max_gamma])
+        g = self.policy.plan(self._rows)
+        return int(g[0])
+
+    def keep_drafting(self, ctx: DraftContext, i: int, token: int, probs: torch.Tensor) -> bool:
+        if not self.policy.reads_drafts:
+            return True
+        dev = probs.device
+        p = float(probs[token])
+        self._logp += float(torch.log(torch.tensor(p, dtype=torch.float64))) if p > 0 else float("-inf")
+        d = Depth(i, [0], to_device([self.slot], dev), to_device([token], dev), probs[None],
+                  None if ctx.draft_state is None else ctx.draft_state[None],
+                  torch.tensor([self._logp], dtype=torch.float32, device=dev))
+        return int(self.policy.stop(d)[0]) == GO
+
+    def observe(self, ctx: DraftContext, drafted: int, accepted: int) -> None:
+        extra = {k: v.tolist() for k, v in self.policy.reads().items()}
+        self.policy.observe(self._rows or self._rows_of(ctx, [ctx.max_gamma]), [drafted], [accepted], extra)
+        self._rows = None
 
 
-class BatchDraftPolicy(DraftLengthPolicy):
-    """A policy that decides for every slot of a batch at once: one instance is shared by the slots.
+class OwnTime:
+    """The seconds a policy spends in its own calls, summed (``engine.policy_s``): perf_counter around each
+    call, which on a GPU times the launches (the host's share)."""
 
-    The batched engine calls, per step over the R running slots:
+    def __init__(self):
+        self.s = 0.0
 
-    * ``plan(caps) -> list[int]``: the most each row may draft this step (``caps``: what budgets and the
-      context allow); all zeros is a plain decoding step for the batch, with no drafter work at all.
-    * ``keep_rows(depth, rows, states, probs) -> list[int]`` after each draft depth, for the A rows that
-      drafted at ``depth``: ``rows`` their positions in the step (host ints), ``states`` (A, d) the drafter
-      states behind ``probs`` (None for a draft LM), ``probs`` (A, V) the drafter's distributions. Per row:
-      0 = drop this draft and stop, 1 = keep it and stop, 2 = keep it and draft the next one.
-    * ``observe_rows(drafted, accepted)`` after verification, with host lists (the step's one read).
-
-    ``bind_engine(engine)`` is called once when an engine is built (the cost table is per model, dtype and
-    thread count). ``gamma``/``keep_drafting``/``observe`` remain for the batch-1 engine, where R = 1."""
-
-    batch_level = True
-    reads_drafts = True  # False: keep_rows is never called (and greedy drafting skips the softmax)
-
-    def bind_engine(self, engine) -> None:
-        """Called once by the batched engine that will use this policy."""
-
-    def plan(self, caps: list[int]) -> list[int]:
-        raise NotImplementedError
-
-    def keep_rows(self, depth: int, rows: list[int], states, probs: torch.Tensor) -> list[int]:
-        return [2] * len(rows)
-
-    def observe_rows(self, drafted: list[int], accepted: list[int]) -> None:
-        """Called after each verification of a batched step."""
+    def call(self, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.s += time.perf_counter() - t0
+        return out

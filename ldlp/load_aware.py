@@ -19,10 +19,10 @@ step and the batch-1 hooks):
      load? :func:`uniform_gamma`, a geometric chain at the running acceptance rate, gives the best uniform
      γ for R slots; if that is 0 the step is plain decoding (no drafter work): under heavy load the
      policy is batched AR.
-  2. ``keep_rows`` at depth d: the estimator gives a_bd for the rows that drafted, and
-     :func:`allocate_depth` (the allocation: a pure function of host numbers, tested against brute force)
+  2. ``stop`` at depth d: the estimator gives a_bd for the rows that drafted, and :func:`allocate_depth`
+     (the allocation, on the device: sorts and prefix sums over the A rows, tested against brute force)
      picks the drafts to score and the rows that draft on (see its docstring for the objective).
-  3. ``observe_rows``: each verification's outcomes (draft i kept or the first rejection) update an online
+  3. ``observe``: each verification's outcomes (draft i kept or the first rejection) update an online
      logistic recalibration of the estimates (:mod:`ldlp.calibration`) and the running acceptance rate.
 
 * :class:`LoadAwareFixed` (``load_aware_fixed``, ablation): the same estimates, a fixed survival threshold
@@ -34,28 +34,27 @@ Estimators (marginal and fixed): ``confidence`` (the drafter's top probability, 
 training) or the folder of a trained :class:`~ldlp.acceptance.DraftAcceptanceHead` per temperature
 (``t0.0``, ``t0.7``...; β = Σ min(p, q) labels at T > 0), which reads the drafter state too.
 
-The policy's own cost (estimator, host read of A numbers and the allocation: Python over ≤ slots
-numbers a depth) is timed in ``self.own_s``.
+No host read inside a step: the estimates, survivals and codes stay on the device, the cost table's
+lookups are device vectors (:class:`StepTables`), and the raw estimates reach the host with the step's
+one read, for the recalibration. The engine times the policy's own calls (``engine.policy_s``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from eagle_backbone.cost import CostTable, cost_key, load_or_profile
-from eagle_backbone.policy import BatchDraftPolicy, DraftContext
+from eagle_backbone.policy import DROP, GO, STOP, Depth, DraftPolicy, Rows
 from ldlp.calibration import EPS, OnlineLogitCalibration
 
 log = logging.getLogger(__name__)
 
-DROP, KEEP, KEEP_AND_DRAFT = 0, 1, 2  # keep_rows' codes per row (BatchDraftPolicy)
+KEEP, KEEP_AND_DRAFT = STOP, GO  # the allocation's names for the protocol's codes
 
 
 # ---- the allocation: pure functions of host numbers ---------------------------------------------------
@@ -63,28 +62,58 @@ DROP, KEEP, KEEP_AND_DRAFT = 0, 1, 2  # keep_rows' codes per row (BatchDraftPoli
 
 @dataclass(frozen=True)
 class Budget:
-    """A step's plan so far: ``E`` expected emitted tokens, ``N`` scored tokens, ``T`` milliseconds."""
+    """A step's plan so far: ``E`` expected emitted tokens, ``N`` scored tokens, ``T`` milliseconds (0-d
+    device tensors inside a step; floats where a caller builds one by hand)."""
 
-    E: float
-    N: float
-    T: float
+    E: torch.Tensor | float
+    N: torch.Tensor | float
+    T: torch.Tensor | float
 
 
 @dataclass(frozen=True)
 class DepthCosts:
-    """What one draft depth's choices cost, from the cost table, for a depth of A drafted rows in a step of R:
-    ``draft_ms`` this depth's drafter forward (already spent, whatever is kept), ``token_ms`` (m) the target's
-    milliseconds per scored token at the plan's N (the secant over this depth's A tokens), and
-    ``next_depth_ms(k)`` the next depth's drafter forward and bookkeeping over k rows."""
+    """What one draft depth's choices cost, for a depth of A drafting rows in a step of R: ``draft_ms`` this
+    depth's drafter forward (already spent, whatever is kept), ``token_ms`` (m) the target's milliseconds
+    per scored token at the plan's N (the secant over this depth's A tokens), and ``next_depth_ms[k]`` the
+    next depth's drafter forward and bookkeeping over k rows (k = 0..R)."""
 
-    draft_ms: float
-    token_ms: float
-    next_depth_ms: Callable[[int], float]
+    draft_ms: torch.Tensor | float
+    token_ms: torch.Tensor | float
+    next_depth_ms: torch.Tensor
 
     @classmethod
-    def from_table(cls, costs: CostTable, R: int, A: int, N: float) -> DepthCosts:
-        return cls(costs.draft_ms(A, R), (costs.target_ms(R, N + A) - costs.target_ms(R, N)) / A,
-                   lambda k: costs.draft_ms(k, R))
+    def from_table(cls, costs: CostTable, R: int, A, N) -> DepthCosts:
+        """From the table's lookups over integer counts (:class:`StepTables`); A and N may be device scalars."""
+        device = A.device if isinstance(A, torch.Tensor) else torch.device("cpu")
+        return StepTables.of(costs, R, device).depth(A, N)
+
+
+class StepTables:
+    """The cost table's lookups for a step of R rows as device vectors over integer counts: ``target[n]`` the
+    verification of n scored tokens in all, ``draft[k]`` a draft depth over k rows. A depth's costs are then
+    indexing, with no host read."""
+
+    _memo: dict = {}
+
+    def __init__(self, costs: CostTable, R: int, n_max: int, device):
+        self.R = R
+        self.target = torch.tensor([costs.target_ms(R, n) for n in range(n_max + 1)], dtype=torch.float64, device=device)
+        self.draft = torch.tensor([costs.draft_ms(k, R) for k in range(R + 1)], dtype=torch.float64, device=device)
+
+    @classmethod
+    def of(cls, costs: CostTable, R: int, device) -> StepTables:
+        """Built once per table, R and device (a step scores at most R · (γ + 1) tokens, γ ≤ 32 in the engine)."""
+        memo = costs.__dict__.setdefault("_step_tables_", {})
+        key = (R, str(device))
+        if key not in memo:
+            memo[key] = cls(costs, R, 34 * R, device)
+        return memo[key]
+
+    def depth(self, A, N) -> DepthCosts:
+        A = torch.as_tensor(A, device=self.draft.device)
+        N = torch.as_tensor(N, device=self.draft.device).to(torch.long)
+        token = (self.target[N + A] - self.target[N]) / A.clamp_min(1)
+        return DepthCosts(self.draft[A], token, self.draft)
 
 
 @dataclass(frozen=True)
@@ -92,25 +121,24 @@ class DepthAllocation:
     """Per drafted row of a depth: ``codes`` (0 drop, 1 keep and stop, 2 keep and draft on); ``budget`` the
     plan after this depth (its forward and the kept drafts added)."""
 
-    codes: list[int]
+    codes: torch.Tensor
     budget: Budget
 
 
-def marginal_prefix(values_desc: Sequence[float], E: float, T: float, m: float) -> int:
+def marginal_prefix(values_desc: torch.Tensor, E, T, m) -> torch.Tensor:
     """How many of ``values_desc`` (expected tokens, sorted descending, each costing ``m`` ms) to add to a
     plan of E expected tokens in T ms so that E / T is largest: add while value / m is at least the rate
-    so far (each addition then raises the rate, and the first that would lower it ends the prefix)."""
-    k = 0
-    for v in values_desc:
-        if v * T < E * m:
-            break
-        E, T, k = E + v, T + m, k + 1
-    return k
+    so far (each addition then raises the rate, and the first that would lower it ends the prefix). On the
+    device: the condition for every prefix at once, then the length of the run of passes."""
+    k = torch.arange(values_desc.shape[0], device=values_desc.device, dtype=torch.float64)
+    E_before = E + torch.cumsum(values_desc, 0) - values_desc
+    ok = values_desc * (T + m * k) >= E_before * m
+    return torch.cumprod(ok.to(torch.long), 0).sum()
 
 
-def allocate_depth(survival: Sequence[float], accept: Sequence[float], can_continue: Sequence[bool],
+def allocate_depth(survival: torch.Tensor, accept: torch.Tensor, can_continue: torch.Tensor,
                    budget: Budget, costs: DepthCosts) -> DepthAllocation:
-    """The load-aware allocation at one draft depth, for the A rows that drafted there.
+    """The load-aware allocation at one draft depth, for the A rows that drafted there, on the device.
 
     ``survival[j]``: S_j, the probability that row j's draft at this depth survives verification (its
     earlier drafts' and its own acceptance estimates multiplied); ``accept[j]``: a_j, the estimate behind
@@ -122,40 +150,41 @@ def allocate_depth(survival: Sequence[float], accept: Sequence[float], can_conti
        every scored token costing m ≥ 0 (the global greedy budget of DSpark and vLLM's adaptive
        verification, taken in descending S: :func:`marginal_prefix`).
     2. Rows that draft on, C ⊆ {j ∈ K: can_continue[j]}: maximise, at the rate ρ of part 1,
-       Σ_C S_j · a_j − ρ · (m · |C| + next_depth_ms(|C|)): the predicted next survivals net of their
+       Σ_C S_j · a_j − ρ · (m · |C| + next_depth_ms[|C|]): the predicted next survivals net of their
        target tokens and the next depth's forward (C empty scores 0; ties go to the smaller C).
 
     Rows outside K get code 0, K \\ C code 1, C code 2."""
-    A = len(survival)
+    S, a = survival.to(torch.float64), accept.to(torch.float64)
+    A, dev = S.shape[0], S.device
     E, N, T = budget.E, budget.N, budget.T + costs.draft_ms  # this depth's drafter forward is spent
     m = costs.token_ms
-    codes = [DROP] * A
-    order = sorted(range(A), key=lambda j: -survival[j])
-    kept = order[: marginal_prefix([survival[j] for j in order], E, T, m)]
-    for j in kept:
-        E += survival[j]
-        N += 1
-        T += m
-        codes[j] = KEEP
+    order = torch.sort(S, descending=True, stable=True).indices
+    n_kept = marginal_prefix(S[order], E, T, m)
+    kept = torch.zeros(A, dtype=torch.bool, device=dev)
+    kept[order] = torch.arange(A, device=dev) < n_kept
+    E = E + torch.where(kept, S, 0.0).sum()
+    N = N + n_kept
+    T = T + m * n_kept
     # who drafts on: the best prefix of the predicted next survivals, net of the next depth's forward
-    nxt = sorted((j for j in kept if can_continue[j]), key=lambda j: -survival[j] * accept[j])
-    rate, best_k, best_net, value = E / T, 0, 0.0, 0.0
-    for k, j in enumerate(nxt, 1):
-        value += survival[j] * accept[j]
-        net = value - rate * (k * m + costs.next_depth_ms(k))
-        if net > best_net:
-            best_k, best_net = k, net
-    for j in nxt[:best_k]:
-        codes[j] = KEEP_AND_DRAFT
+    on = kept & can_continue
+    value = torch.where(on, S * a, -1.0)  # candidates first (values >= 0), in descending value
+    order2 = torch.sort(value, descending=True, stable=True).indices
+    k = torch.arange(1, A + 1, device=dev)
+    net = torch.cumsum(value[order2].clamp_min(0.0), 0) - (E / T) * (k * m + costs.next_depth_ms[k])
+    net = torch.where(k <= on.sum(), net, float("-inf"))
+    best_k = torch.argmax(torch.cat([net.new_zeros(1), net]))  # the first best: ties go to the smaller C
+    go = torch.zeros(A, dtype=torch.bool, device=dev)
+    go[order2] = k <= best_k
+    codes = torch.where(kept, torch.where(go, KEEP_AND_DRAFT, KEEP), DROP)
     return DepthAllocation(codes, Budget(E, N, T))
 
 
-def threshold_codes(survival: Sequence[float], accept: Sequence[float], can_continue: Sequence[bool],
-                    threshold: float) -> list[int]:
+def threshold_codes(survival: torch.Tensor, accept: torch.Tensor, can_continue: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
     """The fixed-threshold ablation's rule (no cost model): keep a draft while its survival is at least
     ``threshold``, and draft on while the predicted next survival S · a is too."""
-    return [(KEEP_AND_DRAFT if s * a >= threshold and go else KEEP) if s >= threshold else DROP
-            for s, a, go in zip(survival, accept, can_continue)]
+    go = (survival * accept >= threshold) & can_continue
+    return torch.where(survival >= threshold, torch.where(go, KEEP_AND_DRAFT, KEEP), DROP)
 
 
 def uniform_gamma(costs: CostTable, R: int, cap: int, accept: float, feed_tokens: float) -> int:
@@ -176,27 +205,30 @@ def uniform_gamma(costs: CostTable, R: int, cap: int, accept: float, feed_tokens
 
 @dataclass
 class StepPlan:
-    """A drafting step's state between ``plan`` and ``observe_rows`` (rows: positions in the step).
+    """A drafting step's state between ``plan`` and ``observe`` (rows: positions in the step; device
+    tensors). ``caps``: the most each row may draft; ``survival``: each row's survival of its last kept
+    draft (1.0 before any); ``going``: rows whose codes still say draft on; ``raw``: each row's raw
+    estimates by depth (NaN where it did not draft; for the online recalibration); ``budget``: the marginal
+    policy's plan totals (None for the others)."""
 
-    ``caps``: the most each row may draft; ``survival``: each row's survival of its last kept draft (1.0
-    before any); ``raw``: each row's raw estimates by depth (for the online recalibration); ``budget``:
-    the marginal policy's plan totals (None for the others)."""
-
-    caps: list[int]
-    survival: list[float]
-    raw: list[list[float]]
+    caps: torch.Tensor
+    survival: torch.Tensor
+    going: torch.Tensor
+    raw: torch.Tensor
     budget: Budget | None = None
 
     @classmethod
-    def start(cls, caps: list[int], budget: Budget | None = None) -> StepPlan:
-        R = len(caps)
-        return cls(caps, [1.0] * R, [[] for _ in range(R)], budget)
+    def start(cls, caps: list[int], device, budget: Budget | None = None) -> StepPlan:
+        R, G = len(caps), max(caps)
+        return cls(torch.tensor(caps, device=device), torch.ones(R, dtype=torch.float64, device=device),
+                   torch.ones(R, dtype=torch.bool, device=device),
+                   torch.full((R, G), float("nan"), dtype=torch.float64, device=device), budget)
 
 
-class LoadAwarePolicy(BatchDraftPolicy):
-    """What the load-aware policies share: the cost table, the running acceptance rate and drafter feed, a
-    step's plan, and the batch-1 hooks (R = 1). Subclasses choose the step's uniform γ
-    (:meth:`_uniform_gamma`) and, when they read drafts, the per-row codes (:meth:`_codes`)."""
+class LoadAwarePolicy(DraftPolicy):
+    """What the load-aware policies share: the cost table, the running acceptance rate and drafter feed, and
+    a step's plan. Subclasses choose the step's uniform γ (:meth:`_uniform_gamma`) and, when they read
+    drafts, the per-row codes (:meth:`_codes`)."""
 
     name = "load_aware"
 
@@ -215,7 +247,7 @@ class LoadAwarePolicy(BatchDraftPolicy):
         self.accept_rate = float(prior)  # running P(draft kept) over observed drafts (an EMA)
         self.feed_tokens = 2.0  # running tokens a row feeds the drafter per step (accepted + 1)
         self.costs: CostTable | None = None
-        self.own_s = 0.0  # the policy's own seconds (plan, estimates, allocation, observation)
+        self.device = torch.device("cpu")
         self.steps = self.drafting_steps = 0
         self._idle = 0
         self._plan: StepPlan | None = None
@@ -227,6 +259,7 @@ class LoadAwarePolicy(BatchDraftPolicy):
             return  # nothing to draft with: every step is plain decoding
         # the engine's sampling is what the estimates must be calibrated for (a sweep over T reuses one config)
         self.temperature = 0.0 if engine.sampling.greedy else float(engine.sampling.temperature)
+        self.device = engine.device
         self._setup(engine.target, engine.candidates, engine.attn)
 
     def _setup(self, target, candidates, attn: str = "eager") -> None:
@@ -257,11 +290,10 @@ class LoadAwarePolicy(BatchDraftPolicy):
 
     def _start(self, caps: list[int], g: int) -> tuple[list[int], StepPlan]:
         """(the plan's γ per row, the step's state) for a drafting step of uniform γ ``g``."""
-        return caps, StepPlan.start(caps)
+        return caps, StepPlan.start(caps, self.device)
 
-    def plan(self, caps: list[int]) -> list[int]:
-        t0 = time.perf_counter()
-        R = len(caps)
+    def plan(self, rows: Rows) -> list[int]:
+        caps, R = rows.caps, len(rows)
         self.steps += 1
         if self.costs is None or not any(caps):
             self._plan = None
@@ -273,23 +305,24 @@ class LoadAwarePolicy(BatchDraftPolicy):
         self._idle = 0 if g else self._idle + 1
         if g == 0:
             self._plan = None
-            self.own_s += time.perf_counter() - t0
             return [0] * R
         self.drafting_steps += 1
         out, self._plan = self._start(caps, g)
-        self.own_s += time.perf_counter() - t0
         return out
 
     # ---- the observation ----------------------------------------------------------------------------
-    def observe_rows(self, drafted: list[int], accepted: list[int]) -> None:
-        t0 = time.perf_counter()
+    def reads(self) -> dict[str, torch.Tensor]:
+        return {"raw": self._plan.raw} if self._plan is not None and self.reads_drafts else {}
+
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
         plan = self._plan
         self.feed_tokens += 0.1 * (sum(accepted) / max(1, len(accepted)) + 1 - self.feed_tokens)
         if plan is None:
-            self.own_s += time.perf_counter() - t0
             return
+        raws = (extra or {}).get("raw") or [[] for _ in drafted]
         est, seen_kept, kept = [], [], []
-        for raw, n, k in zip(plan.raw, drafted, accepted):
+        for raw, n, k in zip(raws, drafted, accepted):
+            raw = [r for r in raw if r == r]  # the depths this row drafted (NaN elsewhere)
             seen = min(n, k + 1)  # drafts 1..k kept, draft k+1 (if drafted) the first rejection
             outcome = [1.0] * min(k, seen) + [0.0] * (seen - min(k, seen))
             kept.extend(outcome)
@@ -303,26 +336,9 @@ class LoadAwarePolicy(BatchDraftPolicy):
         if est:
             self._observe_estimates(est, seen_kept)
         self._plan = None
-        self.own_s += time.perf_counter() - t0
 
     def _observe_estimates(self, est: list[float], kept: list[float]) -> None:
         """Raw estimates and their observed outcomes (1 kept, 0 the first rejection), for a recalibration."""
-
-    # ---- the batch-1 engine (R = 1) -----------------------------------------------------------------
-    def begin(self, prompt_ids) -> None:
-        self._plan = None
-
-    def gamma(self, ctx: DraftContext) -> int:
-        return self.plan([ctx.max_gamma])[0] if ctx.max_gamma > 0 else 0
-
-    def keep_drafting(self, ctx, i, token, probs) -> bool:
-        if self._plan is None or not self.reads_drafts:
-            return True
-        states = None if ctx.draft_state is None else ctx.draft_state[None]
-        return self.keep_rows(i, [0], states, probs[None])[0] == KEEP_AND_DRAFT
-
-    def observe(self, ctx, drafted, accepted) -> None:
-        self.observe_rows([drafted], [accepted])
 
 
 class LoadAwareStep(LoadAwarePolicy):
@@ -330,16 +346,14 @@ class LoadAwareStep(LoadAwarePolicy):
     the best uniform γ at the load and the running acceptance rate (capped by its own cap); no draft is
     read."""
 
-    reads_drafts = False
-
     def _start(self, caps: list[int], g: int) -> tuple[list[int], StepPlan]:
-        return [min(g, c) for c in caps], StepPlan.start(caps)
+        return [min(g, c) for c in caps], StepPlan.start(caps, self.device)
 
 
 class _PerSlotEstimates(LoadAwarePolicy):
     """A load-aware policy that reads every draft: per-row acceptance estimates a_bd (the drafter's top
     probability or a trained head), recalibrated online, multiplied into survivals; :meth:`_codes` turns
-    them into keep_rows' codes."""
+    them into stop codes, on the device."""
 
     reads_drafts = True
 
@@ -354,13 +368,14 @@ class _PerSlotEstimates(LoadAwarePolicy):
         self.estimator_spec, self.recalibrate = estimator, bool(recalibrate)
         self.calibration = OnlineLogitCalibration(decay=decay)
         self.head = None
-        self._wc = (1.0, 0.0)  # the online correction's (w, c) as host floats
+        self._wc = torch.tensor([1.0, 0.0], dtype=torch.float64)  # the online correction's (w, c), on the device
         self._pending: tuple[list, list] = ([], [])  # outcomes not yet in the correction
         self.update_every = 32  # outcomes per Newton step of the correction
 
     def _setup(self, target, candidates, attn: str = "eager") -> None:
         super()._setup(target, candidates, attn)
-        self.calibration.to("cpu")
+        self.calibration.to(target.device)
+        self._wc = self._wc.to(target.device)
         if self.estimator_spec != "confidence":
             if candidates.kind != "eagle":
                 raise ValueError("load_aware policy: a draft acceptance head reads EAGLE drafter states; with a draft "
@@ -376,25 +391,24 @@ class _PerSlotEstimates(LoadAwarePolicy):
             return self.head(states, probs, depth)
         return probs.max(-1).values.float()
 
-    def keep_rows(self, depth: int, rows: list[int], states, probs: torch.Tensor) -> list[int]:
-        t0 = time.perf_counter()
+    def stop(self, d: Depth) -> torch.Tensor:
         plan = self._plan
-        raw = self.estimates(depth, states, probs).tolist()  # the host read of this depth
-        # the correction in Python: A numbers, cheaper than a dozen small tensor ops
-        w, c = self._wc
-        a = [_corrected(r, w, c) for r in raw] if self.recalibrate else raw
-        for i, r in zip(rows, raw):
-            plan.raw[i].append(r)
-        S = [plan.survival[i] * ai for i, ai in zip(rows, a)]
-        codes = self._codes(depth, rows, S, a, [plan.caps[i] > depth for i in rows])
-        for i, s, code in zip(rows, S, codes):
-            if code != DROP:
-                plan.survival[i] = s
-        self.own_s += time.perf_counter() - t0
+        if plan is None:
+            return torch.full_like(d.tokens, GO)
+        rows = torch.as_tensor(d.rows, device=d.tokens.device)
+        raw = self.estimates(d.depth, d.states, d.probs).to(torch.float64)
+        a = _corrected_t(raw, self._wc[0], self._wc[1]) if self.recalibrate else raw
+        going = plan.going[rows]
+        plan.raw[rows, d.depth - 1] = torch.where(going, raw, plan.raw[rows, d.depth - 1])
+        S = plan.survival[rows] * a
+        codes = self._codes(d.depth, going, S, a, plan.caps[rows] > d.depth)
+        codes = torch.where(going, codes, DROP)
+        plan.survival[rows] = torch.where(codes != DROP, S, plan.survival[rows])
+        plan.going[rows] = going & (codes == GO)
         return codes
 
-    def _codes(self, depth: int, rows: list[int], survival: list[float], accept: list[float],
-               can_continue: list[bool]) -> list[int]:
+    def _codes(self, depth: int, going: torch.Tensor, survival: torch.Tensor, accept: torch.Tensor,
+               can_continue: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def _observe_estimates(self, est: list[float], kept: list[float]) -> None:
@@ -403,26 +417,31 @@ class _PerSlotEstimates(LoadAwarePolicy):
         self._pending[0].extend(est)
         self._pending[1].extend(kept)
         if len(self._pending[0]) >= self.update_every:  # a Newton step per batch of outcomes, not per step
-            self.calibration.update(torch.tensor(self._pending[0]), torch.tensor(self._pending[1]))
-            self._wc = tuple(self.calibration.params.tolist())
+            dev = self._wc.device
+            self.calibration.update(torch.tensor(self._pending[0], device=dev), torch.tensor(self._pending[1], device=dev))
+            self._wc = self.calibration.params.to(torch.float64)  # stays on the device: no read
             self._pending = ([], [])
 
 
 class LoadAwareMarginal(_PerSlotEstimates):
     """``policy=load_aware``: per-slot estimates and the cost model; each depth's drafts and the rows that
-    draft on are chosen by :func:`allocate_depth` (see the module docstring)."""
+    draft on are chosen by :func:`allocate_depth` (see the module docstring), on the device."""
 
     def _start(self, caps: list[int], g: int) -> tuple[list[int], StepPlan]:
         c, R = self.costs, len(caps)
         # the plan so far: every row emits one token; the drafter's catch-up forward is paid
-        budget = Budget(float(R), float(R), c.overhead_ms(R) + c.feed_ms(R, self.feed_tokens) + c.target_ms(R, R))
-        return caps, StepPlan.start(caps, budget)
+        f64 = dict(dtype=torch.float64, device=self.device)
+        budget = Budget(torch.tensor(float(R), **f64), torch.tensor(R, device=self.device),
+                        torch.tensor(c.overhead_ms(R) + c.feed_ms(R, self.feed_tokens) + c.target_ms(R, R), **f64))
+        return caps, StepPlan.start(caps, self.device, budget)
 
-    def _codes(self, depth: int, rows: list[int], survival: list[float], accept: list[float],
-               can_continue: list[bool]) -> list[int]:
+    def _codes(self, depth: int, going: torch.Tensor, survival: torch.Tensor, accept: torch.Tensor,
+               can_continue: torch.Tensor) -> torch.Tensor:
         plan = self._plan
-        costs = DepthCosts.from_table(self.costs, len(plan.caps), len(rows), plan.budget.N)
-        out = allocate_depth(survival, accept, can_continue, plan.budget, costs)
+        # rows that stopped take no part: survival 0 is never scored, and they may not continue
+        survival = torch.where(going, survival, -1.0)
+        costs = StepTables.of(self.costs, plan.caps.shape[0], self.device).depth(going.sum(), plan.budget.N)
+        out = allocate_depth(survival, accept, can_continue & going, plan.budget, costs)
         plan.budget = out.budget
         return out.codes
 
@@ -445,16 +464,15 @@ class LoadAwareFixed(_PerSlotEstimates):
     def _uniform_gamma(self, caps: list[int]) -> int:
         return max(caps)
 
-    def _codes(self, depth: int, rows: list[int], survival: list[float], accept: list[float],
-               can_continue: list[bool]) -> list[int]:
+    def _codes(self, depth: int, going: torch.Tensor, survival: torch.Tensor, accept: torch.Tensor,
+               can_continue: torch.Tensor) -> torch.Tensor:
         return threshold_codes(survival, accept, can_continue, self.threshold)
 
 
-def _corrected(p: float, w: float, c: float) -> float:
-    """sigmoid(w * logit(p) + c), as :meth:`OnlineLogitCalibration.calibrate` computes it, for one float."""
-    p = min(max(p, EPS), 1 - EPS)
-    z = w * (math.log(p) - math.log1p(-p)) + c
-    return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+def _corrected_t(p: torch.Tensor, w, c) -> torch.Tensor:
+    """sigmoid(w * logit(p) + c) on the device, as :meth:`OnlineLogitCalibration.calibrate` computes it."""
+    p = p.clamp(EPS, 1 - EPS)
+    return torch.sigmoid(w * (torch.log(p) - torch.log1p(-p)) + c)
 
 
 def load_head_for_temperature(folder: str, temperature: float):

@@ -1,12 +1,13 @@
 """Draft-length policies: static γ and the adaptive rules compared against it.
 
 Each policy is one class here and one YAML file under ``conf/policy/`` (built with
-``hydra.utils.instantiate``). The engine asks ``gamma(ctx)`` before drafting and
-``keep_drafting(ctx, i, token, probs)`` after each drafted token (see :mod:`eagle_backbone.policy`);
-threshold rules therefore return their cap ``max_gamma`` from ``gamma`` and decide in ``keep_drafting``.
+``hydra.utils.instantiate``), written to the batched protocol of :mod:`eagle_backbone.policy`: ``plan``
+gives each running row its depth cap, and threshold rules are device masks in ``stop`` (``go_while``).
+None of them reads the host inside a step.
 
 * :class:`StaticPolicy`      a fixed γ (EAGLE's default).
-* :class:`LDLPPolicy`        the trained Lightweight Draft Length Predictor (AdaEAGLE).
+* :class:`LDLPPolicy`        the trained Lightweight Draft Length Predictor (AdaEAGLE), one forward for
+                             all rows right after verification (``plans_ahead``).
 * :class:`DDDPolicy`         stop when the draft's cumulative log-probability falls below a threshold
                              (Dynamic Depth Decoding).
 * :class:`LDLPDDDPolicy`     AdaEAGLE-DDD: stop only once the LDLP length is passed *and* the DDD rule fires.
@@ -20,23 +21,21 @@ threshold rules therefore return their cap ``max_gamma`` from ``gamma`` and deci
                              exactly that many (zero waste). Greedy only.
 
 Policies that need the models (the oracle) get them through ``bind(target, candidates, max_new_tokens,
-sampling)``, which the evaluation calls once before generating; the others ignore it.
-"""
+sampling)``, which the evaluation calls once before generating; the others ignore it."""
 
 from __future__ import annotations
 
 import copy
-import math
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from eagle_backbone.policy import DraftContext, DraftLengthPolicy, StaticPolicy
-from ldlp.acceptance import clip_log_p
+from eagle_backbone.policy import Depth, DraftPolicy, Rows, StaticPolicy, go_while
+from ldlp.acceptance import MIN_LOG_P
 
 __all__ = ["StaticPolicy", "LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy",
-           "AcceptancePolicy", "HeuristicPolicy", "OraclePolicy", "DraftLengthPolicy"]
+           "AcceptancePolicy", "HeuristicPolicy", "OraclePolicy", "DraftPolicy"]
 
 
 def _check_cap(name: str, max_gamma) -> int:
@@ -45,9 +44,20 @@ def _check_cap(name: str, max_gamma) -> int:
     return max_gamma
 
 
-def _token_logprob(probs: torch.Tensor, token: int) -> float:
-    p = float(probs[token])
-    return math.log(p) if p > 0 else float("-inf")
+class _PerSlotState:
+    """A device tensor of one value per engine slot (the rows of a step index it by their slots), grown on use."""
+
+    def __init__(self, fill: float = 0.0, dtype=torch.float64):
+        self.fill, self.dtype = fill, dtype
+        self.t: torch.Tensor | None = None
+
+    def at(self, slots: list[int], device) -> torch.Tensor:
+        n = max(slots) + 1
+        if self.t is None or self.t.shape[0] < n or self.t.device != torch.device(device):
+            old, self.t = self.t, torch.full((max(n, 8),), self.fill, dtype=self.dtype, device=device)
+            if old is not None and old.device == self.t.device:
+                self.t[: old.shape[0]] = old
+        return self.t
 
 
 @lru_cache(maxsize=8)
@@ -58,10 +68,12 @@ def _load_ldlp(path: str):
     return LDLP.from_pretrained(path)
 
 
-class LDLPPolicy(DraftLengthPolicy):
-    """γ = the LDLP's prediction from the last accepted token's embedding and its target feature."""
+class LDLPPolicy(DraftPolicy):
+    """γ = the LDLP's prediction from the last accepted token's embedding and its target feature: one predictor
+    forward for all rows, right after verification, read with the step's accept counts."""
 
     name = "ldlp"
+    plans_ahead = True
 
     def __init__(self, path: str, max_gamma: int | None = None, offset: int = 0, threshold: float | None = None):
         if not (Path(path) / "config.json").is_file():
@@ -92,64 +104,66 @@ class LDLPPolicy(DraftLengthPolicy):
                              f"{target.hidden_size}: it was trained for another target; train one for this target "
                              "(python scripts/train_ldlp.py) or point policy.path at it")
 
-    def predict(self, ctx: DraftContext) -> int:
-        n = max(0, int(self.model.predict_length(ctx.embedding, ctx.feature)) + self.offset)
-        return n if self.max_gamma is None else min(n, self.max_gamma)
+    def predict(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """(R,) predicted lengths on the device, offset and capped."""
+        n = (self.model.predict_length(embeddings.float(), features.float()).to(torch.long) + self.offset).clamp_min(0)
+        return n if self.max_gamma is None else n.clamp_max(self.max_gamma)
 
-    def gamma(self, ctx: DraftContext) -> int:
-        return self.predict(ctx)
+    def plan(self, rows: Rows) -> torch.Tensor:
+        return self.predict(rows.embeddings, rows.features)
 
 
-class DDDPolicy(DraftLengthPolicy):
+class DDDPolicy(DraftPolicy):
     """Draft while the cumulative log-probability of the draft stays at or above ``threshold``."""
 
     name = "ddd"
+    reads_drafts = True
 
     def __init__(self, threshold: float = -1.0, max_gamma: int = 8):
         if not threshold <= 0:
             raise ValueError(f"ddd policy: threshold is a log-probability and must be <= 0, got {threshold!r}")
         self.threshold = float(threshold)
         self.max_gamma = _check_cap(self.name, max_gamma)
-        self._logp = 0.0
 
-    def gamma(self, ctx: DraftContext) -> int:
-        self._logp = 0.0
-        return self.max_gamma
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.max_gamma] * len(rows)
 
-    def keep_drafting(self, ctx, i, token, probs) -> bool:
-        self._logp += _token_logprob(probs, token)
-        return self._logp >= self.threshold
+    def stop(self, d: Depth) -> torch.Tensor:
+        return go_while(d.logp >= self.threshold)
 
 
-class LDLPDDDPolicy(DraftLengthPolicy):
+class LDLPDDDPolicy(DraftPolicy):
     """AdaEAGLE-DDD: keep drafting until both the LDLP length is reached and the DDD rule says stop."""
 
     name = "ldlp_ddd"
+    reads_drafts = True
+    plans_ahead = True  # the LDLP length is predicted right after verification and kept on the device
 
     def __init__(self, path: str, threshold: float = -1.0, max_gamma: int = 8, offset: int = 0,
                  ldlp_threshold: float | None = None):
         self.ldlp = LDLPPolicy(path, max_gamma=max_gamma, offset=offset, threshold=ldlp_threshold)
         self.ddd = DDDPolicy(threshold, max_gamma)
         self.max_gamma = max_gamma
-        self._length = 0
+        self._length = _PerSlotState(0, torch.long)
 
     def check_pair(self, target, candidates) -> None:
         self.ldlp.check_pair(target, candidates)
 
-    def gamma(self, ctx: DraftContext) -> int:
-        self._length = self.ldlp.predict(ctx)
-        self.ddd.gamma(ctx)
-        return self.max_gamma
+    def plan(self, rows: Rows) -> list[int]:
+        lengths = self._length.at(rows.slots, rows.features.device)
+        lengths[torch.as_tensor(rows.slots, device=lengths.device)] = self.ldlp.plan(rows)
+        return [self.max_gamma] * len(rows)
 
-    def keep_drafting(self, ctx, i, token, probs) -> bool:
-        confident = self.ddd.keep_drafting(ctx, i, token, probs)  # always update the running log-probability
-        return i < self._length or confident
+    def stop(self, d: Depth) -> torch.Tensor:
+        lengths = self._length.t[d.slots]
+        return go_while((d.depth < lengths) | (d.logp >= self.ddd.threshold))
 
 
-class ConfidencePolicy(DraftLengthPolicy):
+class ConfidencePolicy(DraftPolicy):
     """Draft while the drafter's top probability is at or above ``threshold``."""
 
     name = "confidence"
+    reads_drafts = True
 
     def __init__(self, threshold: float = 0.4, max_gamma: int = 8):
         if not 0 <= threshold <= 1:
@@ -157,17 +171,18 @@ class ConfidencePolicy(DraftLengthPolicy):
         self.threshold = float(threshold)
         self.max_gamma = _check_cap(self.name, max_gamma)
 
-    def gamma(self, ctx: DraftContext) -> int:
-        return self.max_gamma
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.max_gamma] * len(rows)
 
-    def keep_drafting(self, ctx, i, token, probs) -> bool:
-        return float(probs.max()) >= self.threshold
+    def stop(self, d: Depth) -> torch.Tensor:
+        return go_while(d.probs.max(-1).values.double() >= self.threshold)
 
 
-class EntropyPolicy(DraftLengthPolicy):
+class EntropyPolicy(DraftPolicy):
     """Draft while the entropy (nats) of the drafter's distribution is at or below ``threshold``."""
 
     name = "entropy"
+    reads_drafts = True
 
     def __init__(self, threshold: float = 1.0, max_gamma: int = 8):
         if not threshold >= 0:
@@ -175,16 +190,17 @@ class EntropyPolicy(DraftLengthPolicy):
         self.threshold = float(threshold)
         self.max_gamma = _check_cap(self.name, max_gamma)
 
-    def gamma(self, ctx: DraftContext) -> int:
-        return self.max_gamma
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.max_gamma] * len(rows)
 
     @staticmethod
-    def entropy(probs: torch.Tensor) -> float:
+    def entropy(probs: torch.Tensor) -> torch.Tensor:
+        """(..., V) distributions -> (...,) entropies in nats (float64; 0·log 0 = 0)."""
         p = probs.double()
-        return float(-(p * torch.log(p.clamp_min(1e-300))).sum())  # 0·log 0 = 0
+        return -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
 
-    def keep_drafting(self, ctx, i, token, probs) -> bool:
-        return self.entropy(probs) <= self.threshold
+    def stop(self, d: Depth) -> torch.Tensor:
+        return go_while(self.entropy(d.probs) <= self.threshold)
 
 
 @lru_cache(maxsize=8)
@@ -194,15 +210,16 @@ def _load_acceptance_head(path: str):
     return AcceptanceHead.from_pretrained(path)
 
 
-class AcceptancePolicy(DraftLengthPolicy):
+class AcceptancePolicy(DraftPolicy):
     """Draft token m+1 while the acceptance head's P(drafts 1..m+1 all kept) is at or above ``threshold``.
 
-    The head reads the drafter state behind each draft (``ctx.draft_state``), so it needs an EAGLE
-    drafter. The probability is the whole draft's, so a threshold compares the chance that one more
-    drafted token pays off against its cost: lower it when drafting is cheap next to a target pass.
+    The head reads the drafter state behind each draft, so it needs an EAGLE drafter. The probability is
+    the whole draft's, so a threshold compares the chance that one more drafted token pays off against its
+    cost: lower it when drafting is cheap next to a target pass.
     """
 
     name = "acceptance"
+    reads_drafts = True
 
     def __init__(self, path: str, threshold: float = 0.3, max_gamma: int = 8):
         if not (Path(path) / "config.json").is_file():
@@ -214,7 +231,7 @@ class AcceptancePolicy(DraftLengthPolicy):
         self.head = _load_acceptance_head(str(path))
         self.threshold = float(threshold)
         self.max_gamma = _check_cap(self.name, max_gamma)
-        self._cum = 0.0
+        self._cum = None  # per row of the step: the sum of its chain's clipped log-probabilities
 
     def check_pair(self, target, candidates) -> None:
         drafter = getattr(candidates, "drafter", None)
@@ -228,21 +245,24 @@ class AcceptancePolicy(DraftLengthPolicy):
                              "was trained for another drafter; train one for it (python scripts/train_acceptance.py) "
                              "or point policy.path at it")
 
-    def gamma(self, ctx: DraftContext) -> int:
-        self._cum = 0.0
-        return self.max_gamma
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.max_gamma] * len(rows)
 
-    def keep_drafting(self, ctx, i, token, probs) -> bool:
-        if ctx.draft_state is None:
-            raise ValueError("acceptance policy: no drafter state to read (ctx.draft_state is None). It needs an "
-                             "EAGLE drafter (a standalone draft LM offers none) or, in replay, oracle rows "
-                             "collected with store_draft_states=true")
-        log_p = clip_log_p(float(probs[token]))
-        self._cum += log_p
-        return self.head.probability(ctx.draft_state, log_p, self._cum, i) >= self.threshold
+    def stop(self, d: Depth) -> torch.Tensor:
+        if d.states is None:
+            raise ValueError("acceptance policy: no drafter state to read. It needs an EAGLE drafter (a standalone "
+                             "draft LM offers none) or, in replay, oracle rows collected with store_draft_states=true")
+        p = d.probs.gather(1, d.tokens[:, None])[:, 0].double()
+        log_p = torch.where(p > 1e-6, torch.log(p), torch.full_like(p, MIN_LOG_P))  # as clip_log_p
+        idx = torch.as_tensor(d.rows, device=p.device)
+        if d.depth == 1:  # every row of the step that drafts at all drafts depth 1
+            self._cum = torch.zeros(max(d.rows) + 1, dtype=torch.float64, device=p.device)
+        self._cum[idx] += log_p
+        stats = torch.stack([log_p, self._cum[idx], torch.full_like(log_p, d.depth)], -1)
+        return go_while(self.head(d.states, stats) >= self.threshold)
 
 
-class HeuristicPolicy(DraftLengthPolicy):
+class HeuristicPolicy(DraftPolicy):
     """transformers' ``num_assistant_tokens_schedule="heuristic"``, reset at every generation
     (``"heuristic_transient"``) so that results do not depend on the order of the prompts."""
 
@@ -253,24 +273,21 @@ class HeuristicPolicy(DraftLengthPolicy):
             raise ValueError(f"heuristic policy: initial_gamma must be an integer >= 1, got {initial_gamma!r}")
         self.initial_gamma = initial_gamma
         self.max_gamma = None if max_gamma is None else _check_cap(self.name, max_gamma)
-        self._gamma = initial_gamma
+        self._gamma: dict[int, int] = {}
 
-    def begin(self, prompt_ids) -> None:
-        self._gamma = self.initial_gamma
+    def begin(self, slot: int, prompt_ids) -> None:
+        self._gamma[slot] = self.initial_gamma
 
-    def gamma(self, ctx: DraftContext) -> int:
-        return self._gamma
+    def plan(self, rows: Rows) -> list[int]:
+        return [self._gamma[b] for b in rows.slots]
 
-    def observe(self, ctx, drafted, accepted) -> None:
-        if drafted > 0 and accepted == drafted:
-            self._gamma += 2
-        else:
-            self._gamma = max(1, self._gamma - 1)
-        if self.max_gamma is not None:
-            self._gamma = min(self._gamma, self.max_gamma)
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
+        for b, n, k in zip(rows.slots, drafted, accepted):
+            g = self._gamma[b] + 2 if n > 0 and k == n else max(1, self._gamma[b] - 1)
+            self._gamma[b] = g if self.max_gamma is None else min(g, self.max_gamma)
 
 
-class OraclePolicy(DraftLengthPolicy):
+class OraclePolicy(DraftPolicy):
     """Drafts exactly as many tokens as the target will accept (at most ``k_max``): zero waste.
 
     ``begin`` replays the generation with the same target and candidate generator at a static γ = k_max
@@ -286,7 +303,7 @@ class OraclePolicy(DraftLengthPolicy):
 
     def __init__(self, k_max: int = 8):
         self.k_max = _check_cap(self.name, k_max)
-        self._accepted: dict[int, int] = {}
+        self._accepted: dict[int, dict[int, int]] = {}  # slot -> position -> drafts the target accepts there
         self._bound = None
 
     def bind(self, target, candidates, max_new_tokens: int, sampling) -> None:
@@ -295,7 +312,7 @@ class OraclePolicy(DraftLengthPolicy):
                              f"got temperature={sampling.temperature}")
         self._bound = (target, candidates, max_new_tokens)
 
-    def begin(self, prompt_ids) -> None:
+    def begin(self, slot: int, prompt_ids) -> None:
         if self._bound is None:
             raise ValueError("oracle policy: call bind(target, candidates, max_new_tokens, sampling) before "
                              "generating; it needs the models to know what the target will accept")
@@ -307,18 +324,23 @@ class OraclePolicy(DraftLengthPolicy):
         # drafts past an EOS are accepted by the target but never emitted: draft up to the EOS only
         eos = [i for i, t in enumerate(out) if t in target.eos_token_ids]
         stop = eos[0] if eos else len(out)
-        self._accepted = {pos: min(a, max(0, stop - pos)) for pos, a in recorder.accepted_at.items()}
+        self._accepted[slot] = {pos: min(a, max(0, stop - pos)) for pos, a in recorder.accepted_at.items()}
 
-    def gamma(self, ctx: DraftContext) -> int:
-        return self._accepted.get(ctx.position, 0)
+    def drafts_at(self, slot: int, position: int) -> int:
+        """What the target accepts at ``position`` of the prompt begun in ``slot``."""
+        return self._accepted[slot].get(position, 0)
+
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.drafts_at(b, p) for b, p in zip(rows.slots, rows.positions)]
 
 
 class _Recorder(StaticPolicy):
-    """Static γ that remembers how many drafts were accepted at each position."""
+    """Static γ that remembers how many drafts were accepted at each position (one sequence)."""
 
     def __init__(self, gamma: int):
         super().__init__(gamma)
         self.accepted_at: dict[int, int] = {}
 
-    def observe(self, ctx, drafted, accepted) -> None:
-        self.accepted_at[ctx.position] = accepted
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
+        for p, k in zip(rows.positions, accepted):
+            self.accepted_at[p] = k

@@ -29,7 +29,7 @@ from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.timing import interleaved, paired_ratio
 
-RETIRED = ("engine", "candidates", "sampling")
+RETIRED = ("engine", "candidates", "sampling", "policy")  # its own policy interface (gamma(ctx) per sequence)
 
 
 def cpu_line(machine: dict) -> str:
@@ -87,7 +87,7 @@ def main(cfg: DictConfig) -> None:
             fns = [lambda p: autoregressive_generate(target, p, n), lambda p: old_engine.autoregressive_generate(target, p, n)]
         else:
             new = SpeculativeDecoder(target, pair.candidates, StaticPolicy(gamma))
-            old = old_engine.SpeculativeDecoder(target, old_cand, StaticPolicy(gamma))
+            old = old_engine.SpeculativeDecoder(target, old_cand, old_engine.StaticPolicy(gamma))
             fns = [lambda p: new.generate(p, n, greedy, 0), lambda p: old.generate(p, n, greedy, 0)]
         return [timed(f) for f in fns]
 

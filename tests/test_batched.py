@@ -391,7 +391,7 @@ def test_vectorised_ldlp_matches_per_slot_policy(t32, draft_lm, ldlp_path):
     from ldlp.policies import LDLPPolicy
 
     policy = LDLPPolicy(str(ldlp_path), max_gamma=4)
-    assert bengine.VectorisedGamma.of(policy) is not None
+    assert policy.plans_ahead  # one predictor forward for all rows, read with the accept counts
     prompts = prompts_of((5, 9, 3, 7))
     engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=4, policy=policy)
     out = engine.generate(prompts, 20)
@@ -460,7 +460,7 @@ def test_retired_loop_loads_from_history_and_agrees(t32, eagle32):
     old_engine, old_cands = load_retired("c1cdba4")
     for p in prompts_of((5, 11), seed=4):
         ref = t32.reference_greedy(p, 16)
-        old = old_engine.SpeculativeDecoder(t32, old_cands.EagleCandidateGenerator(eagle32, t32), StaticPolicy(3))
+        old = old_engine.SpeculativeDecoder(t32, old_cands.EagleCandidateGenerator(eagle32, t32), old_engine.StaticPolicy(3))
         new = SpeculativeDecoder(t32, EagleCandidateGenerator(eagle32, t32), StaticPolicy(3))
         assert old.generate(p, 16).tokens == new.generate(p, 16).tokens == ref
 

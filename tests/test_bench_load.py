@@ -336,17 +336,17 @@ def test_pipeline_plans_the_short_load_sweep_and_publishes_its_page(tmp_path):
 def test_a_batch_level_policy_runs_in_the_sweep(t32, eagle32):
     """A policy deciding for the whole batch (one instance per engine, as the load-aware policy) is passed as a
     factory like any other, runs at every (C, T), stays lossless at T=0 and gets its paired ratios."""
-    from eagle_backbone.policy import BatchDraftPolicy
+    from eagle_backbone.policy import DraftPolicy
 
-    class HalfCap(BatchDraftPolicy):
+    class HalfCap(DraftPolicy):
         name = "half_cap"
         engines = 0
 
         def bind_engine(self, engine):
             HalfCap.engines += 1
 
-        def plan(self, caps):
-            return [min(2, c) if len(caps) > 1 else min(4, c) for c in caps]
+        def plan(self, rows):
+            return [min(2, c) if len(rows) > 1 else min(4, c) for c in rows.caps]
 
     cs = contenders()[:3] + [Contender("half_cap", "half_cap", None, HalfCap)]
     result = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts_of(6, seed=2), cs, [1, 3], 10, rounds=1,

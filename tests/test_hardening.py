@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from eagle_backbone.paths import REPO_ROOT
+from eagle_backbone.policy import DraftLengthPolicy
 
 EMBEDDED = REPO_ROOT / "data" / "embedded"
 
@@ -537,8 +538,9 @@ def test_ldlp_benchmark_interleaves_respects_threads_and_flags_a_step_far_off(tm
 # -- speculative sampling stays exact with the EAGLE drafter and adaptive policies ---------------------
 
 
-class RandomGamma:
-    """γ drawn at random every step (from its own generator, not the sampler's)."""
+class RandomGamma(DraftLengthPolicy):
+    """γ drawn at random every step (from its own generator, not the sampler's): a per-sequence policy, the
+    slow path (eagle_backbone.policy.PerSlot)."""
 
     name, adaptive = "random_gamma", True
 

@@ -20,7 +20,7 @@ import ldlp.load_aware as la
 from eagle_backbone.cost import CostTable, check_costs, cost_key, profile_costs, table_path
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
-from eagle_backbone.policy import DraftContext
+from eagle_backbone.policy import Depth, DraftContext, OneRow, Rows
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.calibration import OnlineLogitCalibration
 from ldlp.load_aware import (Budget, DepthCosts, LoadAwareFixed, LoadAwareMarginal, LoadAwarePolicy, LoadAwareStep,
@@ -78,11 +78,28 @@ def random_table(rng: random.Random) -> CostTable:
 # ---- the allocation ----------------------------------------------------------------------------------
 
 
+def _host(x):
+    return x.tolist() if isinstance(x, torch.Tensor) else x
+
+
+def alloc(survival, accept, can_continue, budget: Budget, costs: DepthCosts):
+    """allocate_depth on host lists (the tests' inputs) through its device tensors; codes back as a list."""
+    f64 = torch.float64
+    out = allocate_depth(torch.tensor(survival, dtype=f64), torch.tensor(accept, dtype=f64),
+                         torch.tensor(can_continue, dtype=torch.bool),
+                         Budget(torch.tensor(float(budget.E), dtype=f64), torch.tensor(int(budget.N)),
+                                torch.tensor(float(budget.T), dtype=f64)), costs)
+    return out.codes.tolist(), Budget(float(out.budget.E), float(out.budget.N), float(out.budget.T))
+
+
 def brute_force_best(survival, accept, can_continue, budget: Budget, costs: DepthCosts):
     """Over every allocation of a depth (each row dropped, kept, or kept and drafting on where it may):
     the best rate of the scored set, and the best net value of the rows drafting on among the allocations
     with that rate (allocate_depth's two objectives, in order)."""
-    T0, m = budget.T + costs.draft_ms, costs.token_ms
+    survival, accept, can_continue = _host(survival), _host(accept), _host(can_continue)
+    budget = Budget(float(budget.E), float(budget.N), float(budget.T))
+    T0, m = budget.T + float(costs.draft_ms), float(costs.token_ms)
+    next_ms = [float(x) for x in costs.next_depth_ms]
 
     def rate(codes):
         kept = [j for j, c in enumerate(codes) if c]
@@ -90,7 +107,7 @@ def brute_force_best(survival, accept, can_continue, budget: Budget, costs: Dept
 
     def net(codes):
         on = [j for j, c in enumerate(codes) if c == 2]
-        return sum(survival[j] * accept[j] for j in on) - rate(codes) * (m * len(on) + costs.next_depth_ms(len(on)))
+        return sum(survival[j] * accept[j] for j in on) - rate(codes) * (m * len(on) + next_ms[len(on)])
 
     allocations = list(itertools.product(*[(0, 1, 2) if go else (0, 1) for go in can_continue]))
     best_rate = max(rate(c) for c in allocations)
@@ -99,15 +116,19 @@ def brute_force_best(survival, accept, can_continue, budget: Budget, costs: Dept
 
 
 def check_against_brute_force(survival, accept, can_continue, budget, costs, got):
+    """``got``: (codes, budget after) as host values."""
+    codes, after = got
+    survival, can_continue = _host(survival), _host(can_continue)
     best_rate, best_net, rate, net = brute_force_best(survival, accept, can_continue, budget, costs)
-    assert rate(got.codes) == pytest.approx(best_rate, rel=1e-12)
-    assert net(got.codes) == pytest.approx(best_net, rel=1e-12, abs=1e-12)
-    kept = [j for j, c in enumerate(got.codes) if c]
-    assert all(can_continue[j] for j, c in enumerate(got.codes) if c == 2)
+    assert rate(codes) == pytest.approx(best_rate, rel=1e-12)
+    assert net(codes) == pytest.approx(best_net, rel=1e-12, abs=1e-12)
+    kept = [j for j, c in enumerate(codes) if c]
+    assert all(can_continue[j] for j, c in enumerate(codes) if c == 2)
     # the plan after the depth: its forward and the kept drafts added
-    assert got.budget.E == pytest.approx(budget.E + sum(survival[j] for j in kept), rel=1e-12)
-    assert got.budget.N == budget.N + len(kept)
-    assert got.budget.T == pytest.approx(budget.T + costs.draft_ms + costs.token_ms * len(kept), rel=1e-12)
+    assert float(after.E) == pytest.approx(float(budget.E) + sum(survival[j] for j in kept), rel=1e-12)
+    assert float(after.N) == float(budget.N) + len(kept)
+    assert float(after.T) == pytest.approx(float(budget.T) + float(costs.draft_ms) + float(costs.token_ms) * len(kept),
+                                           rel=1e-12)
 
 
 def test_allocate_depth_equals_brute_force_on_random_cost_tables():
@@ -124,9 +145,9 @@ def test_allocate_depth_equals_brute_force_on_random_cost_tables():
         survival = [rng.random() ** rng.randint(0, 3) * a for a in accept]
         can_continue = [rng.random() < 0.75 for _ in range(A)]
         costs = DepthCosts.from_table(tab, R, A, budget.N)
-        got = allocate_depth(survival, accept, can_continue, budget, costs)
+        got = alloc(survival, accept, can_continue, budget, costs)
         check_against_brute_force(survival, accept, can_continue, budget, costs, got)
-        drafting_on += 2 in got.codes
+        drafting_on += 2 in got[0]
     assert drafting_on > 20  # the second objective is exercised, not only "stop everywhere"
 
 
@@ -137,39 +158,42 @@ def test_the_marginal_policy_allocates_with_allocate_depth_brute_force(tmp_path,
 
     def recording(*args):
         out = allocate_depth(*args)
-        calls.append((args, out))
+        calls.append((args, (out.codes.tolist(), out.budget)))
         return out
 
     monkeypatch.setattr(la, "allocate_depth", recording)
     for scale, seed in ((0.5, 1), (1.0, 2), (2.0, 3)):
         pol = _make(tmp_path, "marginal", {}, max_gamma=4)
         _drive(pol, rich_table(scale), seed, steps=20, rows=(1, 2, 3, 5))
-    assert len(calls) > 50 and max(len(args[0]) for args, _ in calls) >= 4
+    assert len(calls) > 50 and max(args[0].shape[0] for args, _ in calls) >= 4
     for (survival, accept, can_continue, budget, costs), out in calls:
         check_against_brute_force(survival, accept, can_continue, budget, costs, out)
 
 
 def test_allocate_depth_scores_what_pays_and_continues_what_pays_for_the_next_depth():
     # rate 10 / 10 = 1 token/ms after this depth's free forward; a scored token costs 0.5 ms
-    costs = DepthCosts(draft_ms=0.0, token_ms=0.5, next_depth_ms=lambda k: 0.2 * k)
-    got = allocate_depth([0.9, 0.1, 0.6], [0.9, 0.9, 0.2], [True, True, True], Budget(10.0, 4.0, 10.0), costs)
+    costs = DepthCosts(draft_ms=0.0, token_ms=0.5, next_depth_ms=torch.tensor([0.2 * k for k in range(4)]))
+    codes, after = alloc([0.9, 0.1, 0.6], [0.9, 0.9, 0.2], [True, True, True], Budget(10.0, 4.0, 10.0), costs)
     # 0.9 and 0.6 pay (≥ 0.5 at the rising rate), 0.1 does not; 0.9 · 0.9 pays for 0.5 + 0.2 ms, 0.6 · 0.2 not
-    assert got.codes == [2, 0, 1]
-    assert got.budget == Budget(11.5, 6.0, 11.0)
+    assert codes == [2, 0, 1]
+    assert after == Budget(11.5, 6.0, 11.0)
     # a row at its cap keeps its draft and stops
-    assert allocate_depth([0.9], [0.9], [False], Budget(10.0, 4.0, 10.0), costs).codes == [1]
+    assert alloc([0.9], [0.9], [False], Budget(10.0, 4.0, 10.0), costs)[0] == [1]
     # no rows: the depth's forward only
-    assert allocate_depth([], [], [], Budget(1.0, 1.0, 2.0), DepthCosts(3.0, 1.0, lambda k: 0.0)).budget.T == 5.0
+    assert alloc([], [], [], Budget(1.0, 1.0, 2.0), DepthCosts(3.0, 1.0, torch.zeros(2)))[1].T == 5.0
 
 
 def test_marginal_prefix_stops_at_the_first_value_below_the_rate():
     # rate 1 token/ms; a token at 0.5 ms is worth it when its value >= 0.5 (and the rate then rises)
-    assert marginal_prefix([0.9, 0.6, 0.55, 0.1], 10.0, 10.0, 0.5) == 3
-    assert marginal_prefix([0.4], 10.0, 10.0, 0.5) == 0
+    f64 = dict(dtype=torch.float64)
+    assert marginal_prefix(torch.tensor([0.9, 0.6, 0.55, 0.1], **f64), 10.0, 10.0, 0.5) == 3
+    assert marginal_prefix(torch.tensor([0.4], **f64), 10.0, 10.0, 0.5) == 0
 
 
 def test_threshold_codes_keep_while_the_survival_stays_above_the_threshold():
-    assert threshold_codes([0.8, 0.8, 0.4, 0.9], [0.9, 0.5, 0.9, 0.9], [True, True, True, False], 0.5) == [2, 1, 0, 1]
+    codes = threshold_codes(torch.tensor([0.8, 0.8, 0.4, 0.9]), torch.tensor([0.9, 0.5, 0.9, 0.9]),
+                            torch.tensor([True, True, True, False]), 0.5)
+    assert codes.tolist() == [2, 1, 0, 1]
 
 
 # ---- the same decisions as the single-class policy before the split ----------------------------------
@@ -237,7 +261,9 @@ def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 
     for _ in range(steps):
         R = rng.choice(rows)
         caps = [rng.choice([0, 1, 2, 4, 6, 6, 6]) for _ in range(R)]
-        g = list(pol.plan(caps))
+        new_api = not hasattr(pol, "keep_rows")  # the pre-split class from git has the old hooks
+        view = Rows(list(range(R)), caps, [0] * R, torch.zeros(R, dtype=torch.long), torch.zeros(R, 4))
+        g = list(pol.plan(view) if new_api else pol.plan(caps))
         line = ["".join(map(str, g))]
         drafted = [0] * R
         active = [i for i in range(R) if g[i] > 0]
@@ -249,7 +275,12 @@ def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 
                 active = [i for i in active if g[i] > depth]
             else:
                 probs = torch.tensor([[p, p / 2, p / 3] for p in (rng.uniform(0.02, 0.99) for _ in active)])
-                codes = pol.keep_rows(depth, list(active), None, probs)
+                if new_api:
+                    d = Depth(depth, list(active), torch.tensor(active), torch.zeros(len(active), dtype=torch.long),
+                              probs, None, torch.zeros(len(active), dtype=torch.float64))
+                    codes = pol.stop(d).tolist()
+                else:
+                    codes = pol.keep_rows(depth, list(active), None, probs)
                 line.append("".join(map(str, codes)))
                 for i, c in zip(active, codes):
                     if c == 0:
@@ -257,7 +288,10 @@ def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 
                 active = [i for i, c in zip(active, codes) if c == 2 and g[i] > depth]
             depth += 1
         accepted = [rng.randint(0, d) for d in drafted]
-        pol.observe_rows(drafted, accepted)
+        if new_api:
+            pol.observe(view, drafted, accepted, {k: v.tolist() for k, v in pol.reads().items()})
+        else:
+            pol.observe_rows(drafted, accepted)
         out.append(",".join(line))
     return ";".join(out) + f"|{pol.accept_rate:.12f}|{pol.feed_tokens:.12f}"
 
@@ -266,7 +300,10 @@ def _drive_batch1(pol, costs: CostTable, seed: int, steps: int = 20) -> str:
     """Drive ``pol`` as the batch-1 engine does (gamma, keep_drafting per draft, observe)."""
     rng = random.Random(seed)
     pol.costs = costs
-    pol.begin(None)
+    state = pol
+    if not hasattr(pol, "keep_rows"):
+        pol = OneRow(pol)  # a batched policy one sequence at a time
+    pol.begin([])
     out = []
     for step in range(steps):
         ctx = DraftContext(step=step, last_token=5, feature=torch.zeros(4), max_gamma=rng.choice([0, 2, 6, 6]))
@@ -275,12 +312,12 @@ def _drive_batch1(pol, costs: CostTable, seed: int, steps: int = 20) -> str:
         for i in range(1, g + 1):
             n = i
             p = rng.uniform(0.02, 0.99)
-            if not pol.keep_drafting(ctx, i, 7, torch.tensor([p, p / 2])):
+            if not pol.keep_drafting(ctx, i, 0, torch.tensor([p, p / 2])):
                 break
         k = rng.randint(0, n)
         pol.observe(ctx, n, k)
         out.append(f"{g}:{n}")
-    return ";".join(out) + f"|{pol.accept_rate:.12f}"
+    return ";".join(out) + f"|{state.accept_rate:.12f}"
 
 
 def _decisions(tmp_path, cls=None) -> dict:
@@ -314,7 +351,13 @@ def test_the_three_classes_decide_as_the_single_class_policy_from_git(tmp_path):
         pytest.skip(f"git show {PRE_SPLIT_COMMIT}:ldlp/load_aware.py is not available in this clone")
     path = tmp_path / "load_aware_pre_split.py"
     # the cost table has moved since (eagle_backbone.batched.cost -> eagle_backbone.cost); the class is the same
-    path.write_text(src.replace("from eagle_backbone.batched.cost import", "from eagle_backbone.cost import"))
+    # and the batch protocol it subclassed is now eagle_backbone.policy.DraftPolicy: a stand-in base class
+    src = src.replace("from eagle_backbone.batched.cost import", "from eagle_backbone.cost import")
+    src = src.replace("from eagle_backbone.batched.policy import BatchDraftPolicy, DraftContext",
+                      "from eagle_backbone.policy import DraftContext\nBatchDraftPolicy = object")
+    src = src.replace("from eagle_backbone.policy import BatchDraftPolicy, DraftContext",
+                      "from eagle_backbone.policy import DraftContext\nBatchDraftPolicy = object")
+    path.write_text(src)
     spec = importlib.util.spec_from_file_location("load_aware_pre_split", path)
     old = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = old
@@ -350,7 +393,7 @@ def test_policy_yamls_build_the_three_classes(tmp_path):
     assert type(head) is LoadAwareMarginal and head.estimator_spec == str(tmp_path)
     assert type(built["load_aware_fixed"]) is LoadAwareFixed and built["load_aware_fixed"].threshold == 0.5
     assert type(built["load_aware_step"]) is LoadAwareStep and not built["load_aware_step"].reads_drafts
-    assert all(p.name == "load_aware" and p.max_gamma == 8 and p.batch_level for p in built.values())
+    assert all(p.name == "load_aware" and p.max_gamma == 8 for p in built.values())
 
 
 def test_free_tokens_draft_to_the_cap_and_prohibitive_ones_draft_nothing(tmp_path, t32, eagle32):

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
-from eagle_backbone.policy import DraftContext
+from eagle_backbone.policy import DraftContext, DraftPolicy, OneRow
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.policies import (
     ConfidencePolicy,
@@ -47,6 +47,7 @@ def dist(top: float, vocab: int = 10) -> torch.Tensor:
 
 def drive(policy, c, probs_seq) -> int:
     """How many tokens a chain drafts when the drafter's distributions are ``probs_seq`` (token 0 each time)."""
+    policy = OneRow(policy) if isinstance(policy, DraftPolicy) else policy
     gamma = policy.gamma(c)
     for i, p in enumerate(probs_seq[:gamma], 1):
         if i == gamma or not policy.keep_drafting(c, i, 0, p):
@@ -76,9 +77,9 @@ def test_ddd_stops_when_cumulative_logprob_falls_below_threshold():
 
 
 def test_ldlp_predicts_and_ldlp_ddd_drafts_at_least_that(ldlp_dir):
-    assert LDLPPolicy(ldlp_dir).gamma(ctx()) == 2
-    assert LDLPPolicy(ldlp_dir, offset=1).gamma(ctx()) == 3
-    assert LDLPPolicy(ldlp_dir, max_gamma=1).gamma(ctx()) == 1
+    assert OneRow(LDLPPolicy(ldlp_dir)).gamma(ctx()) == 2
+    assert OneRow(LDLPPolicy(ldlp_dir, offset=1)).gamma(ctx()) == 3
+    assert OneRow(LDLPPolicy(ldlp_dir, max_gamma=1)).gamma(ctx()) == 1
     both = LDLPDDDPolicy(ldlp_dir, threshold=math.log(0.5), max_gamma=8)
     assert drive(both, ctx(), [dist(0.1)] * 8) == 2  # DDD would stop at 1; the LDLP length comes first
     assert drive(both, ctx(), [dist(0.95)] * 8) == 8  # DDD keeps going past the LDLP length
@@ -92,9 +93,9 @@ def test_ldlp_distribution_head_threshold(tmp_path, ldlp_dir):
         model.output.weight.zero_()
         model.output.bias.fill_(math.log(0.8 / 0.2))  # every continuation probability is 0.8
     path = str(model.save_pretrained(tmp_path / "dist"))
-    assert LDLPPolicy(path).gamma(ctx()) == 3
-    assert LDLPPolicy(path, threshold=0.3).gamma(ctx()) == 5
-    assert LDLPPolicy(path).gamma(ctx()) == 3  # the shared (cached) model keeps its own threshold
+    assert OneRow(LDLPPolicy(path)).gamma(ctx()) == 3
+    assert OneRow(LDLPPolicy(path, threshold=0.3)).gamma(ctx()) == 5
+    assert OneRow(LDLPPolicy(path)).gamma(ctx()) == 3  # the shared (cached) model keeps its own threshold
     with pytest.raises(ValueError, match="distribution head only"):
         LDLPPolicy(ldlp_dir, threshold=0.3)
 
@@ -120,7 +121,7 @@ def test_confidence_and_entropy_thresholds():
 
 
 def test_heuristic_schedule_matches_transformers():
-    policy = HeuristicPolicy(initial_gamma=5)
+    policy = OneRow(HeuristicPolicy(initial_gamma=5))
     policy.begin([1])
     seen = []
     for drafted, accepted in [(5, 5), (7, 7), (9, 3), (8, 0), (7, 7), (9, 8), (8, 0), (7, 0), (6, 0), (5, 0),
@@ -131,7 +132,9 @@ def test_heuristic_schedule_matches_transformers():
     assert policy.gamma(ctx()) == 1  # never below 1
     policy.begin([1])
     assert policy.gamma(ctx()) == 5  # reset per generation
-    capped = HeuristicPolicy(initial_gamma=5, max_gamma=6)
+    capped = OneRow(HeuristicPolicy(initial_gamma=5, max_gamma=6))
+    capped.begin([1])
+    capped.gamma(ctx())
     capped.observe(ctx(), 5, 5)
     assert capped.gamma(ctx()) == 6
 
@@ -176,7 +179,7 @@ def test_oracle_is_greedy_only(target, drafter):
     with pytest.raises(ValueError, match="greedy"):
         OraclePolicy().bind(target, EagleCandidateGenerator(drafter, target), 10, SamplingConfig(temperature=0.8))
     with pytest.raises(ValueError, match="bind"):
-        OraclePolicy().begin([1, 2])
+        OraclePolicy().begin(0, [1, 2])
 
 
 def test_every_policy_is_lossless_in_the_engine(target, ldlp_dir):

@@ -41,7 +41,7 @@ from ldlp.bench.workload import run_workload
 from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
-from eagle_backbone.policy import DraftContext, DraftLengthPolicy
+from eagle_backbone.policy import DraftPolicy, Rows
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.sampling import SamplingConfig
 
@@ -89,24 +89,24 @@ def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
     return [list(range(b, n, k)) for b in range(k)]
 
 
-class _ReplayedOracle(DraftLengthPolicy):
+class _ReplayedOracle(DraftPolicy):
     """A bound policy (the oracle) whose ``begin`` replays the engine with one slot: the replays run once per
-    prompt before any clock starts (:func:`_prepare_bound`), and each slot's copy only looks its prompt up,
-    as the batch-1 evaluation leaves the replay out of the timing. Overrides only ``begin`` and ``gamma``."""
+    prompt before any clock starts (:func:`_prepare_bound`), and each slot only looks its prompt up, as the
+    batch-1 evaluation leaves the replay out of the timing."""
 
     name = "oracle"
 
     def __init__(self, done: dict, make: Callable):
-        self.done, self.make, self.inner = done, make, None
+        self.done, self.make, self.by_slot = done, make, {}
 
-    def begin(self, prompt_ids) -> None:
+    def begin(self, slot: int, prompt_ids) -> None:
         key = tuple(prompt_ids)
         if key not in self.done:  # a prompt not prepared (e.g. a warm-up's shorter budget): replay it now
             self.done[key] = self.make(prompt_ids)
-        self.inner = self.done[key]
+        self.by_slot[slot] = self.done[key]
 
-    def gamma(self, ctx: DraftContext) -> int:
-        return self.inner.gamma(ctx)
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.by_slot[b].drafts_at(0, p) for b, p in zip(rows.slots, rows.positions)]
 
 
 def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
@@ -115,7 +115,7 @@ def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sa
     def one(prompt):
         pol = c.make()
         pol.bind(target, candidates, max_new_tokens, sampling)
-        pol.begin(prompt)
+        pol.begin(0, prompt)  # its counts for this prompt, kept under slot 0
         return pol
 
     done = {}
@@ -271,9 +271,8 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                                                            sampling=samp, capacity=capacity, attn=attn)
                             res = run_workload(eng, ps, C, max_new_tokens, sd)
                             outs, summ = [o.tokens for o in res.outputs], res.summary()
-                            if hasattr(eng.batch_policy, "own_s"):  # a batch policy's own seconds in the run
-                                summ["policy_s"] = eng.batch_policy.own_s
-                            used = table_record(eng.batch_policy)
+                            summ["policy_s"] = eng.policy_s  # the policy's own seconds in the run
+                            used = table_record(eng.policy)
                             if used is not None and c.label not in cost_tables:
                                 cost_tables[c.label] = used
                             if with_cats:
@@ -663,9 +662,9 @@ def markdown(result: dict, meta: dict | None = None) -> str:
         lines += _temperature_section(result, _at(rows, t))
     shares = [r for r in rows if r.get("policy_share") is not None]
     if shares:
-        lines += ["", "## The batch policies' own time", "",
-                  "Seconds inside the policy (plan, estimates and their host reads, allocation, observation) over the "
-                  "run's wall seconds, worst (C, T) per contender:", ""]
+        lines += ["", "## The policies' own time", "",
+                  "Seconds inside the policy's own calls (plan, stop codes after each draft depth, observation; timed "
+                  "by the engine around each call) over the run's wall seconds, worst (C, T) per contender:", ""]
         for lab in dict.fromkeys(r["contender"] for r in shares):
             worst = max((r for r in shares if r["contender"] == lab), key=lambda r: r["policy_share"])
             lines.append(f"- {lab}: {100 * worst['policy_share']:.2f}% (C={worst['concurrency']}, "

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from eagle_backbone.cost import CostTable
-from eagle_backbone.policy import DraftContext, DraftLengthPolicy
+from eagle_backbone.policy import DraftContext, DraftLengthPolicy, DraftPolicy, OneRow
 from ldlp.bench.stats import headroom_captured, percent
 
 
@@ -145,7 +145,7 @@ class OracleRows:
         return len(self.cols["label"])
 
 
-def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostTable, embed=None, vocab_size: int = 2 ** 15,
+def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, costs: CostTable, embed=None, vocab_size: int = 2 ** 15,
            oracle_cap: int = 8) -> ReplayResult:
     """Walk every sequence as the engine would under ``policy`` (or ``"oracle"``: draft exactly what the
     target accepts, at most ``oracle_cap``). ``embed`` maps token ids to target embeddings (the LDLP
@@ -160,6 +160,8 @@ def replay(rows: OracleRows, policy: DraftLengthPolicy | str, costs: CostTable, 
         d = np.asarray(c["feature"][0]).shape[-1]
         policy.check_pair(SimpleNamespace(hidden_size=d),
                           SimpleNamespace(drafter=SimpleNamespace(hidden_size=states.shape[-1])))
+    if isinstance(policy, DraftPolicy):
+        policy = OneRow(policy)  # a batched policy asked one sequence at a time
     for start, end in rows.sequences:
         index = c["index"][start:end]
         first = int(index[0])
