@@ -312,6 +312,10 @@ class BatchedSpeculativeEngine:
         self.policy.check_pair(target, candidates)  # sizes of a policy's own model against the pair: now, not mid-run
         self.early_exit = self.device.type != "cuda" if early_exit is None else bool(early_exit)
         self.own = OwnTime()  # the policy's own seconds (plan, stop, observe)
+        # the plan's host-to-device copy goes through one pinned staging buffer on a GPU: reusing it each step
+        # is safe because the previous step's copy finished before that step's host read returned
+        self._stage = (torch.empty(4 * slots, dtype=torch.long, pin_memory=True) if self.device.type == "cuda"
+                       else None)
         self.state: list[Slot | None] = [None] * slots
         self._admitted: list[int] = []
         self.prof = _Profile(self.device, profile)
@@ -494,7 +498,7 @@ class BatchedSpeculativeEngine:
         host = run + tlens
         if not self.sampling.greedy:
             host += [s.seed for s in st] + [s.step + 1 for s in st]
-        up = to_device(host, self.device)  # the step's host-to-device copy, one transfer
+        up = self._upload(host)
         R = len(run)
         rows, tl = up[:R], up[R: 2 * R]
         if not self.sampling.greedy:
@@ -512,6 +516,14 @@ class BatchedSpeculativeEngine:
                                  "it must be an integer >= 0")
         gammas = [min(g, c) for g, c in zip(planned, caps)]
         return StepPlan(run, st, gammas, view, rows, tlens, tl, seeds, steps)
+
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """The step's host-to-device copy, one transfer (through the pinned buffer on a GPU)."""
+        if self._stage is None:
+            return to_device(values, self.device)
+        staged = self._stage[: len(values)]
+        staged.copy_(torch.tensor(values, dtype=torch.long))
+        return staged.to(self.device, non_blocking=True)
 
     def _draft(self, plan: StepPlan) -> Drafts:
         """Draft chains of up to γ per row with the candidate generator, one forward a depth for the rows
