@@ -19,7 +19,7 @@ import copy
 
 import torch
 
-from eagle_backbone.llama import BatchedEagleDrafter, BatchedLlama, RaggedBatch, SlotCache
+from eagle_backbone.llama import BatchedEagleDrafter, BatchedLlama, RaggedBatch, SlotCache, Span
 from eagle_backbone.runtime import to_device
 from eagle_backbone.target import TargetModel
 
@@ -40,6 +40,9 @@ class CandidateGenerator:
        rows' states from the previous call;
     4. ``settle(slots, tlens)`` after verification, with each slot's new last-token position: roll back
        what the target did not keep (set lengths; nothing is copied).
+
+    Draft trees (:mod:`eagle_backbone.tree_draft`) call ``extend_tree`` instead of ``extend``: W frontier
+    nodes a row at once, each seeing the slot's accepted prefix and its own ancestors fed at earlier depths.
 
     The engine's buffers a generator may read: ``engine.seq`` (slots, positions) tokens by position and,
     when ``needs_features``, ``engine.feat`` (slots, positions, d) the target's features by position."""
@@ -66,8 +69,27 @@ class CandidateGenerator:
     def extend(self, slots: list[int], tokens: torch.Tensor, tlens: list[int], depth: int, states):
         raise NotImplementedError
 
+    def extend_tree(self, slots: list[int], tokens: torch.Tensor, tlens: list[int], depth: int, states,
+                    offset: int, visible: torch.Tensor):
+        """A draft tree's frontier at ``depth``: ``tokens`` (R, W) per row (``states`` (R, W, d) their
+        parents' states, or None), fed at the generator's tree positions ``offset .. offset + W - 1`` (after
+        ``offset`` nodes fed at earlier depths), each rotated as a chain draft of this depth and seeing the
+        accepted prefix plus the fed nodes ``visible`` (R, W, offset + W) marks (its ancestors and itself).
+        Returns the next depth's logits (R, W, V) and states (R, W, d) or None."""
+        raise NotImplementedError(f"{type(self).__name__} does not grow draft trees")
+
     def settle(self, slots: list[int], tlens: list[int]) -> None:
         """Default: nothing to roll back (a generator that keeps only what the target accepted)."""
+
+
+def _tree_batch(slots, tokens, tlens, depth: int, offset: int, visible, first: int) -> RaggedBatch:
+    """The frontier of a tree as span rows: row b's W nodes at ``tlen + first + offset ..``, rotated at the
+    position a chain draft of ``depth`` would sit (``tlen + first + depth - 1``), seeing the keys before
+    ``tlen + first`` and the fed nodes ``visible`` marks."""
+    R, W = tokens.shape
+    base = [t + first for t in tlens]
+    rope = [b + depth - 1 for b in base for _ in range(W)]
+    return RaggedBatch(slots, [b + offset for b in base], [W] * R, tokens.device, span=Span(base, visible, rope))
 
 
 def check_eagle_pair(drafter, target: TargetModel) -> None:
@@ -99,7 +121,8 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.dtype = next(drafter.fc.parameters()).dtype
 
     def bind(self, engine):
-        self.dm = BatchedEagleDrafter(self.drafter, self.lm_head, engine.limit + 1, self.attn)
+        # a draft tree feeds up to engine.tree_room nodes past the positions a chain would write
+        self.dm = BatchedEagleDrafter(self.drafter, self.lm_head, engine.limit + 1 + engine.tree_room, self.attn)
         self.cache: SlotCache = self.dm.new_cache(engine.slots)
         self.h_last = torch.zeros(engine.slots, self.target.hidden_size, dtype=self.dm.dtype, device=engine.device)
         self.fed = [0] * engine.slots  # true pairs in the cache, per slot
@@ -138,6 +161,14 @@ class EagleCandidateGenerator(CandidateGenerator):
         out = self.dm(tokens, states, batch, self.cache)
         return self.dm.logits(out), out
 
+    def extend_tree(self, slots, tokens, tlens, depth, states, offset, visible):
+        # the frontier's pairs (node token, its parent's predicted feature) sit past the true pairs, like chain
+        # drafts: the next step's true pairs overwrite them
+        R, W = tokens.shape
+        batch = _tree_batch(slots, tokens, tlens, depth, offset, visible, 0)
+        out = self.dm(tokens.reshape(-1), states.reshape(R * W, -1), batch, self.cache)
+        return self.dm.logits(out).view(R, W, -1), out.view(R, W, -1)
+
 
 class DraftModelCandidateGenerator(CandidateGenerator):
     """Chain drafting with an independent small causal LM sharing the target's vocabulary. Its cache
@@ -152,7 +183,7 @@ class DraftModelCandidateGenerator(CandidateGenerator):
         self.model, self.target, self.attn = draft_model.eval(), target, attn
 
     def bind(self, engine):
-        self.dm = BatchedLlama(self.model, engine.limit + 1, self.attn)
+        self.dm = BatchedLlama(self.model, engine.limit + 1 + engine.tree_room, self.attn)
         self.cache: SlotCache = self.dm.new_cache(engine.slots)
         self.logits_last = torch.zeros(engine.slots, self.target.vocab_size, dtype=self.dm.dtype,
                                        device=engine.device)
@@ -195,6 +226,14 @@ class DraftModelCandidateGenerator(CandidateGenerator):
         for b, t in zip(slots, tlens):
             self.fed[b] = t + depth + 1  # draft `depth` is in the cache now
         return self.dm.logits(out), None
+
+    def extend_tree(self, slots, tokens, tlens, depth, states, offset, visible):
+        # nodes go after the last accepted token (position tlen); ``fed`` stays tlen + 1, so settle() keeps
+        # only the accepted tokens and the next step reads the kept drafts from the engine's tokens
+        R, W = tokens.shape
+        batch = _tree_batch(slots, tokens, tlens, depth, offset, visible, 1)
+        out = self.dm(tokens.reshape(-1), batch, self.cache)
+        return self.dm.logits(out).view(R, W, -1), None
 
     def settle(self, slots, tlens):
         for b, t in zip(slots, tlens):

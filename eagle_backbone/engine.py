@@ -43,10 +43,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_backbone.llama import BatchedLlama, RaggedBatch
+from eagle_backbone.llama import BatchedLlama, RaggedBatch, Span
 from eagle_backbone.candidates import CandidateGenerator, make_candidates
 from eagle_backbone.metrics import GenerationStats
-from eagle_backbone.policy import DROP, GO, Depth, DraftPolicy, OwnTime, Rows, StaticPolicy, as_draft_policy, go_while
+from eagle_backbone.policy import (
+    DROP,
+    GO,
+    Depth,
+    DraftPolicy,
+    OwnTime,
+    Rows,
+    StaticPolicy,
+    TreeOutcome,
+    as_draft_policy,
+    go_while,
+)
 from eagle_backbone.runtime import to_device
 from eagle_backbone.sampling import (
     ACCEPT,
@@ -60,6 +71,8 @@ from eagle_backbone.sampling import (
     verify_sampling_batch,
 )
 from eagle_backbone.target import TargetModel
+from eagle_backbone.tree import DraftTree, emitted_tokens, prune, tree_uniforms, verify_tree_greedy, tree_walk
+from eagle_backbone.tree_draft import GrownTree, TreeSpec, grow_tree
 
 
 @dataclass
@@ -177,6 +190,12 @@ class Acceptance:
     accepted: torch.Tensor
     next_token: torch.Tensor
     emitted: torch.Tensor
+
+
+@dataclass
+class _Walk:
+    path: torch.Tensor  # (R, K) accepted nodes, root side first, -1 padded
+    tested: torch.Tensor  # (R, K) bool: nodes the target judged
 
 
 class HostRead(dict):
@@ -306,8 +325,11 @@ class BatchedSpeculativeEngine:
         self.last_feat = torch.zeros(slots, target.hidden_size, dtype=target.dtype, device=self.device)
         if candidates is not None and candidates.needs_features:
             self.feat = torch.zeros(slots, buf, target.hidden_size, dtype=target.dtype, device=self.device)
-        self.cand = candidates.bound(self) if candidates is not None else None
         self.policy: DraftPolicy = StaticPolicy(0) if policy is None else as_draft_policy(policy)
+        # a tree policy makes every step grow and verify draft trees (eagle_backbone/tree_draft.py)
+        self.tree: TreeSpec | None = self.policy.tree if candidates is not None else None
+        self.tree_room = self.tree.fed if self.tree is not None else 0  # generator positions a tree feeds
+        self.cand = candidates.bound(self) if candidates is not None else None
         self.policy.bind_engine(self)
         self.policy.check_pair(target, candidates)  # sizes of a policy's own model against the pair: now, not mid-run
         self.early_exit = self.device.type != "cuda" if early_exit is None else bool(early_exit)
@@ -469,10 +491,13 @@ class BatchedSpeculativeEngine:
         prof = self.prof
         plan = self._plan(run)
         prof.mark("policy")
-        drafts = self._draft(plan) if plan.max_gamma else Drafts.none(plan, self.device)
-        prof.mark("draft")
-        ver = self._verify(plan, drafts, joined)
-        acc = self._accept(plan, drafts, ver)
+        if self.tree is not None and plan.max_gamma:
+            drafts, ver, acc = self._tree_phases(plan, joined)
+        else:
+            drafts = self._draft(plan) if plan.max_gamma else Drafts.none(plan, self.device)
+            prof.mark("draft")
+            ver = self._verify(plan, drafts, joined)
+            acc = self._accept(plan, drafts, ver)
         self._commit_device(plan, ver, acc)
         reads = self._reads(plan, drafts, acc)
         prof.mark("verify")
@@ -585,6 +610,86 @@ class BatchedSpeculativeEngine:
             state = state.clone()
             state[sel] = out_state
         return logits, state
+
+    # ---- the same phases for draft trees (a policy with a ``tree`` spec) ----------------------------
+    def _tree_phases(self, plan: StepPlan, joined: list[int]):
+        """Grow a tree per row, let the policy select what the target scores, verify the selection as tree
+        rows of the step's forward and accept the longest path (greedy) or walk it losslessly (sampling).
+        Returns the chain phases' outputs, the hidden states reordered along the accepted path so that
+        the commit is the chain's."""
+        prof = self.prof
+        grown = grow_tree(self.cand, plan.run, plan.tlens, plan.gammas, self.tree)
+        prof.mark("draft")
+        chosen = self.own.call(self.policy.select, grown, plan.view)
+        # a row's scored nodes must fit its context: keep the first ones (a prefix of a topological order of
+        # an ancestor-closed set is closed too)
+        room = to_device([max(0, self.limit - 1 - t) for t in plan.tlens], self.device)
+        chosen = chosen & grown.valid & (chosen.long().cumsum(1) <= room[:, None])
+        prof.mark("policy")
+        counts = chosen.sum(1)
+        if self.early_exit:  # where a read is no synchronisation: score only the selected nodes
+            drafted = counts.tolist()
+            W = max(drafted)
+        else:  # the selection stays a mask: every row scores up to the policy's bound, padding masked
+            W = min(grown.tokens.shape[1], self.policy.tree_width(plan.view))
+            drafted = [W] * len(plan.run)
+        tree, index = prune(grown.tree, chosen, width=W)
+        drafts = Drafts(tree.tokens, drafted, lengths=None if self.early_exit else counts)
+        ver = self._verify_tree(plan, tree, drafted, joined)
+        acc, walk = self._accept_tree(plan, tree, ver)
+        self.own.call(self.policy.verified, TreeOutcome(grown, index, tree, walk.path, acc.accepted, walk.tested))
+        # the target's states along the accepted path, root first: what a chain's verification would give
+        path_rows = torch.cat([torch.zeros_like(walk.path[:, :1]), walk.path + 1], 1).clamp(min=0)
+        hidden = ver.hidden.gather(1, path_rows[..., None].expand(*path_rows.shape, ver.hidden.shape[-1]))
+        self._move_path(plan, walk.path, acc.accepted)
+        return drafts, Verification(ver.record, ver.logits, hidden, ver.tlens, ver.prefill), acc
+
+    def _verify_tree(self, plan: StepPlan, tree: DraftTree, drafted: list[int], joined: list[int]) -> Verification:
+        """One target forward: each row scores [last token, its W selected nodes] as span rows (the tree's
+        mask, nodes rotated at their depth), prompts admitted this step after them."""
+        dev, R, W = self.device, len(plan.run), tree.K
+        tl = plan.tl
+        tokens = torch.cat([self.seq[plan.rows, tl][:, None], tree.tokens], 1)
+        span = Span(plan.tlens, tree.attention_mask(), tree.positions(tl))
+        batch = RaggedBatch(plan.run, plan.tlens, [d + 1 for d in drafted], dev, span=span)
+        rec = DraftRecord(tree.tokens, tree.valid.sum(1), tree.parents)
+        flat, prefill = batch.flat(tokens), None
+        if joined:
+            ptok, pbatch = self._prefill_batch(joined)
+            h_all = self.tm(torch.cat([flat, ptok]), batch.join(pbatch), self.tcache)
+            h, prefill = h_all[: batch.n], (ptok, pbatch, h_all[batch.n:])
+        else:
+            h = self.tm(flat, batch, self.tcache)
+        return Verification(rec, batch.padded(self.tm.logits(h), W + 1), batch.padded(h, W + 1), tl, prefill)
+
+    def _accept_tree(self, plan: StepPlan, tree: DraftTree, ver: Verification):
+        """The longest greedy path, or the lossless walk over deterministic (top-k) siblings."""
+        samp = self.sampling
+        if samp.greedy:
+            a, path, x = verify_tree_greedy(tree, ver.logits)
+            # the nodes whose parent is the root or on the accepted path: the ones the target judged
+            on = torch.zeros(tree.R, tree.K + 1, dtype=torch.bool, device=self.device)
+            on[:, 0] = True  # the root; padding (-1) lands there too
+            on.scatter_(1, path + 1, True)
+            tested = tree.valid & on.gather(1, tree.parents + 1)
+        else:
+            u_acc, u_fin = tree_uniforms(plan.seeds, plan.steps, tree.K)
+            walk = tree_walk(tree, probs_from_logits(ver.logits, samp), None, torch.ones_like(tree.valid), u_acc)
+            a, path, tested = walk.accepted, walk.path, walk.tested
+            x = sample_rows(walk.residual, u_fin)
+        acc = Acceptance(a, x, emitted_tokens(tree, path, a, x))
+        return acc, _Walk(path, tested)
+
+    def _move_path(self, plan: StepPlan, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The accepted path's keys and values, written at ``tlen + 1 + node``, to ``tlen + 1 + depth - 1``,
+        where a chain would have put them; the rest stays past the slot's length, unseen."""
+        R, W = path.shape
+        j = torch.arange(W, device=self.device)[None]
+        on = j < accepted[:, None]
+        base = plan.tl[:, None] + 1
+        src = torch.where(on, base + path, self.trash)
+        dst = torch.where(on, base + j, self.trash)
+        self.tcache.move(plan.rows[:, None].expand(R, W).reshape(-1), src.reshape(-1), dst.reshape(-1))
 
     def _verify(self, plan: StepPlan, drafts: Drafts, joined: list[int]) -> Verification:
         """One target forward: each slot scores its last token and its drafts (its own count: nothing

@@ -37,12 +37,19 @@ path, and it sees the prefix, its ancestors in the row and itself: each node's o
 gives on ``prefix + path-to-node`` alone. Batches without trees (``parents=None``, or rows that are chains)
 run exactly the chain code. After verification :meth:`SlotCache.move` copies the accepted path's keys and
 values from their scattered positions to ``start, start + 1, ...``, where a chain would have written them.
+
+**Spans** (:class:`Span`): where the visibility of a row's tokens is data (a draft tree grown on the device),
+a batch takes it as a device mask instead of host parents. Row i's tokens see every key before ``bases[i]``
+and, of the keys from ``bases[i]`` on, those the mask marks; each token is rotated at the position given.
+The drafter grows a tree this way, each depth's frontier seeing its ancestors fed at earlier depths, and the
+target verifies a tree selected on the device without reading its shape.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -86,6 +93,22 @@ class SlotCache:
             buf[:, slots, :, dst] = buf[:, slots, :, src]
 
 
+class Span(NamedTuple):
+    """The visibility of a batch's rows as device data (every row of the batch is a span row).
+
+    Row i's token t sees the keys before ``bases[i]`` (the slot's prefix) and key ``bases[i] + s`` where
+    ``mask[i, t, s]``; the keys of the row's own tokens (``starts[i] ..``) count from ``bases[i]`` too, so
+    ``starts[i] + counts[i] - bases[i] <= S``. ``rope``: each token's rotary position: flat (a host list or a
+    device (N,)) or padded rows (device (R, n))."""
+
+    bases: list[int]
+    mask: torch.Tensor  # (R, n, S) bool, n >= every row's count
+    rope: torch.Tensor | list[int]
+
+
+SPAN = "span"  # a span row's entry in RaggedBatch.parents
+
+
 class RaggedBatch:
     """Where a forward's N flat tokens go: row i has ``counts[i]`` new tokens at positions
     ``starts[i] .. starts[i] + counts[i] - 1`` of cache slot ``slots[i]``, and attends over that slot's
@@ -96,13 +119,20 @@ class RaggedBatch:
     token j's parent in the row (``< j``) or -1 for the cached prefix. Tree rows rotate token j at
     ``starts[i] + depth(j)`` (``rope_pos``; ``pos`` stays where it is written) and mask it to the prefix,
     its ancestors and itself. Rows given as chains are stored as ``None``; a batch with no tree row keeps
-    ``parents = None`` and ``rope_pos is pos``."""
+    ``parents = None`` and ``rope_pos is pos``.
 
-    def __init__(self, slots, starts, counts, device, dense_slack: int = DENSE_SLACK, parents=None):
+    ``span`` (a :class:`Span`, instead of ``parents``): every row's visibility and rotary positions given as
+    device data; ``parents`` is then :data:`SPAN` for every row."""
+
+    def __init__(self, slots, starts, counts, device, dense_slack: int = DENSE_SLACK, parents=None,
+                 span: Span | None = None):
         self.slots, self.starts, self.counts = list(slots), list(starts), list(counts)
         if any(n < 1 for n in self.counts):
             raise ValueError(f"every row of a ragged batch brings at least one token, got counts {self.counts}")
-        self.parents = _tree_rows(parents, self.counts)
+        if span is not None and parents is not None:
+            raise ValueError("a ragged batch takes parents or a span, not both")
+        self.span = _check_span(span, self.starts, self.counts)
+        self.parents = [SPAN] * len(self.counts) if span is not None else _tree_rows(parents, self.counts)
         self.n = sum(self.counts)
         self.ends = list(_cumsum(self.counts))  # row i's tokens are flat [ends[i] - counts[i], ends[i])
         pos = [s + j for s, c in zip(self.starts, self.counts) for j in range(c)]
@@ -111,6 +141,11 @@ class RaggedBatch:
             both = to_device(pos + slot_of, device)
             self.pos, self.slot_of = both[: self.n], both[self.n:]
             self.rope_pos = self.pos  # a chain is rotated where it is written
+        elif span is not None:
+            rope = span.rope if torch.is_tensor(span.rope) else None
+            every = to_device(pos + slot_of + ([] if rope is not None else list(span.rope)), device)
+            self.pos, self.slot_of = every[: self.n], every[self.n: 2 * self.n]
+            self.rope_pos = rope if rope is not None else every[2 * self.n:]
         else:
             rope = [s + d for s, c, p in zip(self.starts, self.counts, self.parents)
                     for d in (range(c) if p is None else _depths(p))]
@@ -119,6 +154,8 @@ class RaggedBatch:
         self.device = torch.device(device)
         self.blocks = self._plan(dense_slack)
         self._pidx: dict[int, torch.Tensor] = {}
+        if span is not None and torch.is_tensor(span.rope) and span.rope.dim() == 2:
+            self.rope_pos = self.flat(span.rope)  # (R, n) padded rows
         self._anc: torch.Tensor | None = None  # tree rows' ancestor matrices, built on first use
         self._masks: dict = {}  # (i, j, impl, dtype) -> a tree block's mask, shared by every layer
 
@@ -131,6 +168,8 @@ class RaggedBatch:
 
     def join(self, other: RaggedBatch) -> RaggedBatch:
         """This batch's rows, then ``other``'s (their flat tokens concatenated in that order)."""
+        if other.span is not None or (self.span is not None and other.parents is not None):
+            raise ValueError("join: a span batch joins only chain rows after it")
         out = copy.copy(self)
         out.slots, out.starts, out.counts = self.slots + other.slots, self.starts + other.starts, self.counts + other.counts
         out.n = self.n + other.n
@@ -148,20 +187,26 @@ class RaggedBatch:
     def is_tree(self, i: int) -> bool:
         return self.parents is not None and self.parents[i] is not None
 
+    def base(self, i: int) -> int:
+        """The first key of row i that its mask decides (earlier keys: the prefix every token sees)."""
+        return self.span.bases[i] if self.span is not None and i < len(self.span.bases) else self.starts[i]
+
     def tree_mask(self, i: int, j: int, impl: str, dtype: torch.dtype) -> torch.Tensor:
         """The mask of tree rows i..j-1 (consecutive slots, n tokens each) over keys ``0 .. L-1``, L their
         longest context: (m, 1, n, L), bool visibility for sdpa, an additive bias in ``dtype`` for eager.
-        Token t of row r sees the keys before ``starts[r]`` and, of the row's own span, its ancestors and
-        itself. Built on the device once per batch (every layer reads the same one)."""
+        Token t of row r sees the keys before its base (:meth:`base`; a parents row's start) and, from the
+        base on, its ancestors and itself (a span row: what its mask marks). Built on the device once per
+        batch (every layer reads the same one)."""
         key = (i, j, impl, dtype)
         if key not in self._masks:
             m, n = j - i, self.counts[i]
             L = max(s + n for s in self.starts[i:j])
             t = sum(p is not None for p in self.parents[:i])  # row i's index among the tree rows
-            anc = self._ancestors()[t: t + m, :n, :n]  # (m, n, n); rows i..j-1 are all tree rows
-            start = self.pos[self.ends[i] - n: self.ends[j - 1]: n]  # each row's first position, (m,)
-            rel = torch.arange(L, device=self.device) - start[:, None]  # key position within the row's span
-            own = anc.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(m, n, L)) & ((rel >= 0) & (rel < n))[:, None]
+            anc = self._ancestors()[t: t + m, :n]  # (m, n, S); rows i..j-1 are all tree rows
+            S = anc.shape[2]
+            base = to_device([self.base(r) for r in range(i, j)], self.device)
+            rel = torch.arange(L, device=self.device) - base[:, None]  # key position from the row's base
+            own = anc.gather(2, rel.clamp(0, S - 1)[:, None, :].expand(m, n, L)) & ((rel >= 0) & (rel < S))[:, None]
             visible = ((rel < 0)[:, None] | own)[:, None]  # (m, 1, n, L)
             if impl != "sdpa":
                 visible = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(
@@ -170,8 +215,11 @@ class RaggedBatch:
         return self._masks[key]
 
     def _ancestors(self) -> torch.Tensor:
-        """(tree rows, T, T) bool, T their largest count: ``A[t, a, b]``, token b is token a or one of its
-        ancestors (tree.ancestor_matrix's pointer jumping on the device; padding hangs off the prefix)."""
+        """(tree rows, T, S) bool: a span's mask, or for parents rows (T = S their largest count)
+        ``A[t, a, b]``: token b is token a or one of its ancestors (tree.ancestor_matrix's pointer jumping on
+        the device; padding hangs off the prefix)."""
+        if self.span is not None:
+            return self.span.mask
         if self._anc is None:
             rows = [p for p in self.parents if p is not None]
             T = max(len(p) for p in rows)
@@ -240,6 +288,21 @@ def _tree_rows(parents, counts) -> list | None:
     return None if all(p is None for p in out) else out
 
 
+def _check_span(span: Span | None, starts, counts) -> Span | None:
+    if span is None:
+        return None
+    R = len(counts)
+    if len(span.bases) != R or span.mask.dim() != 3 or span.mask.shape[0] != R:
+        raise ValueError(f"span: {len(span.bases)} bases and a mask of shape {tuple(span.mask.shape)} for {R} rows")
+    n, S = span.mask.shape[1:]
+    bad = [i for i in range(R) if counts[i] > n or not 0 <= span.bases[i] <= starts[i]
+           or starts[i] + counts[i] - span.bases[i] > S]
+    if bad:
+        raise ValueError(f"span: row {bad[0]} (start {starts[bad[0]]}, {counts[bad[0]]} tokens, base "
+                         f"{span.bases[bad[0]]}) does not fit a mask of {n} tokens over {S} keys")
+    return span
+
+
 def _depths(parents: list[int]) -> list[int]:
     """Each token's number of ancestors in its row (parents come first, so one pass)."""
     d = []
@@ -267,10 +330,11 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None) -> torch.Tensor:
+def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None, base: int | None = None) -> torch.Tensor:
     """q (n, Hq, D) at positions start..start+n-1; k/v (Hkv, start+n, D), views of one slot -> (n, Hq*D).
 
-    ``tree``: a tree row's mask from :meth:`RaggedBatch.tree_mask` ((1, 1, n, start+n)); None: causal."""
+    ``tree``: a tree row's mask from :meth:`RaggedBatch.tree_mask` ((1, 1, n, start+n)), which masks nothing
+    before ``base`` (default ``start``); None: causal."""
     n, Hq, D = q.shape
     Hkv, L = k.shape[0], k.shape[1]
     qh = q.transpose(0, 1)  # (Hq, n, D)
@@ -288,7 +352,8 @@ def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None) -> to
         scores = torch.matmul(qh.reshape(Hkv, rep * n, D), k.transpose(1, 2)) * scaling
         # every earlier key is visible to all of the new block (its bias there is 0): add only over the block
         if tree is not None:
-            scores.view(Hkv, rep, n, L)[..., start:] += tree[0, 0, :, start:]
+            b = start if base is None else base
+            scores.view(Hkv, rep, n, L)[..., b:] += tree[0, 0, :, b:]
         elif n > 1:  # a chain's block is causal
             scores.view(Hkv, rep, n, L)[..., start:] += _causal_bias(n, scores.dtype, scores.device)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -340,7 +405,8 @@ def attend(cache: SlotCache, layer: int, q, k, v, batch: RaggedBatch, scaling: f
             b, s, n = batch.slots[i], batch.starts[i], batch.counts[i]
             lo = batch.ends[i] - n
             tree = batch.tree_mask(i, j, impl, q.dtype) if batch.is_tree(i) else None
-            outs.append(_attend_row(q[lo: lo + n], kc[b, :, : s + n], vc[b, :, : s + n], s, scaling, impl, tree))
+            outs.append(_attend_row(q[lo: lo + n], kc[b, :, : s + n], vc[b, :, : s + n], s, scaling, impl, tree,
+                                    batch.base(i)))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -87,14 +87,43 @@ class Depth:
     logp: torch.Tensor  # (A,) log-probability of each row's chain up to this depth (this token included)
 
 
+@dataclass
+class TreeOutcome:
+    """What the target made of a step's trees (device tensors): the grown trees, the selected nodes as
+    scored (``scored``: pruned, ``index`` each scored node's index in ``grown``, -1 padding), the accepted
+    path in ``scored`` (-1 padded), its length, and the scored nodes the target judged (``tested``: their
+    parent was accepted; a tested node is kept iff it is on the path)."""
+
+    grown: object  # eagle_backbone.tree_draft.GrownTree
+    index: torch.Tensor  # (R, W)
+    scored: object  # eagle_backbone.tree.DraftTree, (R, W)
+    path: torch.Tensor  # (R, W)
+    accepted: torch.Tensor  # (R,)
+    tested: torch.Tensor  # (R, W) bool
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """(R, W) bool: the scored node is on the accepted path."""
+        R, W = self.path.shape
+        on = torch.zeros(R, W + 1, dtype=torch.bool, device=self.path.device)
+        on.scatter_(1, self.path + 1, True)  # padding (-1) lands in column 0, dropped
+        return on[:, 1:]
+
+
 class DraftPolicy:
     """Base class of the batched protocol (module docstring): subclasses set ``name`` and override ``plan``
-    (and ``stop`` with ``reads_drafts = True``, ``observe``, ``begin`` where they keep state)."""
+    (and ``stop`` with ``reads_drafts = True``, ``observe``, ``begin`` where they keep state).
+
+    A *tree policy* sets ``tree`` (a :class:`~eagle_backbone.tree_draft.TreeSpec`): the engine then grows a
+    draft tree per row, up to the row's planned depth, and calls ``select`` to choose the nodes the target
+    scores, ``tree_width`` for the most a row may score when the selection stays on the device, and
+    ``verified`` with the outcome (device tensors, no read) before ``observe``."""
 
     name = "base"
     adaptive = True  # False for a fixed γ (results report gamma then)
     reads_drafts = False  # True: stop() is called after every depth
     plans_ahead = False  # True: plan() reads device tensors only and is called right after verification
+    tree = None  # a TreeSpec: grow draft trees instead of chains
 
     def bind_engine(self, engine) -> None:
         """Called once by each engine built with this policy."""
@@ -118,6 +147,18 @@ class DraftPolicy:
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
         """Called after each verification with the step's drafted and accepted counts per row, and the
         host values of :meth:`reads` (``extra``, by name)."""
+
+    # ---- tree policies --------------------------------------------------------------------------------
+    def select(self, grown, rows: Rows) -> torch.Tensor:
+        """(R, K) bool, closed under ancestors: the grown nodes the target scores (default: every valid one)."""
+        return grown.valid
+
+    def tree_width(self, rows: Rows) -> int:
+        """The most nodes a row scores (host int): the padded width when the selection stays on the device."""
+        return self.tree.max_nodes
+
+    def verified(self, outcome: TreeOutcome) -> None:
+        """The step's tree outcome on the device (e.g. to recalibrate the node values), before ``observe``."""
 
 
 class StaticPolicy(DraftPolicy):
