@@ -38,7 +38,7 @@ from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_write_json
 
 SLOTS = (1, 2, 4, 8, 16, 32)
-TOKENS_PER_SLOT = (1, 2, 3, 5, 9)  # scored tokens a slot: the last token plus γ drafts
+TOKENS_PER_SLOT = (1, 2, 3, 5, 9, 17, 25)  # scored tokens a slot: the last token plus γ drafts (or tree nodes)
 
 
 def processor_name(device) -> str:

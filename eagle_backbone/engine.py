@@ -72,7 +72,7 @@ from eagle_backbone.sampling import (
 )
 from eagle_backbone.target import TargetModel
 from eagle_backbone.tree import DraftTree, emitted_tokens, prune, tree_uniforms, verify_tree_greedy, tree_walk
-from eagle_backbone.tree_draft import GrownTree, TreeSpec, grow_tree
+from eagle_backbone.tree_draft import TreeSpec, grow_tree
 
 
 @dataclass
@@ -631,7 +631,8 @@ class BatchedSpeculativeEngine:
             drafted = counts.tolist()
             W = max(drafted)
         else:  # the selection stays a mask: every row scores up to the policy's bound, padding masked
-            W = min(grown.tokens.shape[1], self.policy.tree_width(plan.view))
+            # (and within every row's context: the padded width is the whole batch's)
+            W = min(grown.tokens.shape[1], self.policy.tree_width(plan.view), max(0, self.limit - 1 - max(plan.tlens)))
             drafted = [W] * len(plan.run)
         tree, index = prune(grown.tree, chosen, width=W)
         drafts = Drafts(tree.tokens, drafted, lengths=None if self.early_exit else counts)
@@ -639,7 +640,8 @@ class BatchedSpeculativeEngine:
         acc, walk = self._accept_tree(plan, tree, ver)
         self.own.call(self.policy.verified, TreeOutcome(grown, index, tree, walk.path, acc.accepted, walk.tested))
         # the target's states along the accepted path, root first: what a chain's verification would give
-        path_rows = torch.cat([torch.zeros_like(walk.path[:, :1]), walk.path + 1], 1).clamp(min=0)
+        root = torch.zeros(walk.path.shape[0], 1, dtype=walk.path.dtype, device=self.device)
+        path_rows = torch.cat([root, walk.path + 1], 1).clamp(min=0)
         hidden = ver.hidden.gather(1, path_rows[..., None].expand(*path_rows.shape, ver.hidden.shape[-1]))
         self._move_path(plan, walk.path, acc.accepted)
         return drafts, Verification(ver.record, ver.logits, hidden, ver.tlens, ver.prefill), acc
@@ -647,7 +649,7 @@ class BatchedSpeculativeEngine:
     def _verify_tree(self, plan: StepPlan, tree: DraftTree, drafted: list[int], joined: list[int]) -> Verification:
         """One target forward: each row scores [last token, its W selected nodes] as span rows (the tree's
         mask, nodes rotated at their depth), prompts admitted this step after them."""
-        dev, R, W = self.device, len(plan.run), tree.K
+        dev, W = self.device, tree.K
         tl = plan.tl
         tokens = torch.cat([self.seq[plan.rows, tl][:, None], tree.tokens], 1)
         span = Span(plan.tlens, tree.attention_mask(), tree.positions(tl))

@@ -202,9 +202,10 @@ class DraftTree:
         """(R, 1+K) positions of [root, nodes]: the root at ``lengths`` (the position of the row's last
         token), a node at that plus its depth. Padding gets ``pad`` (e.g. the engine's trash position)
         when given, else the root's position."""
-        pos = lengths[:, None] + torch.cat([torch.zeros_like(self.depth[:, :1]), self.depth], 1)
+        root = torch.zeros(self.R, 1, dtype=self.depth.dtype, device=self.depth.device)  # (also when K = 0)
+        pos = lengths[:, None] + torch.cat([root, self.depth], 1)
         if pad is not None:
-            keep = torch.cat([torch.ones_like(self.valid[:, :1]), self.valid], 1)
+            keep = torch.cat([root == 0, self.valid], 1)
             pos = torch.where(keep, pos, pad)
         return pos
 

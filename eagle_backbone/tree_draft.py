@@ -10,9 +10,9 @@ for every running row instead of a chain:
    fed at earlier depths, never its siblings or cousins. Each frontier node's top-k tokens become its
    children.
 
-   * dynamic (:class:`TreeSpec` with ``shape=None``): the frontier is the ``top_k`` newest nodes of the
+   * dynamic (:class:`TreeSpec` with ``shape=None``): the frontier is the ``width`` newest nodes of the
      highest cumulative log-probability (EAGLE-2: k expanded nodes with k children each, k² candidates a
-     depth);
+     depth; ``width=1``: the top path, each of its nodes with k children);
    * static (``shape``, e.g. :data:`~eagle_backbone.tree.MC_SIM_7B_63`): the shape's nodes that have
      children, and the children the shape lists (rank r = the parent's r-th most likely token).
 
@@ -24,6 +24,7 @@ of every depth up to each row's depth cap; the policy then selects which nodes t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,15 @@ from eagle_backbone.tree import DraftTree, TreeShape, paths_to_tree
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """How a policy's trees grow: ``top_k`` children per expanded node (and, dynamic, the frontier width),
-    at most ``depth`` depths; ``shape`` (paths, EAGLE's ``tree_choices`` format) fixes the tree instead."""
+    """How a policy's trees grow: ``top_k`` children per expanded node, at most ``depth`` depths, and a
+    frontier of ``width`` nodes expanded a depth (default ``top_k``, EAGLE-2's; 1: the drafter runs a chain,
+    the top path, and every node on it keeps its top-k as leaves: a chain's drafting cost, a tree's
+    coverage); ``shape`` (paths, EAGLE's ``tree_choices`` format) fixes the tree instead."""
 
     top_k: int = 4
     depth: int = 6
     shape: tuple[tuple[int, ...], ...] | None = None
+    width: int | None = None
 
     def __post_init__(self):
         if self.shape is not None:
@@ -49,6 +53,10 @@ class TreeSpec:
             raise ValueError(f"tree: top_k must be an integer >= 1, got {self.top_k!r}")
         if not isinstance(self.depth, int) or self.depth < 1:
             raise ValueError(f"tree: depth must be an integer >= 1, got {self.depth!r}")
+        if self.width is None:
+            object.__setattr__(self, "width", self.top_k)
+        if not isinstance(self.width, int) or not 1 <= self.width <= self.top_k:
+            raise ValueError(f"tree: width must be an integer in [1, top_k={self.top_k}], got {self.width!r}")
 
     @classmethod
     def static(cls, paths) -> TreeSpec:
@@ -58,12 +66,24 @@ class TreeSpec:
     def tree_shape(self) -> TreeShape | None:
         return None if self.shape is None else paths_to_tree(self.shape)
 
+    @functools.cached_property
+    def levels(self) -> list[list[tuple[int, int, int]]] | None:
+        """A static shape by depth, as host ints: per depth, (node index, parent index or -1, rank)."""
+        if self.shape is None:
+            return None
+        paths = sorted(self.shape, key=lambda p: (len(p), p))  # paths_to_tree's node order
+        index = {p: i for i, p in enumerate(paths)}
+        out = [[] for _ in range(max(len(p) for p in paths))]
+        for i, p in enumerate(paths):
+            out[len(p) - 1].append((i, index[p[:-1]] if len(p) > 1 else -1, p[-1]))
+        return out
+
     @property
     def max_nodes(self) -> int:
         """Nodes a row's grown tree holds at full depth."""
         if self.shape is not None:
             return len(self.shape)
-        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+        return self.top_k + (self.depth - 1) * self.width * self.top_k
 
     @property
     def fed(self) -> int:
@@ -71,7 +91,7 @@ class TreeSpec:
         if self.shape is not None:
             parents = {p[:-1] for p in self.shape if len(p) > 1}
             return len(parents)
-        return (self.depth - 1) * self.top_k
+        return (self.depth - 1) * self.width
 
 
 @dataclass
@@ -84,6 +104,7 @@ class GrownTree:
     logq: torch.Tensor  # (R, K) float32: the drafter's log-probability of the node's token at its parent
     score: torch.Tensor  # (R, K) float32: logq summed along the node's path
     valid: torch.Tensor  # (R, K) bool: within the row's depth cap
+    rank: torch.Tensor  # (R, K) long: the node's place among its parent's top-k (0: the most likely)
 
     @property
     def tree(self) -> DraftTree:
@@ -115,22 +136,22 @@ def grow_tree(cand, slots: list[int], tlens: list[int], caps: list[int], spec: T
     logits, state = cand.start(slots, tlens)
     dev = logits.device
     lp = torch.log_softmax(logits.float(), -1)
-    shape = spec.tree_shape
+    shape = spec.shape
     if shape is not None:
-        # the shape's nodes, by depth: (index in the shape, parent index, rank)
-        by_depth = [[(i, int(shape.parents[i]), int(shape.rank[i])) for i in range(len(shape.paths))
-                     if int(shape.depth[i]) == d] for d in range(1, D + 1)]
-        has_child = {int(p) for p in shape.parents.tolist() if p >= 0}
+        by_depth = spec.levels  # the shape's nodes by depth: (index, parent index, rank), host ints
+        has_child = {p for level in by_depth for _, p, _ in level if p >= 0}
     s, t = lp.topk(k, -1)  # (R, k)
     if shape is not None:
         ranks = torch.tensor([r for _, _, r in by_depth[0]], device=dev)
         s, t = s[:, ranks], t[:, ranks]
     toks, pars, lqs, scores, depths = [t], [torch.full_like(t, -1)], [s], [s], [1] * t.shape[1]
+    ranks = [r for _, _, r in by_depth[0]] if shape is not None else list(range(k))
     n = t.shape[1]  # nodes so far
     # the frontier: its node ids, tokens, cumulative scores, parents' states, and its parents' fed indices
-    if shape is None:
-        fid = torch.arange(k, device=dev).expand(R, k)
-        ftok, fsc = t, s
+    if shape is None:  # the top `width` of the root's children (topk sorts them)
+        w = spec.width
+        fid = torch.arange(w, device=dev).expand(R, w)
+        ftok, fsc = t[:, :w], s[:, :w]
     else:
         front = [i for i, _, _ in by_depth[0] if i in has_child]
         pick = torch.tensor(front, device=dev, dtype=torch.long)
@@ -162,9 +183,10 @@ def grow_tree(cand, slots: list[int], tlens: list[int], caps: list[int], spec: T
         lqs.append(child_lq)
         scores.append(child_sc)
         depths += [d + 1] * child_tok.shape[1]
+        ranks += [r for _, _, r in by_depth[d]] if shape is not None else list(range(k)) * W
         if d + 1 < D:  # the next frontier
             if shape is None:
-                best = child_sc.topk(min(k, child_sc.shape[1]), -1).indices  # (R, k): EAGLE-2's top-k by score
+                best = child_sc.topk(spec.width, -1).indices  # (R, width): EAGLE-2's top by cumulative score
                 src = child_front[best]
                 fid, ftok, fsc = n + best, child_tok.gather(1, best), child_sc.gather(1, best)
             else:
@@ -178,7 +200,8 @@ def grow_tree(cand, slots: list[int], tlens: list[int], caps: list[int], spec: T
             fstate = None if h is None else h.gather(1, src[..., None].expand(*src.shape, h.shape[-1]))
         offset += W
         n += child_tok.shape[1]
-    depth = torch.tensor(depths, device=dev).expand(R, n)
+    depth_rank = torch.tensor(depths + ranks, device=dev)
+    depth, rank = depth_rank[:n].expand(R, n), depth_rank[n:].expand(R, n)
     cap = torch.as_tensor(caps, device=dev)
     return GrownTree(torch.cat(toks, 1), torch.cat(pars, 1), depth, torch.cat(lqs, 1), torch.cat(scores, 1),
-                     depth <= cap[:, None])
+                     depth <= cap[:, None], rank)

@@ -33,46 +33,80 @@ class OnlineLogitCalibration:
     rate ``decay`` per update (recent text weighs more) and starts at ``prior`` times the identity around
     (w, c) = (1, 0): a few dozen outcomes move the correction, and a burst of one outcome cannot run away.
     ``w`` stays in ``w_range``: 0 means the estimator carries no information (a constant rate); the
-    correction never inverts its ranking."""
+    correction never inverts its ranking.
+
+    ``groups`` > 1 keeps one independent (w, c) per group (e.g. a draft-tree node's rank among its siblings,
+    whose acceptance follows its confidence differently); callers then pass each estimate's ``group``."""
 
     def __init__(self, decay: float = 0.98, prior: float = 4.0, w_range: tuple[float, float] = (0.0, 4.0),
-                 device=None):
+                 device=None, groups: int = 1):
         if not 0 < decay <= 1 or not prior > 0:
             raise ValueError(f"online calibration: need 0 < decay <= 1 and prior > 0, got {decay!r}, {prior!r}")
         lo, hi = w_range
         if not 0 <= lo <= 1 <= hi:
             raise ValueError(f"online calibration: w_range must satisfy 0 <= lo <= 1 <= hi, got {w_range!r}")
-        self.decay, self.w_range = float(decay), (float(lo), float(hi))
-        self.params = torch.tensor([1.0, 0.0], device=device)  # (w, c)
-        self.hessian = prior * torch.eye(2, device=device)
+        if not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"online calibration: groups must be an integer >= 1, got {groups!r}")
+        self.decay, self.w_range, self.groups = float(decay), (float(lo), float(hi)), groups
+        self._params = torch.tensor([[1.0, 0.0]] * groups, device=device)  # (G, 2): (w, c) per group
+        self._hessian = prior * torch.eye(2, device=device).repeat(groups, 1, 1)  # (G, 2, 2)
         self.observations = torch.zeros((), device=device)  # count of outcomes seen (a device scalar)
 
+    @property
+    def params(self) -> torch.Tensor:
+        """(w, c): (2,) with one group, (G, 2) with several."""
+        return self._params[0] if self.groups == 1 else self._params
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        return self._hessian[0] if self.groups == 1 else self._hessian
+
     def to(self, device) -> OnlineLogitCalibration:
-        self.params, self.hessian = self.params.to(device), self.hessian.to(device)
+        self._params, self._hessian = self._params.to(device), self._hessian.to(device)
         self.observations = self.observations.to(device)
         return self
 
-    def calibrate(self, p: torch.Tensor) -> torch.Tensor:
-        """The corrected probabilities, same shape as ``p`` (float32)."""
-        w, c = self.params[0], self.params[1]
+    def _wc(self, group):
+        if group is None:
+            return self._params[0, 0], self._params[0, 1]
+        wc = self._params[group]  # (..., 2)
+        return wc[..., 0], wc[..., 1]
+
+    def calibrate(self, p: torch.Tensor, group: torch.Tensor | None = None) -> torch.Tensor:
+        """The corrected probabilities, same shape as ``p`` (float32); ``group`` (long, p's shape) with groups."""
+        w, c = self._wc(group)
         return torch.sigmoid(w * logit(p) + c)
 
-    def update(self, p_est: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    def update(self, p_est: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor | None = None,
+               group: torch.Tensor | None = None) -> None:
         """One Newton step on the observations: ``p_est`` the estimator's raw probabilities, ``kept`` 1/0
-        outcomes (or soft ones), ``mask`` which entries were observed (default: all). Shapes broadcast."""
+        outcomes (or soft ones), ``mask`` which entries were observed (default: all), ``group`` each one's
+        group (with groups). Shapes broadcast. Each group's step uses its own observations only."""
         z = logit(p_est).flatten()
         y = kept.float().flatten().expand_as(z)
         m = torch.ones_like(z) if mask is None else mask.float().flatten().expand_as(z)
         X = torch.stack([z, torch.ones_like(z)], 1)  # (n, 2)
-        pr = torch.sigmoid(X @ self.params)
-        grad = X.T @ ((pr - y) * m)
-        self.hessian = self.decay * self.hessian + (X * (pr * (1 - pr) * m)[:, None]).T @ X
-        new = self.params - torch.linalg.solve(self.hessian, grad)
-        new[0] = new[0].clamp(*self.w_range)
-        self.params = new
+        if group is None:
+            g1 = torch.ones(z.shape[0], 1, device=z.device)  # every observation in group 0
+            G = 1
+        else:
+            g1 = torch.nn.functional.one_hot(group.flatten().expand_as(z).long(), self.groups).float()  # (n, G)
+            G = self.groups
+        pr = torch.sigmoid((X[:, None, :] * self._params[None, :G]).sum(-1)).mul(g1).sum(1)  # own group's p'
+        wgt = g1 * m[:, None]  # (n, G)
+        grad = torch.einsum("ng,ni->gi", wgt * (pr - y)[:, None], X)  # (G, 2)
+        curv = wgt * (pr * (1 - pr))[:, None]
+        self._hessian = self.decay * self._hessian + torch.einsum("ng,ni,nj->gij", curv, X, X)
+        new = self._params - torch.linalg.solve(self._hessian, grad[..., None])[..., 0]
+        new[:, 0] = new[:, 0].clamp(*self.w_range)
+        self._params = new
         self.observations = self.observations + m.sum()
 
     def state(self) -> dict:
-        """(w, c) and the count of outcomes seen, as Python numbers (a host read: for reports only)."""
-        w, c = self.params.tolist()
+        """(w, c) and the count of outcomes seen, as Python numbers (a host read: for reports only); with
+        groups, lists of w and c by group."""
+        if self.groups == 1:
+            w, c = self._params[0].tolist()
+        else:
+            w, c = self._params[:, 0].tolist(), self._params[:, 1].tolist()
         return {"w": w, "c": c, "observations": int(self.observations)}

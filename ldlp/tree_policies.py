@@ -1,0 +1,223 @@
+"""Draft-tree policies: the tree is the protocol's plan with width > 1 (eagle_backbone/tree_draft.py).
+
+* :class:`StaticTreePolicy` (``policy=static_tree``): a fixed shape every step, by default the official
+  EAGLE tree (:data:`~eagle_backbone.tree.MC_SIM_7B_63`, 25 nodes, 26 tokens a pass), the paper's setting.
+* :class:`Eagle2TreePolicy` (``policy=eagle2_tree``): EAGLE-2's dynamic tree: expand the top-k frontier
+  by cumulative draft log-probability for ``depth`` depths, then rerank every grown node and score the
+  best ``total_tokens`` of each row (closed under ancestors), whatever the load.
+* :class:`TreeBudgetPolicy` (``policy=tree_budget``): the same expansion, with node values (the chance a
+  node's whole path is accepted, from the drafter's confidence recalibrated online) and one batch-wide
+  budget of scored tokens chosen from the measured cost table: the N maximising
+  (R + Σ chosen values) / cost(R, N), N = R (plain decoding) allowed (:func:`~eagle_backbone.tree.select_budget`).
+  The depth to grow is chosen the same way before drafting, from running averages of what each depth
+  added: so under heavy load the policy grows shallow trees or none.
+
+A node's value is the product of calibrated per-node acceptance estimates along its path
+(:func:`~eagle_backbone.tree.path_values`); the calibration (:class:`~ldlp.calibration.OnlineLogitCalibration`)
+learns from every scored node whose parent the target accepted: kept if it is on the accepted path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from eagle_backbone.policy import DraftPolicy, Rows, TreeOutcome
+from eagle_backbone.tree import MC_SIM_7B_63, path_values, select_budget, top_nodes
+from eagle_backbone.tree_draft import GrownTree, TreeSpec
+from ldlp.calibration import OnlineLogitCalibration
+from ldlp.load_aware import LoadAwarePolicy
+
+log = logging.getLogger(__name__)
+
+SHAPES = {"mc_sim_7b_63": MC_SIM_7B_63}  # named static trees (EAGLE's tree_choices format)
+
+
+def _int_at_least(policy: str, name: str, value, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{policy} policy: {name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class StaticTreePolicy(DraftPolicy):
+    """A fixed tree shape every step: ``paths`` a name in :data:`SHAPES` or a list of index paths
+    (EAGLE/Medusa ``tree_choices``: [0] the top draft, [0, 1] its second child, ...)."""
+
+    name = "static_tree"
+    adaptive = False
+
+    def __init__(self, paths="mc_sim_7b_63"):
+        if isinstance(paths, str):
+            if paths not in SHAPES:
+                raise ValueError(f"static_tree policy: unknown shape {paths!r}; known: {sorted(SHAPES)} or a list of paths")
+            paths = SHAPES[paths]
+        try:
+            self.tree = TreeSpec.static([list(p) for p in paths])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"static_tree policy: paths: {e}") from None
+
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.tree.depth] * len(rows)
+
+
+class Eagle2TreePolicy(DraftPolicy):
+    """EAGLE-2: ``top_k`` frontier and children, ``depth`` depths, the best ``total_tokens`` nodes of each row
+    by cumulative draft log-probability (EAGLE-2's reranking)."""
+
+    name = "eagle2_tree"
+
+    def __init__(self, top_k: int = 4, depth: int = 6, total_tokens: int = 16):
+        self.tree = TreeSpec(_int_at_least(self.name, "top_k", top_k, 1), _int_at_least(self.name, "depth", depth, 1))
+        self.total_tokens = min(_int_at_least(self.name, "total_tokens", total_tokens, 1), self.tree.max_nodes)
+
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.tree.depth] * len(rows)
+
+    def select(self, grown: GrownTree, rows: Rows) -> torch.Tensor:
+        score = torch.where(grown.valid, grown.score, float("-inf"))
+        return top_nodes(score, grown.tree, self.total_tokens, per_row=True)
+
+    def tree_width(self, rows: Rows) -> int:
+        return self.total_tokens
+
+
+class TreeBudgetPolicy(LoadAwarePolicy):
+    """Dynamic trees under one batch-wide, cost-chosen budget (module docstring). Shares the load-aware
+    policies' cost table (``cost_dir``/``cost_table``, profiled on first use when missing).
+
+    Per step: ``plan`` picks the depth D (0: plain decoding) maximising expected tokens per ms, with the
+    expected value and size of each depth's selected nodes as running averages; the engine grows top-``top_k``
+    trees to depth D; ``select`` scores the batch's best nodes under the budget N (at most ``max_nodes`` a
+    row); ``verified`` recalibrates the confidence on the outcome. All on the device; the per-depth sums
+    ride in the step's one read."""
+
+    name = "tree_budget"
+    reads_drafts = False
+
+    def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, top_k: int = 4, depth: int = 6,
+                 width: int | None = None, max_nodes: int = 24, recalibrate: bool = True, decay: float = 0.98, prior: float = 0.7,
+                 explore_every: int = 16, profile_if_missing: bool = True, cost_table: str | None = None):
+        depth = _int_at_least(self.name, "depth", depth, 1)
+        super().__init__(cost_dir, model, temperature, depth, prior, explore_every, profile_if_missing, cost_table)
+        try:
+            self.tree = TreeSpec(_int_at_least(self.name, "top_k", top_k, 1), depth, width=width)
+        except ValueError as e:
+            raise ValueError(f"{self.name} policy: {e}") from None
+        self.max_nodes = min(_int_at_least(self.name, "max_nodes", max_nodes, 1), self.tree.max_nodes)
+        # one correction per sibling rank: under greedy decoding a node is kept only when its siblings before
+        # it are not, so the second-best child of a confident parent is rarely kept whatever its confidence
+        self.calibration = OnlineLogitCalibration(decay=decay, groups=self.tree.top_k) if recalibrate else None
+        # per row and depth: the running chance the accepted path reaches the depth, and the selected nodes
+        # there (prior: a chain at `prior`)
+        self.depth_value = [prior ** d for d in range(1, depth + 1)]
+        self.depth_nodes = [1.0] * depth
+        self._depth = 0
+        self._sums: torch.Tensor | None = None
+        self._vec: dict = {}
+
+    def bind_engine(self, engine) -> None:
+        super().bind_engine(engine)
+        if self.calibration is not None:
+            self.calibration.to(engine.device)
+
+    # ---- plan: the depth to grow --------------------------------------------------------------------
+    def _fixed_ms(self, R: int, D: int) -> float:
+        """A drafting step's cost besides verification: bookkeeping, the drafter's catch-up and D depths
+        (depth 1 reads one token a row, deeper ones the frontier: ``width`` a row)."""
+        c = self.costs
+        ms = c.overhead_ms(R)
+        if D:
+            ms += c.feed_ms(R, self.feed_tokens) + c.draft_ms(R, R)
+            ms += sum(c.draft_ms(R * self.tree.width, R) for _ in range(D - 1))
+        return ms
+
+    def best_depth(self, R: int, cap: int) -> int:
+        c = self.costs
+        best, best_rate = 0, R / (c.overhead_ms(R) + c.target_ms(R, R))
+        value = nodes = 0.0
+        for D in range(1, cap + 1):
+            value += self.depth_value[D - 1]
+            nodes += self.depth_nodes[D - 1]
+            rate = R * (1 + value) / (self._fixed_ms(R, D) + c.target_ms(R, R * (1 + nodes)))
+            if rate > best_rate:
+                best, best_rate = D, rate
+        return best
+
+    def plan(self, rows: Rows) -> list[int]:
+        R = len(rows)
+        self.steps += 1
+        self._sums = None
+        if self.costs is None or not any(rows.caps):
+            self._depth = 0
+            return [0] * R
+        D = self.best_depth(R, min(self.tree.depth, max(rows.caps)))
+        if D == 0 and self.explore_every and self._idle + 1 >= self.explore_every:
+            D = self.tree.depth  # now and then a whole tree, so that every depth's running value follows the text
+        self._idle = 0 if D else self._idle + 1
+        self._depth = D
+        if D:
+            self.drafting_steps += 1
+        return [min(D, c) for c in rows.caps]
+
+    # ---- select: the budget -------------------------------------------------------------------------
+    def values(self, grown: GrownTree) -> torch.Tensor:
+        est = grown.confidence if self.calibration is None else self.calibration.calibrate(grown.confidence, grown.rank)
+        return path_values(est.to(torch.float64), grown.tree)
+
+    def _cost_vector(self, R: int, D: int, n_max: int) -> torch.Tensor:
+        """cost[N] for N = 0 .. R + n_max scored tokens (ms; the fixed part included): a device vector per (R, D)."""
+        key = (R, D, round(self.feed_tokens, 1))
+        if key not in self._vec:
+            fixed = self._fixed_ms(R, D)
+            self._vec[key] = torch.tensor([fixed + self.costs.target_ms(R, N) if N >= R else float("inf")
+                                           for N in range(R + n_max + 1)], dtype=torch.float64, device=self.device)
+        return self._vec[key]
+
+    def select(self, grown: GrownTree, rows: Rows) -> torch.Tensor:
+        R, K = grown.tokens.shape
+        vals = self.values(grown)
+        n_max = R * min(K, self.max_nodes)
+        sel = select_budget(vals, grown.tree, self._cost_vector(R, self._depth, n_max), n_max=n_max,
+                            per_row_cap=self.max_nodes)
+        # per depth, the selected nodes summed over rows: the plan's running sizes
+        D = self.tree.depth
+        onehot = torch.nn.functional.one_hot((grown.depth - 1).clamp(0, D - 1), D)  # (R, K, D)
+        self._sums = (onehot * sel.chosen[..., None]).sum((0, 1))
+        return sel.chosen
+
+    def tree_width(self, rows: Rows) -> int:
+        return self.max_nodes
+
+    def verified(self, outcome: TreeOutcome) -> None:
+        if self.calibration is None:
+            return
+        idx = outcome.index.clamp(min=0)
+        conf, rank = outcome.grown.confidence.gather(1, idx), outcome.grown.rank.gather(1, idx)
+        self.calibration.update(conf, outcome.kept, outcome.tested & (outcome.index >= 0), rank)
+
+    # ---- observe: the running averages ----------------------------------------------------------------
+    def reads(self) -> dict[str, torch.Tensor]:
+        return {"depth_nodes": self._sums} if self._sums is not None else {}
+
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
+        R = len(rows)
+        self.feed_tokens += 0.1 * (sum(accepted) / max(1, R) + 1 - self.feed_tokens)
+        sums = (extra or {}).get("depth_nodes")
+        if not sums or not self._depth:
+            return
+        D = self.tree.depth
+        grew = [a for a, d in zip(accepted, drafted) if d > 0] or [0]
+        for d in range(self._depth):  # depths grown this step: what they added per row
+            # the share of rows whose accepted path reached depth d + 1: the realised value of the depth's
+            # selected nodes, whatever the estimates' calibration
+            reached = sum(a > d for a in grew) / len(grew)
+            self.depth_value[d] += 0.2 * (reached - self.depth_value[d])
+            self.depth_nodes[d] += 0.2 * (sums[d] / R - self.depth_nodes[d])
+        # the depths not grown have no evidence: extend the grown ones geometrically, so that a deeper tree
+        # is tried as soon as the last grown depth is worth it
+        g = self._depth
+        ratio = self.depth_value[g - 1] / max(self.depth_value[g - 2], 1e-6) if g >= 2 else self.depth_value[0]
+        for d in range(g, D):
+            self.depth_value[d] = self.depth_value[d - 1] * min(1.0, ratio)
+            self.depth_nodes[d] = self.depth_nodes[d - 1]
