@@ -371,3 +371,41 @@ def test_a_sequences_samples_do_not_depend_on_the_batch(t32, drafters, kind):
     out = both.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], 16, seeds=[1, 2, 42])[2]
     assert out.tokens == ref.tokens
     assert counters([out]) == counters([ref])
+
+
+# ---- the drafter's tree forward -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [TreeSpec(3, 4), TreeSpec(3, 4, width=1), TreeSpec.static(MC_SIM_7B_63)],
+                         ids=["dynamic", "width1", "mc_sim_7b_63"])
+@pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
+def test_every_grown_node_has_its_paths_draft_distribution(t32, drafters, kind, spec):
+    """Greedy identity cannot see a wrong drafter mask (the target decides every token). Each grown node's
+    log-probability must be what drafting its path as a chain gives: the tree's frontier sees its own
+    ancestors only, rotated at its depth, whatever else sits in the drafter's cache."""
+    from eagle_backbone.tree_draft import grow_tree
+
+    engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=2, policy=TreePolicy(spec))
+    for b, p in enumerate(prompts_of((9, 13), seed=3)):
+        engine.admit(b, p, 16, request=b)
+    engine.step()  # the prefill
+    engine.step()  # one tree step, so that the caches hold a verified tree's leftovers too
+    run = [0, 1]
+    tlens = [engine.state[b].tlen for b in run]
+    grown = grow_tree(engine.cand, run, tlens, [spec.depth] * 2, spec)
+    R, K = grown.tokens.shape
+    for r in range(R):
+        for i in range(K):
+            path, j = [], i
+            while j >= 0:
+                path.append(j)
+                j = int(grown.parents[r, j])
+            path = path[::-1]
+            logits, state = engine.cand.start([run[r]], [tlens[r]])
+            for depth, node in enumerate(path[:-1], 1):  # draft the path's nodes before i as a chain
+                tok = grown.tokens[r, node].view(1)
+                logits, state = engine.cand.extend([run[r]], tok, [tlens[r]], depth,
+                                                   None if state is None else state)
+            want = torch.log_softmax(logits.float(), -1)[0, grown.tokens[r, i]]
+            torch.testing.assert_close(grown.logq[r, i], want, rtol=1e-4, atol=1e-4)
+            assert int(grown.depth[r, i]) == len(path)
