@@ -73,7 +73,7 @@ def main(cfg: DictConfig) -> None:
     meta = {"model": cfg.model.name, "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
             "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
             "blocks": int(cfg.blocks), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],
-            "threads": threads, "cpu": machine_info().get("cpu")}
+            "threads": threads, "cpu": machine_info().get("cpu"), "profile_steps": bool(cfg.profile_steps)}
     # the pair's candidate generator, its drafter on the benchmark's attention math (as the target's in the engine)
     candidates = pair.candidates
     if getattr(candidates, "attn", str(cfg.attn)) != str(cfg.attn):
@@ -85,7 +85,7 @@ def main(cfg: DictConfig) -> None:
                    checkpoint=lambda r: write({**r, "skipped": skipped + r["skipped"]}, out, meta, with_plot=False),
                    log=log.info,
                    categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
-                   bootstrap=int(cfg.bootstrap))
+                   bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
     result["skipped"] = skipped + result["skipped"]
     write(result, out, meta)
     print(Path(out, "batch_bench.md").read_text())

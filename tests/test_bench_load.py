@@ -175,6 +175,49 @@ def test_one_temperature_stays_as_before(t32, eagle32, tmp_path):
         sweep(t32, cand, prompts, cs, [1], 6, temperatures=[0.0, -1.0])
 
 
+def test_step_metrics_from_the_timed_runs_and_a_profiled_pass_after_them(t32, eagle32, tmp_path):
+    """Scored tokens per step come from the timed runs' counters (AR scores one token a row-step, static γ at most
+    γ + 1); with profile_steps one untimed profiled pass per (contender, C, T) on the first block, after every timed
+    run, gives verify and draft ms per step; the page has their columns and the JSON their keys (new keys only)."""
+    prompts = prompts_of(6, seed=3)
+    cs = contenders()[:3] + [contenders()[-1]]
+    logs = []
+    result = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts, cs, [1, 3], 8, rounds=1, blocks=2,
+                   log=logs.append, bootstrap=10, profile_steps=True)
+    rows = {(r["contender"], r["concurrency"]): r for r in result["rows"]}
+    for (label, C), r in rows.items():
+        runs = [x for x in result["runs"] if x["contender"] == label and x["concurrency"] == C]
+        scored, steps, row_steps = (sum(x[k] for x in runs) for k in ("scored_tokens", "engine_steps", "row_steps"))
+        assert r["scored_per_step"] == pytest.approx(scored / steps)
+        assert r["scored_per_row_step"] == pytest.approx(scored / row_steps)
+        assert r["scored_per_step"] == pytest.approx(r["scored_per_row_step"] * r["rows_per_step"])
+        assert 1 <= r["rows_per_step"] <= C
+        gamma = {"ar": 0, "static γ=1": 1, "static γ=3": 3}.get(label)
+        if gamma is not None:
+            assert 1 <= r["scored_per_row_step"] <= gamma + 1 and (gamma or r["scored_per_row_step"] == 1.0)
+        # the engine's target forwards are the row-steps plus one prefill a prompt
+        assert row_steps == sum(round(x["new_tokens"] / x["tau"]) for x in runs) - len(prompts)
+        assert r["profile"]["steps"] > 0 and r["profile"]["n_prompts"] == len(split_blocks(6, C, 2)[0])
+        assert r["verify_ms_per_step"] > 0 and r["draft_ms_per_step"] >= 0
+        assert set(r["profile"]["ms_per_step"]) >= {"verify", "draft", "policy", "host"}
+    assert rows[("static γ=3", 1)]["draft_ms_per_step"] > rows[("ar", 1)]["draft_ms_per_step"]
+    # the profiled pass runs after every timed run, never between them
+    first_profiled = next(i for i, line in enumerate(logs) if line.startswith("profiled"))
+    assert not any(line.startswith("round") for line in logs[first_profiled:])
+    assert len(result["profiles"]) == len(cs) * 2 and len(result["runs"]) == len(cs) * (2 + 2)
+    md = markdown(result)
+    assert "| contender | C | tokens/s | τ | scored / step | scored / row-step | rows / step | verify ms / step" in md
+    out = write(result, tmp_path)
+    saved = json.loads((out / "batch_bench.json").read_text())
+    assert all(r["verify_ms_per_step"] is not None and r["scored_per_step"] for r in saved)
+    assert len(json.loads((out / "batch_bench_runs.json").read_text())["profiles"]) == len(cs) * 2
+    # without the pass: the counters still, no milliseconds
+    plain = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts, cs[:2], [2], 6, rounds=1, log=lambda _: None,
+                  bootstrap=10)
+    assert plain["profiles"] == [] and all(r["verify_ms_per_step"] is None and r["scored_per_step"] for r in plain["rows"])
+    assert "(profile_steps=true; not run)" in markdown(plain)
+
+
 # ---- the oracle in a batch -----------------------------------------------------------------------------------
 
 
@@ -288,6 +331,9 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
     assert all({"ar", "best_static", "batch1_static"} <= set(r["vs"]) for r in heur)
     assert all("oracle" in r["vs"] for r in heur if r["temperature"] == 0)
     assert (out / "batch_bench_ratio.png").is_file() and "## Temperature 1" in (out / "batch_bench.md").read_text()
+    # profile_steps (on by default): verify and draft ms per step from the untimed profiled pass
+    assert all(r["verify_ms_per_step"] is not None and r["scored_per_row_step"] >= 1 for r in rows)
+    assert "verify ms / step" in (out / "batch_bench.md").read_text()
     # a checkpoint this clone has not trained: skipped, and said so in the JSON and on the page
     runs = json.loads((out / "batch_bench_runs.json").read_text())
     assert {s["contender"] for s in runs["skipped"]} >= {f"policy=ldlp policy.path={tmp_path / 'no_ldlp'}"}
@@ -543,7 +589,6 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
         CostTable.load(table.meta["path"], keys["draft LM"])
     assert "\n" not in str(e.value)
     # bench_batch checks a table given to a load-aware contender (cost_table=) against the run's setup first
-    import sys
 
     from eagle_backbone.candidates import DraftModelCandidateGenerator
     from ldlp.load_aware import LoadAwareMarginal

@@ -12,7 +12,13 @@ Each (round, block) is one paired measurement: per (C, T) every adaptive contend
 the baselines (batched AR, the best static γ at that (C, T) in hindsight, the static γ best at C=1 used at
 every C, the oracle at T=0) comes with a paired bootstrap 95% interval over those pairs
 (:func:`eagle_backbone.timing.paired_ratio`). The oracle replays the engine with one slot
-(``SpeculativeDecoder``) per prompt before the clocks start and runs at T=0 only.
+(``SpeculativeDecoder``) per prompt before the clocks start and runs at T=0 only; so does the batched oracle
+(``policy=oracle_budget``, :mod:`ldlp.oracle_budget`), whose gain over the best static γ at each C the findings
+report as the headroom (``oracle_headroom``).
+
+Per step: target-scored tokens per engine step (all rows, and per running row) from the timed runs' host
+counters (:func:`step_counters`), and with ``profile_steps`` verify and draft milliseconds per step from one
+untimed profiled pass per contender at every (C, T) after the timed rounds (:func:`profile_pass`).
 
 Greedy losslessness is checked against each prompt's own greedy output from the target through transformers'
 forward (:meth:`~eagle_backbone.target.TargetModel.reference_greedy`, independent of the engine). In bfloat16
@@ -48,7 +54,11 @@ from eagle_backbone.sampling import SamplingConfig
 ROW_KEYS = ("contender", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
             "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean", "request_latency_ms_p90",
             "tau", "lossless", "identical", "n_prompts", "new_tokens", "rounds", "blocks", "speedup_vs_ar", "vs", "policy_share",
-            "by_category")
+            "by_category", "scored_per_step", "scored_per_row_step", "rows_per_step", "verify_ms_per_step",
+            "draft_ms_per_step", "profile")
+# the timed runs' step counters (this engine only; summed over a round's blocks): engine steps (speculative steps,
+# a prefill-only step not counted), row-steps (a running sequence's share of a step) and target-scored tokens
+STEP_COUNTERS = ("engine_steps", "row_steps", "scored_tokens")
 
 
 @dataclass
@@ -92,12 +102,28 @@ def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
 class _ReplayedOracle(DraftPolicy):
     """A bound policy (the oracle) whose ``begin`` replays the engine with one slot: the replays run once per
     prompt before any clock starts (:func:`_prepare_bound`), and each slot only looks its prompt up, as the
-    batch-1 evaluation leaves the replay out of the timing."""
+    batch-1 evaluation leaves the replay out of the timing.
+
+    ``planner``: a fresh instance of the contender's policy that turns the rows' looked-up accepted lengths into
+    the step's γ (its ``plan_lengths(rows, lengths)``: the batched oracle, ``policy=oracle_budget``, spends them by
+    its cost table); it is bound to each engine and observes its steps. None: γ = the accepted length (the
+    chain oracle)."""
 
     name = "oracle"
 
-    def __init__(self, done: dict, make: Callable):
-        self.done, self.make, self.by_slot = done, make, {}
+    def __init__(self, done: dict, make: Callable, planner: DraftPolicy | None = None):
+        self.done, self.make, self.by_slot, self.planner = done, make, {}, planner
+        if planner is not None:
+            self.name = planner.name
+
+    @property
+    def costs(self):
+        """The planner's cost table (what :func:`~eagle_backbone.cost.table_record` reports), if any."""
+        return getattr(self.planner, "costs", None)
+
+    def bind_engine(self, engine) -> None:
+        if self.planner is not None:
+            self.planner.bind_engine(engine)
 
     def begin(self, slot: int, prompt_ids) -> None:
         key = tuple(prompt_ids)
@@ -106,12 +132,18 @@ class _ReplayedOracle(DraftPolicy):
         self.by_slot[slot] = self.done[key]
 
     def plan(self, rows: Rows) -> list[int]:
-        return [self.by_slot[b].drafts_at(0, p) for b, p in zip(rows.slots, rows.positions)]
+        lengths = [self.by_slot[b].drafts_at(0, p) for b, p in zip(rows.slots, rows.positions)]
+        return lengths if self.planner is None else self.planner.plan_lengths(rows, lengths)
+
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
+        if self.planner is not None:
+            self.planner.observe(rows, drafted, accepted, extra)
 
 
 def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
-    """A contender whose policy needs ``bind`` (the oracle): bind one instance per prompt to the candidate
-    generator and run its ``begin`` now; the slots' policies share the results."""
+    """A contender whose policy needs ``bind`` (the oracles): bind one instance per prompt to the candidate
+    generator and run its ``begin`` now; the slots' policies share the results. A policy with
+    ``plan_lengths`` (the batched oracle) also plans each engine's steps from them (:class:`_ReplayedOracle`)."""
     def one(prompt):
         pol = c.make()
         pol.bind(target, candidates, max_new_tokens, sampling)
@@ -122,7 +154,9 @@ def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sa
     for p in prompts:
         if tuple(p) not in done:
             done[tuple(p)] = one(p)
-    return Contender(c.label, c.policy, c.gamma, lambda: _ReplayedOracle(done, one))
+    plans = hasattr(next(iter(done.values())), "plan_lengths")
+    return Contender(c.label, c.policy, c.gamma,
+                     lambda: _ReplayedOracle(done, one, c.make() if plans else None))
 
 
 def _is_int(x) -> bool:
@@ -187,7 +221,7 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
           rounds: int = 2, seed: int = 0, attn: str = "eager",
           checkpoint: Callable[[dict], None] | None = None, log: Callable[[str], None] = print,
           categories: list | None = None, temperatures: list[float] | None = None, blocks: int = 1,
-          bootstrap: int = 2000) -> dict:
+          bootstrap: int = 2000, profile_steps: bool = False) -> dict:
     """Run the sweep over temperature T and concurrency C on ``target`` with ``candidates`` (a
     :class:`~eagle_backbone.candidates.CandidateGenerator`, e.g. ``pair.candidates``; None: no drafts, every
     contender then decodes as batched AR); returns {"rows": [...], "differences": [...],
@@ -200,7 +234,14 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     draws). ``categories`` (one per prompt, None where a prompt has none) adds each
     batched run's per-category counters and request latency (``by_category``). A contender whose policy
     needs ``bind`` (the oracle) runs at T=0 only, bound to ``candidates``. ``attn``: the target's attention math
-    in the engine (a generator keeps its own)."""
+    in the engine (a generator keeps its own).
+
+    Every row carries the timed runs' step counters (first round): target-scored tokens per engine step
+    (``scored_per_step``: all rows; ``scored_per_row_step``: per running sequence, d + 1 for d drafts scored)
+    and running rows per step. ``profile_steps``: after the timed rounds, one untimed pass of the engine's
+    profiled mode per contender at every (C, T) on the first block (:func:`profile_pass`), whose component
+    seconds per engine step give ``verify_ms_per_step``, ``draft_ms_per_step`` and ``profile`` (``profiles``
+    in the result)."""
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts: give one per prompt")
     sampling = sampling or SamplingConfig()
@@ -250,8 +291,9 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     diffs = {}
     with_cats = categories is not None and any(c is not None for c in categories)
     cost_tables = {}  # contender -> the cost table its batch policy planned with (key and path)
+    profiles: list[dict] = []  # the untimed profiled pass (profile_steps), after every timed round
     result = {"rows": [], "differences": [], "runs": runs, "skipped": skipped, "rounds_done": 0, "rounds": rounds,
-              "complete": False, "cost_tables": cost_tables}
+              "complete": False, "cost_tables": cost_tables, "profiles": profiles}
     for r in range(rounds):
         for ti, T in enumerate(temps):
             samp, cs, ref = per_t[T]
@@ -272,6 +314,7 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                             res = run_workload(eng, ps, C, max_new_tokens, sd)
                             outs, summ = [o.tokens for o in res.outputs], res.summary()
                             summ["policy_s"] = eng.policy_s  # the policy's own seconds in the run
+                            summ.update(step_counters(res.outputs, eng.steps))
                             used = table_record(eng.policy)
                             if used is not None and c.label not in cost_tables:
                                 cost_tables[c.label] = used
@@ -295,11 +338,52 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                                                  seed=seed),
                           "differences": list(diffs.values()), "runs": runs, "skipped": skipped,
                           "rounds_done": r + (ti * len(concurrency) + ci + 1) / (len(temps) * len(concurrency)),
-                          "rounds": rounds, "complete": False, "cost_tables": cost_tables}
+                          "rounds": rounds, "complete": False, "cost_tables": cost_tables, "profiles": profiles}
                 if checkpoint:  # after every (T, C): a stopped run still leaves its measured rows, marked incomplete
+                    checkpoint(result)
+    if profile_steps:  # untimed, after the timed rounds (never interleaved with them)
+        for T in temps:
+            samp, cs, _ = per_t[T]
+            for C in concurrency:
+                idx = split_blocks(len(prompts), C, blocks)[0]
+                for c in cs:
+                    if c.runner is not None:  # a peer engine has no profiled mode here
+                        continue
+                    profiles.append({"contender": c.label, "policy": c.policy, "concurrency": C, "temperature": T,
+                                     **profile_pass(target, candidates, [prompts[i] for i in idx], c.make, C,
+                                                    max_new_tokens, samp, [seeds[i] for i in idx], capacity, attn)})
+                    log(f"profiled T={T:g} C={C:>2} {c.label:<14} " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in profiles[-1]["ms_per_step"].items()) + " ms/step")
+                result = dict(result, rows=aggregate_runs(runs, contenders, sampling, len(prompts), bootstrap=bootstrap,
+                                                          seed=seed, profiles=profiles))
+                if checkpoint:
                     checkpoint(result)
     result["complete"] = True
     return result
+
+
+def step_counters(outputs, engine_steps: int) -> dict:
+    """A run's step counters from what the host already holds (no device read): ``engine_steps`` (the engine's
+    speculative steps), ``row_steps`` (running sequences summed over those steps: one draft length each) and
+    ``scored_tokens`` (what the target scored: each row-step's drafts, or scored tree nodes, plus its last token)."""
+    lengths = [d for o in outputs for d in o.stats.draft_lengths]
+    return {"engine_steps": int(engine_steps), "row_steps": len(lengths), "scored_tokens": sum(lengths) + len(lengths)}
+
+
+@torch.inference_mode()
+def profile_pass(target, candidates, prompts, make_policy, concurrency: int, max_new_tokens: int,
+                 sampling: SamplingConfig, seeds: list[int], capacity: int, attn: str = "eager") -> dict:
+    """One untimed run of ``prompts`` in the engine's profiled mode (a clock reading, or on a GPU a CUDA event,
+    at every phase; never in the timed runs): the seconds of each component (draft, policy, verify, prefill,
+    read, host), the engine's steps, and the milliseconds per engine step of each component."""
+    eng = BatchedSpeculativeEngine(target, candidates, slots=concurrency, policy=make_policy, sampling=sampling,
+                                   capacity=capacity, attn=attn, profile=True)
+    res = run_workload(eng, prompts, concurrency, max_new_tokens, seeds)
+    steps = eng.steps
+    secs = dict(eng.prof.s)
+    return {"n_prompts": len(prompts), "new_tokens": res.new_tokens, "steps": steps,
+            "seconds": {k: round(v, 6) for k, v in secs.items()},
+            "ms_per_step": {k: 1e3 * v / steps for k, v in secs.items()} if steps else {}}
 
 
 def _combine(xs: list[dict]) -> dict:
@@ -324,6 +408,8 @@ def _combine(xs: list[dict]) -> dict:
         out[m] = _median([x.get(m) for x in xs])
     ident = [x.get("identical") for x in xs]
     out["identical"] = None if None in ident else sum(ident)
+    for k in STEP_COUNTERS:  # this engine's rows only (a peer has none)
+        out[k] = sum(x[k] for x in xs) if all(x.get(k) is not None for x in xs) else None
     cats = [x["by_category"] for x in xs if x.get("by_category")]
     if cats:
         merged: dict[str, dict] = {}
@@ -343,14 +429,16 @@ def _combine(xs: list[dict]) -> dict:
 
 
 BASELINES = ("ar", "best_static", "batch1_static", "oracle")
+ORACLES = {"oracle": "chain oracle", "oracle_budget": "batched oracle"}  # policy -> what the findings call it
 BASELINE_TITLES = {"ar": "batched AR", "best_static": "best static γ at (C, T)",
                    "batch1_static": "batch-1 best static γ", "oracle": "oracle"}
 
 
 def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: SamplingConfig, n_prompts: int,
-                   bootstrap: int = 2000, seed: int = 0) -> list[dict]:
+                   bootstrap: int = 2000, seed: int = 0, profiles: list[dict] | None = None) -> list[dict]:
     """One row per (contender, C, T): each round's blocks combined (:func:`_combine`), then the median
-    over rounds (counters: the first round's); and for adaptive contenders the paired ratios to the
+    over rounds (counters: the first round's, with the scored tokens per step); the profiled pass's milliseconds
+    per step where ``profiles`` has the cell; and for adaptive contenders the paired ratios to the
     baselines (:func:`baselines`, :func:`eagle_backbone.timing.paired_ratio`)."""
     keys = []
     for x in runs:
@@ -376,6 +464,15 @@ def aggregate_runs(runs: list[dict], contenders: list[Contender], sampling: Samp
         for m in ("tokens_per_s", "tokens_per_cpu_s", "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean",
                   "request_latency_ms_p90", "policy_share"):
             row[m] = _median([x.get(m) for x in per_round])
+        steps, row_steps, scored = (first.get(k) for k in STEP_COUNTERS)  # deterministic: the first round's
+        row["scored_per_step"] = scored / steps if steps else None
+        row["scored_per_row_step"] = scored / row_steps if row_steps else None
+        row["rows_per_step"] = row_steps / steps if steps else None
+        prof = next((p for p in profiles or [] if (p["contender"], p["concurrency"], p["temperature"]) == (label, C, T)),
+                    None)
+        row["profile"] = None if prof is None else {k: prof[k] for k in ("n_prompts", "steps", "ms_per_step")}
+        row["verify_ms_per_step"] = None if prof is None else prof["ms_per_step"].get("verify")
+        row["draft_ms_per_step"] = None if prof is None else prof["ms_per_step"].get("draft", 0.0)
         if first.get("by_category"):  # counters are the first round's (deterministic), latency the rounds' median
             row["by_category"] = {cat: dict(v, request_latency_ms_mean=_median(
                 [x["by_category"][cat]["request_latency_ms_mean"] for x in per_round if cat in x.get("by_category", {})]))
@@ -469,6 +566,19 @@ def findings(rows: list[dict], metric: str = "tokens_per_s", temperature: float 
             b = max(st, key=lambda r: r["tokens_per_s"])
             out["best_static"][C] = {"gamma": b["gamma"], "tokens_per_s": b["tokens_per_s"],
                                      "gain_over_ar": b["tokens_per_s"] / ar[C] - 1 if C in ar else None}
+    # the oracles' headroom: each one's gain over the best static γ at its C (on tokens/s also the paired ratio)
+    headroom: dict = {}
+    for r in rows:
+        b = out["best_static"].get(r["concurrency"])
+        if r["policy"] in ORACLES and b and b["tokens_per_s"]:
+            h = {"policy": r["policy"], "tokens_per_s": r["tokens_per_s"], "best_static_gamma": b["gamma"],
+                 "best_static_tokens_per_s": b["tokens_per_s"], "gain_over_best_static": r["tokens_per_s"] / b["tokens_per_s"] - 1}
+            v = (r.get("vs") or {}).get("best_static") if metric == "tokens_per_s" else None
+            if v:
+                h["paired"] = {k: v.get(k) for k in ("ratio", "ci95", "pairs", "half_width", "resolves_5pct")}
+            headroom.setdefault(r["contender"], {})[r["concurrency"]] = h
+    if headroom:
+        out["oracle_headroom"] = headroom
     if metric == "tokens_per_s":
         out["baselines"] = {C: {name: {"contender": b["contender"], "gamma": b["gamma"], "tokens_per_s": b["tokens_per_s"]}
                                 for name, b in v.items() if b is not None}
@@ -512,6 +622,14 @@ def _findings_lines(rows: list[dict], metric: str, unit: str) -> list[str]:
                      if b["gain_over_ar"] is not None)
     if best:
         lines.append(f"Best static γ per C and its gain over batched AR: {best}.")
+    for lab, per_c in f.get("oracle_headroom", {}).items():
+        cells = []
+        for C, h in sorted(per_c.items()):
+            paired = h.get("paired")
+            cells.append(f"C={C}: {100 * h['gain_over_best_static']:+.0f}% over γ={h['best_static_gamma']}"
+                         + (f" (paired {ratio_cell(paired)})" if paired else ""))
+        kind = ORACLES[next(iter(per_c.values()))["policy"]]
+        lines.append(f"Headroom: the {kind} ({lab}) over the best static γ per C, in {unit}: {'; '.join(cells)}.")
     return lines
 
 
@@ -573,6 +691,35 @@ def _baseline_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _fmt(x, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _step_lines(rows: list[dict]) -> list[str]:
+    """Per contender and C: tokens/s, τ, target-scored tokens per engine step (all rows, and per running row)
+    and running rows per step from the timed runs; verify and draft milliseconds per step from the profiled
+    pass (``rows``: one temperature's)."""
+    have = [r for r in rows if r.get("scored_per_step") is not None or r.get("profile")]
+    if not have:
+        return []
+    prof = next((r["profile"] for r in have if r.get("profile")), None)
+    order = list(dict.fromkeys(r["contender"] for r in rows))
+    lines = ["", ("Per engine step: target-scored tokens (each running sequence's drafts, or scored tree nodes, "
+                  "plus its last token) per step over all rows and per running row, and running rows per step, "
+                  "from the timed runs (first round); verify and draft milliseconds per step from "
+                  + (f"an untimed profiled pass on one block ({prof['n_prompts']} prompts) after the timed rounds "
+                     "(verify: the target's forward, joined prompts' prefill rows included, acceptance and "
+                     "bookkeeping up to the step's read)." if prof else "a profiled pass (profile_steps=true; not run).")),
+             "", "| contender | C | tokens/s | τ | scored / step | scored / row-step | rows / step | verify ms / step "
+                 "| draft ms / step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(have, key=lambda r: (order.index(r["contender"]), r["concurrency"])):
+        lines.append(f"| {r['contender']} | {r['concurrency']} | {_fmt(r.get('tokens_per_s'), '.1f')} | "
+                     f"{_fmt(r.get('tau'))} | {_fmt(r.get('scored_per_step'), '.1f')} | "
+                     f"{_fmt(r.get('scored_per_row_step'))} | {_fmt(r.get('rows_per_step'), '.1f')} | "
+                     f"{_fmt(r.get('verify_ms_per_step'))} | {_fmt(r.get('draft_ms_per_step'))} |")
+    return lines
+
+
 def _category_lines(rows: list[dict]) -> list[str]:
     """τ and mean request latency per prompt category, one row per (contender, C), when there are two or more."""
     rows = [r for r in rows if r.get("by_category")]
@@ -598,6 +745,7 @@ def _temperature_section(result: dict, rows: list[dict]) -> list[str]:
               "the best static γ at that C; (×N): ratio to batched AR at the same C."), ""]
     lines += _throughput_table(rows, "tokens_per_s") + [""] + _findings_lines(rows, "tokens_per_s", "tokens/s")
     lines += _baseline_lines(rows)
+    lines += _step_lines(rows)
     lines += peer_lines(result, rows)
     if any(r.get("tokens_per_cpu_s") for r in rows):
         lines += ["", ("The same runs in generated tokens per CPU-second of the benchmark process (one thread): other "
@@ -773,7 +921,7 @@ OUTPUT_FILES = ("batch_bench.json", "batch_bench_runs.json", "batch_bench.md", "
 def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot: bool = True) -> Path:
     """batch_bench.json (the rows, each with ``complete``), batch_bench_runs.json (meta, ``complete``,
     ``rounds_done``, ``rounds``, the cost tables used, findings per temperature, greedy differences, skipped
-    contenders, every (round, block) run), batch_bench.md (its header says complete or not), and with
+    contenders, every (round, block) run, the profiled pass's ``profiles``), batch_bench.md (its header says complete or not), and with
     ``with_plot`` batch_bench.png and batch_bench_ratio.png (when a row has a ratio to the best static γ).
     Every file of :data:`OUTPUT_FILES` is rewritten or removed, so that a reused folder never keeps an older
     run's plot next to this run's tables; returns ``out_dir`` (:func:`written` lists what is there)."""
@@ -787,7 +935,7 @@ def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot
     written.append(atomic_write_json(out / "batch_bench_runs.json", {
         "meta": meta or {}, **status, "cost_tables": result.get("cost_tables") or {}, "findings": by_t,
         "differences": result.get("differences", []), "skipped": result.get("skipped", []),
-        "runs": result["runs"]}, indent=2, default=str))
+        "runs": result["runs"], "profiles": result.get("profiles") or []}, indent=2, default=str))
     written.append(atomic_write_text(out / "batch_bench.md", markdown(result, meta)))
     if with_plot and result["rows"]:
         written.append(plot_tokens_per_s(result, out / "batch_bench.png"))
