@@ -45,7 +45,8 @@ class StaticTreePolicy(DraftPolicy):
     (EAGLE/Medusa ``tree_choices``: [0] the top draft, [0, 1] its second child, ...)."""
 
     name = "static_tree"
-    adaptive = False
+    # `adaptive = False` marks a fixed chain γ (results compare against the best of those); a fixed tree is
+    # no such baseline, so it keeps the default
 
     def __init__(self, paths="mc_sim_7b_63"):
         if isinstance(paths, str):
@@ -84,20 +85,27 @@ class Eagle2TreePolicy(DraftPolicy):
 
 class TreeBudgetPolicy(LoadAwarePolicy):
     """Dynamic trees under one batch-wide, cost-chosen budget (module docstring). Shares the load-aware
-    policies' cost table (``cost_dir``/``cost_table``, profiled on first use when missing).
+    policies' cost table (``cost_dir``/``cost_table``, profiled on first use when missing) and their plan.
 
-    Per step: ``plan`` picks the depth D (0: plain decoding) maximising expected tokens per ms, with the
-    expected value and size of each depth's selected nodes as running averages; the engine grows top-``top_k``
-    trees to depth D; ``select`` scores the batch's best nodes under the budget N (at most ``max_nodes`` a
-    row); ``verified`` recalibrates the confidence on the outcome. All on the device; the per-depth sums
-    ride in the step's one read."""
+    Per step:
+
+    1. ``plan``: the depth D to grow (0: plain decoding), the load-aware γ for R rows
+       (:func:`~ldlp.load_aware.uniform_gamma`) at the running rate at which the target keeps the drafter's
+       top choice, the tree's spine: on the embedded pair that rate is about 0.85 at every depth, while a
+       second-ranked sibling is kept about 10% of the time and a third 2% (docs/trees.md).
+    2. The engine grows trees of ``top_k`` children a node, a frontier of ``width``, to depth D.
+    3. ``select``: node values (calibrated confidence products) and one budget N for the whole batch, at most
+       ``max_nodes`` a row (:func:`~eagle_backbone.tree.select_budget`).
+    4. ``verified``: the recalibration (one correction per sibling rank) and the spine's kept/tested counts,
+       on the device; the counts ride in the step's one read."""
 
     name = "tree_budget"
     reads_drafts = False
 
-    def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, top_k: int = 4, depth: int = 6,
-                 width: int | None = None, max_nodes: int = 24, recalibrate: bool = True, decay: float = 0.98, prior: float = 0.7,
-                 explore_every: int = 16, profile_if_missing: bool = True, cost_table: str | None = None):
+    def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, top_k: int = 2, depth: int = 8,
+                 width: int | None = 1, max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98,
+                 prior: float = 0.7, explore_every: int = 16, profile_if_missing: bool = True,
+                 cost_table: str | None = None):
         depth = _int_at_least(self.name, "depth", depth, 1)
         super().__init__(cost_dir, model, temperature, depth, prior, explore_every, profile_if_missing, cost_table)
         try:
@@ -108,12 +116,8 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         # one correction per sibling rank: under greedy decoding a node is kept only when its siblings before
         # it are not, so the second-best child of a confident parent is rarely kept whatever its confidence
         self.calibration = OnlineLogitCalibration(decay=decay, groups=self.tree.top_k) if recalibrate else None
-        # per row and depth: the running chance the accepted path reaches the depth, and the selected nodes
-        # there (prior: a chain at `prior`)
-        self.depth_value = [prior ** d for d in range(1, depth + 1)]
-        self.depth_nodes = [1.0] * depth
         self._depth = 0
-        self._sums: torch.Tensor | None = None
+        self._spine: torch.Tensor | None = None  # this step's (kept, tested) top-ranked nodes, on the device
         self._vec: dict = {}
 
     def bind_engine(self, engine) -> None:
@@ -132,33 +136,14 @@ class TreeBudgetPolicy(LoadAwarePolicy):
             ms += sum(c.draft_ms(R * self.tree.width, R) for _ in range(D - 1))
         return ms
 
-    def best_depth(self, R: int, cap: int) -> int:
-        c = self.costs
-        best, best_rate = 0, R / (c.overhead_ms(R) + c.target_ms(R, R))
-        value = nodes = 0.0
-        for D in range(1, cap + 1):
-            value += self.depth_value[D - 1]
-            nodes += self.depth_nodes[D - 1]
-            rate = R * (1 + value) / (self._fixed_ms(R, D) + c.target_ms(R, R * (1 + nodes)))
-            if rate > best_rate:
-                best, best_rate = D, rate
-        return best
+    def _start(self, caps: list[int], g: int):
+        return [min(g, c) for c in caps], None
 
     def plan(self, rows: Rows) -> list[int]:
-        R = len(rows)
-        self.steps += 1
-        self._sums = None
-        if self.costs is None or not any(rows.caps):
-            self._depth = 0
-            return [0] * R
-        D = self.best_depth(R, min(self.tree.depth, max(rows.caps)))
-        if D == 0 and self.explore_every and self._idle + 1 >= self.explore_every:
-            D = self.tree.depth  # now and then a whole tree, so that every depth's running value follows the text
-        self._idle = 0 if D else self._idle + 1
-        self._depth = D
-        if D:
-            self.drafting_steps += 1
-        return [min(D, c) for c in rows.caps]
+        self._spine = None
+        out = super().plan(rows)  # the load-aware γ (explore steps included), capped at depth
+        self._depth = max(out) if out else 0
+        return out
 
     # ---- select: the budget -------------------------------------------------------------------------
     def values(self, grown: GrownTree) -> torch.Tensor:
@@ -176,48 +161,32 @@ class TreeBudgetPolicy(LoadAwarePolicy):
 
     def select(self, grown: GrownTree, rows: Rows) -> torch.Tensor:
         R, K = grown.tokens.shape
-        vals = self.values(grown)
         n_max = R * min(K, self.max_nodes)
-        sel = select_budget(vals, grown.tree, self._cost_vector(R, self._depth, n_max), n_max=n_max,
+        sel = select_budget(self.values(grown), grown.tree, self._cost_vector(R, self._depth, n_max), n_max=n_max,
                             per_row_cap=self.max_nodes)
-        # per depth, the selected nodes summed over rows: the plan's running sizes
-        D = self.tree.depth
-        onehot = torch.nn.functional.one_hot((grown.depth - 1).clamp(0, D - 1), D)  # (R, K, D)
-        self._sums = (onehot * sel.chosen[..., None]).sum((0, 1))
         return sel.chosen
 
     def tree_width(self, rows: Rows) -> int:
         return self.max_nodes
 
     def verified(self, outcome: TreeOutcome) -> None:
-        if self.calibration is None:
-            return
         idx = outcome.index.clamp(min=0)
-        conf, rank = outcome.grown.confidence.gather(1, idx), outcome.grown.rank.gather(1, idx)
-        self.calibration.update(conf, outcome.kept, outcome.tested & (outcome.index >= 0), rank)
+        tested = outcome.tested & (outcome.index >= 0)
+        rank = outcome.grown.rank.gather(1, idx)
+        spine = tested & (rank == 0)
+        self._spine = torch.stack([(outcome.kept & spine).sum(), spine.sum()])
+        if self.calibration is not None:
+            self.calibration.update(outcome.grown.confidence.gather(1, idx), outcome.kept, tested, rank)
 
-    # ---- observe: the running averages ----------------------------------------------------------------
+    # ---- observe: the spine's running rate ----------------------------------------------------------------
     def reads(self) -> dict[str, torch.Tensor]:
-        return {"depth_nodes": self._sums} if self._sums is not None else {}
+        return {"spine": self._spine} if self._spine is not None else {}
 
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
-        R = len(rows)
-        self.feed_tokens += 0.1 * (sum(accepted) / max(1, R) + 1 - self.feed_tokens)
-        sums = (extra or {}).get("depth_nodes")
-        if not sums or not self._depth:
-            return
-        D = self.tree.depth
-        grew = [a for a, d in zip(accepted, drafted) if d > 0] or [0]
-        for d in range(self._depth):  # depths grown this step: what they added per row
-            # the share of rows whose accepted path reached depth d + 1: the realised value of the depth's
-            # selected nodes, whatever the estimates' calibration
-            reached = sum(a > d for a in grew) / len(grew)
-            self.depth_value[d] += 0.2 * (reached - self.depth_value[d])
-            self.depth_nodes[d] += 0.2 * (sums[d] / R - self.depth_nodes[d])
-        # the depths not grown have no evidence: extend the grown ones geometrically, so that a deeper tree
-        # is tried as soon as the last grown depth is worth it
-        g = self._depth
-        ratio = self.depth_value[g - 1] / max(self.depth_value[g - 2], 1e-6) if g >= 2 else self.depth_value[0]
-        for d in range(g, D):
-            self.depth_value[d] = self.depth_value[d - 1] * min(1.0, ratio)
-            self.depth_nodes[d] = self.depth_nodes[d - 1]
+        self.feed_tokens += 0.1 * (sum(accepted) / max(1, len(accepted)) + 1 - self.feed_tokens)
+        spine = (extra or {}).get("spine")
+        if spine and spine[1]:
+            kept, n = spine
+            w = min(1.0, n / 32)  # an EMA whose step grows with the evidence, as the load-aware rate's
+            self.accept_rate = min(0.99, max(0.01, self.accept_rate + 0.2 * w * (kept / n - self.accept_rate)))
+        self._plan = None
