@@ -649,20 +649,12 @@ class BatchedSpeculativeEngine:
     def _verify_tree(self, plan: StepPlan, tree: DraftTree, drafted: list[int], joined: list[int]) -> Verification:
         """One target forward: each row scores [last token, its W selected nodes] as span rows (the tree's
         mask, nodes rotated at their depth), prompts admitted this step after them."""
-        dev, W = self.device, tree.K
         tl = plan.tl
         tokens = torch.cat([self.seq[plan.rows, tl][:, None], tree.tokens], 1)
         span = Span(plan.tlens, tree.attention_mask(), tree.positions(tl))
-        batch = RaggedBatch(plan.run, plan.tlens, [d + 1 for d in drafted], dev, span=span)
+        batch = RaggedBatch(plan.run, plan.tlens, [d + 1 for d in drafted], self.device, span=span)
         rec = DraftRecord(tree.tokens, tree.valid.sum(1), tree.parents)
-        flat, prefill = batch.flat(tokens), None
-        if joined:
-            ptok, pbatch = self._prefill_batch(joined)
-            h_all = self.tm(torch.cat([flat, ptok]), batch.join(pbatch), self.tcache)
-            h, prefill = h_all[: batch.n], (ptok, pbatch, h_all[batch.n:])
-        else:
-            h = self.tm(flat, batch, self.tcache)
-        return Verification(rec, batch.padded(self.tm.logits(h), W + 1), batch.padded(h, W + 1), tl, prefill)
+        return self._score(rec, tokens, batch, tl, joined)
 
     def _accept_tree(self, plan: StepPlan, tree: DraftTree, ver: Verification):
         """The longest greedy path, or the lossless walk over deterministic (top-k) siblings."""
@@ -707,6 +699,12 @@ class BatchedSpeculativeEngine:
         # a chain: each draft's parent is the one before it, so the verification input is [last, drafts]
         tokens = torch.cat([self.seq[plan.rows, tl][:, None], rec.tokens], 1)
         batch = RaggedBatch(plan.run, plan.tlens, [d + 1 for d in drafts.drafted], dev)
+        return self._score(rec, tokens, batch, tl, joined)
+
+    def _score(self, rec: DraftRecord, tokens: torch.Tensor, batch: RaggedBatch, tl, joined: list[int]) -> Verification:
+        """The target forward over ``tokens`` (R, T) laid out by ``batch``, with the prompts admitted this step
+        after them (projections and MLPs over all tokens at once)."""
+        T = tokens.shape[1]
         flat, prefill = batch.flat(tokens), None
         if joined:
             ptok, pbatch = self._prefill_batch(joined)

@@ -39,6 +39,7 @@ import numpy as np
 from eagle_backbone.cost import CostTable
 from eagle_backbone.policy import Rows, StaticPolicy
 from ldlp.load_aware import LoadAwarePolicy
+from ldlp.policies import AcceptedAtRecorder
 
 # ---- the allocation: a pure function of host numbers ------------------------------------------------------
 
@@ -150,18 +151,6 @@ def _best_profile(R: int, n: tuple[int, ...], costs: CostTable, fed_per_row: flo
 # ---- the accepted length at every position ----------------------------------------------------------------
 
 
-class _AcceptedAt(StaticPolicy):
-    """Static γ that remembers how many drafts were accepted at each position (one sequence)."""
-
-    def __init__(self, gamma: int):
-        super().__init__(gamma)
-        self.accepted_at: dict[int, int] = {}
-
-    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
-        for p, k in zip(rows.positions, accepted):
-            self.accepted_at[p] = k
-
-
 def accepted_lengths(target, candidates, prompt_ids: list[int], max_new_tokens: int, k_max: int,
                      slots: int = 8) -> tuple[list[int], dict[int, int]]:
     """(the greedy output, {position: drafts a chain of at most ``k_max`` gets accepted there}) for every
@@ -172,7 +161,7 @@ def accepted_lengths(target, candidates, prompt_ids: list[int], max_new_tokens: 
     from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
 
     prompt = list(prompt_ids)
-    recorder = _AcceptedAt(k_max)
+    recorder = AcceptedAtRecorder(k_max)
     out = SpeculativeDecoder(target, candidates, recorder).generate(prompt, max_new_tokens).tokens
     eos = [i for i, t in enumerate(out) if t in target.eos_token_ids]
     stop = eos[0] if eos else len(out)

@@ -319,7 +319,7 @@ class OraclePolicy(DraftPolicy):
         from eagle_backbone.engine import SpeculativeDecoder
 
         target, candidates, max_new_tokens = self._bound
-        recorder = _Recorder(self.k_max)
+        recorder = AcceptedAtRecorder(self.k_max)
         out = SpeculativeDecoder(target, candidates, recorder).generate(prompt_ids, max_new_tokens).tokens
         # drafts past an EOS are accepted by the target but never emitted: draft up to the EOS only
         eos = [i for i, t in enumerate(out) if t in target.eos_token_ids]
@@ -334,7 +334,7 @@ class OraclePolicy(DraftPolicy):
         return [self.drafts_at(b, p) for b, p in zip(rows.slots, rows.positions)]
 
 
-class _Recorder(StaticPolicy):
+class AcceptedAtRecorder(StaticPolicy):
     """Static γ that remembers how many drafts were accepted at each position (one sequence)."""
 
     def __init__(self, gamma: int):
