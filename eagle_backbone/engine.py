@@ -618,7 +618,8 @@ class BatchedSpeculativeEngine:
         Returns the chain phases' outputs, the hidden states reordered along the accepted path so that
         the commit is the chain's."""
         prof = self.prof
-        grown = grow_tree(self.cand, plan.run, plan.tlens, plan.gammas, self.tree)
+        grown = grow_tree(self.cand, plan.run, plan.tlens, plan.gammas, self.tree, self.sampling, plan.seeds,
+                          plan.steps)
         prof.mark("draft")
         chosen = self.own.call(self.policy.select, grown, plan.view)
         # a row's scored nodes must fit its context: keep the first ones (a prefix of a topological order of
@@ -637,7 +638,8 @@ class BatchedSpeculativeEngine:
         tree, index = prune(grown.tree, chosen, width=W)
         drafts = Drafts(tree.tokens, drafted, lengths=None if self.early_exit else counts)
         ver = self._verify_tree(plan, tree, drafted, joined)
-        acc, walk = self._accept_tree(plan, tree, ver)
+        q = None if grown.q is None else grown.q.gather(1, index.clamp(min=0)[..., None].expand(*index.shape, grown.q.shape[-1]))
+        acc, walk = self._accept_tree(plan, tree, ver, q)
         self.own.call(self.policy.verified, TreeOutcome(grown, index, tree, walk.path, acc.accepted, walk.tested))
         # the target's states along the accepted path, root first: what a chain's verification would give
         root = torch.zeros(walk.path.shape[0], 1, dtype=walk.path.dtype, device=self.device)
@@ -656,8 +658,9 @@ class BatchedSpeculativeEngine:
         rec = DraftRecord(tree.tokens, tree.valid.sum(1), tree.parents)
         return self._score(rec, tokens, batch, tl, joined)
 
-    def _accept_tree(self, plan: StepPlan, tree: DraftTree, ver: Verification):
-        """The longest greedy path, or the lossless walk over deterministic (top-k) siblings."""
+    def _accept_tree(self, plan: StepPlan, tree: DraftTree, ver: Verification, q: torch.Tensor | None):
+        """The longest greedy path, or the lossless walk over sampled siblings (``q`` (R, W, V): the
+        distribution each scored node was drawn from)."""
         samp = self.sampling
         if samp.greedy:
             a, path, x = verify_tree_greedy(tree, ver.logits)
@@ -668,7 +671,7 @@ class BatchedSpeculativeEngine:
             tested = tree.valid & on.gather(1, tree.parents + 1)
         else:
             u_acc, u_fin = tree_uniforms(plan.seeds, plan.steps, tree.K)
-            walk = tree_walk(tree, probs_from_logits(ver.logits, samp), None, torch.ones_like(tree.valid), u_acc)
+            walk = tree_walk(tree, probs_from_logits(ver.logits, samp), q, None, u_acc)
             a, path, tested = walk.accepted, walk.path, walk.tested
             x = sample_rows(walk.residual, u_fin)
         acc = Acceptance(a, x, emitted_tokens(tree, path, a, x))

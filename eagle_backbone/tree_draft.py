@@ -16,8 +16,10 @@ for every running row instead of a chain:
    * static (``shape``, e.g. :data:`~eagle_backbone.tree.MC_SIM_7B_63`): the shape's nodes that have
      children, and the children the shape lists (rank r = the parent's r-th most likely token).
 
-Every node is a deterministic choice (a top-k token, never a draw), which is what lossless sampling
-verification of siblings needs (:func:`~eagle_backbone.tree.tree_walk`). The grown tree holds every node
+Greedy, every node is a deterministic choice (a top-k token). Sampling, a node's children are independent
+draws from the drafter's distribution q with the row's random stream, verified by recursive rejection
+sampling (SpecInfer: :func:`~eagle_backbone.tree.tree_walk`); deterministic top-k children would be
+lossless too, but are accepted only with the target's own probability, far less often at T = 1. The grown tree holds every node
 of every depth up to each row's depth cap; the policy then selects which nodes the target scores
 (:meth:`~eagle_backbone.policy.DraftPolicy.select`), closed under ancestors. Nothing here reads the host.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_backbone.sampling import ACCEPT, DRAFT, probs_from_logits, sample_rows, uniforms
 from eagle_backbone.tree import DraftTree, TreeShape, paths_to_tree
 
 
@@ -57,6 +60,9 @@ class TreeSpec:
             object.__setattr__(self, "width", self.top_k)
         if not isinstance(self.width, int) or not 1 <= self.width <= self.top_k:
             raise ValueError(f"tree: width must be an integer in [1, top_k={self.top_k}], got {self.width!r}")
+        if self.max_nodes > ACCEPT - DRAFT:
+            raise ValueError(f"tree: {self.max_nodes} nodes a row; each row's random stream has draws for "
+                             f"{ACCEPT - DRAFT}")
 
     @classmethod
     def static(cls, paths) -> TreeSpec:
@@ -104,10 +110,12 @@ class GrownTree:
     logq: torch.Tensor  # (R, K) float32: the drafter's log-probability of the node's token at its parent
     score: torch.Tensor  # (R, K) float32: logq summed along the node's path
     valid: torch.Tensor  # (R, K) bool: within the row's depth cap
-    rank: torch.Tensor  # (R, K) long: the node's place among its parent's top-k (0: the most likely)
+    rank: torch.Tensor  # (R, K) long: the node's place among its parent's top-k (0: the most likely), or draws
+    q: torch.Tensor | None = None  # (R, K, V) sampling only: the distribution each node was drawn from
 
-    @property
+    @functools.cached_property
     def tree(self) -> DraftTree:
+        """The grown nodes as a :class:`~eagle_backbone.tree.DraftTree` (one object: its ancestors are computed once)."""
         return DraftTree(self.tokens, self.parents, self.valid)
 
     @property
@@ -128,30 +136,55 @@ def _frontier_visibility(fed_anc, parent_fed, W: int, offset: int, R: int, devic
     return vis, grown
 
 
-def grow_tree(cand, slots: list[int], tlens: list[int], caps: list[int], spec: TreeSpec) -> GrownTree:
+def _children(logits: torch.Tensor, k: int, first: int, sampling, seeds, steps):
+    """Each parent's k children from its generator logits (R, W, V): greedy, its top-k (sorted); sampling, k
+    independent draws from the drafter's distribution q (temperature, top-k, top-p as the target's), node
+    ``first + w·k + j`` drawn with its row's stream at ``DRAFT + node``. Returns tokens (R, W, k), their
+    log-probabilities (R, W, k) and q (R, W, V) (None when greedy)."""
+    if sampling is None or sampling.greedy:
+        lp, tok = torch.log_softmax(logits.float(), -1).topk(k, -1)
+        return tok, lp, None
+    R, W, V = logits.shape
+    q = probs_from_logits(logits, sampling)
+    nodes = first + torch.arange(W * k, device=logits.device)
+    u = uniforms(seeds, steps, DRAFT + nodes)  # (R, W·k)
+    tok = sample_rows(q.repeat_interleave(k, 1).reshape(R * W * k, V), u.reshape(-1)).view(R, W, k)
+    return tok, q.gather(2, tok).clamp_min(torch.finfo(q.dtype).tiny).log().float(), q
+
+
+def grow_tree(cand, slots: list[int], tlens: list[int], caps: list[int], spec: TreeSpec, sampling=None,
+              seeds: torch.Tensor | None = None, steps: torch.Tensor | None = None) -> GrownTree:
     """Grow one tree per row with the candidate generator ``cand`` (its ``start`` and ``extend_tree``):
-    ``caps`` the most depths each row may draft (the plan's γ; 0: no node is valid)."""
+    ``caps`` the most depths each row may draft (the plan's γ; 0: no node is valid). Greedy (``sampling``
+    None or greedy) the children are the top-k; sampling, draws from q with the rows' random streams
+    (``seeds``, ``steps``), and the grown tree keeps each node's q for verification."""
     R, k = len(slots), spec.top_k
     D = max(1, min(spec.depth, max(caps)))
     logits, state = cand.start(slots, tlens)
     dev = logits.device
-    lp = torch.log_softmax(logits.float(), -1)
     shape = spec.shape
     if shape is not None:
         by_depth = spec.levels  # the shape's nodes by depth: (index, parent index, rank), host ints
         has_child = {p for level in by_depth for _, p, _ in level if p >= 0}
-    s, t = lp.topk(k, -1)  # (R, k)
+    t, s, q = _children(logits[:, None], k, 0, sampling, seeds, steps)
+    t, s = t[:, 0], s[:, 0]  # (R, k)
     if shape is not None:
         ranks = torch.tensor([r for _, _, r in by_depth[0]], device=dev)
         s, t = s[:, ranks], t[:, ranks]
+    qs = None if q is None else [q.expand(R, t.shape[1], q.shape[-1])]
     toks, pars, lqs, scores, depths = [t], [torch.full_like(t, -1)], [s], [s], [1] * t.shape[1]
     ranks = [r for _, _, r in by_depth[0]] if shape is not None else list(range(k))
     n = t.shape[1]  # nodes so far
     # the frontier: its node ids, tokens, cumulative scores, parents' states, and its parents' fed indices
-    if shape is None:  # the top `width` of the root's children (topk sorts them)
-        w = spec.width
-        fid = torch.arange(w, device=dev).expand(R, w)
-        ftok, fsc = t[:, :w], s[:, :w]
+    # which nodes to expand: greedy, by cumulative log-probability (EAGLE-2); sampling, draws are exchangeable
+    # but verification tries a parent's children in draw order and the first is kept far more often, so by
+    # the sum of draw ranks along the path first (width 1: the chain of first draws), then log-probability
+    sampled = q is not None
+    order = (lambda sc, rk: sc - 1e4 * rk) if sampled else (lambda sc, rk: sc)
+    if shape is None:  # the `width` best root children
+        root_rank = torch.arange(k, device=dev).expand(R, k)
+        fid = order(s, root_rank).topk(spec.width, -1).indices
+        ftok, fsc, frank = t.gather(1, fid), s.gather(1, fid), root_rank.gather(1, fid)
     else:
         front = [i for i, _, _ in by_depth[0] if i in has_child]
         pick = torch.tensor(front, device=dev, dtype=torch.long)
@@ -164,8 +197,7 @@ def grow_tree(cand, slots: list[int], tlens: list[int], caps: list[int], spec: T
             break
         vis, fed_anc = _frontier_visibility(fed_anc, parent_fed, W, offset, R, dev)
         logits, h = cand.extend_tree(slots, ftok, tlens, d, fstate, offset, vis)
-        lp = torch.log_softmax(logits.float(), -1)  # (R, W, V)
-        cs, ct = lp.topk(k, -1)  # (R, W, k)
+        ct, cs, q = _children(logits, k, n, sampling, seeds, steps)  # (R, W, k)
         cum = fsc[..., None] + cs
         if shape is None:
             child_tok, child_lq, child_sc = ct.flatten(1), cs.flatten(1), cum.flatten(1)  # (R, W·k)
@@ -182,13 +214,17 @@ def grow_tree(cand, slots: list[int], tlens: list[int], caps: list[int], spec: T
         pars.append(child_par)
         lqs.append(child_lq)
         scores.append(child_sc)
+        if qs is not None:
+            qs.append(q[:, child_front])  # each child's q is its parent's distribution
         depths += [d + 1] * child_tok.shape[1]
         ranks += [r for _, _, r in by_depth[d]] if shape is not None else list(range(k)) * W
         if d + 1 < D:  # the next frontier
             if shape is None:
-                best = child_sc.topk(spec.width, -1).indices  # (R, width): EAGLE-2's top by cumulative score
+                child_rank = (frank[..., None] + torch.arange(k, device=dev)).flatten(1)  # (R, W·k)
+                best = order(child_sc, child_rank).topk(spec.width, -1).indices  # (R, width)
                 src = child_front[best]
                 fid, ftok, fsc = n + best, child_tok.gather(1, best), child_sc.gather(1, best)
+                frank = child_rank.gather(1, best)
             else:
                 nxt = [j for j, (i, _, _) in enumerate(kids) if i in has_child]
                 front = [kids[j][0] for j in nxt]
@@ -204,4 +240,4 @@ def grow_tree(cand, slots: list[int], tlens: list[int], caps: list[int], spec: T
     depth, rank = depth_rank[:n].expand(R, n), depth_rank[n:].expand(R, n)
     cap = torch.as_tensor(caps, device=dev)
     return GrownTree(torch.cat(toks, 1), torch.cat(pars, 1), depth, torch.cat(lqs, 1), torch.cat(scores, 1),
-                     depth <= cap[:, None], rank)
+                     depth <= cap[:, None], rank, None if qs is None else torch.cat(qs, 1))

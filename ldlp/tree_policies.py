@@ -104,7 +104,7 @@ class TreeBudgetPolicy(LoadAwarePolicy):
 
     def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, top_k: int = 2, depth: int = 8,
                  width: int | None = 1, max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98,
-                 prior: float = 0.7, explore_every: int = 16, profile_if_missing: bool = True,
+                 prior: float = 0.8, explore_every: int = 8, profile_if_missing: bool = True,
                  cost_table: str | None = None):
         depth = _int_at_least(self.name, "depth", depth, 1)
         super().__init__(cost_dir, model, temperature, depth, prior, explore_every, profile_if_missing, cost_table)

@@ -341,8 +341,9 @@ def test_tree_sampling_is_lossless(tiny_pair, temperature, spec):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chi_square_has_power_against_a_broken_sibling_rejection(tiny_pair, monkeypatch, temperature):
-    """Leaving a rejected sibling's token in the residual (no r(x) = 0) must fail the same test."""
-    monkeypatch.setattr(btree, "_reject_deterministic", lambda r, x: r)
+    """Keeping the residual as it was after a sampled sibling's rejection (no r <- norm(max(r - q, 0))) must
+    fail the same test: at T > 0 the engine's siblings are draws from q."""
+    monkeypatch.setattr(btree, "_reject_sampled", lambda r, q: r)
     cfg = SamplingConfig(temperature=temperature)
     probs = _exact_sequence_distribution(tiny_pair[0], TINY_PROMPT, 3, cfg)
     counts, _ = _tree_sample_counts(tiny_pair, *TINY_SPECS["dyn2x3"], cfg)
