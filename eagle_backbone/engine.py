@@ -491,7 +491,7 @@ class BatchedSpeculativeEngine:
         prof = self.prof
         plan = self._plan(run)
         prof.mark("policy")
-        if self.tree is not None and plan.max_gamma:
+        if self.tree is not None and plan.max_gamma and self.policy.tree_now():
             drafts, ver, acc = self._tree_phases(plan, joined)
         else:
             drafts = self._draft(plan) if plan.max_gamma else Drafts.none(plan, self.device)

@@ -117,7 +117,8 @@ class DraftPolicy:
     A *tree policy* sets ``tree`` (a :class:`~eagle_backbone.tree_draft.TreeSpec`): the engine then grows a
     draft tree per row, up to the row's planned depth, and calls ``select`` to choose the nodes the target
     scores, ``tree_width`` for the most a row may score when the selection stays on the device, and
-    ``verified`` with the outcome (device tensors, no read) before ``observe``."""
+    ``verified`` with the outcome (device tensors, no read) before ``observe``; ``tree_now`` may make a step a
+    plain chain step instead."""
 
     name = "base"
     adaptive = True  # False for a fixed γ (results report gamma then)
@@ -152,6 +153,11 @@ class DraftPolicy:
     def select(self, grown, rows: Rows) -> torch.Tensor:
         """(R, K) bool, closed under ancestors: the grown nodes the target scores (default: every valid one)."""
         return grown.valid
+
+    def tree_now(self) -> bool:
+        """Whether this step grows a tree (asked after ``plan``); False: the step drafts chains of the planned
+        depths, as a chain policy's, and ``verified`` is not called (default: always a tree)."""
+        return True
 
     def tree_width(self, rows: Rows) -> int:
         """The most nodes a row scores (host int): the padded width when the selection stays on the device."""

@@ -91,33 +91,43 @@ class TreeBudgetPolicy(LoadAwarePolicy):
 
     1. ``plan``: the depth D to grow (0: plain decoding), the load-aware γ for R rows
        (:func:`~ldlp.load_aware.uniform_gamma`) at the running rate at which the target keeps the drafter's
-       top choice, the tree's spine: on the embedded pair that rate is about 0.85 at every depth, while a
-       second-ranked sibling is kept about 10% of the time and a third 2% (docs/trees.md).
-    2. The engine grows trees of ``top_k`` children a node, a frontier of ``width``, to depth D.
-    3. ``select``: node values (calibrated confidence products) and one budget N for the whole batch, at most
-       ``max_nodes`` a row (:func:`~eagle_backbone.tree.select_budget`).
-    4. ``verified``: the recalibration (one correction per sibling rank) and the spine's kept/tested counts,
-       on the device; the counts ride in the step's one read."""
+       first choice (the tree's spine).
+    2. ``tree_now``: does a tree pay this step? Its siblings add, per row, about the running kept rate of a
+       second choice at depth 1, and cost the target's price of one more token a row plus the tree's own
+       machinery (``tree_overhead_ms``: growing, selecting, moving the accepted path). If not, the step is a
+       chain of D drafts, priced and run as a chain's; every ``explore_every``-th such step grows a tree
+       anyway, to keep the siblings' rate current.
+    3. A tree step: trees of ``top_k`` children a node, a frontier of ``width``, depth D; ``select``: node
+       values (calibrated confidence products) and one budget N for the whole batch, at most ``max_nodes`` a
+       row (:func:`~eagle_backbone.tree.select_budget`); ``verified``: the recalibration (one correction per
+       sibling rank) and the kept/tested counts of first and second choices, on the device, read with the
+       step's one read."""
 
     name = "tree_budget"
     reads_drafts = False
 
     def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, top_k: int = 2, depth: int = 8,
                  width: int | None = 1, max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98,
-                 prior: float = 0.8, explore_every: int = 8, profile_if_missing: bool = True,
-                 cost_table: str | None = None):
+                 prior: float = 0.8, sibling_prior: float = 0.1, tree_overhead_ms: float = 1.5,
+                 explore_every: int = 8, profile_if_missing: bool = True, cost_table: str | None = None):
         depth = _int_at_least(self.name, "depth", depth, 1)
         super().__init__(cost_dir, model, temperature, depth, prior, explore_every, profile_if_missing, cost_table)
         try:
             self.tree = TreeSpec(_int_at_least(self.name, "top_k", top_k, 1), depth, width=width)
         except ValueError as e:
             raise ValueError(f"{self.name} policy: {e}") from None
+        if not 0 <= sibling_prior < 1 or tree_overhead_ms < 0:
+            raise ValueError(f"{self.name} policy: need 0 <= sibling_prior < 1 and tree_overhead_ms >= 0, got "
+                             f"{sibling_prior!r}, {tree_overhead_ms!r}")
         self.max_nodes = min(_int_at_least(self.name, "max_nodes", max_nodes, 1), self.tree.max_nodes)
         # one correction per sibling rank: under greedy decoding a node is kept only when its siblings before
         # it are not, so the second-best child of a confident parent is rarely kept whatever its confidence
         self.calibration = OnlineLogitCalibration(decay=decay, groups=self.tree.top_k) if recalibrate else None
-        self._depth = 0
-        self._spine: torch.Tensor | None = None  # this step's (kept, tested) top-ranked nodes, on the device
+        self.sibling_rate = float(sibling_prior)  # running P(second choice kept | its parent kept)
+        self.tree_overhead_ms = float(tree_overhead_ms)
+        self.tree_steps = self.chain_steps = 0
+        self._depth, self._tree_now, self._chains = 0, False, 0
+        self._counts: torch.Tensor | None = None  # this step's kept/tested first and second choices (device)
         self._vec: dict = {}
 
     def bind_engine(self, engine) -> None:
@@ -125,7 +135,7 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         if self.calibration is not None:
             self.calibration.to(engine.device)
 
-    # ---- plan: the depth to grow --------------------------------------------------------------------
+    # ---- plan: the depth, and whether a tree pays -------------------------------------------------------------
     def _fixed_ms(self, R: int, D: int) -> float:
         """A drafting step's cost besides verification: bookkeeping, the drafter's catch-up and D depths
         (depth 1 reads one token a row, deeper ones the frontier: ``width`` a row)."""
@@ -136,14 +146,37 @@ class TreeBudgetPolicy(LoadAwarePolicy):
             ms += sum(c.draft_ms(R * self.tree.width, R) for _ in range(D - 1))
         return ms
 
+    def tree_pays(self, R: int, D: int) -> bool:
+        """Whether a second choice at depth 1 on every row (the most valuable sibling) pays for one more scored
+        token a row and the tree's own cost, against a chain of D at the spine's rate."""
+        if D == 0 or self.tree.top_k < 2:
+            return False
+        c, a = self.costs, self.accept_rate
+        E = R * (1 + sum(a ** i for i in range(1, D + 1)))
+        N = R * (D + 1)
+        T = self._fixed_ms(R, D) + c.target_ms(R, N)
+        extra = c.target_ms(R, N + R) - c.target_ms(R, N) + self.tree_overhead_ms
+        return (E + R * self.sibling_rate) / (T + extra) > E / T
+
     def _start(self, caps: list[int], g: int):
         return [min(g, c) for c in caps], None
 
     def plan(self, rows: Rows) -> list[int]:
-        self._spine = None
+        self._counts = None
         out = super().plan(rows)  # the load-aware γ (explore steps included), capped at depth
-        self._depth = max(out) if out else 0
+        self._depth = D = max(out) if out else 0
+        self._tree_now = False
+        if D:
+            if self.tree_pays(len(rows), D) or (self.explore_every and self._chains + 1 >= self.explore_every):
+                self._tree_now, self._chains = True, 0
+                self.tree_steps += 1
+            else:
+                self._chains += 1
+                self.chain_steps += 1
         return out
+
+    def tree_now(self) -> bool:
+        return self._tree_now
 
     # ---- select: the budget -------------------------------------------------------------------------
     def values(self, grown: GrownTree) -> torch.Tensor:
@@ -154,7 +187,7 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         """cost[N] for N = 0 .. R + n_max scored tokens (ms; the fixed part included): a device vector per (R, D)."""
         key = (R, D, round(self.feed_tokens, 1))
         if key not in self._vec:
-            fixed = self._fixed_ms(R, D)
+            fixed = self._fixed_ms(R, D) + self.tree_overhead_ms
             self._vec[key] = torch.tensor([fixed + self.costs.target_ms(R, N) if N >= R else float("inf")
                                            for N in range(R + n_max + 1)], dtype=torch.float64, device=self.device)
         return self._vec[key]
@@ -173,20 +206,28 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         idx = outcome.index.clamp(min=0)
         tested = outcome.tested & (outcome.index >= 0)
         rank = outcome.grown.rank.gather(1, idx)
-        spine = tested & (rank == 0)
-        self._spine = torch.stack([(outcome.kept & spine).sum(), spine.sum()])
+        first, second = tested & (rank == 0), tested & (rank == 1)
+        self._counts = torch.stack([(outcome.kept & first).sum(), first.sum(), (outcome.kept & second).sum(),
+                                    second.sum()])
         if self.calibration is not None:
             self.calibration.update(outcome.grown.confidence.gather(1, idx), outcome.kept, tested, rank)
 
-    # ---- observe: the spine's running rate ----------------------------------------------------------------
+    # ---- observe: the running rates ------------------------------------------------------------------------
     def reads(self) -> dict[str, torch.Tensor]:
-        return {"spine": self._spine} if self._spine is not None else {}
+        return {"choices": self._counts} if self._counts is not None else {}
 
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
         self.feed_tokens += 0.1 * (sum(accepted) / max(1, len(accepted)) + 1 - self.feed_tokens)
-        spine = (extra or {}).get("spine")
-        if spine and spine[1]:
-            kept, n = spine
+        counts = (extra or {}).get("choices")
+        if counts:  # a tree step: the first and second choices' outcomes
+            kept, n, kept2, n2 = counts
+            if n2:
+                self.sibling_rate += 0.2 * min(1.0, n2 / 32) * (kept2 / n2 - self.sibling_rate)
+        elif self._depth:  # a chain step: drafts 1..k kept, draft k + 1 (if drafted) the first rejection
+            kept = sum(min(a, d) for a, d in zip(accepted, drafted))
+            n = sum(min(d, a + 1) for a, d in zip(accepted, drafted))
+        else:
+            return
+        if n:
             w = min(1.0, n / 32)  # an EMA whose step grows with the evidence, as the load-aware rate's
             self.accept_rate = min(0.99, max(0.01, self.accept_rate + 0.2 * w * (kept / n - self.accept_rate)))
-        self._plan = None
