@@ -913,7 +913,8 @@ def results_page(results_md: str, name: str, command: str, stage_seconds: dict, 
              ("bench_target.md", "target forward costs (scripts/bench_target.py)"),
              ("batch_bench/README.md", "batched engine against concurrency (scripts/bench_batch.py)"),
              ("batch1_parity/parity.md", "batch 1: the engine against the retired loop (scripts/bench_retired_loop.py)"),
-             ("load_sweep/batch_bench.md", "the load sweep: policies against concurrency and temperature")]
+             ("load_sweep/batch_bench.md", "the load sweep: policies against concurrency and temperature"),
+             ("trees/batch_bench.md", "draft trees against chains under load (docs/trees.md)")]
     times = ", ".join(f"{k} {v:.0f} s" for k, v in stage_seconds.items() if v is not None)
     pooled = (published / "head_to_head_long" / "pooled.md").is_file()
     lines = [f"# Results: {name}", "",
