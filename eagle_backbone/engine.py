@@ -633,12 +633,15 @@ class BatchedSpeculativeEngine:
             W = max(drafted)
         else:  # the selection stays a mask: every row scores up to the policy's bound, padding masked
             # (and within every row's context: the padded width is the whole batch's)
-            W = min(grown.tokens.shape[1], self.policy.tree_width(plan.view), max(0, self.limit - 1 - max(plan.tlens)))
+            room_all = max(0, self.limit - 1 - max(plan.tlens))
+            W = min(grown.tokens.shape[1], self.policy.tree_width(plan.view), room_all)
             drafted = [W] * len(plan.run)
         tree, index = prune(grown.tree, chosen, width=W)
         drafts = Drafts(tree.tokens, drafted, lengths=None if self.early_exit else counts)
         ver = self._verify_tree(plan, tree, drafted, joined)
-        q = None if grown.q is None else grown.q.gather(1, index.clamp(min=0)[..., None].expand(*index.shape, grown.q.shape[-1]))
+        q = None  # sampling: the distribution each scored node was drawn from
+        if grown.q is not None:
+            q = grown.q.gather(1, index.clamp(min=0)[..., None].expand(*index.shape, grown.q.shape[-1]))
         acc, walk = self._accept_tree(plan, tree, ver, q)
         self.own.call(self.policy.verified, TreeOutcome(grown, index, tree, walk.path, acc.accepted, walk.tested))
         # the target's states along the accepted path, root first: what a chain's verification would give
