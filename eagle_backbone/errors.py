@@ -14,3 +14,8 @@ class ConfigError(ValueError):
 class MissingCheckpoint(ConfigError):
     """A policy's checkpoint that this clone has not trained (or fetched) yet: a benchmark may skip that
     contender, saying so, where any other error must stop the run."""
+
+
+class MissingInput(FileNotFoundError, ConfigError):
+    """An input file the run needs is not there (a data file, a generated corpus): still a FileNotFoundError
+    to callers, and one ``error:`` line from a script."""

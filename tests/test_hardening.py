@@ -910,7 +910,11 @@ def test_scripts_print_the_projects_own_value_errors_in_one_line(monkeypatch, ca
         fail()
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    for fail in (lambda: check_sweep_args([0]), lambda: (_ for _ in ()).throw(ConfigError("data.path=x: bad\nmore"))):
+    from eagle_backbone.data.conversations import load_conversations
+
+    missing = lambda: load_conversations(REPO_ROOT / "no-such-prompts.json")  # noqa: E731  (a MissingInput)
+    for fail in (lambda: check_sweep_args([0]), lambda: (_ for _ in ()).throw(ConfigError("data.path=x: bad\nmore")),
+                 missing):
         with pytest.raises(SystemExit) as e:
             main(fail)
         assert e.value.code == 1

@@ -24,6 +24,8 @@ import random
 import re
 from pathlib import Path
 
+from eagle_backbone.errors import MissingInput
+
 log = logging.getLogger(__name__)
 
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -115,8 +117,9 @@ def _missing_embedded_corpus(path: Path, build_if_missing: bool) -> None:
     if path.exists() or path.parent.resolve() != corpus_dir.resolve():
         return
     if not build_if_missing:
-        raise FileNotFoundError(f"{path} does not exist: the embedded corpus is generated, build it first with "
-                                "`python scripts/build_corpus.py` (deterministic, a few seconds)")
+        raise MissingInput(f"{path} does not exist: the embedded corpus is generated, build it first with "
+                           "`python scripts/build_corpus.py` (deterministic, a few seconds), or set "
+                           "data.build_if_missing=true")
     from eagle_backbone.data.corpus import write_corpus
 
     log.info("%s is missing: building the embedded corpus into %s (build_if_missing=True)", path, corpus_dir)
@@ -255,6 +258,15 @@ class Prompts(list):
     dropped: list = []
 
 
+def conversations_of(data_cfg, path=None) -> Conversations:
+    """:func:`load_conversations` with a prompt-set config's keys (``conf/data``): ``path`` (or the one given),
+    ``format``, ``on_error``, ``limit``, ``sample_seed`` and ``build_if_missing``."""
+    return load_conversations(path if path is not None else data_cfg.get("path"), fmt=data_cfg.get("format", "auto"),
+                              on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
+                              sample_seed=data_cfg.get("sample_seed"),
+                              build_if_missing=bool(data_cfg.get("build_if_missing", False)))
+
+
 def load_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: int | None = None,
                        sample_seed: int | None = None, build_if_missing: bool = False) -> Conversations:
     """Conversations from a ShareGPT / MT-bench / prompt-list file, in ShareGPT layout; the list's
@@ -277,7 +289,7 @@ def load_conversations(path, fmt: str = "auto", on_error: str = "raise", limit: 
     path = Path(path)
     _missing_embedded_corpus(path, build_if_missing)
     if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
+        raise MissingInput(f"data file {path} does not exist (data.path)")
     out, skipped, reasons = [], 0, []
     seen: dict[str, str] = {}  # id -> where it first appeared
     for where, default_id, rec in _raw_records(path, fmt):

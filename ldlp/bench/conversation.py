@@ -147,7 +147,7 @@ def load_questions(data_cfg, tokenizer) -> QuestionSet:
     from eagle_backbone.data.conversations import (
         ROLE_OF,
         encode_chat,
-        load_conversations,
+        conversations_of,
         resolve_chat_template,
         to_messages,
     )
@@ -160,9 +160,7 @@ def load_questions(data_cfg, tokenizer) -> QuestionSet:
     if not path:
         raise ValueError(f"data.path is empty (data={data_cfg.get('name')}); give a prompt file with data.path=FILE")
     turns = str(data_cfg.get("turns", "first"))
-    conversations = load_conversations(path, fmt=data_cfg.get("format", "auto"),
-                                       on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
-                                       sample_seed=data_cfg.get("sample_seed"))
+    conversations = conversations_of(data_cfg, path)
     category = {str(c["id"]): c.get("category") for c in conversations}
     own = turns == "all" and not any(ROLE_OF[t["from"]] == "assistant" for c in conversations for t in c["conversations"])
     dropped: dict = {}
@@ -242,10 +240,8 @@ def question_rows(questions: list[Question], spec_runs, ar_runs, check_lossless:
 def prompt_categories(data_cfg, prompt_ids: list[str]) -> list[str | None]:
     """The category of each prompt id (``ID`` or ``ID@turnK``) of the prompt set ``data_cfg`` names, from the
     file's ``category`` (None where a record has none): what the head to head groups its seconds by."""
-    from eagle_backbone.data.conversations import load_conversations
+    from eagle_backbone.data.conversations import conversations_of
 
-    conversations = load_conversations(data_cfg.get("path"), fmt=data_cfg.get("format", "auto"),
-                                       on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
-                                       sample_seed=data_cfg.get("sample_seed"))
+    conversations = conversations_of(data_cfg)
     category = {str(c["id"]): c.get("category") for c in conversations}
     return [category.get(str(pid).split("@turn")[0]) for pid in prompt_ids]

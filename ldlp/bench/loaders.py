@@ -93,16 +93,14 @@ def prompt_set_info(data_cfg, n_dropped: int = 0, n_skipped: int = 0) -> dict:
 def load_prompts(data_cfg, tokenizer) -> PromptSet:
     """(conversation id, prompt token ids) for the prompt set ``data_cfg`` (its first ``limit`` items), as a
     :class:`PromptSet` whose ``info`` identifies the set and counts the prompts dropped for length."""
-    from eagle_backbone.data.conversations import build_prompts, load_conversations
+    from eagle_backbone.data.conversations import build_prompts, conversations_of
 
     key = config_key(data_cfg) + str(getattr(tokenizer, "name_or_path", id(tokenizer)))
     if key not in _PROMPTS:
         path = data_cfg.get("path")
         if not path:
             raise ValueError(f"data.path is empty (data={data_cfg.get('name')}); give a prompt file with data.path=FILE")
-        conversations = load_conversations(path, fmt=data_cfg.get("format", "auto"),
-                                           on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
-                                           sample_seed=data_cfg.get("sample_seed"))
+        conversations = conversations_of(data_cfg, path)
         prompts = build_prompts(tokenizer, conversations, data_cfg.get("max_prompt_tokens"),
                                 min_prompt_tokens=data_cfg.get("min_prompt_tokens"),
                                 turns=data_cfg.get("turns", "first"), chat_template=data_cfg.get("chat_template"))
@@ -174,14 +172,12 @@ def missing_checkpoint(name: str, policy_cfg) -> None:
 def check_turns_kept(data_cfg, prompt_set, what: str) -> None:
     """With ``data.turns=all``, refuse a prompt set that leaves user turns out (MT-bench second turns need the
     model's own earlier answer, which ``what`` does not generate); the error says how many and what to use."""
-    from eagle_backbone.data.conversations import ROLE_OF, load_conversations
+    from eagle_backbone.data.conversations import ROLE_OF, conversations_of
     from eagle_backbone.errors import ConfigError
 
     if str(data_cfg.get("turns", "first")) != "all":
         return
-    conversations = load_conversations(data_cfg.get("path"), fmt=data_cfg.get("format", "auto"),
-                                       on_error=data_cfg.get("on_error", "raise"), limit=data_cfg.get("limit"),
-                                       sample_seed=data_cfg.get("sample_seed"))
+    conversations = conversations_of(data_cfg)
     users = sum(1 for c in conversations for t in c["conversations"] if ROLE_OF.get(t["from"]) == "user")
     kept = len(prompt_set) + int(getattr(prompt_set, "info", {}).get("n_dropped", 0) or 0)
     if kept < users:

@@ -103,7 +103,8 @@ def split_conversations(data) -> tuple[list[tuple[str, list[dict]]], dict]:
         raise ValueError("data.validation_path and data.holdout_percent are both set: choose one source of "
                          "validation conversations")
     seed = data.get("sample_seed")
-    common = dict(fmt=data.get("format", "auto"), on_error=data.get("on_error", "raise"))
+    common = dict(fmt=data.get("format", "auto"), on_error=data.get("on_error", "raise"),
+                  build_if_missing=bool(data.get("build_if_missing", False)))
     counts = {}
     if holdout:
         convs = load_conversations(data.path, **common)
