@@ -625,3 +625,22 @@ def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, 
     assert json.loads((tmp_path / "out" / "batch_bench_runs.json").read_text())["cost_tables"]["load_aware"]["path"] \
         == table.meta["path"]
     assert f"Cost table of load_aware: {table.meta['path']}" in (tmp_path / "out" / "batch_bench.md").read_text()
+
+
+def test_each_adaptive_contender_states_its_share_of_the_batched_oracles_headroom():
+    """(contender − best static γ) / (oracle_budget − best static γ) at each C where the batched oracle gains;
+    static γ, AR and the oracles themselves get none."""
+    from ldlp.bench.load_sweep import _findings_lines, findings
+
+    def row(contender, policy, gamma, C, tps):
+        return {"contender": contender, "policy": policy, "gamma": gamma, "concurrency": C, "temperature": 0.0,
+                "tokens_per_s": tps}
+
+    rows = [row("ar", "ar", 0, 1, 100.0), row("static γ=3", "static", 3, 1, 150.0),
+            row("static γ=4", "static", 4, 1, 160.0), row("oracle_budget", "oracle_budget", None, 1, 200.0),
+            row("tree_budget", "tree_budget", None, 1, 170.0), row("load_aware", "load_aware", None, 1, 150.0),
+            row("ar", "ar", 0, 4, 300.0), row("static γ=3", "static", 3, 4, 320.0),
+            row("oracle_budget", "oracle_budget", None, 4, 310.0), row("tree_budget", "tree_budget", None, 4, 330.0)]
+    share = findings(rows)["headroom_share"]
+    assert share == {"tree_budget": {1: pytest.approx(0.25)}, "load_aware": {1: pytest.approx(-0.25)}}  # C=4: no headroom
+    assert any("tree_budget C=1: +25%" in line for line in _findings_lines(rows, "tokens_per_s", "tokens/s"))

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ldlp.bench.peer_rows import PEER_POLICIES, peer_lines
+from ldlp.bench.stats import headroom_captured
 from eagle_backbone.cost import table_record
 from ldlp.bench.workload import run_workload
 from eagle_backbone.engine import BatchedSpeculativeEngine
@@ -579,6 +580,19 @@ def findings(rows: list[dict], metric: str = "tokens_per_s", temperature: float 
             headroom.setdefault(r["contender"], {})[r["concurrency"]] = h
     if headroom:
         out["oracle_headroom"] = headroom
+        # each adaptive contender's share of the batched oracle's headroom at its C: (it - best) / (oracle - best)
+        bound = headroom.get(next((lab for lab, per_c in headroom.items()
+                                   if next(iter(per_c.values()))["policy"] == "oracle_budget"), None), {})
+        share: dict = {}
+        for r in rows:
+            b, h = out["best_static"].get(r["concurrency"]), bound.get(r["concurrency"])
+            if r["policy"] in ORACLES or r["policy"] in ("static", "ar") or r["policy"] in PEER_POLICIES or not (b and h):
+                continue
+            v = headroom_captured(r["tokens_per_s"], b["tokens_per_s"], h["tokens_per_s"])
+            if v is not None:
+                share.setdefault(r["contender"], {})[r["concurrency"]] = v
+        if share:
+            out["headroom_share"] = share
     if metric == "tokens_per_s":
         out["baselines"] = {C: {name: {"contender": b["contender"], "gamma": b["gamma"], "tokens_per_s": b["tokens_per_s"]}
                                 for name, b in v.items() if b is not None}
@@ -630,6 +644,11 @@ def _findings_lines(rows: list[dict], metric: str, unit: str) -> list[str]:
                          + (f" (paired {ratio_cell(paired)})" if paired else ""))
         kind = ORACLES[next(iter(per_c.values()))["policy"]]
         lines.append(f"Headroom: the {kind} ({lab}) over the best static γ per C, in {unit}: {'; '.join(cells)}.")
+    if f.get("headroom_share"):
+        lines.append("Share of that headroom each adaptive contender captures, (contender − best static γ) / "
+                     "(batched oracle − best static γ), per C where the oracle gains: " + "; ".join(
+                         f"{lab} " + ", ".join(f"C={C}: {100 * v:+.0f}%" for C, v in sorted(per_c.items()))
+                         for lab, per_c in f["headroom_share"].items()) + ".")
     return lines
 
 
