@@ -157,6 +157,7 @@ class RaggedBatch:
         if span is not None and torch.is_tensor(span.rope) and span.rope.dim() == 2:
             self.rope_pos = self.flat(span.rope)  # (R, n) padded rows
         self._anc: torch.Tensor | None = None  # tree rows' ancestor matrices, built on first use
+        self._bases: torch.Tensor | None = None  # rows' bases on the device, built on first use
         self._masks: dict = {}  # (i, j, impl, dtype) -> a tree block's mask, shared by every layer
 
     def __len__(self) -> int:
@@ -181,7 +182,7 @@ class RaggedBatch:
             out.parents = (self.parents or [None] * len(self)) + (other.parents or [None] * len(other))
             out.rope_pos = torch.cat([self.rope_pos, other.rope_pos])
         out.blocks = self.blocks + [(len(self) + i, len(self) + j) for i, j in other.blocks]
-        out._pidx, out._anc, out._masks = {}, None, {}
+        out._pidx, out._anc, out._bases, out._masks = {}, None, None, {}
         return out
 
     def is_tree(self, i: int) -> bool:
@@ -204,7 +205,9 @@ class RaggedBatch:
             t = sum(p is not None for p in self.parents[:i])  # row i's index among the tree rows
             anc = self._ancestors()[t: t + m, :n]  # (m, n, S); rows i..j-1 are all tree rows
             S = anc.shape[2]
-            base = to_device([self.base(r) for r in range(i, j)], self.device)
+            if self._bases is None:  # every row's base on the device, once per batch
+                self._bases = to_device([self.base(r) for r in range(len(self))], self.device)
+            base = self._bases[i:j]
             rel = torch.arange(L, device=self.device) - base[:, None]  # key position from the row's base
             own = anc.gather(2, rel.clamp(0, S - 1)[:, None, :].expand(m, n, L)) & ((rel >= 0) & (rel < S))[:, None]
             visible = ((rel < 0)[:, None] | own)[:, None]  # (m, 1, n, L)

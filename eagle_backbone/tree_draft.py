@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_backbone.sampling import ACCEPT, DRAFT, probs_from_logits, sample_rows, uniforms
-from eagle_backbone.tree import DraftTree, TreeShape, paths_to_tree
+from eagle_backbone.tree import DraftTree, paths_to_tree
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,6 @@ class TreeSpec:
     @classmethod
     def static(cls, paths) -> TreeSpec:
         return cls(shape=tuple(tuple(int(x) for x in p) for p in paths))
-
-    @property
-    def tree_shape(self) -> TreeShape | None:
-        return None if self.shape is None else paths_to_tree(self.shape)
 
     @functools.cached_property
     def levels(self) -> list[list[tuple[int, int, int]]] | None:
