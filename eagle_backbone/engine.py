@@ -71,7 +71,15 @@ from eagle_backbone.sampling import (
     verify_sampling_batch,
 )
 from eagle_backbone.target import TargetModel
-from eagle_backbone.tree import DraftTree, emitted_tokens, prune, tree_uniforms, verify_tree_greedy, tree_walk
+from eagle_backbone.tree import (
+    DraftTree,
+    emitted_tokens,
+    on_path,
+    prune,
+    tree_uniforms,
+    tree_walk,
+    verify_tree_greedy,
+)
 from eagle_backbone.tree_draft import TreeSpec, grow_tree
 
 
@@ -668,10 +676,7 @@ class BatchedSpeculativeEngine:
         if samp.greedy:
             a, path, x = verify_tree_greedy(tree, ver.logits)
             # the nodes whose parent is the root or on the accepted path: the ones the target judged
-            on = torch.zeros(tree.R, tree.K + 1, dtype=torch.bool, device=self.device)
-            on[:, 0] = True  # the root; padding (-1) lands there too
-            on.scatter_(1, path + 1, True)
-            tested = tree.valid & on.gather(1, tree.parents + 1)
+            tested = tree.valid & on_path(path).gather(1, tree.parents + 1)
         else:
             u_acc, u_fin = tree_uniforms(plan.seeds, plan.steps, tree.K)
             walk = tree_walk(tree, probs_from_logits(ver.logits, samp), q, None, u_acc)

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from eagle_backbone.runtime import to_device
+from eagle_backbone.tree import on_path
 
 DROP, STOP, GO = 0, 1, 2  # stop()'s codes per row
 
@@ -104,10 +105,7 @@ class TreeOutcome:
     @property
     def kept(self) -> torch.Tensor:
         """(R, W) bool: the scored node is on the accepted path."""
-        R, W = self.path.shape
-        on = torch.zeros(R, W + 1, dtype=torch.bool, device=self.path.device)
-        on.scatter_(1, self.path + 1, True)  # padding (-1) lands in column 0, dropped
-        return on[:, 1:]
+        return on_path(self.path)[:, 1:]
 
 
 class DraftPolicy:

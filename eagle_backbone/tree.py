@@ -225,6 +225,15 @@ def path_of(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
     return path[:, :K]
 
 
+def on_path(path: torch.Tensor) -> torch.Tensor:
+    """(R, K) accepted path (node indices, -1 padded) -> (R, 1 + K) bool over [root, nodes]: the root and
+    the nodes on the path."""
+    R, K = path.shape
+    on = torch.zeros(R, K + 1, dtype=torch.bool, device=path.device)
+    on[:, 0] = True  # the root; padding (-1) lands there too
+    return on.scatter_(1, path + 1, True)
+
+
 def emitted_tokens(tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor,
                    next_token: torch.Tensor) -> torch.Tensor:
     """(R, K+1) the step's new tokens per row: the accepted path's tokens, then the next token at index
