@@ -38,10 +38,15 @@ __all__ = ["StaticPolicy", "LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "Confiden
            "AcceptancePolicy", "HeuristicPolicy", "OraclePolicy", "DraftPolicy"]
 
 
+def int_at_least(policy: str, key: str, value, low: int) -> int:
+    """``value`` when it is an integer >= ``low``; else a one-line error naming the policy and the key."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{policy} policy: {key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
 def _check_cap(name: str, max_gamma) -> int:
-    if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 1:
-        raise ValueError(f"{name} policy: max_gamma must be an integer >= 1, got {max_gamma!r}")
-    return max_gamma
+    return int_at_least(name, "max_gamma", max_gamma, 1)
 
 
 class _PerSlotState:

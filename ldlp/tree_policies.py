@@ -5,12 +5,11 @@
 * :class:`Eagle2TreePolicy` (``policy=eagle2_tree``): EAGLE-2's dynamic tree: expand the top-k frontier
   by cumulative draft log-probability for ``depth`` depths, then rerank every grown node and score the
   best ``total_tokens`` of each row (closed under ancestors), whatever the load.
-* :class:`TreeBudgetPolicy` (``policy=tree_budget``): the same expansion, with node values (the chance a
-  node's whole path is accepted, from the drafter's confidence recalibrated online) and one batch-wide
-  budget of scored tokens chosen from the measured cost table: the N maximising
-  (R + Σ chosen values) / cost(R, N), N = R (plain decoding) allowed (:func:`~eagle_backbone.tree.select_budget`).
-  The depth to grow is chosen the same way before drafting, from running averages of what each depth
-  added: so under heavy load the policy grows shallow trees or none.
+* :class:`TreeBudgetPolicy` (``policy=tree_budget``): trees only where they pay. The depth is the load-aware
+  γ at the running rate of the drafter's first choices; a step grows a tree only when a second choice pays
+  for its scored token and the tree's own cost at this load, else it is a chain step; a tree step scores
+  the batch's N most valuable nodes, N maximising (R + Σ chosen values) / cost(R, N) from the measured cost
+  table, N = R (plain decoding) allowed (:func:`~eagle_backbone.tree.select_budget`).
 
 A node's value is the product of calibrated per-node acceptance estimates along its path
 (:func:`~eagle_backbone.tree.path_values`); the calibration (:class:`~ldlp.calibration.OnlineLogitCalibration`)
@@ -19,8 +18,6 @@ learns from every scored node whose parent the target accepted: kept if it is on
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from eagle_backbone.policy import DraftPolicy, Rows, TreeOutcome
@@ -28,16 +25,9 @@ from eagle_backbone.tree import MC_SIM_7B_63, path_values, select_budget, top_no
 from eagle_backbone.tree_draft import GrownTree, TreeSpec
 from ldlp.calibration import OnlineLogitCalibration
 from ldlp.load_aware import LoadAwarePolicy
-
-log = logging.getLogger(__name__)
+from ldlp.policies import int_at_least
 
 SHAPES = {"mc_sim_7b_63": MC_SIM_7B_63}  # named static trees (EAGLE's tree_choices format)
-
-
-def _int_at_least(policy: str, name: str, value, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{policy} policy: {name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 class StaticTreePolicy(DraftPolicy):
@@ -69,8 +59,8 @@ class Eagle2TreePolicy(DraftPolicy):
     name = "eagle2_tree"
 
     def __init__(self, top_k: int = 4, depth: int = 6, total_tokens: int = 16):
-        self.tree = TreeSpec(_int_at_least(self.name, "top_k", top_k, 1), _int_at_least(self.name, "depth", depth, 1))
-        self.total_tokens = min(_int_at_least(self.name, "total_tokens", total_tokens, 1), self.tree.max_nodes)
+        self.tree = TreeSpec(int_at_least(self.name, "top_k", top_k, 1), int_at_least(self.name, "depth", depth, 1))
+        self.total_tokens = min(int_at_least(self.name, "total_tokens", total_tokens, 1), self.tree.max_nodes)
 
     def plan(self, rows: Rows) -> list[int]:
         return [self.tree.depth] * len(rows)
@@ -110,16 +100,16 @@ class TreeBudgetPolicy(LoadAwarePolicy):
                  width: int | None = 1, max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98,
                  prior: float = 0.8, sibling_prior: float = 0.1, tree_overhead_ms: float = 1.5,
                  explore_every: int = 8, profile_if_missing: bool = True, cost_table: str | None = None):
-        depth = _int_at_least(self.name, "depth", depth, 1)
+        depth = int_at_least(self.name, "depth", depth, 1)
         super().__init__(cost_dir, model, temperature, depth, prior, explore_every, profile_if_missing, cost_table)
         try:
-            self.tree = TreeSpec(_int_at_least(self.name, "top_k", top_k, 1), depth, width=width)
+            self.tree = TreeSpec(int_at_least(self.name, "top_k", top_k, 1), depth, width=width)
         except ValueError as e:
             raise ValueError(f"{self.name} policy: {e}") from None
         if not 0 <= sibling_prior < 1 or tree_overhead_ms < 0:
             raise ValueError(f"{self.name} policy: need 0 <= sibling_prior < 1 and tree_overhead_ms >= 0, got "
                              f"{sibling_prior!r}, {tree_overhead_ms!r}")
-        self.max_nodes = min(_int_at_least(self.name, "max_nodes", max_nodes, 1), self.tree.max_nodes)
+        self.max_nodes = min(int_at_least(self.name, "max_nodes", max_nodes, 1), self.tree.max_nodes)
         # one correction per sibling rank: under greedy decoding a node is kept only when its siblings before
         # it are not, so the second-best child of a confident parent is rarely kept whatever its confidence
         self.calibration = OnlineLogitCalibration(decay=decay, groups=self.tree.top_k) if recalibrate else None
