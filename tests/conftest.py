@@ -99,6 +99,16 @@ def drafter(target):
 
 
 @pytest.fixture(scope="session")
+def tiny_vocab_pair():
+    """A 4-token target and an independent draft LM of the same size, no EOS: small enough to enumerate
+    every sequence's exact probability (the sampling tests' chi-square)."""
+    target = make_target(seed=11, vocab=4, d=16, layers=1, eos=None)
+    draft = make_target(seed=12, vocab=4, d=16, layers=1, eos=None)
+    target.eos_token_ids = draft.eos_token_ids = set()
+    return target, draft
+
+
+@pytest.fixture(scope="session")
 def t32():
     """A tiny float32 target (the batched engine's tests: float32 makes batch identity exact)."""
     return make_target(dtype=torch.float32)

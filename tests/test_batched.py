@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_backbone import engine as bengine
 from eagle_backbone import sampling as bsampling
 from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.llama import BatchedLlama, RaggedBatch

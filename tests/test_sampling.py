@@ -4,7 +4,6 @@ import itertools
 
 import pytest
 import torch
-from conftest import make_target
 from scipy.stats import chisquare
 
 from eagle_backbone import sampling as S
@@ -76,14 +75,6 @@ def _chi2_pvalue(counts, probs, n):
     expected = [probs[k] / total * n for k in keys]
     observed = [counts.get(k, 0) for k in keys]
     return chisquare(observed, expected).pvalue
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab_pair():
-    target = make_target(seed=11, vocab=4, d=16, layers=1, eos=None)
-    draft = make_target(seed=12, vocab=4, d=16, layers=1, eos=None)
-    target.eos_token_ids = draft.eos_token_ids = set()
-    return target, draft
 
 
 def test_sampled_sequences_follow_the_target(tiny_vocab_pair):

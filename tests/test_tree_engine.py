@@ -14,7 +14,6 @@ import copy
 
 import pytest
 import torch
-from conftest import make_target
 from test_batched import ar, noisy_copy, prompts_of
 from test_sampling import _chi2_pvalue, _exact_sequence_distribution
 
@@ -299,15 +298,6 @@ def test_prompts_near_the_capacity(t32, drafters, kind, spec, early_exit):
 # ---- sampling ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_pair():
-    """tests/test_sampling.py's tiny-vocabulary pair (4 tokens, no EOS), built again here."""
-    target = make_target(seed=11, vocab=4, d=16, layers=1, eos=None)
-    draft = make_target(seed=12, vocab=4, d=16, layers=1, eos=None)
-    target.eos_token_ids = draft.eos_token_ids = set()
-    return target, draft
-
-
 TINY_PROMPT, SAMPLES = [1, 3], 1200
 TINY_SPECS = {"dyn2x2": (TreeSpec(2, 2), 2), "dyn2x3": (TreeSpec(2, 3), 3),
               "static": (TreeSpec.static([[0], [1], [0, 0], [0, 1], [1, 0]]), 2)}
@@ -331,22 +321,22 @@ def _tree_sample_counts(pair, spec, g, cfg, n=SAMPLES, slots=600):
 
 @pytest.mark.parametrize("spec", TINY_SPECS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_tree_sampling_is_lossless(tiny_pair, temperature, spec):
+def test_tree_sampling_is_lossless(tiny_vocab_pair, temperature, spec):
     cfg = SamplingConfig(temperature=temperature)
-    probs = _exact_sequence_distribution(tiny_pair[0], TINY_PROMPT, 3, cfg)
-    counts, accepted = _tree_sample_counts(tiny_pair, *TINY_SPECS[spec], cfg)
+    probs = _exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
+    counts, accepted = _tree_sample_counts(tiny_vocab_pair, *TINY_SPECS[spec], cfg)
     assert accepted > SAMPLES // 2  # the trees' nodes were accepted, not only rejected
     assert _chi2_pvalue(counts, probs, SAMPLES) > 1e-3
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chi_square_has_power_against_a_broken_sibling_rejection(tiny_pair, monkeypatch, temperature):
+def test_chi_square_has_power_against_a_broken_sibling_rejection(tiny_vocab_pair, monkeypatch, temperature):
     """Keeping the residual as it was after a sampled sibling's rejection (no r <- norm(max(r - q, 0))) must
     fail the same test: at T > 0 the engine's siblings are draws from q."""
     monkeypatch.setattr(btree, "_reject_sampled", lambda r, q: r)
     cfg = SamplingConfig(temperature=temperature)
-    probs = _exact_sequence_distribution(tiny_pair[0], TINY_PROMPT, 3, cfg)
-    counts, _ = _tree_sample_counts(tiny_pair, *TINY_SPECS["dyn2x3"], cfg)
+    probs = _exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
+    counts, _ = _tree_sample_counts(tiny_vocab_pair, *TINY_SPECS["dyn2x3"], cfg)
     assert _chi2_pvalue(counts, probs, SAMPLES) < 1e-6
 
 

@@ -5,7 +5,6 @@ only where a Python with vLLM is given (ADAEAGLE_VLLM_PYTHON, or this interprete
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
