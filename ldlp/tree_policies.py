@@ -126,15 +126,11 @@ class TreeBudgetPolicy(LoadAwarePolicy):
             self.calibration.to(engine.device)
 
     # ---- plan: the depth, and whether a tree pays -------------------------------------------------------------
-    def _fixed_ms(self, R: int, D: int) -> float:
-        """A drafting step's cost besides verification: bookkeeping, the drafter's catch-up and D depths
-        (depth 1 reads one token a row, deeper ones the frontier: ``width`` a row)."""
-        c = self.costs
-        ms = c.overhead_ms(R)
-        if D:
-            ms += c.feed_ms(R, self.feed_tokens) + c.draft_ms(R, R)
-            ms += sum(c.draft_ms(R * self.tree.width, R) for _ in range(D - 1))
-        return ms
+    def _step_ms(self, R: int, D: int, N: int) -> float:
+        """A step of R rows growing D depths (the first reads one token a row, deeper ones the frontier:
+        ``width`` a row) and scoring N tokens: the cost table's one step formula (CostTable.step_ms)."""
+        depth_rows = [R] + [R * self.tree.width] * (D - 1) if D else []
+        return self.costs.step_ms(R, depth_rows, N, self.feed_tokens)
 
     def tree_pays(self, R: int, D: int) -> bool:
         """Whether a second choice at depth 1 on every row (the most valuable sibling) pays for one more scored
@@ -144,7 +140,7 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         c, a = self.costs, self.accept_rate
         E = R * (1 + sum(a ** i for i in range(1, D + 1)))
         N = R * (D + 1)
-        T = self._fixed_ms(R, D) + c.target_ms(R, N)
+        T = self._step_ms(R, D, N)
         extra = c.target_ms(R, N + R) - c.target_ms(R, N) + self.tree_overhead_ms
         return (E + R * self.sibling_rate) / (T + extra) > E / T
 
@@ -177,8 +173,7 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         """cost[N] for N = 0 .. R + n_max scored tokens (ms; the fixed part included): a device vector per (R, D)."""
         key = (R, D, round(self.feed_tokens, 1))
         if key not in self._vec:
-            fixed = self._fixed_ms(R, D) + self.tree_overhead_ms
-            self._vec[key] = torch.tensor([fixed + self.costs.target_ms(R, N) if N >= R else float("inf")
+            self._vec[key] = torch.tensor([self._step_ms(R, D, N) + self.tree_overhead_ms if N >= R else float("inf")
                                            for N in range(R + n_max + 1)], dtype=torch.float64, device=self.device)
         return self._vec[key]
 
