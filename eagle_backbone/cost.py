@@ -383,10 +383,16 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
 def table_record(policy) -> dict | None:
     """The key and file of the cost table ``policy`` planned with (a load-aware policy after binding), for the
     results that used it; None for a policy without one."""
-    table = getattr(policy, "costs", None)
-    if not isinstance(table, CostTable):
+    from eagle_backbone.step_cost import OnlineCostModel
+
+    costs = getattr(policy, "costs", None)
+    if isinstance(costs, OnlineCostModel):  # the online model: its prior table, and what it has learned
+        prior = costs.prior_meta or {}
+        return {"key": prior.get("key"), "path": prior.get("path"), "online": True, "records": costs.seen,
+                "costs_ms": {k: round(v, 5) for k, v in costs.costs.items()}}
+    if not isinstance(costs, CostTable):
         return None
-    return {"key": table.key, "path": (table.meta or {}).get("path")}
+    return {"key": costs.key, "path": (costs.meta or {}).get("path")}
 
 
 def slots_for(concurrency: int) -> list[int]:

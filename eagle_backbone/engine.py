@@ -59,6 +59,7 @@ from eagle_backbone.policy import (
     go_while,
 )
 from eagle_backbone.runtime import to_device
+from eagle_backbone.step_cost import StepRecord, StepShape, attended_keys
 from eagle_backbone.sampling import (
     ACCEPT,
     DRAFT,
@@ -144,6 +145,7 @@ class Drafts:
     probs: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # (R,) exact counts when the host has only the caps
     going: torch.Tensor | None = None  # (R,) rows whose codes still say GO (device mode)
+    depth_rows: list[int] = field(default_factory=list)  # rows the drafter ran at each depth (the step's shape)
 
     @staticmethod
     def none(plan: StepPlan, device) -> Drafts:
@@ -159,6 +161,7 @@ class Drafts:
             self.probs[idx, depth - 1] = probs
         for i in active:
             self.drafted[i] = depth
+        self.depth_rows.append(len(active))
 
     def apply_codes(self, depth: int, idx, active: list[int], codes, on_host: bool) -> None:
         """A policy's stop codes for this depth's rows: on the host (the counts become exact), or as device
@@ -284,6 +287,34 @@ class _Profile:
             self._events = []
 
 
+class _StepClock:
+    """A step's wall milliseconds for the step-cost records: a clock reading at the start and the end on a CPU;
+    on a GPU a CUDA event at the start and one just before the step's host read, read after it (the read has
+    synchronised, so no extra synchronisation), plus the host's time after the read."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self._t0 = self._t_read = 0.0
+        self._ev = None
+
+    def start(self):
+        self._t0 = time.perf_counter()
+        if self.cuda:
+            self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._ev[0].record()
+
+    def before_read(self):
+        if self.cuda:
+            self._ev[1].record()
+            self._t_read = time.perf_counter()
+
+    def ms(self) -> float:
+        now = time.perf_counter()
+        if self.cuda:  # the events finished before the host read returned
+            return self._ev[0].elapsed_time(self._ev[1]) + 1e3 * (now - self._t_read)
+        return 1e3 * (now - self._t0)
+
+
 def default_attn(target: TargetModel) -> str:
     """The attention math the target was loaded with (eager or sdpa; any other kernel runs as sdpa)."""
     impl = getattr(target.model.config, "_attn_implementation", None)
@@ -305,12 +336,17 @@ class BatchedSpeculativeEngine:
     depth, so that rows that stopped draft and score nothing more (default: where a read is no
     synchronisation, a CPU); off, the codes stay on the device as masks, every row drafts to its cap and the
     target scores up to the caps (the step's only read is then the one after verification).
+
+    ``cost_model``: an :class:`~eagle_backbone.step_cost.OnlineCostModel` that learns from this engine's timed
+    steps (one may be shared by the engines of a run; a cost-driven policy that gets none makes its own from
+    its cost table, :meth:`attach_costs`). ``record_steps``: keep every speculative step's shape and wall
+    time (``step_log``, :class:`~eagle_backbone.step_cost.StepRecord`, with the model's prediction).
     """
 
     def __init__(self, target: TargetModel, candidates=None, kind: str | None = None, slots: int = 8,
                  policy=None, sampling: SamplingConfig | None = None, capacity: int | None = None,
                  attn: str | None = None, prefill: str = "joined", profile: bool = False, max_draft: int = 32,
-                 early_exit: bool | None = None):
+                 early_exit: bool | None = None, cost_model=None, record_steps: bool = True):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"batch size (slots) must be an integer >= 1, got {slots!r}")
         if prefill not in ("separate", "joined"):
@@ -326,6 +362,10 @@ class BatchedSpeculativeEngine:
         self.trash = self.limit  # padded positions write here; no real query (position < limit) sees it
         buf = self.limit + 1
         self.device, self.prefill, self.max_draft = target.device, prefill, max_draft
+        self.cost_model, self.record_steps = cost_model, bool(record_steps)
+        self.step_log: list[StepRecord] = []
+        self._clock = _StepClock(self.device)
+        self._unfed = [0] * slots  # tokens accepted per slot since the drafter's last catch-up forward
         self.tm = BatchedLlama(target.model, buf, attn)
         self.tcache = self.tm.new_cache(slots)
         self.eos = to_device(sorted(target.eos_token_ids) or [-1], self.device)
@@ -368,6 +408,7 @@ class BatchedSpeculativeEngine:
         if self.state[slot] is not None and not self.state[slot].done:
             raise ValueError(f"slot {slot} is busy")
         self.own.call(self.policy.begin, slot, ids)
+        self._unfed[slot] = 0  # the drafter's prefill reads the prompt
         s = Slot(ids, max_new_tokens, int(seed), request, t_admit=time.perf_counter())
         self.state[slot] = s
         if max_new_tokens == 0:
@@ -387,6 +428,18 @@ class BatchedSpeculativeEngine:
         if slots == list(range(self.slots)):
             return None
         return to_device(slots, self.device)
+
+    def attach_costs(self, prior, **kw):
+        """The engine's step-cost model, warm-started from ``prior`` (a :class:`~eagle_backbone.cost.CostTable`):
+        the one given to the engine (warm-started now if it has no prior yet), else a new one; a policy that
+        plans by costs reads this model."""
+        from eagle_backbone.step_cost import OnlineCostModel
+
+        if self.cost_model is None:
+            self.cost_model = OnlineCostModel(prior, **kw)
+        elif not self.cost_model.has_prior and not self.cost_model.frozen and prior is not None:
+            self.cost_model.warm_start(prior)
+        return self.cost_model
 
     @property
     def policy_s(self) -> float:
@@ -453,6 +506,7 @@ class BatchedSpeculativeEngine:
         finished: list[int] = []
         prof = self.prof
         prof.start()
+        self._clock.start()
         new = self._admitted
         self._admitted = []
         run = [b for b in self.running() if b not in new]
@@ -499,7 +553,8 @@ class BatchedSpeculativeEngine:
         prof = self.prof
         plan = self._plan(run)
         prof.mark("policy")
-        if self.tree is not None and plan.max_gamma and self.policy.tree_now():
+        tree = self.tree is not None and plan.max_gamma and self.policy.tree_now()
+        if tree:
             drafts, ver, acc = self._tree_phases(plan, joined)
         else:
             drafts = self._draft(plan) if plan.max_gamma else Drafts.none(plan, self.device)
@@ -512,13 +567,34 @@ class BatchedSpeculativeEngine:
         if joined:
             reads.update(self._prefill_finish(joined, *ver.prefill))
             prof.mark("prefill")
+        self._clock.before_read()
         host = HostRead.read(reads)  # the step's one host read
         prof.mark("read")
+        shape = self._shape(plan, drafts, host, joined, bool(tree))
         self._commit_host(plan, drafts, host, finished)
         if joined:
             self._first_tokens(joined, host, finished)
         prof.mark("host")
+        self._record(shape, plan.max_gamma)
 
+    def _shape(self, plan: StepPlan, drafts: Drafts, host: HostRead, joined: list[int], tree: bool) -> StepShape:
+        """What this step did, from host values (the step's cost-model features): rows, scored tokens and
+        attended keys, the drafter's rows by depth and the tokens it caught up on, the prompts joined."""
+        drafted = host.get("drafted", drafts.drafted)
+        counts = [d + 1 for d in drafted]
+        depth_rows = tuple(drafts.depth_rows)
+        fed = sum(self._unfed[b] for b in plan.run) if depth_rows else 0
+        prompts = [len(self.state[b].prompt) for b in joined]
+        return StepShape(len(plan.run), sum(counts), attended_keys(plan.tlens, counts), depth_rows, fed,
+                         sum(prompts), attended_keys([0] * len(prompts), prompts), tree, self.cand is not None)
+
+    def _record(self, shape: StepShape, gamma: int) -> None:
+        """The step's wall time with its shape: into the cost model (its upkeep counts as the policy's own
+        time) and the step log; the drafter's catch-up counts move on."""
+        ms = self._clock.ms()
+        predicted = self.own.call(self.cost_model.observe, shape, ms) if self.cost_model is not None else None
+        if self.record_steps:
+            self.step_log.append(StepRecord(shape, ms, predicted, gamma))
     def _plan(self, run: list[int]) -> StepPlan:
         """γ per running slot, as host ints: a plan-ahead policy's from the last read, any other's from its
         ``plan`` (a device tensor returned here costs a read of its own: shipped policies return host lists)."""
@@ -646,6 +722,8 @@ class BatchedSpeculativeEngine:
             drafted = [W] * len(plan.run)
         tree, index = prune(grown.tree, chosen, width=W)
         drafts = Drafts(tree.tokens, drafted, lengths=None if self.early_exit else counts)
+        R = len(plan.run)  # the drafter read one token a row at depth 1, then a frontier of ``width`` a row
+        drafts.depth_rows = [R] + [R * self.tree.width] * (plan.max_gamma - 1)
         ver = self._verify_tree(plan, tree, drafted, joined)
         q = None  # sampling: the distribution each scored node was drawn from
         if grown.q is not None:
@@ -770,8 +848,10 @@ class BatchedSpeculativeEngine:
         now = time.perf_counter()
         acc, em, gnext = host["accepted"], host["emitted"], host.get("gamma_next")
         drafted = host.get("drafted", drafts.drafted)
+        caught_up = bool(drafts.depth_rows)  # the drafter read every running row's accepted tokens this step
         for i, (b, s) in enumerate(zip(plan.run, plan.slots)):
             k, d = acc[i], drafted[i]
+            self._unfed[b] = (0 if caught_up else self._unfed[b]) + k + 1
             s.stats.record_step(d, k)
             s.step += 1
             s.tlen += k + 1

@@ -122,6 +122,7 @@ class DraftPolicy:
     adaptive = True  # False for a fixed γ (results report gamma then)
     reads_drafts = False  # True: stop() is called after every depth
     plans_ahead = False  # True: plan() reads device tensors only and is called right after verification
+    needs_costs = False  # True: it prices steps by the engine's step-cost model (engine.attach_costs)
     tree = None  # a TreeSpec: grow draft trees instead of chains
 
     def bind_engine(self, engine) -> None:

@@ -6,8 +6,11 @@ expected emitted tokens per second:
     E = Σ_b (1 + Σ_{i ≤ γ_b} S_bi),   S_bi = Π_{j ≤ i} a_bj   (a_bj: P(draft j kept | drafts < j kept))
     T = overhead(R) + feed(R) + Σ_depths draft(A_d) + target(R, N = Σ_b (γ_b + 1))
 
-with ``target``, ``draft``, ``feed`` and ``overhead`` read from a :class:`~eagle_backbone.cost.CostTable`
-profiled on this machine. Drafting goes depth by depth because a_bi needs the drafter's state at depth i.
+with ``target``, ``draft``, ``feed`` and ``overhead`` read from the engine's step-cost model
+(:class:`~eagle_backbone.step_cost.OnlineCostModel`): warm-started from the :class:`~eagle_backbone.cost.CostTable`
+profiled on this machine, then fitted to the engine's own timed steps as it runs (``online_costs=false``: the
+table as profiled; ``cost_model=FILE``: a model fitted in hindsight, frozen). Drafting goes depth by depth
+because a_bi needs the drafter's state at depth i.
 
 Three policies share :class:`LoadAwarePolicy` (the cost table, the running acceptance rate, the plan of a
 step and the batch-1 hooks):
@@ -50,6 +53,7 @@ import torch
 
 from eagle_backbone.cost import CostTable, cost_key, load_or_profile
 from eagle_backbone.policy import DROP, GO, STOP, Depth, DraftPolicy, Rows
+from eagle_backbone.step_cost import OnlineCostModel
 from ldlp.calibration import EPS, OnlineLogitCalibration
 
 log = logging.getLogger(__name__)
@@ -93,17 +97,20 @@ class StepTables:
     verification of n scored tokens in all, ``draft[k]`` a draft depth over k rows. A depth's costs are then
     indexing, with no host read."""
 
-    _memo: dict = {}
-
-    def __init__(self, costs: CostTable, R: int, n_max: int, device):
+    def __init__(self, costs: CostTable | OnlineCostModel, R: int, n_max: int, device):
         self.R = R
         self.target = torch.tensor([costs.target_ms(R, n) for n in range(n_max + 1)], dtype=torch.float64, device=device)
         self.draft = torch.tensor([costs.draft_ms(k, R) for k in range(R + 1)], dtype=torch.float64, device=device)
 
     @classmethod
-    def of(cls, costs: CostTable, R: int, device) -> StepTables:
-        """Built once per table, R and device (a step scores at most R · (γ + 1) tokens, γ ≤ 32 in the engine)."""
+    def of(cls, costs: CostTable | OnlineCostModel, R: int, device) -> StepTables:
+        """Built once per cost model version, R and device (a step scores at most R · (γ + 1) tokens, γ ≤ 32 in
+        the engine)."""
+        version = getattr(costs, "version", 0)
         memo = costs.__dict__.setdefault("_step_tables_", {})
+        if memo.get("version") != version:
+            memo.clear()
+            memo["version"] = version
         key = (R, str(device))
         if key not in memo:
             memo[key] = cls(costs, R, 34 * R, device)
@@ -231,27 +238,33 @@ class LoadAwarePolicy(DraftPolicy):
     drafts, the per-row codes (:meth:`_codes`)."""
 
     name = "load_aware"
+    needs_costs = True
 
     def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, max_gamma: int = 8,
                  prior: float = 0.7, explore_every: int = 32, profile_if_missing: bool = True,
-                 cost_table: str | None = None):
+                 cost_table: str | None = None, online_costs: bool = True, cost_model: str | None = None):
         if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 1:
             raise ValueError(f"load_aware policy: max_gamma must be an integer >= 1, got {max_gamma!r}")
         if not 0 < prior < 1:
             raise ValueError(f"load_aware policy: prior must be in (0, 1), got {prior!r}")
         if cost_table is not None and not Path(cost_table).is_file():
             raise ValueError(f"load_aware policy: cost_table={cost_table} does not exist")
+        if cost_model is not None and not Path(cost_model).is_file():
+            raise ValueError(f"load_aware policy: cost_model={cost_model} does not exist (a step cost model fitted "
+                             "by scripts/bench_batch.py: step_costs.json)")
+        self.online_costs, self.cost_model_path = bool(online_costs), cost_model
         self.cost_dir, self.model_name, self.temperature = str(cost_dir), str(model), float(temperature)
         self.max_gamma, self.explore_every = max_gamma, int(explore_every)
         self.profile_if_missing, self.cost_table_path = bool(profile_if_missing), cost_table
         self.accept_rate = float(prior)  # running P(draft kept) over observed drafts (an EMA)
         self.feed_tokens = 2.0  # running tokens a row feeds the drafter per step (accepted + 1)
-        self.costs: CostTable | None = None
+        self.costs: CostTable | OnlineCostModel | None = None  # what the policy prices steps with
+        self.table: CostTable | None = None  # the profiled table: the online model's prior
         self.device = torch.device("cpu")
         self.steps = self.drafting_steps = 0
         self._idle = 0
         self._plan: StepPlan | None = None
-        self._gamma_memo: dict[tuple, int] = {}
+        self._gamma_memo: dict = {}
 
     # ---- setup --------------------------------------------------------------------------------------
     def bind_engine(self, engine) -> None:
@@ -261,6 +274,23 @@ class LoadAwarePolicy(DraftPolicy):
         self.temperature = 0.0 if engine.sampling.greedy else float(engine.sampling.temperature)
         self.device = engine.device
         self._setup(engine.target, engine.candidates, engine.attn)
+        self.costs = self._cost_model(engine)
+
+    def _cost_model(self, engine) -> CostTable | OnlineCostModel:
+        """What this policy prices steps with: the engine's online model warm-started from the table (default),
+        a model fitted in hindsight (``cost_model=FILE``, frozen; the engine records its predictions), or the
+        table as profiled (``online_costs=false``)."""
+        if self.cost_model_path is not None:
+            model = OnlineCostModel.load(self.cost_model_path)
+            if engine.cost_model is None:
+                engine.cost_model = model
+            return model
+        if not self.online_costs:
+            return self.table
+        return engine.attach_costs(self.table, **self._model_options())
+
+    def _model_options(self) -> dict:
+        return {}
 
     def _setup(self, target, candidates, attn: str = "eager") -> None:
         """The cost table for this machine (profiled with engines like the one to serve, when missing)."""
@@ -271,15 +301,19 @@ class LoadAwarePolicy(DraftPolicy):
 
         key = cost_key(self.model_name, target.dtype, target.device, torch.get_num_threads())
         if self.cost_table_path is not None:
-            self.costs = CostTable.load(self.cost_table_path, key)
+            self.table = CostTable.load(self.cost_table_path, key)
         else:
-            self.costs = load_or_profile(self.cost_dir, key, factory, self.profile_if_missing, log=log.info)
+            self.table = load_or_profile(self.cost_dir, key, factory, self.profile_if_missing, log=log.info)
+        self.costs = self.table
 
     # ---- the plan -----------------------------------------------------------------------------------
     def best_uniform_gamma(self, R: int, cap: int, accept: float) -> int:
         """:func:`uniform_gamma` at the running drafter feed, memoised on the arguments rounded (the answer
         changes in steps)."""
         key = (R, cap, round(accept, 3), round(self.feed_tokens, 1))
+        version = getattr(self.costs, "version", 0)
+        if self._gamma_memo.get("version") != version:  # the online model refitted: the answers may move
+            self._gamma_memo = {"version": version}
         if key not in self._gamma_memo:
             self._gamma_memo[key] = uniform_gamma(self.costs, R, cap, key[2], self.feed_tokens)
         return self._gamma_memo[key]
@@ -359,9 +393,10 @@ class _PerSlotEstimates(LoadAwarePolicy):
 
     def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, estimator: str = "confidence",
                  max_gamma: int = 8, recalibrate: bool = True, decay: float = 0.98, prior: float = 0.7,
-                 explore_every: int = 32, profile_if_missing: bool = True, cost_table: str | None = None):
+                 explore_every: int = 32, profile_if_missing: bool = True, cost_table: str | None = None,
+                 online_costs: bool = True, cost_model: str | None = None):
         super().__init__(cost_dir, model, temperature, max_gamma, prior, explore_every, profile_if_missing,
-                         cost_table)
+                         cost_table, online_costs, cost_model)
         if estimator != "confidence" and not Path(estimator).is_dir():
             raise ValueError(f"load_aware policy: estimator={estimator!r} is neither 'confidence' nor a folder of "
                              "draft acceptance heads (python scripts/train_draft_acceptance.py)")
@@ -454,11 +489,11 @@ class LoadAwareFixed(_PerSlotEstimates):
     def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, estimator: str = "confidence",
                  max_gamma: int = 8, threshold: float = 0.5, recalibrate: bool = True, decay: float = 0.98,
                  prior: float = 0.7, explore_every: int = 32, profile_if_missing: bool = True,
-                 cost_table: str | None = None):
+                 cost_table: str | None = None, online_costs: bool = True, cost_model: str | None = None):
         if not 0 < threshold < 1:
             raise ValueError(f"load_aware policy: threshold must be in (0, 1), got {threshold!r}")
         super().__init__(cost_dir, model, temperature, estimator, max_gamma, recalibrate, decay, prior,
-                         explore_every, profile_if_missing, cost_table)
+                         explore_every, profile_if_missing, cost_table, online_costs, cost_model)
         self.threshold = float(threshold)
 
     def _uniform_gamma(self, caps: list[int]) -> int:

@@ -37,6 +37,7 @@ import json
 import numpy as np
 
 from eagle_backbone.cost import CostTable
+from eagle_backbone.step_cost import OnlineCostModel
 from eagle_backbone.policy import Rows, StaticPolicy
 from ldlp.load_aware import LoadAwarePolicy
 from ldlp.policies import AcceptedAtRecorder
@@ -198,12 +199,13 @@ class OracleBudgetPolicy(LoadAwarePolicy):
     name = "oracle_budget"
 
     def __init__(self, cost_dir: str, model: str, k_max: int = 8, profile_if_missing: bool = True,
-                 cost_table: str | None = None, replay_slots: int = 8):
+                 cost_table: str | None = None, replay_slots: int = 8, online_costs: bool = True,
+                 cost_model: str | None = None):
         for key, v in (("k_max", k_max), ("replay_slots", replay_slots)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"oracle_budget policy: {key} must be an integer >= 1, got {v!r}")
         super().__init__(cost_dir, model, 0.0, k_max, explore_every=0, profile_if_missing=profile_if_missing,
-                         cost_table=cost_table)
+                         cost_table=cost_table, online_costs=online_costs, cost_model=cost_model)
         self.k_max, self.replay_slots = k_max, replay_slots
         self._accepted: dict[int, dict[int, int]] = {}  # slot -> position -> drafts the target accepts there
         self._bound = None
@@ -239,6 +241,8 @@ class OracleBudgetPolicy(LoadAwarePolicy):
         if self.costs is None:  # no table (nothing to draft with): every accepted draft
             return L
         # the running drafter feed, rounded as the load-aware plan rounds it: the allocation is exact at that feed
+        if getattr(self.costs, "version", 0) != self._memo.get("version", 0):  # the online model refitted
+            self._memo = _memo_for(self.costs)
         return allocate_budget(L, self.costs, round(self.feed_tokens, 1), self._memo)
 
     def plan(self, rows: Rows) -> list[int]:
@@ -252,8 +256,11 @@ class OracleBudgetPolicy(LoadAwarePolicy):
 _MEMOS: dict[str, dict] = {}  # a cost table's contents -> its allocations memo
 
 
-def _memo_for(costs: CostTable) -> dict:
-    """One memo per cost table's contents (a table is read afresh for every engine)."""
+def _memo_for(costs) -> dict:
+    """One memo per cost table's contents (a table is read afresh for every engine); an online model's memo
+    lasts one version of its fit."""
+    if isinstance(costs, OnlineCostModel):
+        return {"version": costs.version}
     cells = (costs.slots, costs.tokens, costs.target, costs.draft, costs.feed, costs.overhead, costs.depth_overhead)
     return _MEMOS.setdefault(hashlib.sha256(json.dumps(cells).encode()).hexdigest(), {})
 

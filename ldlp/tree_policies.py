@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from eagle_backbone.policy import DraftPolicy, Rows, TreeOutcome
+from eagle_backbone.step_cost import OnlineCostModel
 from eagle_backbone.tree import MC_SIM_7B_63, path_values, select_budget, top_nodes
 from eagle_backbone.tree_draft import GrownTree, TreeSpec
 from ldlp.calibration import OnlineLogitCalibration
@@ -99,9 +100,11 @@ class TreeBudgetPolicy(LoadAwarePolicy):
     def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, top_k: int = 2, depth: int = 8,
                  width: int | None = 1, max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98,
                  prior: float = 0.8, sibling_prior: float = 0.1, tree_overhead_ms: float = 1.5,
-                 explore_every: int = 8, profile_if_missing: bool = True, cost_table: str | None = None):
+                 explore_every: int = 8, profile_if_missing: bool = True, cost_table: str | None = None,
+                 online_costs: bool = True, cost_model: str | None = None):
         depth = int_at_least(self.name, "depth", depth, 1)
-        super().__init__(cost_dir, model, temperature, depth, prior, explore_every, profile_if_missing, cost_table)
+        super().__init__(cost_dir, model, temperature, depth, prior, explore_every, profile_if_missing, cost_table,
+                         online_costs, cost_model)
         try:
             self.tree = TreeSpec(int_at_least(self.name, "top_k", top_k, 1), depth, width=width)
         except ValueError as e:
@@ -125,6 +128,14 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         if self.calibration is not None:
             self.calibration.to(engine.device)
 
+    def _model_options(self) -> dict:
+        return {"tree_prior_ms": self.tree_overhead_ms}  # the tree's own cost before a tree step is timed
+
+    def tree_ms(self) -> float:
+        """The tree machinery's own cost a step: the online model's (learned from timed tree steps, starting
+        at ``tree_overhead_ms``), or ``tree_overhead_ms`` when the costs are a table."""
+        return self.costs.tree_ms() if isinstance(self.costs, OnlineCostModel) else self.tree_overhead_ms
+
     # ---- plan: the depth, and whether a tree pays -------------------------------------------------------------
     def _step_ms(self, R: int, D: int, N: int) -> float:
         """A step of R rows growing D depths (the first reads one token a row, deeper ones the frontier:
@@ -141,7 +152,7 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         E = R * (1 + sum(a ** i for i in range(1, D + 1)))
         N = R * (D + 1)
         T = self._step_ms(R, D, N)
-        extra = c.target_ms(R, N + R) - c.target_ms(R, N) + self.tree_overhead_ms
+        extra = c.target_ms(R, N + R) - c.target_ms(R, N) + self.tree_ms()
         return (E + R * self.sibling_rate) / (T + extra) > E / T
 
     def _start(self, caps: list[int], g: int):
@@ -172,8 +183,12 @@ class TreeBudgetPolicy(LoadAwarePolicy):
     def _cost_vector(self, R: int, D: int, n_max: int) -> torch.Tensor:
         """cost[N] for N = 0 .. R + n_max scored tokens (ms; the fixed part included): a device vector per (R, D)."""
         key = (R, D, round(self.feed_tokens, 1))
+        version = getattr(self.costs, "version", 0)
+        if self._vec.get("version") != version:
+            self._vec = {"version": version}
         if key not in self._vec:
-            self._vec[key] = torch.tensor([self._step_ms(R, D, N) + self.tree_overhead_ms if N >= R else float("inf")
+            tree_ms = self.tree_ms()
+            self._vec[key] = torch.tensor([self._step_ms(R, D, N) + tree_ms if N >= R else float("inf")
                                            for N in range(R + n_max + 1)], dtype=torch.float64, device=self.device)
         return self._vec[key]
 

@@ -44,7 +44,9 @@ def table(target_per_token: float, draft: float, base: float = 10.0, key=None) -
 def policy(tmp_path, costs: CostTable, mode: str = "marginal", **kw) -> LoadAwarePolicy:
     p = tmp_path / "cost.json"
     costs.save(p)
-    return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), explore_every=0, **kw)
+    # the table as given (online_costs=False): these tests check decisions under a set price
+    return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), explore_every=0,
+                         online_costs=False, **kw)
 
 
 
@@ -248,7 +250,7 @@ def _make(tmp_path, mode: str, kw: dict, cls=None, **more):
     p = tmp_path / "unused_cost.json"
     rich_table(1.0).save(p)
     if cls is None:
-        return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), **kw, **more)
+        return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), online_costs=False, **kw, **more)
     return cls(cost_dir=str(tmp_path), model="tiny", cost_table=str(p), mode=mode, **kw, **more)  # the old class
 
 

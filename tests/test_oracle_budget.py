@@ -117,7 +117,8 @@ def test_lossless_with_zero_waste_and_the_chain_oracle_when_drafting_is_free(t32
     ref = [t32.reference_greedy(p, 14) for p in prompts]
 
     def budget(table):
-        pol = OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4, cost_table=table_file(tmp_path, t32, table))
+        pol = OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4, cost_table=table_file(tmp_path, t32, table),
+                                 online_costs=False)
         pol.bind(t32, cand, 14, SamplingConfig())
         return pol
 

@@ -1,0 +1,291 @@
+"""What a step costs, measured as the engine runs: one online, monotone step-cost model.
+
+Every step the engine (:class:`~eagle_backbone.engine.BatchedSpeculativeEngine`) records its wall time next to
+its shape (:class:`StepShape`: running rows, scored tokens, attended keys, draft depths and drafting rows,
+tokens the drafter caught up on, prompt tokens joined, a tree). :class:`OnlineCostModel` fits a few costs to
+those records:
+
+    ms = fixed + per_row · R + per_token · N + per_key · keys
+         + per_draft_forward · (depths + 1) + per_draft_row · Σ_d A_d + per_fed_token · F + per_tree · tree
+
+* **Monotone by construction**: every cost is >= 0 and every feature grows with the work, so more rows,
+  tokens, keys or depths never predict a cheaper step.
+* **Robust**: Huber weights on relative residuals (iteratively reweighted, scale from the median absolute
+  residual), fitted by non-negative least squares; an outlier step (a page fault, another process) moves it
+  little.
+* **Online**: records age by ``forget`` per step (a window of the last ``window``), so the model follows a
+  change of load; it refits every ``refit_every`` records.
+* **Warm-started** from the profiled :class:`~eagle_backbone.cost.CostTable` (the prior): the table's steps
+  on its grid are pseudo-records of total weight ``prior_weight``, and a light ridge keeps what the records
+  cannot identify at the prior's values; both fade as the engine's own steps accumulate (by
+  ``prior_weight / (prior_weight + records seen)``).
+
+It reads like the table (``target_ms``, ``draft_ms``, ``feed_ms``, ``overhead_ms``, ``step_ms``), so every
+cost-driven policy, the batched oracle, replay and tuning read this one model; ``version`` changes at each
+refit, for callers that cache what they derived from it. The fit is a handful of 8-column NNLS solves every
+few steps (well under a millisecond); it counts as the policy's own time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import nnls
+
+from eagle_backbone.io import atomic_write_json
+
+FEATURES = ("fixed", "per_row", "per_token", "per_key", "per_draft_forward", "per_draft_row", "per_fed_token",
+            "per_tree")
+KEY_UNIT = 1000.0  # attended keys are counted in thousands (keeps the columns of one scale)
+
+
+def attended_keys(contexts, counts) -> float:
+    """Keys the target's attention reads: each of a row's n new tokens sees its row's ``context`` earlier
+    positions and the new ones up to itself: Σ_b n_b · (context_b + (n_b + 1) / 2)."""
+    return float(sum(n * (c + (n + 1) / 2) for c, n in zip(contexts, counts)))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step did, on the host: ``rows`` decoding rows scoring ``scored`` tokens in all over ``keys``
+    attended keys; ``depth_rows[d]`` rows drafting at depth d + 1; ``fed`` tokens the drafter caught up on
+    (its catch-up forward runs whenever a row drafts); ``prefill`` prompt tokens joined into the target
+    forward (``prefill_keys`` their keys; the drafter prefills them too); ``tree``: the step grew trees."""
+
+    rows: int
+    scored: int
+    keys: float
+    depth_rows: tuple[int, ...] = ()
+    fed: int = 0
+    prefill: int = 0
+    prefill_keys: float = 0.0
+    tree: bool = False
+    drafter: bool = True  # whether a drafter reads the joined prompts
+
+    def features(self) -> np.ndarray:
+        drafting = any(a > 0 for a in self.depth_rows)
+        depths = sum(1 for a in self.depth_rows if a > 0)
+        pre_draft = self.prefill > 0 and self.drafter
+        return np.array([1.0, self.rows, self.scored + self.prefill, (self.keys + self.prefill_keys) / KEY_UNIT,
+                         depths + int(drafting) + int(pre_draft), sum(self.depth_rows),
+                         (self.fed if drafting else 0) + (self.prefill if pre_draft else 0), float(self.tree)])
+
+
+@dataclass
+class StepRecord:
+    """One timed step: its shape, its wall milliseconds and what the model predicted before seeing it (None
+    without a model)."""
+
+    shape: StepShape
+    ms: float
+    predicted_ms: float | None = None
+    gamma: int = 0  # the step's largest planned draft depth (for per-γ accuracy)
+
+
+class OnlineCostModel:
+    """The step-cost model (module docstring). ``prior``: a :class:`~eagle_backbone.cost.CostTable` (or None: no
+    prior, the fit is the records' alone; until the first fit it predicts 0). ``frozen``: never refit (a model
+    fitted in hindsight and loaded for a rerun)."""
+
+    def __init__(self, prior=None, forget: float = 0.99, window: int = 512, refit_every: int = 8,
+                 prior_weight: float = 16.0, ridge: float = 1.0, context: float = 128.0, frozen: bool = False,
+                 tree_prior_ms: float = 0.0):
+        if not 0 < forget <= 1 or window < 8 or refit_every < 1 or prior_weight < 0 or ridge < 0:
+            raise ValueError(f"step cost model: need 0 < forget <= 1, window >= 8, refit_every >= 1, prior_weight >= 0 "
+                             f"and ridge >= 0; got {forget}, {window}, {refit_every}, {prior_weight}, {ridge}")
+        self.forget, self.window, self.refit_every = float(forget), int(window), int(refit_every)
+        self.prior_weight, self.ridge, self.frozen = float(prior_weight), float(ridge), bool(frozen)
+        self.records: deque[tuple[np.ndarray, float]] = deque(maxlen=self.window)
+        self.theta = np.zeros(len(FEATURES))
+        self.version = 0
+        self.seen = 0
+        self.context = float(context)  # running mean context of a decoding row (for predictions by counts)
+        self.tree_prior_ms = float(tree_prior_ms)
+        self.prior_meta: dict | None = None
+        self._prior_X = np.zeros((0, len(FEATURES)))
+        self._prior_y = np.zeros(0)
+        self._prior_theta = np.zeros(len(FEATURES))
+        self._since = 0
+        if prior is not None:
+            self.warm_start(prior)
+
+    # ---- the prior -------------------------------------------------------------------------------------
+    @property
+    def has_prior(self) -> bool:
+        return self._prior_y.size > 0 or self.prior_meta is not None
+
+    def warm_start(self, table, gammas=range(0, 9)) -> OnlineCostModel:
+        """Pseudo-records from ``table``'s step formula on its grid (its slot counts, γ = 0..8, the drafter
+        feeding γ + 1 tokens a row at most 3, the table's profiled context) and the fit to them alone."""
+        ctx = float((table.meta or {}).get("context", self.context))
+        X, y = [], []
+        for R in table.slots:
+            for g in gammas:
+                fed = min(g + 1, 3)
+                n = [g + 1] * R
+                shape = StepShape(R, R * (g + 1), attended_keys([ctx] * R, n), tuple([R] * g), R * fed)
+                X.append(shape.features())
+                y.append(table.step_ms(R, [R] * g, R * (g + 1), fed))
+        self._prior_X, self._prior_y = np.array(X), np.array(y)
+        self.context = ctx
+        self._prior_theta = self._solve(self._prior_X, self._prior_y, np.ones(len(y)), ridge=0.0)
+        self._prior_theta[FEATURES.index("per_tree")] = max(self._prior_theta[-1], self.tree_prior_ms)
+        self.theta = self._prior_theta.copy()
+        self.prior_meta = {"key": getattr(table, "key", None), "path": (table.meta or {}).get("path")}
+        self.version += 1
+        return self
+
+    # ---- the fit -------------------------------------------------------------------------------------
+    def _solve(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, ridge: float | None = None) -> np.ndarray:
+        """Non-negative least squares on relative residuals ((x·θ - y) / y), weights ``w``, with Huber
+        reweighting and a ridge toward the prior's θ."""
+        ridge = self.ridge if ridge is None else ridge
+        scale = np.maximum(y, 1e-3)
+        A, b = X / scale[:, None], np.ones_like(y)
+        col = np.maximum(np.abs(A).mean(0), 1e-9) if len(y) else np.ones(X.shape[1])
+        huber = np.ones_like(y)
+        theta = self._prior_theta.copy()
+        for _ in range(4):
+            sw = np.sqrt(w * huber)
+            rows, rhs = [A * sw[:, None]], [b * sw]
+            if ridge > 0:  # pull each cost toward the prior's, in units of that cost's typical share of a step
+                rows.append(math.sqrt(ridge) * np.diag(col))
+                rhs.append(math.sqrt(ridge) * col * self._prior_theta)
+            theta, _ = nnls(np.vstack(rows), np.concatenate(rhs), maxiter=50 * X.shape[1])
+            r = A @ theta - b
+            s = 1.4826 * float(np.median(np.abs(r))) if len(r) else 0.0
+            delta = 1.345 * max(s, 0.01)
+            huber = np.minimum(1.0, delta / np.maximum(np.abs(r), 1e-12))
+        return theta
+
+    def refit(self) -> None:
+        """Fit to the records (aged by ``forget``) and the prior's pseudo-records (``prior_weight`` in all)."""
+        if not self.records:
+            return
+        X = np.array([x for x, _ in self.records])
+        y = np.array([v for _, v in self.records])
+        w = self.forget ** np.arange(len(y) - 1, -1, -1, dtype=float)
+        # the prior counts as ``prior_weight`` records at first and fades as the engine's own accumulate
+        fade = self.prior_weight / (self.prior_weight + self.seen) if self.prior_weight else 0.0
+        if self._prior_y.size:
+            X = np.vstack([X, self._prior_X])
+            y = np.concatenate([y, self._prior_y])
+            w = np.concatenate([w, np.full(self._prior_y.size, fade * self.prior_weight / self._prior_y.size)])
+        self.theta = self._solve(X, y, w, ridge=self.ridge * fade if self.has_prior else self.ridge)
+        self.version += 1
+
+    def observe(self, shape: StepShape, ms: float) -> float | None:
+        """A timed step: returns what the model predicted for it before seeing it (None before any fit or
+        prior), then learns from it (refitting every ``refit_every`` records)."""
+        predicted = self.predict(shape) if self.version else None
+        if self.frozen or not (ms > 0 and math.isfinite(ms)):
+            return predicted
+        self.records.append((shape.features(), float(ms)))
+        self.seen += 1
+        if shape.rows:
+            ctx = shape.keys / max(shape.scored, 1)
+            self.context += 0.05 * (ctx - self.context)
+        self._since += 1
+        if self._since >= self.refit_every or self.version == 0:
+            self._since = 0
+            self.refit()
+        return predicted
+
+    def predict(self, shape: StepShape) -> float:
+        return float(shape.features() @ self.theta)
+
+    @property
+    def costs(self) -> dict[str, float]:
+        return {name: float(v) for name, v in zip(FEATURES, self.theta)}
+
+    # ---- read like a CostTable (what the policies, the oracle, replay and tuning call) -------------------
+    def _theta(self, name: str) -> float:
+        return float(self.theta[FEATURES.index(name)])
+
+    def overhead_ms(self, R: int) -> float:
+        """The step's fixed part: the fixed cost and the per-row bookkeeping."""
+        return self._theta("fixed") + self._theta("per_row") * R
+
+    def target_ms(self, R: int, N: float) -> float:
+        """The target's verification of N tokens over R rows at the running context (its fixed part is in
+        :meth:`overhead_ms`)."""
+        per_row = N / max(R, 1)
+        keys = attended_keys([self.context], [per_row]) * R
+        return self._theta("per_token") * N + self._theta("per_key") * keys / KEY_UNIT
+
+    def draft_ms(self, A: int, R: int | None = None) -> float:
+        """One draft depth over A rows (0 rows: no forward)."""
+        return 0.0 if A <= 0 else self._theta("per_draft_forward") + self._theta("per_draft_row") * A
+
+    def feed_ms(self, R: int, tokens_per_row: float) -> float:
+        """The drafter's catch-up forward over ``tokens_per_row`` tokens a row."""
+        return self._theta("per_draft_forward") + self._theta("per_fed_token") * R * tokens_per_row
+
+    def tree_ms(self) -> float:
+        """What growing a tree adds to a step beyond its forwards (selection, packing, moving the path)."""
+        return self._theta("per_tree")
+
+    def step_ms(self, R: int, depth_rows, scored: float, fed_per_row: float) -> float:
+        """One step of R rows (the formula of :meth:`~eagle_backbone.cost.CostTable.step_ms`)."""
+        ms = self.overhead_ms(R) + self.target_ms(R, scored)
+        depths = [int(a) for a in depth_rows if a > 0]
+        if depths:
+            ms += self.feed_ms(R, fed_per_row) + sum(self.draft_ms(a, R) for a in depths)
+        return ms
+
+    # ---- a fitted model as a file (costs measured in hindsight) ----------------------------------------
+    def to_dict(self) -> dict:
+        return {"features": list(FEATURES), "theta": self.theta.tolist(), "context": self.context,
+                "records": self.seen, "forget": self.forget, "prior": self.prior_meta}
+
+    def save(self, path: str | Path) -> Path:
+        atomic_write_json(path, self.to_dict())
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> OnlineCostModel:
+        """A saved model, frozen (it predicts with the saved costs and never refits)."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a readable step cost model ({type(e).__name__}: {e})") from None
+        if raw.get("features") != list(FEATURES) or len(raw.get("theta", [])) != len(FEATURES):
+            raise ValueError(f"{path}: a step cost model needs features {list(FEATURES)} and one cost each; "
+                             f"got {raw.get('features')}")
+        m = cls(frozen=True, context=float(raw.get("context", 128.0)))
+        m.theta = np.maximum(np.array(raw["theta"], dtype=float), 0.0)
+        m.seen, m.prior_meta, m.version = int(raw.get("records", 0)), {"path": str(path)}, 1
+        return m
+
+    @classmethod
+    def fit(cls, records: list[StepRecord], prior=None, **kw) -> OnlineCostModel:
+        """A model fitted at once to ``records`` (no ageing): the costs measured in hindsight."""
+        m = cls(prior, forget=1.0, window=max(8, len(records)), **kw)
+        for r in records:
+            m.records.append((r.shape.features(), float(r.ms)))
+            m.seen += 1
+        m.refit()
+        return m
+
+
+def accuracy(records: list[StepRecord], skip: int = 50) -> dict:
+    """The online predictions' error against the measured steps, after the first ``skip`` predicted ones:
+    median absolute relative error, its 90th percentile, the median signed error, and the count."""
+    pairs = [(r.predicted_ms, r.ms) for r in records if r.predicted_ms is not None and r.ms > 0][skip:]
+    if not pairs:
+        return {"n": 0, "median_abs_error": None, "p90_abs_error": None, "median_error": None}
+    rel = np.array([(p - m) / m for p, m in pairs])
+    return {"n": len(pairs), "median_abs_error": float(np.median(np.abs(rel))),
+            "p90_abs_error": float(np.quantile(np.abs(rel), 0.9)), "median_error": float(np.median(rel)),
+            "median_measured_ms": float(np.median([m for _, m in pairs])),
+            "median_predicted_ms": float(np.median([p for p, _ in pairs]))}
+
+
+def record_dict(r: StepRecord) -> dict:
+    return {"ms": r.ms, "predicted_ms": r.predicted_ms, "gamma": r.gamma, **asdict(r.shape)}

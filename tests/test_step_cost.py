@@ -1,0 +1,162 @@
+"""The online step-cost model (eagle_backbone/step_cost.py): convergence, monotonicity and robustness on
+synthetic step times (noise, outliers, a change of load mid-run), the prior, and the engine's records."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from eagle_backbone.cost import CostTable
+from eagle_backbone.step_cost import FEATURES, OnlineCostModel, StepRecord, StepShape, accuracy, attended_keys
+
+TRUE = dict(fixed=3.0, per_row=0.2, per_token=0.35, per_key=0.01, per_draft_forward=0.8, per_draft_row=0.05,
+            per_fed_token=0.02, per_tree=0.0)
+
+
+def shape(rng, R=None, g=None, ctx=None):
+    R = R or rng.choice([1, 2, 4, 8, 16])
+    g = rng.randint(0, 6) if g is None else g
+    ctx = ctx or rng.randint(40, 300)
+    n = [g + 1] * R
+    return StepShape(R, R * (g + 1), attended_keys([ctx] * R, n), tuple([R] * g), R * min(g + 1, 3))
+
+
+def true_ms(s: StepShape, scale=1.0) -> float:
+    return scale * float(s.features() @ np.array([TRUE[f] for f in FEATURES]))
+
+
+def feed(model, rng, n, scale=1.0, noise=0.03, outliers=0.0):
+    out = []
+    for _ in range(n):
+        s = shape(rng)
+        ms = true_ms(s, scale) * (1 + rng.gauss(0, noise))
+        if rng.random() < outliers:
+            ms *= rng.choice([4.0, 8.0])
+        out.append(StepRecord(s, ms, model.observe(s, ms)))
+    return out
+
+
+def rel_errors(model, rng, n=200, scale=1.0):
+    shapes = [shape(rng) for _ in range(n)]
+    return np.array([abs(model.predict(s) - true_ms(s, scale)) / true_ms(s, scale) for s in shapes])
+
+
+def test_converges_from_a_wrong_prior():
+    rng = random.Random(0)
+    wrong = CostTable.linear(30.0, 5.0, 1.0)  # a table that over-predicts several-fold
+    m = OnlineCostModel(prior=wrong)
+    assert np.median(rel_errors(m, random.Random(1))) > 0.5
+    recs = feed(m, rng, 300)
+    assert np.median(rel_errors(m, random.Random(1))) < 0.05
+    acc = accuracy(recs, skip=50)
+    assert acc["n"] == 250 and acc["median_abs_error"] < 0.1
+
+
+def test_robust_to_outliers():
+    rng = random.Random(2)
+    m = OnlineCostModel()
+    feed(m, rng, 400, outliers=0.1)  # one step in ten 4-8x slower (another process, a page fault)
+    assert np.median(rel_errors(m, random.Random(3))) < 0.06
+
+
+def test_follows_a_change_of_load():
+    rng = random.Random(4)
+    m = OnlineCostModel()
+    feed(m, rng, 300)
+    assert np.median(rel_errors(m, random.Random(5))) < 0.05
+    feed(m, rng, 400, scale=1.6)  # a second process takes the other core: everything 1.6x slower
+    assert np.median(rel_errors(m, random.Random(5), scale=1.6)) < 0.06
+
+
+def test_monotone_in_every_count():
+    rng = random.Random(6)
+    m = OnlineCostModel()
+    feed(m, rng, 100, noise=0.3, outliers=0.2)
+    assert (m.theta >= 0).all()
+    for R in (1, 4, 16):
+        steps = [m.step_ms(R, [R] * g, R * (g + 1), 2) for g in range(9)]
+        assert steps == sorted(steps)
+        assert [m.target_ms(R, n) for n in range(R, 9 * R)] == sorted(m.target_ms(R, n) for n in range(R, 9 * R))
+        assert [m.draft_ms(a, R) for a in range(R + 1)] == sorted(m.draft_ms(a, R) for a in range(R + 1))
+    assert m.overhead_ms(32) >= m.overhead_ms(1)
+
+
+def test_prior_alone_reproduces_the_table_where_it_is_linear():
+    table = CostTable.linear(10.0, 1.5, 0.5)
+    m = OnlineCostModel(prior=table)
+    for g in range(9):
+        want = table.step_ms(1, [1] * g, g + 1, min(g + 1, 3))
+        assert m.step_ms(1, [1] * g, g + 1, min(g + 1, 3)) == pytest.approx(want, rel=0.05, abs=0.3)
+
+
+def test_frozen_model_round_trips_and_never_refits(tmp_path):
+    rng = random.Random(7)
+    m = OnlineCostModel()
+    feed(m, rng, 60)
+    path = m.save(tmp_path / "step_costs.json")
+    f = OnlineCostModel.load(path)
+    s = shape(rng)
+    assert f.predict(s) == pytest.approx(m.predict(s))
+    before = f.theta.copy()
+    f.observe(s, 1e4)
+    assert (f.theta == before).all()
+    (tmp_path / "bad.json").write_text('{"features": ["a"], "theta": [1]}')
+    with pytest.raises(ValueError, match="bad.json: a step cost model needs features"):
+        OnlineCostModel.load(tmp_path / "bad.json")
+
+
+def test_hindsight_fit_of_records():
+    rng = random.Random(8)
+    recs = [StepRecord(s, true_ms(s)) for s in (shape(rng) for _ in range(80))]
+    m = OnlineCostModel.fit(recs)
+    assert np.median(rel_errors(m, random.Random(9))) < 0.02
+
+
+def test_the_engine_records_its_steps_and_the_policy_plans_with_its_model(t32, eagle32, tmp_path):
+    """Every speculative step is recorded with its shape; a cost-driven policy plans with the engine's online
+    model, warm-started from its table, which learns from those steps; the output stays the target's."""
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from ldlp.load_aware import LoadAwareStep
+    from test_batched import ar, prompts_of
+
+    from eagle_backbone.cost import cost_key
+
+    path = tmp_path / "cost.json"
+    table = CostTable.linear(10.0, 0.5, 0.1)
+    table.key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
+    table.save(path)
+    pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), explore_every=0)
+    eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=pol)
+    prompts = prompts_of((5, 9, 7), seed=3)
+    assert [o.tokens for o in eng.generate(prompts, 16)] == ar(t32, prompts, 16)
+    model = eng.cost_model
+    assert pol.costs is model and model.has_prior and model.seen == len(eng.step_log) == eng.steps
+    rec = eng.step_log[0]
+    assert rec.shape.prefill == 0 and rec.ms > 0 and rec.predicted_ms is not None
+    assert all(r.shape.rows >= 1 and r.shape.scored >= r.shape.rows for r in eng.step_log)
+    drafting = [r for r in eng.step_log if r.shape.depth_rows]
+    assert drafting and all(r.gamma == len(r.shape.depth_rows) for r in drafting)
+    # a second engine given the same model keeps learning from where it is
+    eng2 = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=LoadAwareStep(
+        cost_dir=str(tmp_path), model="tiny", cost_table=str(path), explore_every=0), cost_model=model)
+    eng2.generate(prompts, 8)
+    assert eng2.cost_model is model and model.seen == eng.steps + eng2.steps
+
+
+def test_joined_prompts_and_plain_steps_are_in_the_shape(t32, eagle32):
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.policy import StaticPolicy
+    from test_batched import prompts_of
+
+    eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=2, policy=StaticPolicy(0))
+    a, b = prompts_of((6, 11), seed=5)
+    eng.admit(0, a, 10)
+    eng.step()  # the prefill alone: a step of its own, not recorded
+    assert eng.step_log == []
+    eng.step()
+    eng.admit(1, b, 10)
+    eng.step()  # slot 1's prompt rides in slot 0's step
+    plain, joined = eng.step_log
+    assert plain.shape.depth_rows == () and plain.shape.fed == 0 and plain.shape.scored == 1
+    assert joined.shape.prefill == len(b) and joined.shape.rows == 1
