@@ -65,6 +65,10 @@ def main(cfg: DictConfig) -> None:
         probe = build_policy(pcfg)
         gamma = getattr(probe, "fixed_gamma", None) if not getattr(probe, "adaptive", True) else None
         label = f"static γ={gamma}" if gamma is not None else name
+        if pcfg.get("cost_model"):  # the same policy on costs measured in hindsight (a frozen step_costs.json)
+            label += " (hindsight costs)"
+        elif pcfg.get("online_costs") is False:  # the same policy on the profiled table as it is
+            label += " (profiled table)"
         contenders.append(Contender(label, name, gamma, lambda pcfg=pcfg: build_policy(pcfg)))
         probes[label] = probe
     check_contenders(contenders, int(cfg.generation.max_new_tokens))

@@ -338,7 +338,14 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
     runs = json.loads((out / "batch_bench_runs.json").read_text())
     assert {s["contender"] for s in runs["skipped"]} >= {f"policy=ldlp policy.path={tmp_path / 'no_ldlp'}"}
     assert runs["complete"] is True and "Skipped policy=ldlp" in (out / "batch_bench.md").read_text()
-    assert res.stdout.strip().splitlines()[-1].endswith("batch_bench.png, batch_bench_ratio.png")
+    assert res.stdout.strip().splitlines()[-1].endswith("batch_bench.png, batch_bench_ratio.png, step_costs.json, "
+                                                         "step_costs.png")
+    # the online step-cost model's accuracy per (contender, C, T), and the costs measured in hindsight
+    acc = {(r["contender"], r["concurrency"], r["temperature"]) for r in runs["step_costs"]}
+    assert ("static γ=2", 2, 0.0) in acc and ("ar", 1, 1.0) in acc
+    assert "## Step costs: the online model against the measured steps" in (out / "batch_bench.md").read_text()
+    from eagle_backbone.step_cost import OnlineCostModel
+    assert OnlineCostModel.load(out / "step_costs.json").seen > 0
     bad = subprocess.run(cmd[:-1] + ["blocks=0"], check=False, cwd=repo, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "blocks must be an integer >= 1" in bad.stderr + bad.stdout
 
@@ -620,7 +627,9 @@ def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, 
           Contender("load_aware", "load_aware", None, lambda: LoadAwareMarginal(str(tmp_path), "tiny", max_gamma=3,
                                                                                  profile_if_missing=False))]
     result = sweep(t32, cand, prompts_of(4), cs, [2], 6, rounds=1, log=lambda *_: None, bootstrap=10)
-    assert result["cost_tables"] == {"load_aware": {"key": table.key, "path": table.meta["path"]}}
+    used = result["cost_tables"]["load_aware"]  # the online model's prior table, and what it learned
+    assert (used["key"], used["path"], used["online"]) == (table.key, table.meta["path"], True)
+    assert used["records"] > 0 and set(used["costs_ms"]) >= {"fixed", "per_token", "per_draft_row"}
     write(result, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "batch_bench_runs.json").read_text())["cost_tables"]["load_aware"]["path"] \
         == table.meta["path"]

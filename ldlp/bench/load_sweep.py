@@ -51,6 +51,9 @@ from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
 from eagle_backbone.policy import DraftPolicy, Rows
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.sampling import SamplingConfig
+from eagle_backbone.step_cost import OnlineCostModel, StepRecord
+from ldlp.bench import step_costs as step_cost_page
+from ldlp.bench.step_costs import hindsight_model, run_step_costs, step_cost_rows
 
 ROW_KEYS = ("contender", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
             "token_latency_ms_mean", "token_latency_ms_p90", "request_latency_ms_mean", "request_latency_ms_p90",
@@ -293,6 +296,10 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     with_cats = categories is not None and any(c is not None for c in categories)
     cost_tables = {}  # contender -> the cost table its batch policy planned with (key and path)
     profiles: list[dict] = []  # the untimed profiled pass (profile_steps), after every timed round
+    # each contender's online step-cost model, kept across its runs as a server's engine keeps learning (a
+    # cost-driven policy warm-starts it from its table and plans with it; for the others it only predicts)
+    cost_models: dict[str, OnlineCostModel] = {}
+    records: list[StepRecord] = []  # every timed step of this engine, for the costs measured in hindsight
     result = {"rows": [], "differences": [], "runs": runs, "skipped": skipped, "rounds_done": 0, "rounds": rounds,
               "complete": False, "cost_tables": cost_tables, "profiles": profiles}
     for r in range(rounds):
@@ -310,10 +317,15 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                         if c.runner is not None:  # a peer engine: the same block, budget, seeds, sampling, stops
                             outs, summ = c.runner.run(ps, C, max_new_tokens, sd, samp, target.eos_token_ids)
                         else:
+                            model = cost_models.setdefault(c.label, OnlineCostModel())
+                            age = model.seen
                             eng = BatchedSpeculativeEngine(target, candidates, slots=C, policy=c.make,
-                                                           sampling=samp, capacity=capacity, attn=attn)
+                                                           sampling=samp, capacity=capacity, attn=attn,
+                                                           cost_model=model)
                             res = run_workload(eng, ps, C, max_new_tokens, sd)
                             outs, summ = [o.tokens for o in res.outputs], res.summary()
+                            summ["step_costs"] = run_step_costs(eng.step_log, age)
+                            records.extend(eng.step_log)
                             summ["policy_s"] = eng.policy_s  # the policy's own seconds in the run
                             summ.update(step_counters(res.outputs, eng.steps))
                             used = table_record(eng.policy)
@@ -339,7 +351,8 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                                                  seed=seed),
                           "differences": list(diffs.values()), "runs": runs, "skipped": skipped,
                           "rounds_done": r + (ti * len(concurrency) + ci + 1) / (len(temps) * len(concurrency)),
-                          "rounds": rounds, "complete": False, "cost_tables": cost_tables, "profiles": profiles}
+                          "rounds": rounds, "complete": False, "cost_tables": cost_tables, "profiles": profiles,
+                          "step_costs": step_cost_rows(runs)}
                 if checkpoint:  # after every (T, C): a stopped run still leaves its measured rows, marked incomplete
                     checkpoint(result)
     if profile_steps:  # untimed, after the timed rounds (never interleaved with them)
@@ -360,6 +373,9 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                 if checkpoint:
                     checkpoint(result)
     result["complete"] = True
+    result["step_costs"] = step_cost_rows(runs)
+    if records:
+        result["hindsight"] = hindsight_model(records)
     return result
 
 
@@ -836,6 +852,7 @@ def markdown(result: dict, meta: dict | None = None) -> str:
             worst = max((r for r in shares if r["contender"] == lab), key=lambda r: r["policy_share"])
             lines.append(f"- {lab}: {100 * worst['policy_share']:.2f}% (C={worst['concurrency']}, "
                          f"T={worst['temperature']:g})")
+    lines += step_cost_page.markdown_lines(result)
     return "\n".join(lines) + "\n"
 
 
@@ -934,7 +951,7 @@ def check_markdown(rows: list[dict]) -> str:
 
 
 OUTPUT_FILES = ("batch_bench.json", "batch_bench_runs.json", "batch_bench.md", "batch_bench.png",
-                "batch_bench_ratio.png")
+                "batch_bench_ratio.png", "step_costs.json", "step_costs.png")
 
 
 def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot: bool = True) -> Path:
@@ -954,13 +971,19 @@ def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot
     written.append(atomic_write_json(out / "batch_bench_runs.json", {
         "meta": meta or {}, **status, "cost_tables": result.get("cost_tables") or {}, "findings": by_t,
         "differences": result.get("differences", []), "skipped": result.get("skipped", []),
-        "runs": result["runs"], "profiles": result.get("profiles") or []}, indent=2, default=str))
+        "runs": result["runs"], "profiles": result.get("profiles") or [], "step_costs": result.get("step_costs") or []},
+        indent=2, default=str))
     written.append(atomic_write_text(out / "batch_bench.md", markdown(result, meta)))
+    if result.get("hindsight"):  # the costs measured in hindsight: rerun a policy with policy.cost_model=this file
+        written.append(atomic_write_json(out / "step_costs.json", result["hindsight"], indent=2))
     if with_plot and result["rows"]:
         written.append(plot_tokens_per_s(result, out / "batch_bench.png"))
         ratio = plot_ratios(result, out / "batch_bench_ratio.png")
         if ratio is not None:
             written.append(ratio)
+        costs_png = step_cost_page.plot(result, out / "step_costs.png")
+        if costs_png is not None:
+            written.append(costs_png)
     for name in OUTPUT_FILES:  # an older run's file this write did not replace
         if out / name not in written:
             (out / name).unlink(missing_ok=True)

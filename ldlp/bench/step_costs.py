@@ -1,0 +1,149 @@
+"""The step-cost model's accuracy in the load sweep, and the costs measured in hindsight.
+
+Every timed run of this engine records its steps (:class:`~eagle_backbone.step_cost.StepRecord`) with what the
+contender's online model predicted before each step. :func:`run_step_costs` keeps a run's errors once its model
+has seen ``warmup`` steps (the issue's "after 50 steps"), :func:`step_cost_rows` pools them per (contender, C, T),
+and :func:`hindsight_model` fits one model to every step of the sweep at once: rerun a cost-driven policy with
+it (``policy.cost_model=<out>/step_costs.json``) to see how much of its gap to the best static γ is the costs.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+from eagle_backbone.step_cost import OnlineCostModel, StepRecord
+
+WARMUP = 50  # steps a model has seen before its predictions count
+SAMPLE = 48  # (predicted, measured) pairs kept per run for the plot
+
+
+def run_step_costs(log: list[StepRecord], age: int, warmup: int = WARMUP) -> dict:
+    """A run's step times against its model's predictions: ``age`` is the steps the model had seen before
+    the run; a step counts once the model had seen ``warmup``. Median measured and predicted ms, the relative
+    errors (rounded) and a seeded sample of pairs."""
+    pairs = [(r.predicted_ms, r.ms) for i, r in enumerate(log)
+             if r.predicted_ms is not None and age + i >= warmup and r.ms > 0]
+    out = {"steps": len(log), "n": len(pairs), "measured_ms": statistics.median([r.ms for r in log]) if log else None}
+    if pairs:
+        out["predicted_ms"] = statistics.median(p for p, _ in pairs)
+        out["errors"] = [round((p - m) / m, 4) for p, m in pairs]
+        out["pairs"] = [[round(p, 3), round(m, 3)] for p, m in
+                        random.Random(len(pairs)).sample(pairs, min(SAMPLE, len(pairs)))]
+    return out
+
+
+def step_cost_rows(runs: list[dict]) -> list[dict]:
+    """Per (contender, C, T): the steps counted, median measured and predicted step ms, and the median and
+    90th percentile of the absolute relative error, pooled over the contender's runs there."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r.get("step_costs"):
+            groups.setdefault((r["contender"], r["concurrency"], r["temperature"]), []).append(r)
+    rows = []
+    for (lab, C, T), rs in groups.items():
+        errs = [e for r in rs for e in r["step_costs"].get("errors", [])]
+        meas = [r["step_costs"]["measured_ms"] for r in rs if r["step_costs"].get("measured_ms") is not None]
+        pred = [r["step_costs"]["predicted_ms"] for r in rs if r["step_costs"].get("predicted_ms") is not None]
+        absd = sorted(abs(e) for e in errs)
+        rows.append({"contender": lab, "gamma": rs[0].get("gamma"), "concurrency": C, "temperature": T,
+                     "n": len(errs), "measured_ms": statistics.median(meas) if meas else None,
+                     "predicted_ms": statistics.median(pred) if pred else None,
+                     "median_abs_error": statistics.median(absd) if absd else None,
+                     "p90_abs_error": absd[int(0.9 * (len(absd) - 1))] if absd else None,
+                     "median_error": statistics.median(errs) if errs else None})
+    return rows
+
+
+def hindsight_model(records: list[StepRecord]) -> dict:
+    """One model fitted to every timed step at once (no ageing, no prior): its costs, the steps it saw, and its
+    own median error on them."""
+    m = OnlineCostModel.fit(records)
+    errs = sorted(abs(m.predict(r.shape) - r.ms) / r.ms for r in records if r.ms > 0)
+    return {**m.to_dict(), "median_abs_error": errs[len(errs) // 2] if errs else None}
+
+
+def summary(rows: list[dict]) -> dict:
+    """The pooled accuracy over every row: the median of the rows' median absolute errors, and the worst row."""
+    have = [r for r in rows if r.get("median_abs_error") is not None]
+    if not have:
+        return {}
+    worst = max(have, key=lambda r: r["median_abs_error"])
+    return {"median": statistics.median(r["median_abs_error"] for r in have), "worst": worst}
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def _signed(x) -> str:
+    return "–" if x is None else f"{100 * x:+.1f}%"
+
+
+def _ms(x) -> str:
+    return "–" if x is None else f"{x:.1f}"
+
+
+def markdown_lines(result: dict) -> list[str]:
+    """The page's section: predicted against measured step time per (contender, C, T), with the error."""
+    rows = result.get("step_costs") or []
+    if not rows:
+        return []
+    s = summary(rows)
+    lines = ["", "## Step costs: the online model against the measured steps", "",
+             f"Each contender's engines share one online step-cost model (eagle_backbone/step_cost.py), kept across "
+             f"its runs; a cost-driven policy warm-starts it from its cost table and plans with it. A step counts "
+             f"once its model has seen {WARMUP} steps; the error is (predicted − measured) / measured, per step.",
+             ""]
+    if s:
+        w = s["worst"]
+        lines += [f"Median absolute error, median over the rows: **{_pct(s['median'])}**; worst row: "
+                  f"{_pct(w['median_abs_error'])} ({w['contender']}, C={w['concurrency']}, T={w['temperature']:g}).", ""]
+    lines += ["| contender | C | T | steps | measured ms | predicted ms | median abs error | p90 abs error | median error |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["temperature"], r["contender"], r["concurrency"])):
+        lines.append(f"| {r['contender']} | {r['concurrency']} | {r['temperature']:g} | {r['n']} | {_ms(r['measured_ms'])} "
+                     f"| {_ms(r['predicted_ms'])} | {_pct(r['median_abs_error'])} | {_pct(r['p90_abs_error'])} "
+                     f"| {_signed(r['median_error'])} |")
+    h = result.get("hindsight")
+    if h:
+        costs = ", ".join(f"{k} {v:.4g}" for k, v in zip(h["features"], h["theta"]))
+        lines += ["", f"Costs measured in hindsight (one fit to all {h['records']} timed steps, `step_costs.json`; "
+                  f"its median absolute error on them {_pct(h.get('median_abs_error'))}): {costs} ms."]
+    return lines
+
+
+def plot(result: dict, path) -> object | None:
+    """Predicted against measured step ms, the runs' sampled steps, one colour per contender, log axes."""
+    pts: dict[str, list] = {}
+    for r in result.get("runs") or []:
+        for p, m in (r.get("step_costs") or {}).get("pairs", []):
+            pts.setdefault(r["contender"], []).append((m, p))
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eagle_backbone.io import atomic_path
+
+    fig, ax = plt.subplots(figsize=(6.2, 5.6))
+    lo = min(min(m, p) for v in pts.values() for m, p in v)
+    hi = max(max(m, p) for v in pts.values() for m, p in v)
+    for lab, v in pts.items():
+        ax.scatter([m for m, _ in v], [p for _, p in v], s=6, alpha=0.5, label=lab)
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1)
+    ax.fill_between([lo, hi], [0.9 * lo, 0.9 * hi], [1.1 * lo, 1.1 * hi], color="grey", alpha=0.15, lw=0)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step ms")
+    ax.set_ylabel("predicted step ms (online model, before the step)")
+    ax.set_title("Step costs: predicted against measured (grey: ±10%)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, markerscale=2)
+    fig.tight_layout()
+    with atomic_path(path, keep_suffix=True) as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    return path
