@@ -12,7 +12,7 @@ profiled on this machine, then fitted to the engine's own timed steps as it runs
 table as profiled; ``cost_model=FILE``: a model fitted in hindsight, frozen). Drafting goes depth by depth
 because a_bi needs the drafter's state at depth i.
 
-Three policies share :class:`LoadAwarePolicy` (the cost table, the running acceptance rate, the plan of a
+Two policies share :class:`LoadAwarePolicy` (and the tree and oracle budgets build on it) (the cost table, the running acceptance rate, the plan of a
 step and the batch-1 hooks):
 
 * :class:`LoadAwareMarginal` (``policy=load_aware``, ``load_aware_head``): the cost model with per-slot
@@ -28,8 +28,6 @@ step and the batch-1 hooks):
   3. ``observe``: each verification's outcomes (draft i kept or the first rejection) update an online
      logistic recalibration of the estimates (:mod:`ldlp.calibration`) and the running acceptance rate.
 
-* :class:`LoadAwareFixed` (``load_aware_fixed``, ablation): the same estimates, a fixed survival threshold
-  instead of the cost model (:func:`threshold_codes`).
 * :class:`LoadAwareStep` (``load_aware_step``, ablation): the cost model without per-slot estimates, one γ
   for the whole batch from the load and the running acceptance rate (as SGLang's batch-size schedules do).
 
@@ -184,14 +182,6 @@ def allocate_depth(survival: torch.Tensor, accept: torch.Tensor, can_continue: t
     go[order2] = k <= best_k
     codes = torch.where(kept, torch.where(go, KEEP_AND_DRAFT, KEEP), DROP)
     return DepthAllocation(codes, Budget(E, N, T))
-
-
-def threshold_codes(survival: torch.Tensor, accept: torch.Tensor, can_continue: torch.Tensor,
-                    threshold: float) -> torch.Tensor:
-    """The fixed-threshold ablation's rule (no cost model): keep a draft while its survival is at least
-    ``threshold``, and draft on while the predicted next survival S · a is too."""
-    go = (survival * accept >= threshold) & can_continue
-    return torch.where(survival >= threshold, torch.where(go, KEEP_AND_DRAFT, KEEP), DROP)
 
 
 def uniform_gamma(costs: CostTable, R: int, cap: int, accept: float, feed_tokens: float) -> int:
@@ -479,29 +469,6 @@ class LoadAwareMarginal(_PerSlotEstimates):
         out = allocate_depth(survival, accept, can_continue & going, plan.budget, costs)
         plan.budget = out.budget
         return out.codes
-
-
-class LoadAwareFixed(_PerSlotEstimates):
-    """Ablation (``policy=load_aware_fixed``): the marginal policy's estimates without its cost model: every
-    step drafts (up to the caps), and :func:`threshold_codes` keeps drafts while their estimated survival
-    stays at least ``threshold``, at any load."""
-
-    def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, estimator: str = "confidence",
-                 max_gamma: int = 8, threshold: float = 0.5, recalibrate: bool = True, decay: float = 0.98,
-                 prior: float = 0.7, explore_every: int = 32, profile_if_missing: bool = True,
-                 cost_table: str | None = None, online_costs: bool = True, cost_model: str | None = None):
-        if not 0 < threshold < 1:
-            raise ValueError(f"load_aware policy: threshold must be in (0, 1), got {threshold!r}")
-        super().__init__(cost_dir, model, temperature, estimator, max_gamma, recalibrate, decay, prior,
-                         explore_every, profile_if_missing, cost_table, online_costs, cost_model)
-        self.threshold = float(threshold)
-
-    def _uniform_gamma(self, caps: list[int]) -> int:
-        return max(caps)
-
-    def _codes(self, depth: int, going: torch.Tensor, survival: torch.Tensor, accept: torch.Tensor,
-               can_continue: torch.Tensor) -> torch.Tensor:
-        return threshold_codes(survival, accept, can_continue, self.threshold)
 
 
 def _corrected_t(p: torch.Tensor, w, c) -> torch.Tensor:

@@ -78,8 +78,6 @@ def build(name: str, artifacts, t32, cand):
         cfg.policy.cost_table = str(table)
     if "explore_every" in cfg.policy:
         cfg.policy.explore_every = 0
-    if "threshold" in cfg.policy and name == "load_aware_fixed":
-        cfg.policy.threshold = 1e-3  # the tiny drafter is unsure: a low bar, so that it drafts at all
     policy = instantiate(cfg.policy)
     if hasattr(policy, "bind"):
         policy.bind(t32, cand, 12, SamplingConfig())
