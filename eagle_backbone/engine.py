@@ -378,9 +378,9 @@ class BatchedSpeculativeEngine:
         self.tree: TreeSpec | None = self.policy.tree if candidates is not None else None
         self.tree_room = self.tree.fed if self.tree is not None else 0  # generator positions a tree feeds
         self.cand = candidates.bound(self) if candidates is not None else None
+        self.early_exit = self.device.type != "cuda" if early_exit is None else bool(early_exit)
         self.policy.bind_engine(self)
         self.policy.check_pair(target, candidates)  # sizes of a policy's own model against the pair: now, not mid-run
-        self.early_exit = self.device.type != "cuda" if early_exit is None else bool(early_exit)
         self.own = OwnTime()  # the policy's own seconds (plan, stop, observe)
         # the plan's host-to-device copy goes through one pinned staging buffer on a GPU: reusing it each step
         # is safe because the previous step's copy finished before that step's host read returned

@@ -14,11 +14,12 @@ those records:
   residual), fitted by non-negative least squares; an outlier step (a page fault, another process) moves it
   little.
 * **Online**: records age by ``forget`` per step (a window of the last ``window``), so the model follows a
-  change of load; it refits every ``refit_every`` records.
+  change of load; it refits every ``refit_every`` records (every 2 × ``refit_every`` after the first 64).
 * **Warm-started** from the profiled :class:`~eagle_backbone.cost.CostTable` (the prior): the table's steps
   on its grid are pseudo-records of total weight ``prior_weight``, and a light ridge keeps what the records
-  cannot identify at the prior's values; both fade as the engine's own steps accumulate (by
-  ``prior_weight / (prior_weight + records seen)``).
+  cannot identify at the prior's values (a run at one slot count says nothing of the per-row cost). The
+  pseudo-records fade as the engine's own steps accumulate (by ``prior_weight / (prior_weight + records
+  seen)``); the ridge does not, so a direction the records never vary stays where the prior put it.
 
 It reads like the table (``target_ms``, ``draft_ms``, ``feed_ms``, ``overhead_ms``, ``step_ms``), so every
 cost-driven policy, the batched oracle, replay and tuning read this one model; ``version`` changes at each
@@ -150,7 +151,7 @@ class OnlineCostModel:
         col = np.maximum(np.abs(A).mean(0), 1e-9) if len(y) else np.ones(X.shape[1])
         huber = np.ones_like(y)
         theta = self._prior_theta.copy()
-        for _ in range(4):
+        for _ in range(3):
             sw = np.sqrt(w * huber)
             rows, rhs = [A * sw[:, None]], [b * sw]
             if ridge > 0:  # pull each cost toward the prior's, in units of that cost's typical share of a step
@@ -176,22 +177,23 @@ class OnlineCostModel:
             X = np.vstack([X, self._prior_X])
             y = np.concatenate([y, self._prior_y])
             w = np.concatenate([w, np.full(self._prior_y.size, fade * self.prior_weight / self._prior_y.size)])
-        self.theta = self._solve(X, y, w, ridge=self.ridge * fade if self.has_prior else self.ridge)
+        self.theta = self._solve(X, y, w)
         self.version += 1
 
     def observe(self, shape: StepShape, ms: float) -> float | None:
         """A timed step: returns what the model predicted for it before seeing it (None before any fit or
-        prior), then learns from it (refitting every ``refit_every`` records)."""
-        predicted = self.predict(shape) if self.version else None
+        prior), then learns from it (refitting every ``refit_every`` records, half as often after 64)."""
+        x = shape.features()
+        predicted = float(x @ self.theta) if self.version else None
         if self.frozen or not (ms > 0 and math.isfinite(ms)):
             return predicted
-        self.records.append((shape.features(), float(ms)))
+        self.records.append((x, float(ms)))
         self.seen += 1
         if shape.rows:
             ctx = shape.keys / max(shape.scored, 1)
             self.context += 0.05 * (ctx - self.context)
         self._since += 1
-        if self._since >= self.refit_every or self.version == 0:
+        if self._since >= self.refit_every * (1 if self.seen <= 64 else 2) or self.version == 0:
             self._since = 0
             self.refit()
         return predicted

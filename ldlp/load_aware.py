@@ -184,6 +184,32 @@ def allocate_depth(survival: torch.Tensor, accept: torch.Tensor, can_continue: t
     return DepthAllocation(codes, Budget(E, N, T))
 
 
+def allocate_depth_host(survival: list[float], accept: list[float], can_continue: list[bool], budget: Budget,
+                        costs: DepthCosts) -> tuple[list[int], Budget]:
+    """:func:`allocate_depth` on host floats (the same objective, the same ties), for a step of a few rows on a
+    CPU, where a read costs nothing and a handful of Python float operations beat twenty small tensor ops."""
+    A = len(survival)
+    E, N, T, m = budget.E, budget.N, budget.T + costs.draft_ms, costs.token_ms
+    order = sorted(range(A), key=lambda j: -survival[j])  # stable, as the device's sort
+    kept_n, E_run = 0, E
+    for k, j in enumerate(order):  # marginal_prefix: add while value / m is at least the rate so far
+        if survival[j] * (T + m * k) < E_run * m:
+            break
+        kept_n, E_run = kept_n + 1, E_run + survival[j]
+    kept = set(order[:kept_n])
+    E, N, T = E + sum(survival[j] for j in order[:kept_n]), N + kept_n, T + m * kept_n
+    value = [survival[j] * accept[j] if j in kept and can_continue[j] else -1.0 for j in range(A)]
+    order2 = sorted(range(A), key=lambda j: -value[j])
+    best, best_k, run = 0.0, 0, 0.0
+    for k in range(1, sum(v >= 0 for v in value) + 1):
+        run += max(value[order2[k - 1]], 0.0)
+        net = run - (E / T) * (k * m + costs.next_depth_ms[k])
+        if net > best:  # the first best: ties go to the smaller set
+            best, best_k = net, k
+    go = set(order2[:best_k])
+    return [(KEEP_AND_DRAFT if j in go else KEEP) if j in kept else DROP for j in range(A)], Budget(E, N, T)
+
+
 def uniform_gamma(costs: CostTable, R: int, cap: int, accept: float, feed_tokens: float) -> int:
     """The γ ≤ ``cap`` that maximises expected tokens per ms for R slots drafting alike at acceptance rate
     ``accept`` (0: plain decoding), with the drafter's catch-up forward over ``feed_tokens`` a row."""
@@ -220,6 +246,23 @@ class StepPlan:
         return cls(torch.tensor(caps, device=device), torch.ones(R, dtype=torch.float64, device=device),
                    torch.ones(R, dtype=torch.bool, device=device),
                    torch.full((R, G), float("nan"), dtype=torch.float64, device=device), budget)
+
+
+@dataclass
+class HostPlan:
+    """A drafting step's state on host floats (:class:`StepPlan`'s fields as lists), for the few-row steps a
+    CPU engine plans on the host (:attr:`LoadAwareMarginal.host_rows`)."""
+
+    caps: list[int]
+    survival: list[float]
+    going: list[bool]
+    raw: list[list[float]]
+    budget: Budget
+
+    @classmethod
+    def start(cls, caps: list[int], budget: Budget) -> HostPlan:
+        G = max(caps)
+        return cls(list(caps), [1.0] * len(caps), [True] * len(caps), [[math.nan] * G for _ in caps], budget)
 
 
 class LoadAwarePolicy(DraftPolicy):
@@ -336,14 +379,15 @@ class LoadAwarePolicy(DraftPolicy):
 
     # ---- the observation ----------------------------------------------------------------------------
     def reads(self) -> dict[str, torch.Tensor]:
-        return {"raw": self._plan.raw} if self._plan is not None and self.reads_drafts else {}
+        plan = self._plan
+        return {"raw": plan.raw} if isinstance(plan, StepPlan) and self.reads_drafts else {}
 
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
         plan = self._plan
         self.feed_tokens += 0.1 * (sum(accepted) / max(1, len(accepted)) + 1 - self.feed_tokens)
         if plan is None:
             return
-        raws = (extra or {}).get("raw") or [[] for _ in drafted]
+        raws = plan.raw if isinstance(plan, HostPlan) else (extra or {}).get("raw") or [[] for _ in drafted]
         est, seen_kept, kept = [], [], []
         for raw, n, k in zip(raws, drafted, accepted):
             raw = [r for r in raw if r == r]  # the depths this row drafted (NaN elsewhere)
@@ -394,6 +438,8 @@ class _PerSlotEstimates(LoadAwarePolicy):
         self.calibration = OnlineLogitCalibration(decay=decay)
         self.head = None
         self._wc = torch.tensor([1.0, 0.0], dtype=torch.float64)  # the online correction's (w, c), on the device
+        self._wc_host = (1.0, 0.0)
+        self._host_ok = False  # a CPU engine that reads each depth's codes (bind_engine)
         self._pending: tuple[list, list] = ([], [])  # outcomes not yet in the correction
         self.update_every = 32  # outcomes per Newton step of the correction
 
@@ -446,19 +492,59 @@ class _PerSlotEstimates(LoadAwarePolicy):
             self.calibration.update(torch.tensor(self._pending[0], device=dev), torch.tensor(self._pending[1], device=dev))
             self._wc = self.calibration.params.to(torch.float64)  # stays on the device: no read
             self._pending = ([], [])
+            if self._host_ok:  # a CPU: the host copy for the host-float plans costs no synchronisation
+                self._wc_host = tuple(self._wc.tolist())
 
 
 class LoadAwareMarginal(_PerSlotEstimates):
     """``policy=load_aware``: per-slot estimates and the cost model; each depth's drafts and the rows that
-    draft on are chosen by :func:`allocate_depth` (see the module docstring), on the device."""
+    draft on are chosen by :func:`allocate_depth` (see the module docstring), on the device; on a CPU engine
+    that reads each depth's codes anyway (``early_exit``), a step of at most ``host_rows`` rows plans on host
+    floats (:func:`allocate_depth_host`: the same choices without twenty small tensor ops a depth)."""
 
-    def _start(self, caps: list[int], g: int) -> tuple[list[int], StepPlan]:
+    host_rows = 4
+
+    def bind_engine(self, engine) -> None:
+        super().bind_engine(engine)
+        self._host_ok = engine.device.type == "cpu" and bool(engine.early_exit)
+        if self._host_ok:
+            self._wc_host = tuple(self._wc.tolist())
+
+    def _start(self, caps: list[int], g: int) -> tuple[list[int], StepPlan | HostPlan]:
         c, R = self.costs, len(caps)
         # the plan so far: every row emits one token; the drafter's catch-up forward is paid
+        E, T = float(R), c.overhead_ms(R) + c.feed_ms(R, self.feed_tokens) + c.target_ms(R, R)
+        if self._host_ok and R <= self.host_rows:
+            return caps, HostPlan.start(caps, Budget(E, R, T))
         f64 = dict(dtype=torch.float64, device=self.device)
-        budget = Budget(torch.tensor(float(R), **f64), torch.tensor(R, device=self.device),
-                        torch.tensor(c.overhead_ms(R) + c.feed_ms(R, self.feed_tokens) + c.target_ms(R, R), **f64))
+        budget = Budget(torch.tensor(E, **f64), torch.tensor(R, device=self.device), torch.tensor(T, **f64))
         return caps, StepPlan.start(caps, self.device, budget)
+
+    def stop(self, d: Depth) -> torch.Tensor:
+        if not isinstance(self._plan, HostPlan):
+            return super().stop(d)
+        plan, depth = self._plan, d.depth
+        raw = self.estimates(depth, d.states, d.probs).tolist()  # a CPU: the read is no synchronisation
+        w, c = self._wc_host
+        going = [plan.going[r] for r in d.rows]
+        a = [_corrected(x, w, c) for x in raw] if self.recalibrate else raw
+        S = [plan.survival[r] * x for r, x in zip(d.rows, a)]
+        R, A, N = len(plan.caps), sum(going), plan.budget.N
+        cost = self.costs
+        costs = DepthCosts(cost.draft_ms(A, R), (cost.target_ms(R, N + A) - cost.target_ms(R, N)) / max(A, 1),
+                           [cost.draft_ms(k, R) for k in range(R + 1)])
+        codes, plan.budget = allocate_depth_host([s if g else -1.0 for s, g in zip(S, going)], a,
+                                                 [g and plan.caps[r] > depth for r, g in zip(d.rows, going)],
+                                                 plan.budget, costs)
+        for j, r in enumerate(d.rows):
+            if going[j]:
+                plan.raw[r][depth - 1] = raw[j]
+            else:
+                codes[j] = DROP
+            if codes[j] != DROP:
+                plan.survival[r] = S[j]
+            plan.going[r] = going[j] and codes[j] == GO
+        return torch.tensor(codes, device=d.tokens.device)
 
     def _codes(self, depth: int, going: torch.Tensor, survival: torch.Tensor, accept: torch.Tensor,
                can_continue: torch.Tensor) -> torch.Tensor:
@@ -469,6 +555,13 @@ class LoadAwareMarginal(_PerSlotEstimates):
         out = allocate_depth(survival, accept, can_continue & going, plan.budget, costs)
         plan.budget = out.budget
         return out.codes
+
+
+def _corrected(p: float, w: float, c: float) -> float:
+    """:func:`_corrected_t` on one host float."""
+    p = min(max(p, EPS), 1 - EPS)
+    z = w * (math.log(p) - math.log1p(-p)) + c
+    return 1 / (1 + math.exp(-z)) if z >= 0 else math.exp(z) / (1 + math.exp(z))
 
 
 def _corrected_t(p: torch.Tensor, w, c) -> torch.Tensor:

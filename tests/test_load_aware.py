@@ -23,7 +23,7 @@ from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
 from eagle_backbone.policy import Depth, DraftContext, OneRow, Rows
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.calibration import OnlineLogitCalibration
-from ldlp.load_aware import (Budget, DepthCosts, LoadAwareMarginal, LoadAwarePolicy, LoadAwareStep,
+from ldlp.load_aware import (Budget, DepthCosts, LoadAwareMarginal, LoadAwarePolicy, LoadAwareStep, StepPlan,
                              allocate_depth, marginal_prefix)
 
 torch.set_num_threads(1)
@@ -521,3 +521,50 @@ def test_step_ms_is_the_one_step_formula():
             rates = [R * sum(accept ** i for i in range(g + 1)) / c.step_ms(R, [R] * g, R * (g + 1), 2.0)
                      for g in range(7)]
             assert uniform_gamma(c, R, 6, accept, 2.0) == max(range(7), key=lambda g: (rates[g], -g))
+
+
+# ---- the host-float plan of a few rows on a CPU ------------------------------------------------------------
+
+
+def test_the_host_allocation_makes_the_device_allocations_choices():
+    """allocate_depth_host on random survivals, estimates, caps, plans and prices: the same codes and plan
+    totals as the device allocation (ties included: survivals drawn from a few values)."""
+    from ldlp.load_aware import allocate_depth_host
+
+    rng = random.Random(3)
+    for _ in range(400):
+        A = rng.randint(1, 6)
+        S = [rng.choice([-1.0, 0.2, 0.5, 0.5, 0.8, rng.random()]) for _ in range(A)]
+        a = [rng.choice([0.3, 0.9, rng.random()]) for _ in range(A)]
+        can = [rng.random() < 0.7 for _ in range(A)]
+        E, N, T, m = rng.uniform(1, 8), rng.randint(1, 8), rng.uniform(5, 40), rng.choice([0.0, 0.3, 2.0, 8.0])
+        nxt = [0.0] + [rng.uniform(0, 3) for _ in range(A)]
+        host, hb = allocate_depth_host(S, a, can, Budget(E, N, T), DepthCosts(1.0, m, nxt))
+        f64 = dict(dtype=torch.float64)
+        dev = allocate_depth(torch.tensor(S, **f64), torch.tensor(a, **f64), torch.tensor(can),
+                             Budget(torch.tensor(E, **f64), torch.tensor(N), torch.tensor(T, **f64)),
+                             DepthCosts(torch.tensor(1.0, **f64), torch.tensor(m, **f64), torch.tensor(nxt, **f64)))
+        assert host == dev.codes.tolist(), (S, a, can, E, N, T, m, nxt)
+        assert (hb.N, hb.E, hb.T) == pytest.approx((int(dev.budget.N), float(dev.budget.E), float(dev.budget.T)))
+
+
+def test_few_rows_on_a_cpu_plan_on_host_floats_with_the_same_outcome(tmp_path, t32, eagle32):
+    """policy=load_aware at C <= host_rows on a CPU engine plans on host floats; the outputs and counters
+    equal those of the device plan (host_rows=0), and the host plan reads nothing extra."""
+    from ldlp.load_aware import HostPlan
+
+    key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
+    prompts = prompts_of((3, 11, 6, 8), seed=9)
+    got = {}
+    for host_rows in (4, 0):
+        pol = policy(tmp_path, table(0.05, 0.5, key=key), max_gamma=4)
+        pol.host_rows = host_rows
+        plans = []
+        start = pol._start
+        pol._start = lambda caps, g: (lambda out: plans.append(type(out[1])) or out)(start(caps, g))
+        eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=2, policy=pol)
+        outs = eng.generate(prompts[:2], 14) + eng.generate(prompts[2:], 14)
+        assert plans and set(plans) == ({HostPlan} if host_rows else {StepPlan})
+        got[host_rows] = [(o.tokens, o.stats.draft_lengths, o.stats.accept_lengths) for o in outs]
+    assert got[4] == got[0]
+    assert [t for t, _, _ in got[4]] == ar(t32, prompts, 14)

@@ -160,3 +160,21 @@ def test_joined_prompts_and_plain_steps_are_in_the_shape(t32, eagle32):
     plain, joined = eng.step_log
     assert plain.shape.depth_rows == () and plain.shape.fed == 0 and plain.shape.scored == 1
     assert joined.shape.prefill == len(b) and joined.shape.rows == 1
+
+
+def test_what_the_records_never_vary_keeps_part_of_the_prior():
+    """Steps of one slot say nothing of how the cost splits between a step and a row: the ridge toward the
+    prior (which does not fade) keeps a per-row cost of the prior's order, while the records fix what they
+    see."""
+    rng = random.Random(10)
+    table = CostTable({"source": "test"}, [1, 4, 16], [1, 2, 3, 5, 9],
+                      [[5.0 + 2.0 * R + 0.3 * R * t for t in (1, 2, 3, 5, 9)] for R in (1, 4, 16)],
+                      [0.8, 1.0, 1.6], [[0.5] * 5 for _ in range(3)], [0.0, 0.0, 0.0])
+    m = OnlineCostModel(prior=table)
+    per_row = m.costs["per_row"]
+    assert per_row > 1.0
+    for _ in range(400):
+        s = shape(rng, R=1)
+        m.observe(s, true_ms(s))
+    assert m.costs["per_row"] > 0.15 * per_row
+    assert np.median([abs(m.predict(s) - true_ms(s)) / true_ms(s) for s in (shape(rng, R=1) for _ in range(50))]) < 0.05
