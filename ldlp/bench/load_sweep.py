@@ -853,6 +853,7 @@ def markdown(result: dict, meta: dict | None = None) -> str:
             lines.append(f"- {lab}: {100 * worst['policy_share']:.2f}% (C={worst['concurrency']}, "
                          f"T={worst['temperature']:g})")
     lines += step_cost_page.markdown_lines(result)
+    lines += step_cost_page.decomposition_lines(rows)
     return "\n".join(lines) + "\n"
 
 

@@ -113,6 +113,52 @@ def markdown_lines(result: dict) -> list[str]:
     return lines
 
 
+HINDSIGHT = " (hindsight costs)"  # the label suffix of a policy rerun on the costs measured in hindsight
+TRUE_ACCEPTANCE = "oracle_budget" + HINDSIGHT  # the batched oracle on those costs: the true acceptance
+
+
+def decomposition(rows: list[dict]) -> list[dict]:
+    """Per adaptive policy run both ways and per (C, T): its tokens/s over the best static γ at (C, T) on the
+    online model, on the costs measured in hindsight, and with the true acceptance too (the batched oracle
+    on the hindsight costs); the gap's parts: ``costs`` (hindsight − online) and ``acceptance`` (true
+    acceptance − hindsight)."""
+    def ratio(label, C, T):
+        r = next((r for r in rows if r["contender"] == label and r["concurrency"] == C and r["temperature"] == T), None)
+        v = (r or {}).get("vs", {}).get("best_static") if r else None
+        return v["ratio"] if v else None
+
+    out = []
+    for base in dict.fromkeys(r["contender"][: -len(HINDSIGHT)] for r in rows if r["contender"].endswith(HINDSIGHT)):
+        if base == "oracle_budget":
+            continue
+        for C, T in sorted({(r["concurrency"], r["temperature"]) for r in rows if r["contender"] == base}):
+            online, hind, true = ratio(base, C, T), ratio(base + HINDSIGHT, C, T), ratio(TRUE_ACCEPTANCE, C, T)
+            out.append({"policy": base, "concurrency": C, "temperature": T, "online": online, "hindsight": hind,
+                        "true_acceptance": true,
+                        "costs": None if None in (online, hind) else hind - online,
+                        "acceptance": None if None in (hind, true) else true - hind})
+    return out
+
+
+def decomposition_lines(rows: list[dict]) -> list[str]:
+    d = decomposition(rows)
+    if not d:
+        return []
+    def f(x, signed=False):
+        return "–" if x is None else (f"{x:+.3f}" if signed else f"{x:.3f}")
+    lines = ["", "## Where the gap to the best static γ comes from", "",
+             "Tokens/s over the best static γ at (C, T), paired: each policy on its online step-cost model, the same "
+             f"policy on the costs measured in hindsight (`policy.cost_model=step_costs.json`, label \"{HINDSIGHT.strip()}\"), "
+             "and the batched oracle on those costs (the true acceptance). **costs** = hindsight − online: what better "
+             "costs would win; **acceptance** = true acceptance − hindsight: what exact acceptance would win on top.", "",
+             "| policy | C | T | online | hindsight costs | true acceptance | costs | acceptance |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d:
+        lines.append(f"| {r['policy']} | {r['concurrency']} | {r['temperature']:g} | {f(r['online'])} | {f(r['hindsight'])} "
+                     f"| {f(r['true_acceptance'])} | {f(r['costs'], True)} | {f(r['acceptance'], True)} |")
+    return lines
+
+
 def plot(result: dict, path) -> object | None:
     """Predicted against measured step ms, the runs' sampled steps, one colour per contender, log axes."""
     pts: dict[str, list] = {}
