@@ -26,11 +26,15 @@ def _builder(cfg: DictConfig, name: str):
     return lambda params: build_policy(OmegaConf.merge(base, params))
 
 
-def _costs(cfg: DictConfig, pair) -> CostTable:
-    """The cost table that prices the replayed steps: a synthetic linear one (costs.linear), else this setup's
-    measured table at one slot, found as the load-aware policies find theirs (costs.table, or paths.cost,
-    profiled at one slot when missing)."""
+def _costs(cfg: DictConfig, pair):
+    """What prices the replayed steps: a synthetic linear table (costs.linear), a step-cost model fitted in
+    hindsight (costs.model), else the step-cost model as an engine starts it, warm-started from this setup's
+    measured table (costs.table, or paths.cost, profiled at one slot when missing)."""
+    from eagle_backbone.step_cost import OnlineCostModel
+
     c = cfg.costs
+    if c.get("model"):
+        return OnlineCostModel.load(c.model)
     lin = c.get("linear") or {}
     if lin.get("step_ms") is not None or lin.get("draft_ms") is not None:
         if lin.get("step_ms") is None or lin.get("draft_ms") is None:
@@ -39,8 +43,8 @@ def _costs(cfg: DictConfig, pair) -> CostTable:
     if pair.candidates is None:
         raise ConfigError("tune_policies: the model has no drafter, so there is no cost table to price drafts by; "
                           "give a linear price (costs.linear.step_ms=... costs.linear.draft_ms=...)")
-    return load_cost_table(c.cost_dir, cfg.model.name, pair.target, pair.candidates, path=c.get("table"),
-                           profile_if_missing=bool(c.profile_if_missing))
+    return OnlineCostModel(load_cost_table(c.cost_dir, cfg.model.name, pair.target, pair.candidates,
+                                           path=c.get("table"), profile_if_missing=bool(c.profile_if_missing)))
 
 
 def _check(cfg: DictConfig, pair, costs: CostTable) -> list[dict]:

@@ -139,3 +139,18 @@ def test_replay_priced_by_the_cost_table_counts_the_same_and_matches_its_linear_
                    progress=False)
     assert "priced by the measured cost table" in tuning_markdown(results, table, rows, "test")
     assert "a linear cost table" in tuning_markdown(results, linear, rows, "test")
+
+
+def test_replay_priced_by_the_step_cost_model_that_an_engine_starts_from_the_table(setup):
+    """Tuning prices replayed steps by the engines' step-cost model: as an engine starts it from a table that is
+    linear at one slot, it prices as the table does (its fit to the table's grid), and its record says so."""
+    from eagle_backbone.step_cost import OnlineCostModel
+
+    _, _, rows = setup
+    linear = CostTable.linear(8.5, 1.6, 0.2)
+    model = OnlineCostModel(linear)
+    a, b = replay(rows, StaticPolicy(3), model), replay(rows, StaticPolicy(3), linear)
+    assert (a.steps, a.drafted, a.accepted) == (b.steps, b.drafted, b.accepted)
+    assert a.seconds == pytest.approx(b.seconds, rel=0.03)
+    record = costs_record(model)
+    assert record["source"] == "step_cost_model" and set(record["costs_ms"]) >= {"fixed", "per_token"}

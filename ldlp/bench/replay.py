@@ -39,9 +39,15 @@ def step_seconds(costs: CostTable, drafted: int, accepted: int) -> float:
     return costs.step_ms(1, [1] * drafted, drafted + 1, accepted + 1) / 1e3
 
 
-def costs_record(costs: CostTable) -> dict:
-    """What priced the steps, for tuning.json: a linear table's three terms, or a measured table's file, key
-    and its plain step and draft depth at one slot."""
+def costs_record(costs) -> dict:
+    """What priced the steps, for tuning.json: a linear table's three terms, a step-cost model's costs and its
+    prior table (or file), or a measured table's file, key and its plain step and draft depth at one slot."""
+    from eagle_backbone.step_cost import OnlineCostModel
+
+    if isinstance(costs, OnlineCostModel):
+        prior = costs.prior_meta or {}
+        return {"source": "step_cost_model", "path": prior.get("path"), "key": prior.get("key"), "slots": 1,
+                "costs_ms": costs.costs, "step_ms": costs.step_ms(1, [], 1, 1), "draft_ms": costs.draft_ms(1, 1)}
     if "linear" in (costs.meta or {}):
         return {"source": "linear", **costs.meta["linear"]}
     return {"source": "cost_table", "path": (costs.meta or {}).get("path"), "key": costs.key, "slots": 1,
@@ -54,6 +60,9 @@ def describe_costs(costs: CostTable) -> str:
         return (f"a step costs {c['step_ms']:.2f} ms + {c['draft_ms']:.2f} ms per drafted token + "
                 f"{c['accepted_ms']:.2f} ms per accepted token (a linear cost table)")
     where = f" {c['path']}" if c["path"] else ""
+    if c["source"] == "step_cost_model":
+        return (f"steps are priced by the step-cost model (eagle_backbone/step_cost.py; from{where}) at one slot "
+                f"(a plain step {c['step_ms']:.2f} ms, a draft depth {c['draft_ms']:.2f} ms)")
     return (f"steps are priced by the measured cost table{where} at one slot (CostTable.step_ms; "
             f"a plain step {c['step_ms']:.2f} ms, a draft depth {c['draft_ms']:.2f} ms)")
 
