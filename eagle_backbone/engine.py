@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,9 @@ from eagle_backbone.tree import (
     verify_tree_greedy,
 )
 from eagle_backbone.tree_draft import TreeSpec, grow_tree
+
+
+STEP_LOG = 100_000  # the most step records an engine keeps (the newest): a long-lived engine's log stays bounded
 
 
 @dataclass
@@ -340,7 +344,8 @@ class BatchedSpeculativeEngine:
     ``cost_model``: an :class:`~eagle_backbone.step_cost.OnlineCostModel` that learns from this engine's timed
     steps (one may be shared by the engines of a run; a cost-driven policy that gets none makes its own from
     its cost table, :meth:`attach_costs`). ``record_steps``: keep every speculative step's shape and wall
-    time (``step_log``, :class:`~eagle_backbone.step_cost.StepRecord`, with the model's prediction).
+    time (``step_log``, :class:`~eagle_backbone.step_cost.StepRecord`, with the model's prediction; the newest
+    :data:`STEP_LOG`).
     """
 
     def __init__(self, target: TargetModel, candidates=None, kind: str | None = None, slots: int = 8,
@@ -363,7 +368,7 @@ class BatchedSpeculativeEngine:
         buf = self.limit + 1
         self.device, self.prefill, self.max_draft = target.device, prefill, max_draft
         self.cost_model, self.record_steps = cost_model, bool(record_steps)
-        self.step_log: list[StepRecord] = []
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self._clock = _StepClock(self.device)
         self._unfed = [0] * slots  # tokens accepted per slot since the drafter's last catch-up forward
         self.tm = BatchedLlama(target.model, buf, attn)

@@ -153,7 +153,7 @@ def test_joined_prompts_and_plain_steps_are_in_the_shape(t32, eagle32):
     a, b = prompts_of((6, 11), seed=5)
     eng.admit(0, a, 10)
     eng.step()  # the prefill alone: a step of its own, not recorded
-    assert eng.step_log == []
+    assert len(eng.step_log) == 0
     eng.step()
     eng.admit(1, b, 10)
     eng.step()  # slot 1's prompt rides in slot 0's step
