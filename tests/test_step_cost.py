@@ -191,3 +191,23 @@ def test_the_gap_decomposition_pairs_online_hindsight_and_true_acceptance():
     (d,) = decomposition(rows)
     assert d["policy"] == "load_aware_step" and d["costs"] == pytest.approx(0.07) and d["acceptance"] == pytest.approx(0.07)
     assert decomposition([row("load_aware_step", 0.9)]) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_engine_times_its_steps_with_cuda_events(t32, eagle32):
+    """On a GPU the step clock is two CUDA events read after the step's one host read: every step is
+    recorded with a positive time, and the output stays the target's."""
+    import copy
+
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.policy import StaticPolicy
+    from test_batched import prompts_of
+
+    target, drafter = copy.deepcopy(t32).to("cuda"), copy.deepcopy(eagle32).to("cuda")
+    eng = BatchedSpeculativeEngine(target, drafter, "eagle", slots=2, policy=StaticPolicy(3),
+                                   cost_model=OnlineCostModel())
+    prompts = prompts_of((5, 9), seed=1)
+    outs = eng.generate(prompts, 12)
+    assert [o.tokens for o in outs] == [target.reference_greedy(p, 12) for p in prompts]
+    assert len(eng.step_log) == eng.steps and all(r.ms > 0 for r in eng.step_log)
+    assert eng.cost_model.seen == eng.steps
