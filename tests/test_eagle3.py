@@ -286,3 +286,34 @@ def test_speculators_package_reads_the_written_config(t3, tmp_path):
     make_eagle3(t3).save_pretrained(tmp_path / "h", layout="speculators", verifier="tiny")
     cfg = spec.Eagle3SpeculatorConfig.from_pretrained(str(tmp_path / "h"))
     assert cfg.draft_vocab_size == V and list(cfg.eagle_aux_hidden_state_layer_ids) == [0, 1, 2]
+
+
+# ---- model configs ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,env", [("llama31_eagle3", ("LLAMA31_PATH", "EAGLE3_LLAMA31_PATH")),
+                                      ("vicuna13b_eagle3", ("VICUNA13B_PATH", "EAGLE3_VICUNA13B_PATH"))])
+def test_gpu_model_configs_compose_from_local_folders(tmp_path, monkeypatch, name, env):
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+
+    for var in env:
+        (tmp_path / var).mkdir()
+        (tmp_path / var / "config.json").write_text("{}")
+        monkeypatch.setenv(var, str(tmp_path / var))
+    model = OmegaConf.to_container(compose_config("evaluate", [f"model={name}"]).model, resolve=True)
+    assert model["drafter_kind"] == "eagle3"
+    assert (model["target"], model["drafter"]) == (str(tmp_path / env[0]), str(tmp_path / env[1]))
+    monkeypatch.setenv(env[1], str(tmp_path / "nowhere"))
+    with pytest.raises(Exception, match=f"set {env[1]} to the model folder"):
+        OmegaConf.to_container(compose_config("evaluate", [f"model={name}"]).model, resolve=True)
+
+
+def test_embedded_eagle3_config_reads_the_trained_heads_folder():
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.paths import EMBEDDED_DIR
+
+    model = OmegaConf.to_container(compose_config("evaluate", ["model=embedded_eagle3"]).model, resolve=True)
+    assert model["drafter_kind"] == "eagle3" and model["drafter"] == str(EMBEDDED_DIR / "eagle3")
+    assert model["target"] == str(EMBEDDED_DIR / "target")
