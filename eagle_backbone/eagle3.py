@@ -47,6 +47,12 @@ _DROP = ("architectures", "transformers_version", "draft_vocab_size", "eagle_aux
          "norm_before_residual", "_name_or_path", "dtype", "torch_dtype", "auto_map")
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Llama's rotate-half form); cos and sin broadcast against x."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low, middle and high layer of an ``num_layers``-layer target (vLLM's and speculators' default)."""
     return (2, num_layers // 2, num_layers - 3)
@@ -268,9 +274,10 @@ class BatchedEagle3Drafter:
     layer), as :class:`~eagle_backbone.llama.BatchedEagleDrafter` runs EAGLE-1's."""
 
     def __init__(self, drafter: Eagle3Drafter, capacity: int, attn: str = "eager"):
-        from eagle_backbone.llama import RotaryTable, _check_attn
+        from eagle_backbone.llama import RotaryTable
 
-        _check_attn(attn)
+        if attn not in ("eager", "sdpa"):
+            raise ValueError(f"attn must be 'eager' or 'sdpa', got {attn!r}")
         self.drafter, self.attn, self.capacity = drafter, attn, capacity
         w = drafter.fc.weight
         self.dtype, self.device = w.dtype, w.device
@@ -289,7 +296,7 @@ class BatchedEagle3Drafter:
 
     def draft(self, tokens, states, batch, cache):
         """Draft pairs: tokens (N,) and the drafter's own states (N, d) -> the next states (N, d)."""
-        from eagle_backbone.llama import _rotate_half, attend
+        from eagle_backbone.llama import attend
 
         d = self.drafter
         x, residual = d.mix(d.embed_tokens(tokens).to(self.dtype), states.to(self.dtype))
@@ -298,8 +305,7 @@ class BatchedEagle3Drafter:
         k = attn.k_proj(x).view(N, -1, self.head_dim)
         v = attn.v_proj(x).view(N, -1, self.head_dim)
         cos, sin = self.rope(batch.rope_pos)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return d.finish(residual, attend(cache, 0, q, k, v, batch, attn.scaling, self.attn))
 
     def logits(self, h):

@@ -28,7 +28,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from eagle_backbone.eagle3 import Eagle3Drafter
+from eagle_backbone.eagle3 import Eagle3Drafter, rotate
 from eagle_backbone.io import atomic_path, atomic_write_json
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.target import TargetModel
@@ -107,7 +107,7 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
         pos = torch.arange(k, k + n, device=aux.device)[None]
         cos, sin = drafter.rotary_emb(x, pos)
         q, kk, v = (p(x).view(B, n, -1, hd).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, kk = _rope(q, cos, sin), _rope(kk, cos, sin)
+        q, kk = rotate(q, cos[:, None], sin[:, None]), rotate(kk, cos[:, None], sin[:, None])
         ks.append(kk)
         vs.append(v)
         # keys: step 0's pairs 0..j (causal), then each later step's pair at j (the diagonal)
@@ -132,11 +132,6 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
     if return_states:
         return states
     return total, losses, top1
-
-
-def _rope(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
 class Eagle3Module(L.LightningModule):
