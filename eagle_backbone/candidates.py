@@ -2,9 +2,10 @@
 
 A candidate generator proposes draft chains for the engine's slots; the engine picks each draft token
 from the distribution the generator gives (argmax, or a draw from the slot's random stream), asks the
-policy whether to go on, verifies and rolls back. Two kinds ship:
+policy whether to go on, verifies and rolls back. Three kinds ship:
 
 * :class:`EagleCandidateGenerator`: the EAGLE-1 drafter, reading the target's features;
+* :class:`Eagle3CandidateGenerator`: the EAGLE-3 drafter, reading three of the target's layers;
 * :class:`DraftModelCandidateGenerator`: a standalone small causal LM (classic speculative decoding).
 
 A new kind subclasses :class:`CandidateGenerator` and implements five calls over slot indices (host
@@ -45,10 +46,13 @@ class CandidateGenerator:
     nodes a row at once, each seeing the slot's accepted prefix and its own ancestors fed at earlier depths.
 
     The engine's buffers a generator may read: ``engine.seq`` (slots, positions) tokens by position and,
-    when ``needs_features``, ``engine.feat`` (slots, positions, d) the target's features by position."""
+    when ``needs_features``, ``engine.feat`` (slots, positions, F) the target's features by position: its last
+    hidden state (F = d), or with ``feature_layers`` the states entering those layers, concatenated (F = k·d)."""
 
     kind = "base"
     needs_features = False  # True: the engine keeps the target's features by position
+    feature_layers: tuple[int, ...] = ()  # the target layers whose entering states are the features (EAGLE-3);
+    # () : the features are the target's last hidden state (EAGLE-1)
 
     def bound(self, engine) -> CandidateGenerator:
         """A shallow copy bound to ``engine`` (its slots, capacity and buffers), with its own caches."""
@@ -158,7 +162,7 @@ class EagleCandidateGenerator(CandidateGenerator):
     def extend(self, slots, tokens, tlens, depth, states):
         # draft `depth`'s pair sits past the true pairs, where the next step's true pairs overwrite it
         batch = RaggedBatch(slots, [t + depth - 1 for t in tlens], [1] * len(slots), self.engine.device)
-        out = self.dm(tokens, states, batch, self.cache)
+        out = self.dm.draft(tokens, states, batch, self.cache)
         return self.dm.logits(out), out
 
     def extend_tree(self, slots, tokens, tlens, depth, states, offset, visible):
@@ -166,8 +170,31 @@ class EagleCandidateGenerator(CandidateGenerator):
         # drafts: the next step's true pairs overwrite them
         R, W = tokens.shape
         batch = _tree_batch(slots, tokens, tlens, depth, offset, visible, 0)
-        out = self.dm(tokens.reshape(-1), states.reshape(R * W, -1), batch, self.cache)
+        out = self.dm.draft(tokens.reshape(-1), states.reshape(R * W, -1), batch, self.cache)
         return self.dm.logits(out).view(R, W, -1), out.view(R, W, -1)
+
+
+class Eagle3CandidateGenerator(EagleCandidateGenerator):
+    """Chain and tree drafting with an EAGLE-3 drafter (:mod:`eagle_backbone.eagle3`): the engine keeps the
+    states entering the drafter's target layers, fused by its fc for the true pairs; drafts feed the drafter's
+    own states. Cache and rollback as EAGLE-1's: only true pairs count, drafted pairs are overwritten.
+    The states it returns (acceptance heads, the LDLP) are the drafter's pre-norm states (R, d)."""
+
+    kind = "eagle3"
+
+    def __init__(self, drafter, target: TargetModel, attn: str = "eager"):
+        check_eagle_pair(drafter, target)
+        self.drafter, self.target, self.attn = drafter, target, attn
+        self.feature_layers = drafter.aux_layers(target.model.config.num_hidden_layers)
+        self.dtype = next(drafter.fc.parameters()).dtype
+
+    def bind(self, engine):
+        from eagle_backbone.eagle3 import BatchedEagle3Drafter
+
+        self.dm = BatchedEagle3Drafter(self.drafter, engine.limit + 1 + engine.tree_room, self.attn)
+        self.cache: SlotCache = self.dm.new_cache(engine.slots)
+        self.h_last = torch.zeros(engine.slots, self.target.hidden_size, dtype=self.dm.dtype, device=engine.device)
+        self.fed = [0] * engine.slots
 
 
 class DraftModelCandidateGenerator(CandidateGenerator):
@@ -241,9 +268,11 @@ class DraftModelCandidateGenerator(CandidateGenerator):
 
 
 def make_candidates(kind: str, drafter, target: TargetModel, attn: str = "eager") -> CandidateGenerator:
-    """The shipped candidate generator for a drafter model of ``kind`` (eagle | draft_lm)."""
+    """The shipped candidate generator for a drafter model of ``kind`` (eagle | eagle3 | draft_lm)."""
     if kind == "eagle":
         return EagleCandidateGenerator(drafter, target, attn)
+    if kind == "eagle3":
+        return Eagle3CandidateGenerator(drafter, target, attn)
     if kind == "draft_lm":
         return DraftModelCandidateGenerator(drafter, target, attn)
-    raise ValueError(f"kind must be 'eagle' or 'draft_lm' with a drafter model, got {kind!r}")
+    raise ValueError(f"kind must be 'eagle', 'eagle3' or 'draft_lm' with a drafter model, got {kind!r}")

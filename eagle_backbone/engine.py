@@ -195,6 +195,7 @@ class Verification:
     hidden: torch.Tensor
     tlens: torch.Tensor
     prefill: tuple | None = None
+    feats: torch.Tensor | None = None  # (R, T, F) the generator's features when not ``hidden`` (EAGLE-3's layers)
 
 
 @dataclass
@@ -376,8 +377,11 @@ class BatchedSpeculativeEngine:
         self.eos = to_device(sorted(target.eos_token_ids) or [-1], self.device)
         self.seq = torch.zeros(slots, buf, dtype=torch.long, device=self.device)  # tokens by position
         self.last_feat = torch.zeros(slots, target.hidden_size, dtype=target.dtype, device=self.device)
+        # the target layers whose states the generator reads (EAGLE-3); () : the last hidden state (EAGLE-1)
+        self.feature_layers = tuple(candidates.feature_layers) if candidates is not None else ()
         if candidates is not None and candidates.needs_features:
-            self.feat = torch.zeros(slots, buf, target.hidden_size, dtype=target.dtype, device=self.device)
+            width = target.hidden_size * max(1, len(self.feature_layers))
+            self.feat = torch.zeros(slots, buf, width, dtype=target.dtype, device=self.device)
         self.policy: DraftPolicy = StaticPolicy(0) if policy is None else as_draft_policy(policy)
         # a tree policy makes every step grow and verify draft trees (eagle_backbone/tree_draft.py)
         self.tree: TreeSpec | None = self.policy.tree if candidates is not None else None
@@ -470,12 +474,21 @@ class BatchedSpeculativeEngine:
     def _prefill(self, slots: list[int]) -> dict[str, torch.Tensor]:
         """Target and drafter prefill of new prompts in their own forwards; returns what the host reads."""
         tok, batch = self._prefill_batch(slots)
-        return self._prefill_finish(slots, tok, batch, self.tm(tok, batch, self.tcache))
+        return self._prefill_finish(slots, tok, batch, *self._forward(tok, batch))
 
-    def _prefill_finish(self, slots: list[int], tok, batch: RaggedBatch, h) -> dict[str, torch.Tensor]:
-        """After the target read the prompts (``h`` (N, d): their hidden states): first tokens, bookkeeping,
-        and the drafter's own prefill (it needs the first token, so it cannot ride in the target's forward).
-        Returns the device tensors the host reads: the first tokens and a planned-ahead γ."""
+    def _forward(self, tokens, batch: RaggedBatch):
+        """The target forward: final-normed hidden states (N, d) and, when the generator reads
+        ``feature_layers`` (EAGLE-3), the states entering them concatenated (N, k·d); else None."""
+        if not self.feature_layers:
+            return self.tm(tokens, batch, self.tcache), None
+        h, aux = self.tm(tokens, batch, self.tcache, hidden_layers=self.feature_layers)
+        return h, torch.cat(aux, -1)
+
+    def _prefill_finish(self, slots: list[int], tok, batch: RaggedBatch, h, f=None) -> dict[str, torch.Tensor]:
+        """After the target read the prompts (``h`` (N, d): their hidden states; ``f`` the generator's features
+        when not ``h``): first tokens, bookkeeping, and the drafter's own prefill (it needs the first token, so it
+        cannot ride in the target's forward). Returns the device tensors the host reads: the first tokens and a
+        planned-ahead γ."""
         st = [self.state[b] for b in slots]
         dev = self.device
         last = h[batch.last()]
@@ -489,9 +502,10 @@ class BatchedSpeculativeEngine:
         self.seq[ridx, to_device(batch.counts, dev)] = x
         self.last_feat[ridx] = last
         if self.cand is not None:
+            f = h if f is None else f
             if self.cand.needs_features:
-                self.feat[batch.slot_of, batch.pos] = h
-            self.cand.prefill(slots, tok, batch, x, h)
+                self.feat[batch.slot_of, batch.pos] = f
+            self.cand.prefill(slots, tok, batch, x, f)
         for s, k in zip(st, batch.counts):
             s.tlen = k
             s.stats.target_forwards += 1
@@ -739,8 +753,10 @@ class BatchedSpeculativeEngine:
         root = torch.zeros(walk.path.shape[0], 1, dtype=walk.path.dtype, device=self.device)
         path_rows = torch.cat([root, walk.path + 1], 1).clamp(min=0)
         hidden = ver.hidden.gather(1, path_rows[..., None].expand(*path_rows.shape, ver.hidden.shape[-1]))
+        feats = None if ver.feats is None else ver.feats.gather(
+            1, path_rows[..., None].expand(*path_rows.shape, ver.feats.shape[-1]))
         self._move_path(plan, walk.path, acc.accepted)
-        return drafts, Verification(ver.record, ver.logits, hidden, ver.tlens, ver.prefill), acc
+        return drafts, Verification(ver.record, ver.logits, hidden, ver.tlens, ver.prefill, feats), acc
 
     def _verify_tree(self, plan: StepPlan, tree: DraftTree, drafted: list[int], joined: list[int]) -> Verification:
         """One target forward: each row scores [last token, its W selected nodes] as span rows (the tree's
@@ -802,12 +818,14 @@ class BatchedSpeculativeEngine:
         flat, prefill = batch.flat(tokens), None
         if joined:
             ptok, pbatch = self._prefill_batch(joined)
-            h_all = self.tm(torch.cat([flat, ptok]), batch.join(pbatch), self.tcache)
-            h, prefill = h_all[: batch.n], (ptok, pbatch, h_all[batch.n:])
+            h_all, f_all = self._forward(torch.cat([flat, ptok]), batch.join(pbatch))
+            h, f = h_all[: batch.n], None if f_all is None else f_all[: batch.n]
+            prefill = (ptok, pbatch, h_all[batch.n:], None if f_all is None else f_all[batch.n:])
         else:
-            h = self.tm(flat, batch, self.tcache)
+            h, f = self._forward(flat, batch)
         # the LM head scores only the real tokens; acceptance reads them padded (R, T)
-        return Verification(rec, batch.padded(self.tm.logits(h), T), batch.padded(h, T), tl, prefill)
+        return Verification(rec, batch.padded(self.tm.logits(h), T), batch.padded(h, T), tl, prefill,
+                            None if f is None else batch.padded(f, T))
 
     def _accept(self, plan: StepPlan, drafts: Drafts, ver: Verification) -> Acceptance:
         """Greedy or speculative-sampling acceptance, batched on the device; the emitted tokens per row."""
@@ -832,7 +850,8 @@ class BatchedSpeculativeEngine:
         self.seq[rows[:, None], torch.where(kept, tl[:, None] + 1 + ar, self.trash)] = acc.emitted
         self.last_feat[rows] = h.gather(1, a[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
         if self.cand is not None and self.cand.needs_features:
-            self.feat[rows[:, None], torch.where(kept, tl[:, None] + ar, self.trash)] = h
+            f = h if ver.feats is None else ver.feats
+            self.feat[rows[:, None], torch.where(kept, tl[:, None] + ar, self.trash)] = f
 
     def _reads(self, plan: StepPlan, drafts: Drafts, acc: Acceptance) -> dict[str, torch.Tensor]:
         """What the host reads after this step: accept counts, emitted tokens, the exact drafted counts when

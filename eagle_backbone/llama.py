@@ -450,7 +450,8 @@ class BatchedLlama:
     """A Hugging Face Llama-family causal LM run on a :class:`SlotCache` (target or standalone draft LM).
 
     ``forward(tokens (N,), batch, cache, hidden_layers=())`` -> final-normed hidden states (N, d) of the
-    flat tokens and the outputs of decoder layers ``hidden_layers`` (for EAGLE-3 style drafters);
+    flat tokens and, in the order given, the states entering decoder layers ``hidden_layers`` (Hugging Face's
+    ``output_hidden_states[i]``: 0 the embeddings; EAGLE-3's features);
     ``logits(h)`` applies the LM head (so callers score only the positions they need)."""
 
     def __init__(self, model: nn.Module, capacity: int, attn: str = "eager"):
@@ -476,13 +477,13 @@ class BatchedLlama:
     def forward(self, tokens: torch.Tensor, batch: RaggedBatch, cache: SlotCache, hidden_layers=()):
         cos, sin = self.rope(batch.rope_pos)  # a tree node turns as at its depth, not where it is written
         x = self.embed_tokens(tokens)
-        extra = []
+        extra = {}
         for li, layer in enumerate(self.layers):
-            x = decoder_layer(layer, x, cos, sin, cache, li, batch, self.attn)
             if li in hidden_layers:
-                extra.append(x)
+                extra[li] = x
+            x = decoder_layer(layer, x, cos, sin, cache, li, batch, self.attn)
         h = self.decoder.norm(x)
-        return (h, extra) if hidden_layers else h
+        return (h, [extra[i] for i in hidden_layers]) if hidden_layers else h
 
     __call__ = forward
 
@@ -513,6 +514,8 @@ class BatchedEagleDrafter:
         h = d.fc(torch.cat([d.embed_tokens(tokens).to(features.dtype), features.to(self.dtype)], dim=-1))
         cos, sin = self.rope(batch.rope_pos)
         return decoder_layer(self.layer, h, cos, sin, cache, 0, batch, self.attn)
+
+    draft = __call__  # drafted pairs (token, predicted feature) read the same way as true ones
 
     def logits(self, h):
         return self.lm_head(h.to(self.lm_head.weight.dtype))

@@ -9,6 +9,7 @@ import torch
 
 from eagle_backbone.candidates import CandidateGenerator, make_candidates
 from eagle_backbone.drafter import EagleDrafter
+from eagle_backbone.eagle3 import Eagle3Drafter
 from eagle_backbone.runtime import resolve_dtype
 from eagle_backbone.target import TargetModel
 
@@ -18,7 +19,7 @@ class ModelPair:
     target: TargetModel
     candidates: CandidateGenerator
     tokenizer: object
-    drafter: torch.nn.Module  # EagleDrafter or a causal LM
+    drafter: torch.nn.Module  # EagleDrafter, Eagle3Drafter or a causal LM
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -32,16 +33,19 @@ def load_drafter(kind: str, path: str | Path, dtype: str = "float32", device: st
     dtype = resolve_dtype(dtype, device)  # auto: bfloat16 where the device has bf16 matmuls, else float32
     if kind == "eagle":
         return EagleDrafter.from_pretrained(path, dtype=dtype, device=device)
+    if kind == "eagle3":  # EAGLE's layout or speculators' (config.json says which)
+        return Eagle3Drafter.from_pretrained(path, dtype=dtype, device=device)
     if kind == "draft_lm":
         return TargetModel.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                            role="draft LM").model
-    raise ValueError(f"model.drafter_kind must be 'eagle' or 'draft_lm', got {kind!r}")
+    raise ValueError(f"model.drafter_kind must be 'eagle', 'eagle3' or 'draft_lm', got {kind!r}")
 
 
 def tie_drafter_embedding(drafter, target: TargetModel) -> bool:
     """Give an EAGLE drafter whose checkpoint ships no ``embed_tokens.weight`` the target's embedding (EAGLE's
     releases share it with the target); checks the shapes. Returns whether it tied; a no-op otherwise."""
-    if isinstance(drafter, EagleDrafter) and not drafter.has_own_embedding and drafter.embed_tokens is not target.embed_tokens:
+    if (isinstance(drafter, (EagleDrafter, Eagle3Drafter)) and not drafter.has_own_embedding
+            and drafter.embed_tokens is not target.embed_tokens):
         drafter.tie_embedding(target.embed_tokens)
         return True
     return False

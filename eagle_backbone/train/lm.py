@@ -143,14 +143,14 @@ def run_lm_training(cfg) -> dict:
     return summary
 
 
-def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume: bool):
-    """Fit with a ``last.ckpt`` every 50 steps in ``ckpt_dir``, resuming from it when asked; then
+def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume: bool, every_n_steps: int = 50):
+    """Fit with a ``last.ckpt`` every ``every_n_steps`` steps in ``ckpt_dir``, resuming from it when asked; then
     validate. Returns (trainer, validation metrics, seconds this run)."""
     import hydra
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     ckpt_dir = Path(ckpt_dir)
-    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=50, save_top_k=0)
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every_n_steps, save_top_k=0)
     trainer = hydra.utils.instantiate(trainer_cfg, logger=hydra.utils.instantiate(logger_cfg),
                                       callbacks=[ckpt, LearningRateMonitor("step")])
     last = ckpt_dir / "last.ckpt"

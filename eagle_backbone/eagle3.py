@@ -1,0 +1,313 @@
+"""The EAGLE-3 drafter (arXiv 2503.01840): a fused low, middle and high target layer, and token prediction.
+
+At position j it reads the token t_{j+1} and a feature g_j, and gives a state s_j and a draft distribution:
+
+    g_j = fc(concat(a_j^(l1), a_j^(l2), a_j^(l3)))   # the target's states entering layers l1 < l2 < l3: Linear(3d -> d)
+    x   = concat(input_layernorm(embed(t_{j+1})), hidden_norm(g_j))      # 2d: q, k and v read both halves
+    s_j = g_j + o_proj(attention(x));  s_j = s_j + mlp(post_attention_layernorm(s_j))     # one decoder layer
+    q(t_{j+2}) = softmax(lm_head(norm(s_j)))         # over the draft vocabulary, mapped to the target's by d2t
+
+From the second draft on the drafter feeds its own state s (pre-norm) as g: no fc. ``norm_before_residual``
+(speculators) takes the residual from hidden_norm(g) instead of g. The layers default to EAGLE-3's choice
+for an L-layer target, (2, L // 2, L - 3), counted as Hugging Face's ``output_hidden_states`` counts them
+(i: the state entering decoder layer i; 0 is the embedding), as vLLM and speculators do.
+
+The draft vocabulary: ``lm_head`` scores ``draft_vocab_size`` tokens, draft token i being target token
+``i + d2t[i]``; ``t2d`` marks the target tokens it covers. The full target vocabulary is the default (d2t
+all zero). :meth:`full_logits` maps draft logits onto the target's vocabulary (the rest at -inf, so q is
+zero there and speculative sampling stays exact).
+
+Checkpoints, both read and written unchanged (:meth:`from_pretrained`, :meth:`save_pretrained`):
+
+* **EAGLE** (SafeAILab's releases): ``config.json`` a Llama config (one layer, ``draft_vocab_size``) and
+  ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight``, ``midlayer.{hidden_norm,input_layernorm,
+  post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
+  ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``
+  (no embedding: the target's is tied);
+* **speculators** (vLLM's): ``config.json`` with ``speculators_model_type: eagle3``, ``speculators_config``,
+  ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``,
+  ``eagle_aux_hidden_state_layer_ids``; the same weights with ``layers.0.`` for ``midlayer.`` and
+  ``embed_tokens.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eagle_backbone.drafter import load_state_dict
+from eagle_backbone.io import atomic_path, atomic_write_json
+
+SPECULATORS_VERSION = "0.9.0"  # the schema written (speculators' Eagle3SpeculatorConfig)
+_UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")  # speculators variants this drafter does not run
+_DROP = ("architectures", "transformers_version", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+         "norm_before_residual", "_name_or_path", "dtype", "torch_dtype", "auto_map")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Llama's rotate-half form); cos and sin broadcast against x."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layer of an ``num_layers``-layer target (vLLM's and speculators' default)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class Eagle3Drafter(nn.Module):
+    has_own_embedding = True  # False when the checkpoint ships no embedding (tie the target's: loading.py)
+
+    def __init__(self, config, draft_vocab_size: int | None = None, layer_ids=None, norm_before_residual: bool = False,
+                 fc_bias: bool = False, num_features: int = 3):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+        if not isinstance(config, LlamaConfig):
+            config = LlamaConfig(**config)
+        config.num_hidden_layers = 1
+        if getattr(config, "_attn_implementation", None) is None:
+            config._attn_implementation = "sdpa"
+        self.config = config
+        d, V = config.hidden_size, config.vocab_size
+        self.draft_vocab_size = int(draft_vocab_size or V)
+        self.layer_ids = tuple(int(i) for i in layer_ids) if layer_ids else None  # None: default_layer_ids(L)
+        if self.layer_ids is not None:
+            num_features = len(self.layer_ids)
+        self.norm_before_residual = bool(norm_before_residual)
+        self.embed_tokens = nn.Embedding(V, d, getattr(config, "pad_token_id", None))
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, never trained
+        self.fc = nn.Linear(num_features * d, d, bias=fc_bias)
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+        attn, hd = layer.self_attn, layer.self_attn.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        attn.q_proj = nn.Linear(2 * d, config.num_attention_heads * hd, bias=bias)  # q, k, v read [embedding, feature]
+        attn.k_proj = nn.Linear(2 * d, config.num_key_value_heads * hd, bias=bias)
+        attn.v_proj = nn.Linear(2 * d, config.num_key_value_heads * hd, bias=bias)
+        layer.hidden_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.midlayer = layer
+        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, self.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(V, dtype=torch.bool) if self.draft_vocab_size == V
+                             else torch.zeros(V, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_features(self) -> int:
+        return self.fc.in_features // self.hidden_size
+
+    def aux_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers whose entering states this drafter fuses, for an ``num_layers``-layer target."""
+        ids = self.layer_ids or default_layer_ids(num_layers)
+        if len(ids) != self.num_features or len(set(ids)) != len(ids) or not all(0 <= i < num_layers for i in ids):
+            raise ValueError(f"EAGLE-3 layer ids {list(ids)} do not fit a {num_layers}-layer target and an fc of "
+                             f"{self.num_features} features (distinct ids in 0..{num_layers - 1})")
+        return tuple(ids)
+
+    # ---- the layer's math, shared by training (eagle_backbone/train/eagle3.py) and the engine -----------------
+    def mix(self, emb: torch.Tensor, g: torch.Tensor):
+        """The attention's input concat(input_layernorm(emb), hidden_norm(g)) (…, 2d) and the residual (…, d)."""
+        layer = self.midlayer
+        gn = layer.hidden_norm(g)
+        return torch.cat([layer.input_layernorm(emb), gn], -1), (gn if self.norm_before_residual else g)
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The state after attention's output ``attn_out`` (…, heads·head_dim): o_proj, residual, MLP block."""
+        layer = self.midlayer
+        x = residual + layer.self_attn.o_proj(attn_out)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def draft_logits(self, state: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(state))
+
+    def full_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary: draft token i at ``i + d2t[i]``, uncovered tokens at -inf."""
+        dl = self.draft_logits(state)
+        if self.draft_vocab_size == self.vocab_size and not bool(self.d2t.any()):
+            return dl
+        out = dl.new_full((*dl.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_to_target(), dl)
+
+    def draft_to_target(self) -> torch.Tensor:
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Restrict the draft vocabulary to the sorted target ids ``draft_ids`` (EAGLE-3: the most frequent)."""
+        ids = torch.as_tensor(draft_ids, dtype=torch.long).sort().values
+        if ids.numel() != self.draft_vocab_size:
+            raise ValueError(f"{ids.numel()} draft ids for a draft vocabulary of {self.draft_vocab_size}")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()[ids] = True
+
+    # ---- construction and checkpoints ---------------------------------------------------------------------
+    @classmethod
+    def from_target_config(cls, target_config, draft_vocab_size: int | None = None, layer_ids=None,
+                           norm_before_residual: bool = False) -> Eagle3Drafter:
+        """A fresh drafter shaped like ``target_config``'s layers, for training."""
+        from transformers import LlamaConfig
+
+        cfg = {k: v for k, v in target_config.to_dict().items() if k not in _DROP}
+        cfg.update(num_hidden_layers=1, model_type="llama")
+        return cls(LlamaConfig(**cfg), draft_vocab_size, layer_ids or default_layer_ids(target_config.num_hidden_layers),
+                   norm_before_residual)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Eagle3Drafter:
+        """Load an EAGLE-3 head in EAGLE's or speculators' layout (told apart by ``speculators_model_type``)."""
+        from transformers import LlamaConfig
+
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise ValueError(f"EAGLE-3 drafter folder {path} has no config.json")
+        raw = json.loads((path / "config.json").read_text())
+        speculators = "speculators_model_type" in raw
+        if speculators:
+            if raw["speculators_model_type"] != "eagle3":
+                raise ValueError(f"{path / 'config.json'}: speculators_model_type is {raw['speculators_model_type']!r}, "
+                                 "not 'eagle3'")
+            on = [k for k in _UNSUPPORTED if raw.get(k)]
+            if on:
+                raise ValueError(f"{path / 'config.json'}: {', '.join(on)} set; this EAGLE-3 drafter runs the plain "
+                                 "EAGLE-3 layer only")
+            layer_cfg = dict(raw.get("transformer_layer_config") or {})
+            if layer_cfg.get("model_type", "llama") != "llama":
+                raise ValueError(f"{path / 'config.json'}: transformer_layer_config.model_type is "
+                                 f"{layer_cfg['model_type']!r}; only llama layers run here")
+        else:
+            layer_cfg = raw
+        if layer_cfg.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{path / 'config.json'}: num_hidden_layers is {layer_cfg['num_hidden_layers']}; an "
+                             "EAGLE-3 drafter here has exactly one decoder layer")
+        cfg = LlamaConfig(**{k: v for k, v in layer_cfg.items() if k not in _DROP})
+        state = load_state_dict(path)
+        if speculators:
+            state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+        V = cfg.vocab_size
+        draft_vocab = int(raw.get("draft_vocab_size") or V)
+        fc = state.get("fc.weight")
+        model = cls(cfg, draft_vocab, raw.get("eagle_aux_hidden_state_layer_ids"), raw.get("norm_before_residual", False),
+                    fc_bias="fc.bias" in state,
+                    num_features=fc.shape[1] // cfg.hidden_size if fc is not None and fc.dim() == 2 else 3)
+        expected = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+        optional = {"embed_tokens.weight"} | ({"d2t", "t2d"} if draft_vocab == V else set())  # tied / identity
+        missing = [k for k in expected if k not in state and k not in optional]
+        unexpected = [k for k in state if k not in expected]
+        wrong = [f"{k} {tuple(state[k].shape)} (config says {tuple(expected[k].shape)})"
+                 for k in state if k in expected and state[k].shape != expected[k].shape]
+        if missing or unexpected or wrong:
+            layout = "speculators" if speculators else "EAGLE"
+            raise ValueError(f"{path}: checkpoint does not match an EAGLE-3 drafter ({layout} layout) for "
+                             f"{path / 'config.json'}; missing keys {missing}, unexpected keys {unexpected}, "
+                             f"wrong shapes {wrong}")
+        if "t2d" in state:
+            state["t2d"] = state["t2d"].bool()
+        model.load_state_dict(state, strict=False)
+        model.has_own_embedding = "embed_tokens.weight" in state
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return model.to(device=device, dtype=dtype).eval()
+
+    def save_pretrained(self, path: str | Path, layout: str = "speculators", dtype: torch.dtype | None = None,
+                        verifier: str | None = None, speculative_tokens: int = 6, safe_serialization: bool = True) -> None:
+        """Write the head in ``layout`` speculators (vLLM serves it as is) or eagle (SafeAILab's)."""
+        if layout not in ("speculators", "eagle"):
+            raise ValueError(f"layout must be 'speculators' or 'eagle', got {layout!r}")
+        path = Path(path)
+        layer = {k: v for k, v in self.config.to_dict().items()
+                 if k not in _DROP and k not in ("_attn_implementation_autoset",)}
+        layer.update(num_hidden_layers=1, model_type="llama", tie_word_embeddings=False)
+        state = {k: v.detach().to(dtype or v.dtype) if v.is_floating_point() else v.detach()
+                 for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        if layout == "eagle":
+            cfg = dict(layer, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=self.draft_vocab_size)
+            if self.layer_ids:
+                cfg["eagle_aux_hidden_state_layer_ids"] = list(self.layer_ids)
+            state.pop("embed_tokens.weight")  # EAGLE's releases tie the target's embedding
+        else:
+            layer["architectures"] = ["LlamaForCausalLM"]
+            cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                   "speculators_version": SPECULATORS_VERSION,
+                   "speculators_config": {
+                       "algorithm": "eagle3", "default_proposal_method": "greedy",
+                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                       "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
+                   "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
+                   "norm_before_residual": self.norm_before_residual, "target_hidden_size": None,
+                   "eagle_aux_hidden_state_layer_ids": list(self.layer_ids) if self.layer_ids else None,
+                   "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+                   "has_no_defaults_at_init": False}
+            state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+        state = {k: v.contiguous() for k, v in state.items()}
+        atomic_write_json(path / "config.json", cfg, newline=False, sort_keys=True)
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            with atomic_path(path / "model.safetensors") as tmp:
+                save_file(state, str(tmp), metadata={"format": "pt"})
+        else:
+            with atomic_path(path / "pytorch_model.bin") as tmp:
+                torch.save(state, tmp)
+
+    def tie_embedding(self, embedding: nn.Embedding) -> None:
+        """Use the target's embedding (checkpoints without ``embed_tokens.weight``)."""
+        if embedding.weight.shape != self.embed_tokens.weight.shape:
+            raise ValueError(f"target embedding {tuple(embedding.weight.shape)} does not match the drafter's "
+                             f"{tuple(self.embed_tokens.weight.shape)}")
+        self.embed_tokens = embedding
+
+
+class BatchedEagle3Drafter:
+    """An :class:`Eagle3Drafter` run on a :class:`~eagle_backbone.llama.SlotCache` over ragged batches (one
+    layer), as :class:`~eagle_backbone.llama.BatchedEagleDrafter` runs EAGLE-1's."""
+
+    def __init__(self, drafter: Eagle3Drafter, capacity: int, attn: str = "eager"):
+        from eagle_backbone.llama import RotaryTable
+
+        if attn not in ("eager", "sdpa"):
+            raise ValueError(f"attn must be 'eager' or 'sdpa', got {attn!r}")
+        self.drafter, self.attn, self.capacity = drafter, attn, capacity
+        w = drafter.fc.weight
+        self.dtype, self.device = w.dtype, w.device
+        self.rope = RotaryTable(drafter.rotary_emb, capacity, self.dtype, self.device)
+        a = drafter.midlayer.self_attn
+        self.kv_heads, self.head_dim = a.k_proj.weight.shape[0] // a.head_dim, a.head_dim
+
+    def new_cache(self, slots: int):
+        from eagle_backbone.llama import SlotCache
+
+        return SlotCache(1, slots, self.capacity, self.kv_heads, self.head_dim, self.dtype, self.device)
+
+    def __call__(self, tokens, features, batch, cache):
+        """True pairs: tokens (N,) and the target's fused layers (N, k·d) -> states (N, d)."""
+        return self.draft(tokens, self.drafter.fc(features.to(self.dtype)), batch, cache)
+
+    def draft(self, tokens, states, batch, cache):
+        """Draft pairs: tokens (N,) and the drafter's own states (N, d) -> the next states (N, d)."""
+        from eagle_backbone.llama import attend
+
+        d = self.drafter
+        x, residual = d.mix(d.embed_tokens(tokens).to(self.dtype), states.to(self.dtype))
+        attn, N = d.midlayer.self_attn, x.shape[0]
+        q = attn.q_proj(x).view(N, -1, self.head_dim)
+        k = attn.k_proj(x).view(N, -1, self.head_dim)
+        v = attn.v_proj(x).view(N, -1, self.head_dim)
+        cos, sin = self.rope(batch.rope_pos)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return d.finish(residual, attend(cache, 0, q, k, v, batch, attn.scaling, self.attn))
+
+    def logits(self, h):
+        """Logits over the target's vocabulary (draft tokens mapped by d2t)."""
+        return self.drafter.full_logits(h)

@@ -1,0 +1,319 @@
+"""The EAGLE-3 drafter kind (eagle_backbone/eagle3.py): the target's layer states the engine keeps, greedy
+identity with the target's own decoding (chains and trees, full and reduced draft vocabularies, several slots),
+exact sampling (chi-square against the enumerated distribution, with a reduced draft vocabulary: q mapped to
+the target's vocabulary by d2t), and both checkpoint layouts (EAGLE's and speculators') written with the real
+key names and shapes, loaded, and refused with one line when a key is missing or unexpected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_target
+from test_batched import prompts_of
+from test_sampling import _chi2_pvalue, _exact_sequence_distribution
+from test_tree_engine import SPECS, TreePolicy, decode
+
+from eagle_backbone.candidates import Eagle3CandidateGenerator
+from eagle_backbone.eagle3 import Eagle3Drafter, default_layer_ids
+from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.llama import BatchedLlama, RaggedBatch
+from eagle_backbone.loading import load_drafter, tie_drafter_embedding
+from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.sampling import SamplingConfig
+
+torch.set_num_threads(1)
+
+
+def make_eagle3(target, seed=5, draft_vocab=None, layer_ids=(0, 1, 2), agree=True) -> Eagle3Drafter:
+    """A random EAGLE-3 head for ``target``; ``agree``: its LM head and norm are the target's and fc passes the
+    highest layer's state (on the 8-token target its drafts are then accepted now and then, so the tests reach
+    accepted paths as well as rollback)."""
+    torch.manual_seed(seed)
+    d = Eagle3Drafter.from_target_config(target.model.config, draft_vocab_size=draft_vocab, layer_ids=layer_ids)
+    d = d.to(target.dtype).eval()
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        if draft_vocab is not None:  # every other token, then the rest up to the size
+            V = target.vocab_size
+            ids = (list(range(0, V, 2)) + list(range(1, V, 2)))[:draft_vocab]
+            d.set_vocab(torch.tensor(sorted(ids)))
+        if agree:
+            h = target.hidden_size
+            d.fc.weight.mul_(0.1)[:, -h:] += torch.eye(h, dtype=d.fc.weight.dtype)
+            d.midlayer.self_attn.o_proj.weight.mul_(0.1)
+            d.midlayer.mlp.down_proj.weight.mul_(0.1)
+            d.norm.weight.copy_(target.model.model.norm.weight)
+            d.lm_head.weight.copy_(target.lm_head.weight[d.draft_to_target()])
+    return d
+
+
+V = 8  # a small vocabulary: random drafts are accepted now and then
+
+
+@pytest.fixture(scope="module")
+def t3():
+    return make_target(seed=0, dtype=torch.float32, layers=3, vocab=V)
+
+
+def test_layer_states_are_transformers_hidden_states(t3):
+    """Layer id i is the state entering decoder layer i: Hugging Face's output_hidden_states[i] (vLLM's and
+    speculators' convention); the ids come back in the order asked."""
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = t3.model.model(ids, output_hidden_states=True).hidden_states
+    m = BatchedLlama(t3.model, 32)
+    _, extra = m(ids.reshape(-1), RaggedBatch([0, 1], [0, 0], [9, 9], "cpu"), m.new_cache(2), hidden_layers=(2, 0, 1))
+    for got, i in zip(extra, (2, 0, 1)):
+        torch.testing.assert_close(got, ref[i].reshape(18, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_default_layers_are_eagle3s():
+    assert default_layer_ids(32) == (2, 16, 29) and default_layer_ids(40) == (2, 20, 37)
+    assert default_layer_ids(8) == (2, 4, 5)  # the embedded target
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 5])
+def test_greedy_chains_equal_the_targets_decoding(t3, draft_vocab):
+    d = make_eagle3(t3, draft_vocab=draft_vocab)
+    prompts = prompts_of((5, 12, 3, 8, 6), vocab=V)
+    accepted = 0
+    for gamma in (1, 3, 6):
+        eng = BatchedSpeculativeEngine(t3, d, "eagle3", slots=3, policy=StaticPolicy(gamma))
+        outs = decode(eng, prompts, n=24)  # more prompts than slots: admissions join running steps
+        assert [o.tokens for o in outs] == [t3.reference_greedy(p, 24) for p in prompts]
+        accepted += sum(o.stats.accepted_tokens for o in outs)
+    assert accepted > 0 or draft_vocab is not None  # accepted paths as well as rollback (the sampling tests
+    # reach accepted paths with a reduced vocabulary)
+
+
+@pytest.mark.parametrize("spec", ["dyn2x3", "static_small"])
+@pytest.mark.parametrize("draft_vocab", [None, 5])
+def test_greedy_trees_equal_the_targets_decoding(t3, spec, draft_vocab):
+    d = make_eagle3(t3, draft_vocab=draft_vocab)
+    prompts = prompts_of((5, 12, 3, 8), vocab=V)
+    eng = BatchedSpeculativeEngine(t3, d, "eagle3", slots=2, policy=TreePolicy(SPECS[spec], 4))
+    outs = decode(eng, prompts, n=20)
+    assert [o.tokens for o in outs] == [t3.reference_greedy(p, 20) for p in prompts]
+
+
+def test_the_generator_reads_the_drafters_layers(t3):
+    d = make_eagle3(t3, layer_ids=(2, 0, 1))
+    eng = BatchedSpeculativeEngine(t3, d, "eagle3", slots=1, policy=StaticPolicy(2))
+    assert eng.feature_layers == (2, 0, 1) and eng.feat.shape[-1] == 3 * t3.hidden_size
+    with pytest.raises(ValueError, match="do not fit a 3-layer target"):
+        Eagle3CandidateGenerator(make_eagle3(t3, layer_ids=(0, 1, 3)), t3)
+
+
+TINY_PROMPT, SAMPLES = [1, 3], 1200
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 3])
+def test_sampling_is_exact(draft_vocab):
+    """The first 3 tokens of 1200 seeded sequences (γ = 2 chains) against the target's enumerated distribution;
+    with a draft vocabulary of 3 of the 4 tokens the drafter never proposes the fourth, and q is zero there."""
+    target = make_target(seed=11, vocab=4, d=16, layers=3, eos=None, dtype=torch.float32)
+    target.eos_token_ids = set()
+    d = make_eagle3(target, draft_vocab=draft_vocab)
+    cfg = SamplingConfig(temperature=1.0)
+    probs = _exact_sequence_distribution(target, TINY_PROMPT, 3, cfg)
+    counts, accepted = {}, 0
+    for start in range(0, SAMPLES, 600):
+        eng = BatchedSpeculativeEngine(target, d, "eagle3", slots=600, policy=StaticPolicy(2), sampling=cfg,
+                                       capacity=16)
+        for o in eng.generate([TINY_PROMPT] * 600, 5, seeds=range(start, start + 600)):
+            counts[tuple(o.tokens[:3])] = counts.get(tuple(o.tokens[:3]), 0) + 1
+            accepted += o.stats.accepted_tokens
+    assert accepted > SAMPLES // 2
+    assert _chi2_pvalue(counts, probs, SAMPLES) > 1e-3
+
+
+def test_sampled_trees_are_exact():
+    target = make_target(seed=11, vocab=4, d=16, layers=3, eos=None, dtype=torch.float32)
+    target.eos_token_ids = set()
+    d = make_eagle3(target, draft_vocab=3)
+    cfg = SamplingConfig(temperature=0.7)
+    probs = _exact_sequence_distribution(target, TINY_PROMPT, 3, cfg)
+    counts = {}
+    for start in range(0, SAMPLES, 600):
+        eng = BatchedSpeculativeEngine(target, d, "eagle3", slots=600, policy=TreePolicy(SPECS["dyn2x3"], 3),
+                                       sampling=cfg, capacity=24)
+        for o in eng.generate([TINY_PROMPT] * 600, 5, seeds=range(start, start + 600)):
+            counts[tuple(o.tokens[:3])] = counts.get(tuple(o.tokens[:3]), 0) + 1
+    assert _chi2_pvalue(counts, probs, SAMPLES) > 1e-3
+
+
+# ---- checkpoints: EAGLE's layout and speculators' ----------------------------------------------------------
+
+def _llama_fields(target):
+    c = target.model.config
+    return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_attention_heads":
+            c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads, "rms_norm_eps": c.rms_norm_eps,
+            "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size, "hidden_act": "silu",
+            "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def _real_weights(target, draft_vocab, prefix, seed=0):
+    """Random weights under the names and shapes an EAGLE-3 head for ``target`` ships with (d = hidden size,
+    heads·head_dim for the projections, 2d inputs to q/k/v, 3d to fc)."""
+    g = torch.Generator().manual_seed(seed)
+    c = target.model.config
+    d, hd, f = c.hidden_size, c.hidden_size // c.num_attention_heads, c.intermediate_size
+    shapes = {"fc.weight": (d, 3 * d), f"{prefix}hidden_norm.weight": (d,), f"{prefix}input_layernorm.weight": (d,),
+              f"{prefix}post_attention_layernorm.weight": (d,),
+              f"{prefix}self_attn.q_proj.weight": (c.num_attention_heads * hd, 2 * d),
+              f"{prefix}self_attn.k_proj.weight": (c.num_key_value_heads * hd, 2 * d),
+              f"{prefix}self_attn.v_proj.weight": (c.num_key_value_heads * hd, 2 * d),
+              f"{prefix}self_attn.o_proj.weight": (d, c.num_attention_heads * hd),
+              f"{prefix}mlp.gate_proj.weight": (f, d), f"{prefix}mlp.up_proj.weight": (f, d),
+              f"{prefix}mlp.down_proj.weight": (d, f), "norm.weight": (d,), "lm_head.weight": (draft_vocab, d)}
+    state = {k: 0.1 * torch.randn(s, generator=g) for k, s in shapes.items()}
+    ids = torch.randperm(c.vocab_size, generator=g)[:draft_vocab].sort().values
+    state["d2t"] = ids - torch.arange(draft_vocab)
+    state["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool)
+    state["t2d"][ids] = True
+    return state
+
+
+def _write(folder, config, state, fmt):
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        save_file(state, str(folder / "model.safetensors"))
+    else:
+        torch.save(state, folder / "pytorch_model.bin")
+
+
+def eagle_layout(target, folder, fmt="safetensors", draft_vocab=5, drop=(), extra=None):
+    """A tiny head in SafeAILab's EAGLE-3 layout (config.json as their releases: a one-layer Llama config with
+    draft_vocab_size; weights midlayer.*, no embedding)."""
+    cfg = dict(_llama_fields(target), architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+               num_hidden_layers=1, draft_vocab_size=draft_vocab, tie_word_embeddings=False, torch_dtype="float16")
+    state = _real_weights(target, draft_vocab, "midlayer.")
+    state = {k: v for k, v in state.items() if k not in drop} | (extra or {})
+    _write(folder, cfg, state, fmt)
+    return state
+
+
+def speculators_layout(target, folder, draft_vocab=5, layer_ids=(0, 1, 2), drop=(), extra=None):
+    """A tiny head in speculators' layout (what vLLM serves): layers.0.*, embed_tokens, speculators_config."""
+    layer = dict(_llama_fields(target), model_type="llama", num_hidden_layers=1, architectures=["LlamaForCausalLM"],
+                 tie_word_embeddings=False)
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                                        "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                                  "verifier": {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}},
+           "transformer_layer_config": layer, "draft_vocab_size": draft_vocab, "norm_before_residual": False,
+           "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": list(layer_ids)}
+    state = _real_weights(target, draft_vocab, "layers.0.")
+    state["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().clone()
+    state = {k: v for k, v in state.items() if k not in drop} | (extra or {})
+    _write(folder, cfg, state, "safetensors")
+    return state
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_eagle_layout_loads_and_decodes(t3, tmp_path, fmt):
+    state = eagle_layout(t3, tmp_path / "e3", fmt)
+    d = load_drafter("eagle3", tmp_path / "e3")
+    assert not d.has_own_embedding and d.draft_vocab_size == 5 and d.layer_ids is None
+    assert tie_drafter_embedding(d, t3)
+    torch.testing.assert_close(d.midlayer.self_attn.q_proj.weight, state["midlayer.self_attn.q_proj.weight"])
+    assert torch.equal(d.draft_to_target(), state["t2d"].nonzero()[:, 0])
+    assert Eagle3CandidateGenerator(d, t3).feature_layers == (2, 1, 0)  # EAGLE-3's default for 3 layers
+    prompts = prompts_of((5, 9), vocab=V)
+    outs = BatchedSpeculativeEngine(t3, d, "eagle3", slots=2, policy=StaticPolicy(3)).generate(prompts, 12)
+    assert [o.tokens for o in outs] == [t3.reference_greedy(p, 12) for p in prompts]
+
+
+def test_speculators_layout_loads(t3, tmp_path):
+    state = speculators_layout(t3, tmp_path / "sp", layer_ids=(2, 0, 1))
+    d = load_drafter("eagle3", tmp_path / "sp")
+    assert d.has_own_embedding and d.layer_ids == (2, 0, 1) and not d.norm_before_residual
+    torch.testing.assert_close(d.midlayer.hidden_norm.weight, state["layers.0.hidden_norm.weight"])
+    assert Eagle3CandidateGenerator(d, t3).feature_layers == (2, 0, 1)
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_missing_or_unexpected_keys_are_refused_in_one_line(t3, tmp_path, layout):
+    write, prefix = (eagle_layout, "midlayer.") if layout == "eagle" else (speculators_layout, "layers.0.")
+    write(t3, tmp_path / "a", drop=(f"{prefix}hidden_norm.weight",))
+    with pytest.raises(ValueError, match=r"missing keys \['midlayer.hidden_norm.weight'\]") as e:
+        load_drafter("eagle3", tmp_path / "a")
+    assert "\n" not in str(e.value)
+    write(t3, tmp_path / "b", extra={"verifier_lm_head.weight": torch.zeros(V, 32)})
+    with pytest.raises(ValueError, match=r"unexpected keys \['verifier_lm_head.weight'\]"):
+        load_drafter("eagle3", tmp_path / "b")
+    write(t3, tmp_path / "c", drop=("d2t",))  # a reduced vocabulary needs its map
+    with pytest.raises(ValueError, match=r"missing keys \['d2t'\]"):
+        load_drafter("eagle3", tmp_path / "c")
+
+
+def test_unsupported_speculators_variants_are_refused(t3, tmp_path):
+    speculators_layout(t3, tmp_path / "n")
+    cfg = json.loads((tmp_path / "n" / "config.json").read_text())
+    (tmp_path / "n" / "config.json").write_text(json.dumps(cfg | {"norm_before_fc": True}))
+    with pytest.raises(ValueError, match="norm_before_fc set"):
+        load_drafter("eagle3", tmp_path / "n")
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+@pytest.mark.parametrize("draft_vocab", [None, 5])
+def test_written_heads_load_back_identically(t3, tmp_path, layout, draft_vocab):
+    d = make_eagle3(t3, draft_vocab=draft_vocab)
+    d.save_pretrained(tmp_path / "h", layout=layout, verifier="tiny")
+    back = load_drafter("eagle3", tmp_path / "h")
+    tie_drafter_embedding(back, t3)
+    for k, v in d.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    keys = set(__import__("safetensors.torch", fromlist=["load_file"]).load_file(str(tmp_path / "h" / "model.safetensors")))
+    if layout == "eagle":
+        assert "midlayer.hidden_norm.weight" in keys and "embed_tokens.weight" not in keys
+    else:
+        assert "layers.0.hidden_norm.weight" in keys and "embed_tokens.weight" in keys
+        cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+        assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+        assert cfg["speculators_config"]["algorithm"] == "eagle3"
+
+
+def test_speculators_package_reads_the_written_config(t3, tmp_path):
+    """When the optional ``speculators`` package is installed (pip install -e .[eagle3]), its own config class
+    parses the config.json written here."""
+    spec = pytest.importorskip("speculators.models.eagle3", reason="speculators not installed (extra eagle3)")
+    make_eagle3(t3).save_pretrained(tmp_path / "h", layout="speculators", verifier="tiny")
+    cfg = spec.Eagle3SpeculatorConfig.from_pretrained(str(tmp_path / "h"))
+    assert cfg.draft_vocab_size == V and list(cfg.eagle_aux_hidden_state_layer_ids) == [0, 1, 2]
+
+
+# ---- model configs ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,env", [("llama31_eagle3", ("LLAMA31_PATH", "EAGLE3_LLAMA31_PATH")),
+                                      ("vicuna13b_eagle3", ("VICUNA13B_PATH", "EAGLE3_VICUNA13B_PATH"))])
+def test_gpu_model_configs_compose_from_local_folders(tmp_path, monkeypatch, name, env):
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+
+    for var in env:
+        (tmp_path / var).mkdir()
+        (tmp_path / var / "config.json").write_text("{}")
+        monkeypatch.setenv(var, str(tmp_path / var))
+    model = OmegaConf.to_container(compose_config("evaluate", [f"model={name}"]).model, resolve=True)
+    assert model["drafter_kind"] == "eagle3"
+    assert (model["target"], model["drafter"]) == (str(tmp_path / env[0]), str(tmp_path / env[1]))
+    monkeypatch.setenv(env[1], str(tmp_path / "nowhere"))
+    with pytest.raises(Exception, match=f"set {env[1]} to the model folder"):
+        OmegaConf.to_container(compose_config("evaluate", [f"model={name}"]).model, resolve=True)
+
+
+def test_embedded_eagle3_config_reads_the_trained_heads_folder():
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.paths import EMBEDDED_DIR
+
+    model = OmegaConf.to_container(compose_config("evaluate", ["model=embedded_eagle3"]).model, resolve=True)
+    assert model["drafter_kind"] == "eagle3" and model["drafter"] == str(EMBEDDED_DIR / "eagle3")
+    assert model["target"] == str(EMBEDDED_DIR / "target")

@@ -1,0 +1,114 @@
+"""EAGLE-3 training (eagle_backbone/train/eagle3.py): the training-time test's unrolled steps are what drafting
+computes at each depth; self-distilled data is the target's own decoding; a run resumed from its checkpoint
+ends with the weights of an uninterrupted one, bit for bit; the script trains and exports a head that
+model=embedded_eagle3-style configs load."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_target, pair_overrides, save_tiny_pair
+from omegaconf import OmegaConf
+
+from eagle_backbone.eagle3 import BatchedEagle3Drafter, Eagle3Drafter
+from eagle_backbone.llama import RaggedBatch
+from eagle_backbone.paths import REPO_ROOT
+from eagle_backbone.train.eagle3 import DistilledData, Eagle3Module, distill, ttt_loss
+from eagle_backbone.train.lm import fit_resumable
+
+torch.set_num_threads(1)
+
+
+def test_unrolled_steps_are_what_drafting_sees():
+    """Step k of the TTT at root j equals the engine's drafter at depth k + 1 after the true pairs 0..j, fed
+    the tokens t_{j+2..} (the target's, as self-distilled drafts are) and its own states."""
+    t = make_target(layers=3)  # float64
+    torch.manual_seed(2)
+    d = Eagle3Drafter.from_target_config(t.model.config, layer_ids=(0, 2, 1)).double().eval()
+    ids = torch.randint(4, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    hs = t.model.model(ids, output_hidden_states=True).hidden_states
+    aux = torch.cat([hs[i] for i in (0, 2, 1)], -1)
+    with torch.no_grad():
+        states = ttt_loss(d, aux, ids, None, None, steps=4, return_states=True)
+        dm = BatchedEagle3Drafter(d, 32, "eager")
+        for j in (0, 3, 6):
+            cache = dm.new_cache(1)
+            s = dm(ids[0, 1: j + 2], aux[0, : j + 1], RaggedBatch([0], [0], [j + 1], "cpu"), cache)[-1:]
+            torch.testing.assert_close(s[0], states[0][0, j], rtol=1e-5, atol=1e-6)  # rotary tables in float32
+            for k in range(1, 4):
+                s = dm.draft(ids[0, j + 1 + k: j + 2 + k], s, RaggedBatch([0], [j + k], [1], "cpu"), cache)
+                torch.testing.assert_close(s[0], states[k][0, j], rtol=1e-5, atol=1e-6)
+
+
+def test_distillation_is_the_targets_greedy_decoding_and_seeded_sampling_repeats():
+    t = make_target(dtype=torch.float32)
+    prompts = [("a", [1, 5, 9, 7]), ("b", [1, 30, 2, 8, 8]), ("c", [1, 11])]
+    recs = distill(t, prompts, 10, 0.0, seed=0, slots=2)
+    assert [r["response_ids"] for r in recs] == [t.reference_greedy(p, 10) for _, p in prompts]
+    assert distill(t, prompts, 10, 1.0, seed=3, slots=2) == distill(t, prompts, 10, 1.0, seed=3, slots=3)
+
+
+def _fit(root, records, max_steps, ckpt, resume, schedule=6):
+    torch.manual_seed(0)  # the run's seed (run_eagle3_training: seed_everything), before the head is made
+    module = Eagle3Module(str(root / "target"), ttt_steps=3, lr=3e-3, warmup_steps=2, schedule_steps=schedule,
+                          layer_ids=(0, 1, 2), draft_vocab_size=48, draft_ids=list(range(8, 56)))
+    dm = DistilledData(records[:12], records[12:], block_size=24, batch_size=4, seed=7, steps=schedule, pad_id=0)
+    trainer = OmegaConf.create({"_target_": "lightning.Trainer", "accelerator": "cpu", "devices": 1,
+                                "precision": "32-true", "max_steps": max_steps, "limit_val_batches": 1,
+                                "enable_progress_bar": False, "enable_model_summary": False,
+                                "default_root_dir": str(root / "runs")})
+    logger = OmegaConf.create({"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": str(root / "runs")})
+    if max_steps == 0:
+        return module.drafter, []
+    seen, step = [], module.training_step
+    module.training_step = lambda batch, *a: (seen.append(int(batch["step"])), step(batch, *a))[1]
+    fit_resumable(module, dm, trainer, logger, ckpt, resume, every_n_steps=1)
+    return module.drafter, seen
+
+
+def test_resume_is_bit_exact(tmp_path):
+    save_tiny_pair(tmp_path, vocab=64, layers=3)
+    from eagle_backbone.target import TargetModel
+
+    t = TargetModel.from_pretrained(tmp_path / "target")
+    g = torch.Generator().manual_seed(1)
+    prompts = [(str(i), torch.randint(4, 64, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist())
+               for i in range(16)]
+    records = distill(t, prompts, 12, 1.0, seed=0, slots=8)
+    whole, seen = _fit(tmp_path, records, 6, tmp_path / "a", resume=False)
+    assert seen == [0, 1, 2, 3, 4, 5]
+    assert _fit(tmp_path, records, 3, tmp_path / "b", resume=False)[1] == [0, 1, 2]
+    resumed, seen = _fit(tmp_path, records, 6, tmp_path / "b", resume=True)
+    assert seen == [3, 4, 5]  # it resumed from last.ckpt and ran the rest
+    assert not torch.equal(whole.fc.weight, _fit(tmp_path, records, 0, None, False)[0].fc.weight)  # it trained
+    for (k, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_the_script_trains_and_exports_both_layouts(tmp_path, embedded_corpus):
+    """``python scripts/train_drafter.py drafter=eagle3`` on a tiny pair, two steps: a speculators folder
+    load_pair reads as model.drafter_kind=eagle3, and EAGLE's layout on request."""
+    save_tiny_pair(tmp_path, vocab=4096, layers=3)
+    over = [o for o in pair_overrides(tmp_path, "float32") if not o.startswith(("model.drafter", "model.name"))]
+    head = tmp_path / "eagle3"
+    cmd = [sys.executable, "scripts/train_drafter.py", "drafter=eagle3", *over, f"model.drafter={head}",
+           "trainer.max_steps=2", "trainer.precision=32-true", "trainer.limit_val_batches=1",
+           "trainer.enable_progress_bar=false", f"drafter_training.ckpt_dir={tmp_path / 'ckpt'}",
+           f"drafter_training.eagle_out_dir={tmp_path / 'eagle_layout'}", "drafter_training.layer_ids=[0,1,2]",
+           f"drafter_training.distill.dir={tmp_path / 'distill'}", "drafter_training.distill.prompts=8",
+           "drafter_training.distill.validation_prompts=2", "drafter_training.distill.max_new_tokens=8",
+           "drafter_training.batch_size=2", "drafter_training.block_size=64", "drafter_training.ttt_steps=2",
+           f"hydra.run.dir={tmp_path / 'run'}", f"data.path={embedded_corpus / 'train.json'}",
+           f"drafter_training.validation_path={embedded_corpus / 'validation.json'}"]
+    r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from eagle_backbone.loading import load_pair
+
+    pair = load_pair({**{o.split("=", 1)[0][6:]: o.split("=", 1)[1] for o in over}, "drafter": str(head),
+                      "drafter_kind": "eagle3", "device": "cpu"})
+    assert pair.candidates.kind == "eagle3" and pair.candidates.feature_layers == (0, 1, 2)
+    assert (tmp_path / "eagle_layout" / "model.safetensors").exists()
+    assert (head / "training_summary.json").exists()
