@@ -285,12 +285,15 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
         prefill = RaggedBatch(every, [0] * R, [context] * R, dev)
         ctx = ctx.reshape(-1)
         eng.tm(ctx, prefill, eng.tcache)
-        eagle = eng.kind == "eagle"
-        if eng.kind not in (None, "eagle", "draft_lm"):
+        eagle = eng.kind in ("eagle", "eagle3")
+        if eng.kind not in (None, "eagle", "eagle3", "draft_lm"):
             raise ValueError(f"cost profile: candidate generator kind {eng.kind!r} is not one the profiler knows "
-                             "(eagle, draft_lm); give the policy a cost table (cost_table_path=)")
+                             "(eagle, eagle3, draft_lm); give the policy a cost table (cost_table_path=)")
+        # the target features a true pair brings: the last layer's (EAGLE), or the chosen layers' side by side
+        # (EAGLE-3, fused by the drafter's fc); a draft depth reads the drafter's own state (the hidden size)
+        width = eng.target.hidden_size * (len(eng.cand.feature_layers) if eng.kind == "eagle3" else 1)
         if eagle:
-            feats = torch.randn(R, context, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype)
+            feats = torch.randn(R, context, width, generator=g).to(dev, eng.target.dtype)
             eng.cand.dm(ctx, feats.reshape(R * context, -1), prefill, eng.cand.cache)
         elif eng.kind is not None:
             eng.cand.dm(ctx, prefill, eng.cand.cache)
@@ -307,7 +310,7 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
         def feed_fn(t):
             tok = torch.randint(4, V, (R * t,), generator=g).to(dev)
             p = RaggedBatch(every, [context] * R, [t] * R, dev)
-            f = torch.randn(R * t, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
+            f = torch.randn(R * t, width, generator=g).to(dev, eng.target.dtype) if eagle else None
 
             def run():
                 if eagle:
@@ -322,8 +325,10 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
             p = RaggedBatch(every, [context] * R, [1] * R, dev)
             s = torch.randn(R, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
 
+            step = eng.cand.dm.draft if eng.kind == "eagle3" else eng.cand.dm  # EAGLE-3 drafts on its own state
+
             def run():
-                out = eng.cand.dm(tok, s, p, eng.cand.cache) if eagle else eng.cand.dm(tok, p, eng.cand.cache)
+                out = step(tok, s, p, eng.cand.cache) if eagle else step(tok, p, eng.cand.cache)
                 torch.softmax(eng.cand.dm.logits(out).float(), -1)
             return run
 

@@ -317,3 +317,17 @@ def test_embedded_eagle3_config_reads_the_trained_heads_folder():
     model = OmegaConf.to_container(compose_config("evaluate", ["model=embedded_eagle3"]).model, resolve=True)
     assert model["drafter_kind"] == "eagle3" and model["drafter"] == str(EMBEDDED_DIR / "eagle3")
     assert model["target"] == str(EMBEDDED_DIR / "target")
+
+
+def test_the_cost_profiler_and_a_load_aware_policy_run_on_an_eagle3_drafter(t3, tmp_path):
+    """The cost profile knows the EAGLE-3 generator (its fused features in, its own state a depth), so a
+    cost-driven policy profiles its table on first use and decodes losslessly on the EAGLE-3 pair."""
+    from ldlp.load_aware import LoadAwareStep
+
+    head = make_eagle3(t3)
+    pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", explore_every=0)
+    eng = BatchedSpeculativeEngine(t3, head, "eagle3", slots=2, policy=pol)
+    prompts = prompts_of((5, 9), vocab=V)
+    outs = eng.generate(prompts, 10)
+    assert [o.tokens for o in outs] == [t3.reference_greedy(p, 10) for p in prompts]
+    assert pol.table is not None and pol.table.key["drafter_kind"] == "eagle3" and eng.cost_model.seen > 0
