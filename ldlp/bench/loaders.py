@@ -222,8 +222,10 @@ def prepare_cost_tables(policies, target, candidates, attn: str | None, concurre
     if candidates is None:
         return
     done = set()
+    from eagle_backbone.policy import DraftPolicy
+
     for p in policies:
-        if getattr(p, "cost_dir", None) is None:
+        if not (isinstance(p, DraftPolicy) and p.needs_costs):
             continue
         if getattr(p, "cost_table_path", None) is not None:  # a table given: it must be this setup's
             load_cost_table(None, p.model_name, target, candidates, attn, path=p.cost_table_path)
