@@ -293,17 +293,20 @@ class _Profile:
 
 
 class _StepClock:
-    """A step's wall milliseconds for the step-cost records: a clock reading at the start and the end on a CPU;
-    on a GPU a CUDA event at the start and one just before the step's host read, read after it (the read has
-    synchronised, so no extra synchronisation), plus the host's time after the read."""
+    """A step's milliseconds for the step-cost records: on a CPU a wall clock and the thread's CPU clock read
+    at the start and the end (torch on one thread computes on this thread; another process on the core
+    stretches the wall time, not the CPU time); on a GPU a CUDA event at the start and one just before the
+    step's host read, read after it (the read has synchronised, so no extra synchronisation), plus the host's
+    time after the read, and no CPU time."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self._t0 = self._t_read = 0.0
+        self._t0 = self._t_read = self._c0 = 0.0
         self._ev = None
 
     def start(self):
         self._t0 = time.perf_counter()
+        self._c0 = time.thread_time()
         if self.cuda:
             self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._ev[0].record()
@@ -313,11 +316,12 @@ class _StepClock:
             self._ev[1].record()
             self._t_read = time.perf_counter()
 
-    def ms(self) -> float:
+    def ms(self) -> tuple[float, float | None]:
+        """(wall ms, CPU ms or None on a GPU)."""
         now = time.perf_counter()
         if self.cuda:  # the events finished before the host read returned
-            return self._ev[0].elapsed_time(self._ev[1]) + 1e3 * (now - self._t_read)
-        return 1e3 * (now - self._t0)
+            return self._ev[0].elapsed_time(self._ev[1]) + 1e3 * (now - self._t_read), None
+        return 1e3 * (now - self._t0), 1e3 * (time.thread_time() - self._c0)
 
 
 def default_attn(target: TargetModel) -> str:
@@ -610,10 +614,13 @@ class BatchedSpeculativeEngine:
     def _record(self, shape: StepShape, gamma: int) -> None:
         """The step's wall time with its shape: into the cost model (its upkeep counts as the policy's own
         time) and the step log; the drafter's catch-up counts move on."""
-        ms = self._clock.ms()
-        predicted = self.own.call(self.cost_model.observe, shape, ms) if self.cost_model is not None else None
+        ms, cpu_ms = self._clock.ms()
+        model, predicted, predicted_cpu = self.cost_model, None, None
+        if model is not None:
+            predicted_cpu = model.predict_cpu(shape) if model.version and cpu_ms is not None else None
+            predicted = self.own.call(model.observe, shape, ms, cpu_ms)
         if self.record_steps:
-            self.step_log.append(StepRecord(shape, ms, predicted, gamma))
+            self.step_log.append(StepRecord(shape, ms, predicted, gamma, cpu_ms, predicted_cpu))
     def _plan(self, run: list[int]) -> StepPlan:
         """γ per running slot, as host ints: a plan-ahead policy's from the last read, any other's from its
         ``plan`` (a device tensor returned here costs a read of its own: shipped policies return host lists)."""

@@ -15,6 +15,11 @@ those records:
   little.
 * **Online**: records age by ``forget`` per step (a window of the last ``window``), so the model follows a
   change of load; it refits every ``refit_every`` records (every 2 × ``refit_every`` after the first 64).
+* **CPU time and the stretch.** On a CPU the engine also gives each step's CPU time (the thread's, torch on
+  one thread): the costs are fitted to that, which another process on the core does not inflate, and a
+  running stretch (wall over CPU time, a geometric average) turns them into wall milliseconds. Every cost
+  scales by the same stretch, so the policies' choices follow the CPU-time fit alone; on a GPU (CUDA events)
+  the costs are fitted to wall time and the stretch stays 1.
 * **Warm-started** from the profiled :class:`~eagle_backbone.cost.CostTable` (the prior): the table's steps
   on its grid are pseudo-records of total weight ``prior_weight``, and a light ridge keeps what the records
   cannot identify at the prior's values (a run at one slot count says nothing of the per-row cost). The
@@ -79,13 +84,15 @@ class StepShape:
 
 @dataclass
 class StepRecord:
-    """One timed step: its shape, its wall milliseconds and what the model predicted before seeing it (None
-    without a model)."""
+    """One timed step: its shape, its wall milliseconds, what the model predicted before seeing it (None
+    without a model), and on a CPU the step's own CPU milliseconds and the model's prediction of those."""
 
     shape: StepShape
     ms: float
     predicted_ms: float | None = None
     gamma: int = 0  # the step's largest planned draft depth (for per-γ accuracy)
+    cpu_ms: float | None = None
+    predicted_cpu_ms: float | None = None
 
 
 class OnlineCostModel:
@@ -107,6 +114,7 @@ class OnlineCostModel:
         self.seen = 0
         self.context = float(context)  # running mean context of a decoding row (for predictions by counts)
         self.tree_prior_ms = float(tree_prior_ms)
+        self.log_stretch = 0.0  # running log(wall / CPU ms) (0: CPU time not given)
         self.prior_meta: dict | None = None
         self._prior_X = np.zeros((0, len(FEATURES)))
         self._prior_y = np.zeros(0)
@@ -180,14 +188,26 @@ class OnlineCostModel:
         self.theta = self._solve(X, y, w)
         self.version += 1
 
-    def observe(self, shape: StepShape, ms: float) -> float | None:
-        """A timed step: returns what the model predicted for it before seeing it (None before any fit or
-        prior), then learns from it (refitting every ``refit_every`` records, half as often after 64)."""
+    @property
+    def stretch(self) -> float:
+        """Wall milliseconds per CPU millisecond of a step, lately (1.0 where CPU time is not given)."""
+        return math.exp(self.log_stretch)
+
+    def observe(self, shape: StepShape, ms: float, cpu_ms: float | None = None) -> float | None:
+        """A timed step (wall ``ms``; ``cpu_ms`` its CPU time, where measured): returns the wall time the model
+        predicted for it before seeing it (None before any fit or prior), then learns from it: the costs from
+        the CPU time when given (else the wall time), the stretch from their ratio; it refits every
+        ``refit_every`` records, half as often after 64."""
         x = shape.features()
-        predicted = float(x @ self.theta) if self.version else None
+        predicted = self.stretch * float(x @ self.theta) if self.version else None
         if self.frozen or not (ms > 0 and math.isfinite(ms)):
             return predicted
-        self.records.append((x, float(ms)))
+        y = float(ms)
+        if cpu_ms is not None and cpu_ms > 0:
+            ratio = min(max(ms / cpu_ms, 0.5), 50.0)
+            self.log_stretch += 0.05 * (math.log(ratio) - self.log_stretch)
+            y = float(cpu_ms)
+        self.records.append((x, y))
         self.seen += 1
         if shape.rows:
             ctx = shape.keys / max(shape.scored, 1)
@@ -199,15 +219,21 @@ class OnlineCostModel:
         return predicted
 
     def predict(self, shape: StepShape) -> float:
+        """Wall milliseconds (the CPU-time costs times the stretch)."""
+        return self.stretch * float(shape.features() @ self.theta)
+
+    def predict_cpu(self, shape: StepShape) -> float:
+        """The costs' own milliseconds: CPU time where the model learns from it."""
         return float(shape.features() @ self.theta)
 
     @property
     def costs(self) -> dict[str, float]:
-        return {name: float(v) for name, v in zip(FEATURES, self.theta)}
+        """Each cost in wall milliseconds (the stretch applied)."""
+        return {name: self.stretch * float(v) for name, v in zip(FEATURES, self.theta)}
 
     # ---- read like a CostTable (what the policies, the oracle, replay and tuning call) -------------------
     def _theta(self, name: str) -> float:
-        return float(self.theta[FEATURES.index(name)])
+        return self.stretch * float(self.theta[FEATURES.index(name)])
 
     def overhead_ms(self, R: int) -> float:
         """The step's fixed part: the fixed cost and the per-row bookkeeping."""
@@ -242,8 +268,8 @@ class OnlineCostModel:
 
     # ---- a fitted model as a file (costs measured in hindsight) ----------------------------------------
     def to_dict(self) -> dict:
-        return {"features": list(FEATURES), "theta": self.theta.tolist(), "context": self.context,
-                "records": self.seen, "forget": self.forget, "prior": self.prior_meta}
+        return {"features": list(FEATURES), "theta": self.theta.tolist(), "stretch": self.stretch,
+                "context": self.context, "records": self.seen, "forget": self.forget, "prior": self.prior_meta}
 
     def save(self, path: str | Path) -> Path:
         atomic_write_json(path, self.to_dict())
@@ -262,21 +288,26 @@ class OnlineCostModel:
                              f"got {raw.get('features')}")
         m = cls(frozen=True, context=float(raw.get("context", 128.0)))
         m.theta = np.maximum(np.array(raw["theta"], dtype=float), 0.0)
+        m.log_stretch = math.log(float(raw.get("stretch", 1.0)))
         m.seen, m.prior_meta, m.version = int(raw.get("records", 0)), {"path": str(path)}, 1
         return m
 
     @classmethod
     def fit(cls, records: list[StepRecord], prior=None, **kw) -> OnlineCostModel:
-        """A model fitted at once to ``records`` (no ageing): the costs measured in hindsight."""
+        """A model fitted at once to ``records`` (no ageing): the costs measured in hindsight (to the CPU times
+        where every record has one, the stretch their median ratio to the wall times)."""
         m = cls(prior, forget=1.0, window=max(8, len(records)), **kw)
+        cpu = all(r.cpu_ms for r in records)
         for r in records:
-            m.records.append((r.shape.features(), float(r.ms)))
+            m.records.append((r.shape.features(), float(r.cpu_ms if cpu else r.ms)))
             m.seen += 1
+        if cpu and records:
+            m.log_stretch = float(np.median([math.log(max(r.ms / r.cpu_ms, 0.5)) for r in records]))
         m.refit()
         return m
 
 
-def accuracy(records: list[StepRecord], skip: int = 50) -> dict:
+def accuracy(records: list[StepRecord], skip: int = 50) -> dict:  # wall-time predictions
     """The online predictions' error against the measured steps, after the first ``skip`` predicted ones:
     median absolute relative error, its 90th percentile, the median signed error, and the count."""
     pairs = [(r.predicted_ms, r.ms) for r in records if r.predicted_ms is not None and r.ms > 0][skip:]
@@ -290,4 +321,5 @@ def accuracy(records: list[StepRecord], skip: int = 50) -> dict:
 
 
 def record_dict(r: StepRecord) -> dict:
-    return {"ms": r.ms, "predicted_ms": r.predicted_ms, "gamma": r.gamma, **asdict(r.shape)}
+    return {"ms": r.ms, "predicted_ms": r.predicted_ms, "cpu_ms": r.cpu_ms, "predicted_cpu_ms": r.predicted_cpu_ms,
+            "gamma": r.gamma, **asdict(r.shape)}

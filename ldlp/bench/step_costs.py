@@ -24,7 +24,11 @@ def run_step_costs(log: list[StepRecord], age: int, warmup: int = WARMUP) -> dic
     errors (rounded) and a seeded sample of pairs."""
     pairs = [(r.predicted_ms, r.ms) for i, r in enumerate(log)
              if r.predicted_ms is not None and age + i >= warmup and r.ms > 0]
+    cpu = [(r.predicted_cpu_ms, r.cpu_ms) for i, r in enumerate(log)
+           if r.predicted_cpu_ms is not None and r.cpu_ms and age + i >= warmup]
     out = {"steps": len(log), "n": len(pairs), "measured_ms": statistics.median([r.ms for r in log]) if log else None}
+    if cpu:  # the same against the steps' CPU time (what the costs are fitted to on a CPU)
+        out["cpu_errors"] = [round((p - m) / m, 4) for p, m in cpu]
     if pairs:
         out["predicted_ms"] = statistics.median(p for p, _ in pairs)
         out["errors"] = [round((p - m) / m, 4) for p, m in pairs]
@@ -43,6 +47,7 @@ def step_cost_rows(runs: list[dict]) -> list[dict]:
     rows = []
     for (lab, C, T), rs in groups.items():
         errs = [e for r in rs for e in r["step_costs"].get("errors", [])]
+        cpu = sorted(abs(e) for r in rs for e in r["step_costs"].get("cpu_errors", []))
         meas = [r["step_costs"]["measured_ms"] for r in rs if r["step_costs"].get("measured_ms") is not None]
         pred = [r["step_costs"]["predicted_ms"] for r in rs if r["step_costs"].get("predicted_ms") is not None]
         absd = sorted(abs(e) for e in errs)
@@ -51,25 +56,31 @@ def step_cost_rows(runs: list[dict]) -> list[dict]:
                      "predicted_ms": statistics.median(pred) if pred else None,
                      "median_abs_error": statistics.median(absd) if absd else None,
                      "p90_abs_error": absd[int(0.9 * (len(absd) - 1))] if absd else None,
-                     "median_error": statistics.median(errs) if errs else None})
+                     "median_error": statistics.median(errs) if errs else None,
+                     "cpu_median_abs_error": statistics.median(cpu) if cpu else None})
     return rows
 
 
 def hindsight_model(records: list[StepRecord]) -> dict:
     """One model fitted to every timed step at once (no ageing, no prior): its costs, the steps it saw, and its
-    own median error on them."""
+    own median error on them (wall, and CPU time where measured)."""
     m = OnlineCostModel.fit(records)
     errs = sorted(abs(m.predict(r.shape) - r.ms) / r.ms for r in records if r.ms > 0)
-    return {**m.to_dict(), "median_abs_error": errs[len(errs) // 2] if errs else None}
+    cpu = sorted(abs(m.predict_cpu(r.shape) - r.cpu_ms) / r.cpu_ms for r in records if r.cpu_ms)
+    return {**m.to_dict(), "median_abs_error": errs[len(errs) // 2] if errs else None,
+            "cpu_median_abs_error": cpu[len(cpu) // 2] if cpu else None}
 
 
 def summary(rows: list[dict]) -> dict:
-    """The pooled accuracy over every row: the median of the rows' median absolute errors, and the worst row."""
+    """The pooled accuracy over every row: the median of the rows' median absolute errors (wall, and CPU time
+    where measured), and the worst row."""
     have = [r for r in rows if r.get("median_abs_error") is not None]
     if not have:
         return {}
     worst = max(have, key=lambda r: r["median_abs_error"])
-    return {"median": statistics.median(r["median_abs_error"] for r in have), "worst": worst}
+    cpu = [r["cpu_median_abs_error"] for r in have if r.get("cpu_median_abs_error") is not None]
+    return {"median": statistics.median(r["median_abs_error"] for r in have), "worst": worst,
+            "cpu_median": statistics.median(cpu) if cpu else None}
 
 
 def _pct(x) -> str:
@@ -93,23 +104,30 @@ def markdown_lines(result: dict) -> list[str]:
     lines = ["", "## Step costs: the online model against the measured steps", "",
              f"Each contender's engines share one online step-cost model (eagle_backbone/step_cost.py), kept across "
              f"its runs; a cost-driven policy warm-starts it from its cost table and plans with it. A step counts "
-             f"once its model has seen {WARMUP} steps; the error is (predicted − measured) / measured, per step.",
-             ""]
+             f"once its model has seen {WARMUP} steps; the error is (predicted − measured) / measured, per step. On a "
+             "CPU the costs are fitted to each step's CPU time and a running stretch (wall over CPU time) makes "
+             "them wall milliseconds: the CPU column is the model's own error, the wall columns add what the "
+             "scheduler did to each step.", ""]
     if s:
         w = s["worst"]
-        lines += [f"Median absolute error, median over the rows: **{_pct(s['median'])}**; worst row: "
+        lines += [f"Median absolute error, median over the rows: **{_pct(s['median'])}** of the wall time, "
+                  f"**{_pct(s['cpu_median'])}** of the CPU time; worst row (wall): "
                   f"{_pct(w['median_abs_error'])} ({w['contender']}, C={w['concurrency']}, T={w['temperature']:g}).", ""]
-    lines += ["| contender | C | T | steps | measured ms | predicted ms | median abs error | p90 abs error | median error |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| contender | C | T | steps | measured ms | predicted ms | median abs error | p90 abs error | median error "
+              "| CPU-time median abs error |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["temperature"], r["contender"], r["concurrency"])):
         lines.append(f"| {r['contender']} | {r['concurrency']} | {r['temperature']:g} | {r['n']} | {_ms(r['measured_ms'])} "
                      f"| {_ms(r['predicted_ms'])} | {_pct(r['median_abs_error'])} | {_pct(r['p90_abs_error'])} "
-                     f"| {_signed(r['median_error'])} |")
+                     f"| {_signed(r['median_error'])} | {_pct(r.get('cpu_median_abs_error'))} |")
     h = result.get("hindsight")
     if h:
-        costs = ", ".join(f"{k} {v:.4g}" for k, v in zip(h["features"], h["theta"]))
+        stretch = h.get("stretch", 1.0)
+        costs = ", ".join(f"{k} {stretch * v:.4g}" for k, v in zip(h["features"], h["theta"]))
         lines += ["", f"Costs measured in hindsight (one fit to all {h['records']} timed steps, `step_costs.json`; "
-                  f"its median absolute error on them {_pct(h.get('median_abs_error'))}): {costs} ms."]
+                  f"its median absolute error on them {_pct(h.get('median_abs_error'))} of the wall time, "
+                  f"{_pct(h.get('cpu_median_abs_error'))} of the CPU time; stretch {h.get('stretch', 1.0):.2f}): "
+                  f"{costs} ms."]
     return lines
 
 
