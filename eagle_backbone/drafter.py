@@ -143,21 +143,31 @@ class EagleDrafter(nn.Module):
         atomic_write_json(path / "config.json", cfg, newline=False, sort_keys=True)
         state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in self.state_dict().items()
                  if not k.startswith("rotary_emb.")}
-        if safe_serialization:
-            from safetensors.torch import save_file
-
-            with atomic_path(path / "model.safetensors") as tmp:
-                save_file(state, str(tmp), metadata={"format": "pt"})
-        else:
-            with atomic_path(path / "pytorch_model.bin") as tmp:
-                torch.save(state, tmp)
+        write_weights(path, state, safe_serialization)
 
     def tie_embedding(self, embedding: nn.Embedding) -> None:
         """Use the target's embedding (for checkpoints that do not ship ``embed_tokens.weight``)."""
-        if embedding.weight.shape != self.embed_tokens.weight.shape:
-            raise ValueError(f"target embedding {tuple(embedding.weight.shape)} does not match the drafter's "
-                             f"{tuple(self.embed_tokens.weight.shape)}")
-        self.embed_tokens = embedding
+        self.embed_tokens = checked_embedding(embedding, self.embed_tokens)
+
+
+def checked_embedding(embedding: nn.Embedding, own: nn.Embedding) -> nn.Embedding:
+    """The target's ``embedding``, refused in one line where its shape is not the drafter's ``own``."""
+    if embedding.weight.shape != own.weight.shape:
+        raise ValueError(f"target embedding {tuple(embedding.weight.shape)} does not match the drafter's "
+                         f"{tuple(own.weight.shape)}")
+    return embedding
+
+
+def write_weights(path: Path, state: dict, safe_serialization: bool = True) -> None:
+    """``state`` as ``model.safetensors`` (default) or ``pytorch_model.bin`` in ``path``, atomically."""
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        with atomic_path(path / "model.safetensors") as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
+    else:
+        with atomic_path(path / "pytorch_model.bin") as tmp:
+            torch.save(state, tmp)
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:

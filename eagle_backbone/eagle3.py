@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle_backbone.drafter import load_state_dict
+from eagle_backbone.drafter import checked_embedding, load_state_dict, write_weights
 from eagle_backbone.io import atomic_path, atomic_write_json
 
 SPECULATORS_VERSION = "0.9.0"  # the schema written (speculators' Eagle3SpeculatorConfig)
@@ -252,21 +252,11 @@ class Eagle3Drafter(nn.Module):
             state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
         state = {k: v.contiguous() for k, v in state.items()}
         atomic_write_json(path / "config.json", cfg, newline=False, sort_keys=True)
-        if safe_serialization:
-            from safetensors.torch import save_file
-
-            with atomic_path(path / "model.safetensors") as tmp:
-                save_file(state, str(tmp), metadata={"format": "pt"})
-        else:
-            with atomic_path(path / "pytorch_model.bin") as tmp:
-                torch.save(state, tmp)
+        write_weights(path, state, safe_serialization)
 
     def tie_embedding(self, embedding: nn.Embedding) -> None:
         """Use the target's embedding (checkpoints without ``embed_tokens.weight``)."""
-        if embedding.weight.shape != self.embed_tokens.weight.shape:
-            raise ValueError(f"target embedding {tuple(embedding.weight.shape)} does not match the drafter's "
-                             f"{tuple(self.embed_tokens.weight.shape)}")
-        self.embed_tokens = embedding
+        self.embed_tokens = checked_embedding(embedding, self.embed_tokens)
 
 
 class BatchedEagle3Drafter:
