@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.pipeline import publish_run
+from ldlp.report.publish import publish_run
 
 
 @hydra.main(config_path="../conf", config_name="publish_results", version_base="1.3")

@@ -853,6 +853,11 @@ def _a_run(folder: Path, model: str = "m", tuning: bool = True, sweep_complete: 
             (folder / "load_sweep" / f).write_text(f)
         (folder / "load_sweep" / "batch_bench.json").write_text(json.dumps([{"complete": sweep_complete}]))
         (folder / "load_sweep" / "batch_bench_runs.json").write_text(json.dumps({"meta": {"model": model}}))
+    from ldlp.report.publish import write_run_manifest
+
+    stages = ["corpus", "oracle"] + (["tune"] if tuning else []) + (["bench_batch"] if sweep_complete is not None
+                                                                    else [])
+    write_run_manifest(folder, model, stages, {s: 10.0 for s in stages})
     return folder
 
 
@@ -930,3 +935,55 @@ def test_scripts_print_the_projects_own_value_errors_in_one_line(monkeypatch, ca
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(ValueError, match="concurrency"):
         main(lambda: check_sweep_args([0]))
+
+
+# -- issue 32: publishing is one run's whole result ----------------------------------------------------------
+
+
+def test_publishing_takes_only_the_stages_this_run_had_and_lists_what_it_wrote(tmp_path):
+    """A run with bench_batch.enabled=false over the folder of an earlier run with a load sweep: the earlier load
+    sweep (page, plots, runs file) is neither published nor timed nor linked, the earlier publish's files are
+    removed, and manifest.json lists exactly what this publish wrote."""
+    import hashlib
+
+    from ldlp.report.publish import publish_run, write_run_manifest
+
+    published, readme = tmp_path / "published", tmp_path / "README.md"
+    readme.write_text("# r\n")
+    results = _a_run(tmp_path / "results")  # an earlier run: tuning and load sweep
+    publish_run(results, published, readme, None, "m", "cmd")
+    assert (published / "load_sweep" / "batch_bench_runs.json").is_file()  # every file of the group
+    manifest = json.loads((published / "manifest.json").read_text())
+    assert "load_sweep/batch_bench_runs.json" in manifest["files"]
+    (published / "other.md").write_text("a page of another script")  # not the main command's: left alone
+    # the next run has no load sweep; its files from the earlier run stay in the results folder
+    write_run_manifest(results, "m", ["corpus", "oracle", "tune"], {"corpus": 1.0, "oracle": 2.0, "tune": 3.0})
+    (results / "stage_seconds.json").write_text(json.dumps({"corpus": 1.0, "bench_batch": 99.0}))
+    lines = publish_run(results, published, readme, None, "m", "cmd")
+    assert not (published / "load_sweep").exists() or not any((published / "load_sweep").iterdir())
+    assert any("not published: load sweep" in line for line in lines)
+    assert json.loads((published / "stage_seconds.json").read_text()) == {"corpus": 1.0, "oracle": 2.0, "tune": 3.0}
+    page = (published / "README.md").read_text()
+    assert "load_sweep" not in page and "bench_batch" not in page
+    manifest = json.loads((published / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(published)) for p in published.rglob("*") if p.is_file()}
+    assert set(manifest["files"]) == on_disk - {"manifest.json", "other.md"}
+    for f, digest in manifest["files"].items():
+        assert hashlib.sha256((published / f).read_bytes()).hexdigest() == digest
+    assert (published / "other.md").is_file()
+
+
+def test_publishing_a_folder_no_main_command_finished_is_refused(tmp_path):
+    from eagle_backbone.errors import ConfigError
+    from ldlp.report.publish import publish_run
+
+    results = _a_run(tmp_path / "results")
+    (results / "run.json").unlink()
+    with pytest.raises(ConfigError) as e:
+        publish_run(results, tmp_path / "published", tmp_path / "README.md", None, "m", "cmd")
+    assert "no run.json" in _one_line(e) and not (tmp_path / "published").exists()
+
+
+def test_the_publish_script_does_not_import_the_orchestrator():
+    text = (Path(__file__).resolve().parent.parent / "scripts" / "publish_results.py").read_text()
+    assert "ldlp.pipeline" not in text and "ldlp.report.publish" in text
