@@ -86,6 +86,18 @@ def bf16_matmuls(device: str = "cpu", flags: set[str] | None = None) -> bool:
     return False
 
 
+def check_device(device, key: str = "model.device") -> None:
+    """Refuse, in one line, a CUDA device on a torch build or machine without one (torch would fail later with an
+    assertion traceback, after the models are read)."""
+    try:
+        kind = torch.device(str(device)).type
+    except RuntimeError as e:
+        raise ValueError(f"{key}={device}: not a device ({e}); use cpu or cuda") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"{key}={device}: {why} (torch.cuda.is_available() is False); use {key}=cpu")
+
+
 def resolve_dtype(dtype: str | None, device: str = "cpu", flags: set[str] | None = None) -> str:
     """``model.dtype`` as the models are loaded: ``auto`` (or None) is bfloat16 where ``device`` has bf16 matmuls
     (:func:`bf16_matmuls`) and float32 otherwise; an explicit dtype is kept."""
@@ -101,7 +113,11 @@ def resolve_model_dtype(model_cfg) -> str | None:
     """Replace ``auto`` in a model config (DictConfig or dict, changed in place) by the dtype it resolves to, so
     that everything that records ``model.dtype`` (results, manifests, benchmarks) records the one used;
     returns it (None when the config has no dtype key)."""
-    if model_cfg is None or not hasattr(model_cfg, "get") or "dtype" not in model_cfg:
+    if model_cfg is None or not hasattr(model_cfg, "get"):
+        return None
+    if model_cfg.get("device") is not None:
+        check_device(model_cfg.get("device"))
+    if "dtype" not in model_cfg:
         return None
     resolved = resolve_dtype(model_cfg.get("dtype"), str(model_cfg.get("device") or "cpu"))
     if model_cfg.get("dtype") != resolved:
