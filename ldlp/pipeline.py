@@ -155,7 +155,7 @@ def fingerprint(stage: Stage, stages: dict[str, Stage]) -> tuple[str, dict]:
     """The digest of everything ``stage`` reads: its command's overrides, the YAML files it composes, the
     model folders' contents and its upstream stages' outputs; and the inputs themselves (stored with it,
     so that a changed one can be found)."""
-    inputs = {"script": stage.script, "args": stage.args,
+    inputs = {"script": stage.script, "args": _location_free(stage, stages),
               "configs": _config_files(COMMON_CONFIGS + stage.configs),
               "reads": {str(p): content_digest(p) for p in stage.reads},
               "after": {n: output_digest(stages[n].out) for n in stage.after if n in stages}}
@@ -164,6 +164,27 @@ def fingerprint(stage: Stage, stages: dict[str, Stage]) -> tuple[str, dict]:
     if stage.name == "corpus":  # built from the running Python's standard library
         inputs["python"] = sys.version
     return _digest(inputs), inputs
+
+
+def _location_free(stage: Stage, stages: dict[str, Stage]) -> list[str]:
+    """The stage's overrides without where things are written: ``paths.*`` overrides are left out, and a value
+    that is a stage's output folder (or a file in it) is named by that stage (``out_dir=<oracle>``,
+    ``tuned_from=<tune>/tuning.json``). What the stage reads there is in the fingerprint by content (``after``),
+    so moving ``paths.outputs`` or ``paths.published`` reruns nothing."""
+    outs = sorted(((str(s.out), n) for n, s in {**stages, stage.name: stage}.items()), key=lambda x: -len(x[0]))
+    out = []
+    for a in stage.args:
+        key, sep, value = a.partition("=")
+        if sep and override_key(a).split(".", 1)[0] == "paths":
+            continue
+        if sep:
+            for folder, name in outs:
+                if value == folder or value.startswith(folder + os.sep):
+                    value = f"<{name}>" + value[len(folder):]
+                    break
+            a = f"{key}={value}"
+        out.append(a)
+    return out
 
 
 def _digest(inputs: dict) -> str:

@@ -93,7 +93,7 @@ def test_an_interrupted_stage_runs_again_and_the_fingerprint_is_stored_next_to_i
     assert _run_all(tmp_path, stages) == ["up", "down"]
     stored = json.loads((tmp_path / "up" / "stage.json").read_text())
     assert stored["complete"] is True and stored["fingerprint"] == digest
-    assert stored["inputs"]["args"] == stages[0].args
+    assert stored["inputs"]["args"] == ["out_dir=<up>", "text=a"]  # its own output folder by name, not location
     seconds = json.loads((tmp_path / "results" / "stage_seconds.json").read_text())
     assert set(seconds) == {"up", "down"}
     cpu = json.loads((tmp_path / "results" / "stage_cpu_seconds.json").read_text())  # what it would take idle
@@ -713,3 +713,20 @@ def test_a_failed_stage_ends_the_main_command_in_one_line(writer, tmp_path):
                                           "setting or input to fix"):
         _run_all(tmp_path, [bad])
     assert issubclass(StageFailed, ValueError)  # scripts/_setup.py prints it as one error: line
+
+
+def test_where_outputs_go_is_not_an_input(tmp_path):
+    """paths.outputs and paths.published say where results are written: changing them (and switching back) reruns
+    no stage; an override that changes what a stage computes still does."""
+    base = [f"paths.data_dir={tmp_path / 'data'}"]
+
+    def digests(extra):
+        overrides = base + extra
+        stages = {s.name: s for s in plan(_compose_pipeline(overrides), "embedded", overrides)}
+        return {n: fingerprint(s, stages)[0] for n, s in stages.items()}
+
+    a = digests([f"paths.outputs={tmp_path / 'out1'}"])
+    b = digests([f"paths.outputs={tmp_path / 'out2'}", f"paths.published={tmp_path / 'pub'}"])
+    assert a == b
+    c = digests([f"paths.outputs={tmp_path / 'out1'}", "generation.max_new_tokens=16"])
+    assert c["oracle"] != a["oracle"] and c["corpus"] == a["corpus"]
