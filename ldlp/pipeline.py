@@ -310,17 +310,88 @@ def apply_overrides(cfg, stages: list[Stage], overrides, model: str) -> list[Sta
     return stages
 
 
+def _setting(cfg, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=None)
+
+
+def _int_setting(cfg, key: str, low: int, default=None) -> int:
+    """``key`` of the main command's config as an integer >= ``low``, or one line naming the key and the value."""
+    from eagle_backbone.errors import ConfigError
+
+    value = _setting(cfg, key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"pipeline: {key} must be an integer >= {low}, got {value!r} (conf/pipeline.yaml)")
+    return value
+
+
+def _list_setting(cfg, key: str, check, what: str, empty_ok: bool = False) -> list:
+    from eagle_backbone.errors import ConfigError
+
+    values = _setting(cfg, key)
+    values = [] if values is None else list(values)
+    if not values and not empty_ok:
+        raise ConfigError(f"pipeline: {key} is empty; give at least one {what} (conf/pipeline.yaml)")
+    for v in values:
+        if not check(v):
+            raise ConfigError(f"pipeline: {key} holds {v!r}, not {what} (conf/pipeline.yaml)")
+    return values
+
+
+def _known_policy(name) -> bool:
+    return isinstance(name, str) and (CONF_DIR / "policy" / f"{name}.yaml").is_file()
+
+
+def validate(cfg) -> None:
+    """Every setting of the main command that a stage would otherwise refuse (or coerce) minutes later, checked once,
+    before any stage runs or model loads, and in the dry run's plan too: one ConfigError line naming the key."""
+    from eagle_backbone.errors import ConfigError
+
+    _int_setting(cfg, "oracle.parallel", 1, default=1)
+    if _setting(cfg, "threads") is not None:
+        _int_setting(cfg, "threads", 1)
+    _int_setting(cfg, "sweep.rounds", 1)
+    gamma = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+    _list_setting(cfg, "sweep.static_gammas", gamma, "an integer γ >= 1", empty_ok=True)
+    _list_setting(cfg, "sweep.adaptive", _known_policy, "a policy of conf/policy/", empty_ok=True)
+    if _setting(cfg, "peer.enabled"):
+        _list_setting(cfg, "peer.static_gammas", gamma, "an integer γ >= 1", empty_ok=True)
+        _list_setting(cfg, "peer.policies", _known_policy, "a policy of conf/policy/", empty_ok=True)
+    if _setting(cfg, "head_to_head.enabled"):
+        _int_setting(cfg, "head_to_head.rounds", 1)
+        _int_setting(cfg, "head_to_head.adaptive", 0)
+        if _setting(cfg, "head_to_head.choose_by") not in ("tuning", "sweep", None):
+            raise ConfigError(f"pipeline: head_to_head.choose_by must be tuning or sweep, got "
+                              f"{_setting(cfg, 'head_to_head.choose_by')!r}")
+    if _setting(cfg, "bench_batch.enabled"):
+        _int_setting(cfg, "bench_batch.rounds", 1)
+        _int_setting(cfg, "bench_batch.blocks", 1)
+        _list_setting(cfg, "bench_batch.concurrency", gamma, "a concurrency (integer >= 1)")
+        _list_setting(cfg, "bench_batch.temperatures",
+                      lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                      "a temperature >= 0")
+        for spec in _list_setting(cfg, "bench_batch.contenders", lambda v: isinstance(v, str), "a string"):
+            names = [o.split("=", 1)[1] for o in spec.split() if o.startswith("policy=")]
+            if len(names) != 1 or not _known_policy(names[0]):
+                raise ConfigError(f"pipeline: bench_batch.contenders holds {spec!r}: a contender is one "
+                                  "'policy=NAME [policy.key=value ...]' of conf/policy/NAME.yaml")
+    if not (_setting(cfg, "sweep.static_gammas") or _setting(cfg, "sweep.adaptive")):
+        raise ConfigError("pipeline: sweep.static_gammas and sweep.adaptive are both empty: nothing to sweep")
+
+
 def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
     """Every stage before the head to head, in order; ``model`` is the conf/model option they run on and
     ``overrides`` the main command's (those a stage's config contains reach it: :func:`apply_overrides`)."""
+    validate(cfg)
     p = cfg.paths
     threads = _threads(cfg)
     pair = _model_folders(cfg, model, overrides)
     oracle, ldlp, acceptance = Path(p.oracle), Path(p.ldlp), Path(p.acceptance)
     corpus = Path(p.embedded) / "corpus"
-    shards = int(cfg.oracle.get("parallel") or 1)
-    if shards < 1:
-        raise ValueError(f"oracle.parallel must be an integer >= 1 (collectors side by side), got {shards}")
+    shards = _int_setting(cfg, "oracle.parallel", 1, default=1)
     label_configs = ("collect_oracle.yaml", "data/*.yaml", "generation/*.yaml", "recipe/collect_oracle/*.yaml")
     ldlp_configs = ("train_ldlp.yaml", "ldlp/*.yaml", "trainer/*.yaml", "logger/*.yaml", "experiment/*.yaml",
                     "recipe/train_ldlp/*.yaml")
@@ -427,11 +498,11 @@ def _policy_reads(cfg, policies, stages: list[Stage], overrides) -> tuple[tuple[
 def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...], overrides=()) -> Stage | None:
     """The load sweep's short version (scripts/bench_batch.py): tokens/s against concurrency and temperature for
     batched AR, static γ and the adaptive policies, with paired ratios to the baselines. A contender whose
-    conf/policy/<name>.yaml does not exist (yet) is left out, so the stage runs before every policy is written."""
+    conf/policy/<name>.yaml does not exist is refused by :func:`validate`."""
     b = cfg.get("bench_batch")
     if not b or not b.get("enabled"):
         return None
-    contenders = [str(c) for c in b.contenders if _policy_exists(str(c))]
+    contenders = [str(c) for c in b.contenders]
     out = Path(cfg.paths.results) / "load_sweep"
     args = ([f"model={model}", "concurrency=[" + _list(b.concurrency) + "]",
              "temperatures=[" + _list(b.temperatures) + "]",
@@ -450,12 +521,6 @@ def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...
                  reads=pair + extra, fills=fills,
                  configs=("bench_batch.yaml", "evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml"),
                  group="bench", product="batch_bench.json")
-
-
-def _policy_exists(spec: str) -> bool:
-    """Whether the ``policy=NAME`` of a contender string has its conf/policy/NAME.yaml."""
-    names = [o.split("=", 1)[1] for o in spec.split() if o.startswith("policy=")]
-    return len(names) == 1 and (CONF_DIR / "policy" / f"{names[0]}.yaml").is_file()
 
 
 def _tuned_best(tuned: Path | None) -> dict:

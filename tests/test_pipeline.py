@@ -730,3 +730,31 @@ def test_where_outputs_go_is_not_an_input(tmp_path):
     assert a == b
     c = digests([f"paths.outputs={tmp_path / 'out1'}", "generation.max_new_tokens=16"])
     assert c["oracle"] != a["oracle"] and c["corpus"] == a["corpus"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("sweep.rounds=0", "sweep.rounds must be an integer >= 1, got 0"),
+    ("oracle.parallel=0", "oracle.parallel must be an integer >= 1, got 0"),
+    ("oracle.parallel=1.5", "oracle.parallel must be an integer >= 1, got 1.5"),
+    ("head_to_head.rounds=0", "head_to_head.rounds must be an integer >= 1"),
+    ("bench_batch.rounds=0", "bench_batch.rounds must be an integer >= 1"),
+    ("bench_batch.concurrency=[]", "bench_batch.concurrency is empty"),
+    ("bench_batch.concurrency=[0]", "bench_batch.concurrency holds 0"),
+    ("bench_batch.temperatures=[-1.0]", "bench_batch.temperatures holds -1.0"),
+    ('bench_batch.contenders=["policy=nonesuch"]', "bench_batch.contenders holds 'policy=nonesuch'"),
+    ("bench_batch.contenders=[static]", "bench_batch.contenders holds 'static'"),
+    ("sweep.adaptive=[ldlp,typo]", "sweep.adaptive holds 'typo'"),
+    ("sweep.static_gammas=[0]", "sweep.static_gammas holds 0"),
+])
+def test_the_plan_refuses_a_bad_setting_in_one_line(tmp_path, override, key):
+    from eagle_backbone.errors import ConfigError
+
+    cfg = _compose_pipeline([f"paths.outputs={tmp_path}", override])
+    with pytest.raises(ConfigError, match=key.replace("[", "\\[").replace("(", "\\(")):
+        plan(cfg)
+
+
+def test_a_dry_run_with_zero_rounds_ends_in_one_error_line(tmp_path):
+    out = _script("scripts/pipeline.py", "dry_run=true", "sweep.rounds=0", f"paths.outputs={tmp_path}", timeout=300)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "error: pipeline: sweep.rounds must be an integer >= 1, got 0 (conf/pipeline.yaml)"], out.stderr[-2000:]
