@@ -123,3 +123,24 @@ def resolve_model_dtype(model_cfg) -> str | None:
     if model_cfg.get("dtype") != resolved:
         model_cfg["dtype"] = resolved
     return resolved
+
+
+# ---- settings checked before anything loads ----------------------------------------------------------------
+
+
+def int_setting(key: str, value, low: int, where: str = "") -> int:
+    """``value`` of setting ``key`` as an integer >= ``low``, or a ValueError naming the key (and ``where``: the
+    config file) in one line. The one check of integer settings that scripts and the main command share."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key} must be an integer >= {low}, got {value!r}" + (f" ({where})" if where else ""))
+    return value
+
+
+def int_list_setting(key: str, values, low: int, where: str = "", distinct: bool = False) -> list[int]:
+    """A non-empty list of integers >= ``low`` (``distinct``: without repeats), or one line naming ``key``."""
+    vals = [] if values is None else list(values)
+    bad = not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in vals)
+    if bad or (distinct and len(set(vals)) < len(vals)):
+        raise ValueError(f"{key} must be a non-empty list of {'distinct ' if distinct else ''}integers >= {low}, "
+                         f"got {vals}" + (f" ({where})" if where else ""))
+    return vals

@@ -320,12 +320,15 @@ def _int_setting(cfg, key: str, low: int, default=None) -> int:
     """``key`` of the main command's config as an integer >= ``low``, or one line naming the key and the value."""
     from eagle_backbone.errors import ConfigError
 
+    from eagle_backbone.runtime import int_setting
+
     value = _setting(cfg, key)
     if value is None and default is not None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"pipeline: {key} must be an integer >= {low}, got {value!r} (conf/pipeline.yaml)")
-    return value
+    try:
+        return int_setting(f"pipeline: {key}", value, low, "conf/pipeline.yaml")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _list_setting(cfg, key: str, check, what: str, empty_ok: bool = False) -> list:

@@ -1017,3 +1017,25 @@ def test_a_cuda_device_on_a_torch_without_one_is_one_line(monkeypatch):
         resolve_model_dtype({"device": "cuda", "dtype": "auto"})
     with pytest.raises(ValueError, match="model.device=gpu0: not a device"):
         resolve_model_dtype({"device": "gpu0", "dtype": "auto"})
+
+
+@pytest.mark.parametrize("script, override, message", [
+    ("profile_cost.py", "reps=0", "error: reps must be an integer >= 1, got 0 (conf/profile_cost.yaml)"),
+    ("profile_cost.py", "tokens_per_slot=[]", "error: tokens_per_slot must be a non-empty list of distinct integers"),
+    ("bench_attention.py", "reps=0", "error: reps must be an integer >= 1, got 0 (conf/bench_attention.yaml)"),
+    ("bench_attention.py", "slots=[]", "error: slots must be a non-empty list of integers >= 1, got []"),
+])
+def test_a_bad_count_is_one_line_before_any_model_loads(script, override, message, tmp_path):
+    """reps=0 used to end in statistics.StatisticsError, an empty list in 'max() arg is an empty sequence', both
+    after the models loaded; a missing model folder shows that nothing was loaded first."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(repo / "scripts" / script), override,
+                          f"model.target={tmp_path / 'absent'}", f"model.drafter={tmp_path / 'absent'}",
+                          f"model.tokenizer={tmp_path / 'absent'}",
+                          f"out={tmp_path / 't.json'}" if script == "profile_cost.py" else f"out_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300, cwd=repo)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
