@@ -1039,3 +1039,32 @@ def test_a_bad_count_is_one_line_before_any_model_loads(script, override, messag
                          capture_output=True, text=True, timeout=300, cwd=repo)
     assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def test_a_tree_too_large_names_the_settings_to_change():
+    from eagle_backbone.tree_draft import TreeSpec
+
+    with pytest.raises(ValueError, match="top_k=64, depth=6.*lower policy.top_k, policy.depth or policy.width"):
+        TreeSpec(top_k=64, depth=6)
+
+
+def test_an_engine_ref_without_the_batched_engine_is_one_line_and_leaves_no_temporary_folder(tmp_path):
+    """bench_engine_ref.py against a commit from before the batched engine: one line naming ref=, and the
+    temporary copy of that commit's core is gone when the process ends."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    root = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if root.returncode != 0 or not root.stdout.strip():
+        pytest.skip("no git history in this checkout")
+    ref = root.stdout.split()[0]
+    (tmp_path / "tmp").mkdir()
+    code = ("from ldlp.bench.at_ref import load_core_at\n"
+            "try:\n    load_core_at(%r)\nexcept ValueError as e:\n    print(e)\n" % ref)
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"ref={ref}: ") and "choose" in out.stdout
+    assert list((tmp_path / "tmp").iterdir()) == []  # the temporary core copy is removed at exit
