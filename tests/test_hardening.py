@@ -1024,6 +1024,8 @@ def test_a_cuda_device_on_a_torch_without_one_is_one_line(monkeypatch):
     ("profile_cost.py", "tokens_per_slot=[]", "error: tokens_per_slot must be a non-empty list of distinct integers"),
     ("bench_attention.py", "reps=0", "error: reps must be an integer >= 1, got 0 (conf/bench_attention.yaml)"),
     ("bench_attention.py", "slots=[]", "error: slots must be a non-empty list of integers >= 1, got []"),
+    ("bench_engine_ref.py", "concurrency=[]", "error: concurrency must be a non-empty list of integers >= 1, got []"),
+    ("bench_engine_ref.py", "rounds=0", "error: rounds must be an integer >= 1, got 0"),
 ])
 def test_a_bad_count_is_one_line_before_any_model_loads(script, override, message, tmp_path):
     """reps=0 used to end in statistics.StatisticsError, an empty list in 'max() arg is an empty sequence', both
