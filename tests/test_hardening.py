@@ -971,6 +971,10 @@ def test_publishing_takes_only_the_stages_this_run_had_and_lists_what_it_wrote(t
     for f, digest in manifest["files"].items():
         assert hashlib.sha256((published / f).read_bytes()).hexdigest() == digest
     assert (published / "other.md").is_file()
+    # rewriting the page from the committed files (results=<the published folder>) keeps them as they are
+    before = {f: (published / f).read_bytes() for f in manifest["files"] if f != "README.md"}
+    publish_run(published, published, readme, None, "m", "cmd")
+    assert {f: (published / f).read_bytes() for f in before} == before
 
 
 def test_publishing_a_folder_no_main_command_finished_is_refused(tmp_path):

@@ -262,7 +262,13 @@ def publish_run(results: Path, published: Path, readme: Path, summary: dict | No
     or a one-line error before anything is copied (:func:`check_publishable`); every earlier published file this
     run does not replace is removed, and ``manifest.json`` lists what was written."""
     results, published = Path(results), Path(published)
-    run = read_run_manifest(results)
+    if results.resolve() == published.resolve() and not (results / RUN_MANIFEST).is_file():
+        # rewriting the page from the committed files: they are one publish's result already
+        times = results / "stage_seconds.json"
+        seconds = json.loads(times.read_text()) if times.is_file() else {}
+        run = {"model": name, "stages": list(seconds) + list(GROUP_STAGE.values()), "stage_seconds": seconds}
+    else:
+        run = read_run_manifest(results)
     files = check_publishable(results, name, run)
     if summary is None:
         summary = json.loads((results / "summary.json").read_text())
