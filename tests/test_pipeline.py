@@ -758,3 +758,11 @@ def test_a_dry_run_with_zero_rounds_ends_in_one_error_line(tmp_path):
     out = _script("scripts/pipeline.py", "dry_run=true", "sweep.rounds=0", f"paths.outputs={tmp_path}", timeout=300)
     assert out.returncode == 1 and out.stderr.strip().splitlines() == [
         "error: pipeline: sweep.rounds must be an integer >= 1, got 0 (conf/pipeline.yaml)"], out.stderr[-2000:]
+
+
+def test_collectors_started_by_hand_side_by_side_log_into_their_own_folders():
+    for script in ("collect_oracle", "collect_acceptance"):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            dirs = {compose(config_name=script, overrides=[f"shard_id={i}", "num_shards=2"],
+                            return_hydra_config=True).hydra.run.dir for i in range(2)}
+        assert len(dirs) == 2 and all(d.endswith(("-shard0", "-shard1")) for d in dirs), (script, dirs)
