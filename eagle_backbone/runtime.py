@@ -113,11 +113,7 @@ def resolve_model_dtype(model_cfg) -> str | None:
     """Replace ``auto`` in a model config (DictConfig or dict, changed in place) by the dtype it resolves to, so
     that everything that records ``model.dtype`` (results, manifests, benchmarks) records the one used;
     returns it (None when the config has no dtype key)."""
-    if model_cfg is None or not hasattr(model_cfg, "get"):
-        return None
-    if model_cfg.get("device") is not None:
-        check_device(model_cfg.get("device"))
-    if "dtype" not in model_cfg:
+    if model_cfg is None or not hasattr(model_cfg, "get") or "dtype" not in model_cfg:
         return None
     resolved = resolve_dtype(model_cfg.get("dtype"), str(model_cfg.get("device") or "cpu"))
     if model_cfg.get("dtype") != resolved:

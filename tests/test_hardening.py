@@ -1013,14 +1013,25 @@ def test_the_cost_key_tells_cpus_of_one_name_apart_by_what_changes_costs(monkeyp
         assert {"cpu_family", "model"} <= set(keys["plain"]["cpu_caps"])
 
 
-def test_a_cuda_device_on_a_torch_without_one_is_one_line(monkeypatch):
-    from eagle_backbone.runtime import resolve_model_dtype
+def test_a_cuda_device_on_a_torch_without_one_is_one_line(monkeypatch, capsys):
+    """model.device=cuda where torch has no CUDA device: one error line at the script's start, before any model
+    loads (torch's own failure is an assertion traceback); a script that only reads results is not refused."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    from _setup import start
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.runtime import check_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="model.device=cuda: .*torch.cuda.is_available\\(\\) is False.*model.device=cpu"):
-        resolve_model_dtype({"device": "cuda", "dtype": "auto"})
+        check_device("cuda")
     with pytest.raises(ValueError, match="model.device=gpu0: not a device"):
-        resolve_model_dtype({"device": "gpu0", "dtype": "auto"})
+        check_device("gpu0")
+    cfg = OmegaConf.create({"threads": None, "model": {"device": "cuda", "dtype": "float16", "target": "t"}})
+    with pytest.raises(SystemExit) as e:
+        start(cfg)
+    assert str(e.value).startswith("error: model.device=cuda: ")
+    start(cfg, loads_models=False)  # publishing a GPU run's pages on a CPU machine
 
 
 @pytest.mark.parametrize("script, override, message", [
