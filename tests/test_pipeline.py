@@ -629,7 +629,11 @@ def test_sigkill_of_the_main_command_leaves_no_stage_running(tmp_path):
             break
         time.sleep(0.1)
     stage_pid, child = (int(x) for x in pids.read_text().split())
-    lock = json.loads((tmp_path / "locked" / ".pipeline.lock").read_text())
+    for _ in range(600):  # the main command records the stage in its lock once it started it
+        lock = json.loads((tmp_path / "locked" / ".pipeline.lock").read_text() or "{}")
+        if lock.get("stages"):
+            break
+        time.sleep(0.1)
     assert lock["pid"] == proc.pid and [s["pid"] for s in lock["stages"]] == [stage_pid]
     proc.kill()
     proc.communicate(timeout=60)
