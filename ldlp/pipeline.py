@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_backbone.io import atomic_write_json
+from eagle_backbone.io import atomic_write_json, tmp_owner
 from eagle_backbone.paths import CONF_DIR, REPO_ROOT
 from ldlp.report.publish import (PUBLISHED_FILES, headline_block, publish, publish_run,  # noqa: F401 (re-exported)
                                  results_page, write_run_manifest)
@@ -133,7 +133,7 @@ def output_digest(folder: str | Path) -> dict:
     out = {}
     for f in sorted(folder.rglob("*")):
         rel = f.relative_to(folder)
-        if f.is_file() and not SKIP_IN_OUTPUTS & set(rel.parts) and not f.name.endswith(".tmp"):
+        if f.is_file() and not SKIP_IN_OUTPUTS & set(rel.parts) and not f.name.endswith(".tmp") and tmp_owner(f) is None:
             st = f.stat()
             out[str(rel)] = _file_sha256(f) if st.st_size <= CONTENT_HASH_LIMIT else [st.st_size, st.st_mtime_ns]
     return out
