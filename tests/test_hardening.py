@@ -1036,14 +1036,12 @@ def test_a_cuda_device_on_a_torch_without_one_is_one_line(monkeypatch, capsys):
 
 @pytest.mark.parametrize("script, override, message", [
     ("profile_cost.py", "reps=0", "error: reps must be an integer >= 1, got 0 (conf/profile_cost.yaml)"),
-    ("profile_cost.py", "tokens_per_slot=[]", "error: tokens_per_slot must be a non-empty list of distinct integers"),
     ("bench_attention.py", "reps=0", "error: reps must be an integer >= 1, got 0 (conf/bench_attention.yaml)"),
-    ("bench_attention.py", "slots=[]", "error: slots must be a non-empty list of integers >= 1, got []"),
     ("bench_engine_ref.py", "concurrency=[]", "error: concurrency must be a non-empty list of integers >= 1, got []"),
-    ("bench_engine_ref.py", "rounds=0", "error: rounds must be an integer >= 1, got 0"),
 ])
 def test_a_bad_count_is_one_line_before_any_model_loads(script, override, message, tmp_path):
-    """reps=0 used to end in statistics.StatisticsError, an empty list in 'max() arg is an empty sequence', both
+    """One subprocess per script (their lists share int_list_setting, tested below). reps=0 used to end in
+    statistics.StatisticsError, an empty list in 'max() arg is an empty sequence', both
     after the models loaded; a missing model folder shows that nothing was loaded first."""
     import subprocess
     import sys
@@ -1085,3 +1083,15 @@ def test_an_engine_ref_without_the_batched_engine_is_one_line_and_leaves_no_temp
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith(f"ref={ref}: ") and "choose" in out.stdout
     assert list((tmp_path / "tmp").iterdir()) == []  # the temporary core copy is removed at exit
+
+
+def test_int_settings_refuse_in_one_line_naming_the_key():
+    from eagle_backbone.runtime import int_list_setting, int_setting
+
+    assert int_setting("reps", 3, 1) == 3 and int_list_setting("slots", [1, 2], 1, distinct=True) == [1, 2]
+    for bad in (0, 1.5, True, None, "2"):
+        with pytest.raises(ValueError, match="reps must be an integer >= 1"):
+            int_setting("reps", bad, 1, "conf/x.yaml")
+    for bad in ([], None, [0], [1, 1], [2.0]):
+        with pytest.raises(ValueError, match="slots must be a non-empty list of distinct integers >= 1"):
+            int_list_setting("slots", bad, 1, distinct=True)
