@@ -733,7 +733,8 @@ class StageRunner:
         """Run the stage's command (``stage.parallel`` > 1: its collectors side by side, :meth:`commands`), each
         process in its own process group; SIGTERM, SIGINT or SIGHUP to the main command is forwarded to those
         groups (the stage and anything it started), and the main command then stops with it: no stage keeps
-        writing after the main command is gone. A stage still running ``grace_s`` after the signal is killed."""
+        writing after the main command is gone. A stage still running ``grace_s`` after the signal is killed. A
+        SIGKILLed main command runs no handler: the stages' parent-death signal and the watchdog stop them then."""
         code = 0
         for group in self.commands(stage):
             code = self._run_group(stage, group)
