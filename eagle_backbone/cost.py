@@ -13,7 +13,8 @@ needs: :func:`load_or_profile`'s ``slots``, extended later when a run needs more
 
 Keys (:func:`cost_key`, :func:`setup_key`): everything that changes what a step costs: ``model`` (its name),
 ``dtype``, ``device`` type, ``threads`` (torch intra-op threads), torch version, the processor (``cpu``: the
-CPU's model name; the GPU's name on CUDA), the drafter's kind and a SHA-256 of its weights
+CPU's model name; the GPU's name on CUDA) and what its name does not tell (``cpu_caps``: bf16 matmuls,
+AVX-512, family and model numbers; the GPU's compute capability), the drafter's kind and a SHA-256 of its weights
 (``drafter_kind``, ``drafter_sha256``) and the batched forward's attention math (``attn``). The file name
 carries the readable parts and a digest of the whole key, so two setups never share a file; the table stores
 its key, and every result that planned with it records the key and the file (``meta["path"]``). Each cell
@@ -57,6 +58,30 @@ def processor_name(device) -> str:
     return platform.processor() or platform.machine()
 
 
+def processor_caps(device) -> dict:
+    """What of the processor changes a step's cost besides its name: on a CPU its vendor family and model numbers
+    and whether it has bf16 matmuls (AVX-512 BF16 or AMX) and AVX-512 (two machines sold under one name can
+    differ in both); on CUDA the compute capability."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return {"capability": ".".join(str(x) for x in torch.cuda.get_device_capability(dev))}
+    from eagle_backbone.runtime import BF16_CPU_FLAGS, cpu_flags
+
+    flags = cpu_flags() or set()
+    caps = {"bf16": bool(flags & BF16_CPU_FLAGS), "avx512": "avx512f" in flags}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, sep, value = line.partition(":")
+            name = name.strip()
+            if sep and name in ("cpu family", "model") and name.replace(" ", "_") not in caps:
+                caps[name.replace(" ", "_")] = value.strip()
+            if name == "" and "model" in caps:  # the first processor's block is enough
+                break
+    except OSError:
+        pass
+    return caps
+
+
 def weights_sha256(module) -> str | None:
     """SHA-256 over a module's state (names, dtypes, shapes and bytes, in name order): the same weights
     file loaded in the same dtype gives the same digest, any other drafter another. None for no module."""
@@ -84,15 +109,19 @@ def cost_key(model_name: str, dtype: torch.dtype, device, threads: int, setup: d
     ``setup`` (:func:`setup_key` of an engine: drafter kind and weights, attention) when given;
     :func:`load_or_profile` completes a key without it from the engines it profiles with."""
     key = {"model": str(model_name), "dtype": str(dtype).replace("torch.", ""), "device": torch.device(device).type,
-           "threads": int(threads), "torch": torch.__version__.split("+")[0], "cpu": processor_name(device)}
+           "threads": int(threads), "torch": torch.__version__.split("+")[0], "cpu": processor_name(device),
+           "cpu_caps": processor_caps(device)}
     return {**key, **(setup or {})}
 
 
 def table_path(cost_dir: str | Path, key: dict) -> Path:
-    """``<dtype>-<device>-t<threads>-<drafter kind>-<attn>-<digest of the whole key>.json`` under ``cost_dir``."""
+    """``<dtype>-<device>-t<threads>[-avx512][-bf16]-<drafter kind>-<attn>-<digest of the whole key>.json`` under
+    ``cost_dir`` (avx512, bf16: the CPU's capabilities of :func:`processor_caps`)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    parts = [key["dtype"], key["device"], f"t{key['threads']}"] + [str(key[k]) for k in ("drafter_kind", "attn")
-                                                                   if key.get(k) is not None]
+    caps = key.get("cpu_caps") or {}
+    isa = "-".join(k for k in ("avx512", "bf16") if caps.get(k))  # in the name: tables of CPUs that differ look it
+    parts = [key["dtype"], key["device"], f"t{key['threads']}"] + ([isa] if isa else []) + \
+        [str(key[k]) for k in ("drafter_kind", "attn") if key.get(k) is not None]
     return Path(cost_dir) / f"{'-'.join(parts)}-{digest}.json"
 
 

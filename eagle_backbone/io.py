@@ -1,7 +1,11 @@
 """Atomic file writes: a reader (or a resumed job) sees the old file or the new one, never half of one.
 
 Every writer in the project goes through here: write a temporary sibling, fsync it, rename it over
-the destination (``os.replace`` is atomic on POSIX and Windows within one file system). Writers that
+the destination (``os.replace`` is atomic on POSIX and Windows within one file system). The temporary
+name is unique per process and call (``name.<pid>-<random>.tmp``, in the destination's folder), so two
+processes writing one file (side-by-side collectors and their shared manifest) never touch each other's
+temporary file; a writer removes only the temporary file it created, and :func:`remove_leftovers` only
+those of processes that are gone. Writers that
 want a path rather than bytes (matplotlib, pandas, pyarrow, safetensors, ``datasets.save_to_disk``)
 write to the path :func:`atomic_path` yields.
 """
@@ -10,11 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-TMP_SUFFIX = ".tmp"  # the temporary sibling of ``name`` is ``name.tmp`` (``stem.tmp.suffix`` with keep_suffix)
+TMP_SUFFIX = ".tmp"  # the temporary sibling of ``name`` is ``name.<pid>-<hex>.tmp`` (``stem.<pid>-<hex>.tmp.suffix``
+# with keep_suffix): the pid names the writer, so a leftover of a dead process can be told from a live write
+_TMP_RE = re.compile(r"\.(\d+)-[0-9a-f]{8}\.tmp(\.[^./]+)?$")
 
 
 def _fsync_tree(path: Path) -> None:
@@ -35,11 +43,32 @@ def atomic_replace(tmp: str | Path, final: str | Path) -> None:
 
 
 def tmp_path(path: str | Path, keep_suffix: bool = False) -> Path:
-    """The temporary sibling :func:`atomic_path` writes ``path`` through."""
+    """A fresh temporary sibling for writing ``path``: this process's pid and a random suffix, so no other
+    writer (another process, or another call of this one) picks the same name."""
     path = Path(path)
+    tag = f".{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
     if keep_suffix:  # e.g. matplotlib picks the format by the suffix
-        return path.with_name(path.stem + TMP_SUFFIX + path.suffix)
-    return path.with_name(path.name + TMP_SUFFIX)
+        return path.with_name(path.stem + tag + path.suffix)
+    return path.with_name(path.name + tag)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tmp_owner(path: str | Path) -> int | None:
+    """The pid in a temporary file's name (:func:`tmp_path`), None for a name without one."""
+    m = _TMP_RE.search(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def _remove(path: Path) -> None:
@@ -59,8 +88,7 @@ def atomic_path(path: str | Path, keep_suffix: bool = False):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(path, keep_suffix)
-    _remove(tmp)
+    tmp = tmp_path(path, keep_suffix)  # unique: nothing to remove first, and nobody else's file to remove
     try:
         yield tmp
     except BaseException:
@@ -70,8 +98,10 @@ def atomic_path(path: str | Path, keep_suffix: bool = False):
 
 
 def remove_leftovers(folder: str | Path, pattern: str = "*") -> list[Path]:
-    """Delete the temporary files of killed writes matching ``pattern`` under ``folder``; returns them."""
-    stale = sorted(Path(folder).glob(pattern + TMP_SUFFIX))
+    """Delete the temporary files of killed writes matching ``pattern`` under ``folder``: those whose writer
+    (the pid in the name) is gone; a live process's write in progress is left alone. Returns what it removed."""
+    found = set(Path(folder).glob(pattern + TMP_SUFFIX)) | set(Path(folder).glob(pattern + TMP_SUFFIX + ".*"))
+    stale = sorted(p for p in found if (pid := tmp_owner(p)) is not None and pid != os.getpid() and not pid_alive(pid))
     for p in stale:
         _remove(p)
     return stale

@@ -86,6 +86,18 @@ def bf16_matmuls(device: str = "cpu", flags: set[str] | None = None) -> bool:
     return False
 
 
+def check_device(device, key: str = "model.device") -> None:
+    """Refuse, in one line, a CUDA device on a torch build or machine without one (torch would fail later with an
+    assertion traceback, after the models are read)."""
+    try:
+        kind = torch.device(str(device)).type
+    except RuntimeError as e:
+        raise ValueError(f"{key}={device}: not a device ({e}); use cpu or cuda") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"{key}={device}: {why} (torch.cuda.is_available() is False); use {key}=cpu")
+
+
 def resolve_dtype(dtype: str | None, device: str = "cpu", flags: set[str] | None = None) -> str:
     """``model.dtype`` as the models are loaded: ``auto`` (or None) is bfloat16 where ``device`` has bf16 matmuls
     (:func:`bf16_matmuls`) and float32 otherwise; an explicit dtype is kept."""
@@ -107,3 +119,24 @@ def resolve_model_dtype(model_cfg) -> str | None:
     if model_cfg.get("dtype") != resolved:
         model_cfg["dtype"] = resolved
     return resolved
+
+
+# ---- settings checked before anything loads ----------------------------------------------------------------
+
+
+def int_setting(key: str, value, low: int, where: str = "") -> int:
+    """``value`` of setting ``key`` as an integer >= ``low``, or a ValueError naming the key (and ``where``: the
+    config file) in one line. The one check of integer settings that scripts and the main command share."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key} must be an integer >= {low}, got {value!r}" + (f" ({where})" if where else ""))
+    return value
+
+
+def int_list_setting(key: str, values, low: int, where: str = "", distinct: bool = False) -> list[int]:
+    """A non-empty list of integers >= ``low`` (``distinct``: without repeats), or one line naming ``key``."""
+    vals = [] if values is None else list(values)
+    bad = not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in vals)
+    if bad or (distinct and len(set(vals)) < len(vals)):
+        raise ValueError(f"{key} must be a non-empty list of {'distinct ' if distinct else ''}integers >= {low}, "
+                         f"got {vals}" + (f" ({where})" if where else ""))
+    return vals

@@ -61,8 +61,9 @@ class TreeSpec:
         if not isinstance(self.width, int) or not 1 <= self.width <= self.top_k:
             raise ValueError(f"tree: width must be an integer in [1, top_k={self.top_k}], got {self.width!r}")
         if self.max_nodes > ACCEPT - DRAFT:
-            raise ValueError(f"tree: {self.max_nodes} nodes a row; each row's random stream has draws for "
-                             f"{ACCEPT - DRAFT}")
+            raise ValueError(f"tree: {self.max_nodes} nodes a row (top_k={self.top_k}, depth={self.depth}, "
+                             f"width={self.width}), more than the {ACCEPT - DRAFT} a row's random stream can draw for; "
+                             "lower policy.top_k, policy.depth or policy.width (or give a smaller policy.shape)")
 
     @classmethod
     def static(cls, paths) -> TreeSpec:

@@ -34,8 +34,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.io import atomic_write_json, tmp_owner
 from eagle_backbone.paths import CONF_DIR, REPO_ROOT
+from ldlp.report.publish import (PUBLISHED_FILES, headline_block, publish, publish_run,  # noqa: F401 (re-exported)
+                                 results_page, write_run_manifest)
 
 FINGERPRINT = "stage.json"  # next to every stage's output: the fingerprint of its inputs, and whether it finished
 SKIP_IN_OUTPUTS = {FINGERPRINT, "logs", ".hydra"}  # not part of a stage's output for its downstream stages
@@ -131,7 +133,7 @@ def output_digest(folder: str | Path) -> dict:
     out = {}
     for f in sorted(folder.rglob("*")):
         rel = f.relative_to(folder)
-        if f.is_file() and not SKIP_IN_OUTPUTS & set(rel.parts) and not f.name.endswith(".tmp"):
+        if f.is_file() and not SKIP_IN_OUTPUTS & set(rel.parts) and not f.name.endswith(".tmp") and tmp_owner(f) is None:
             st = f.stat()
             out[str(rel)] = _file_sha256(f) if st.st_size <= CONTENT_HASH_LIMIT else [st.st_size, st.st_mtime_ns]
     return out
@@ -153,7 +155,7 @@ def fingerprint(stage: Stage, stages: dict[str, Stage]) -> tuple[str, dict]:
     """The digest of everything ``stage`` reads: its command's overrides, the YAML files it composes, the
     model folders' contents and its upstream stages' outputs; and the inputs themselves (stored with it,
     so that a changed one can be found)."""
-    inputs = {"script": stage.script, "args": stage.args,
+    inputs = {"script": stage.script, "args": _location_free(stage, stages),
               "configs": _config_files(COMMON_CONFIGS + stage.configs),
               "reads": {str(p): content_digest(p) for p in stage.reads},
               "after": {n: output_digest(stages[n].out) for n in stage.after if n in stages}}
@@ -162,6 +164,27 @@ def fingerprint(stage: Stage, stages: dict[str, Stage]) -> tuple[str, dict]:
     if stage.name == "corpus":  # built from the running Python's standard library
         inputs["python"] = sys.version
     return _digest(inputs), inputs
+
+
+def _location_free(stage: Stage, stages: dict[str, Stage]) -> list[str]:
+    """The stage's overrides without where things are written: ``paths.*`` overrides are left out, and a value
+    that is a stage's output folder (or a file in it) is named by that stage (``out_dir=<oracle>``,
+    ``tuned_from=<tune>/tuning.json``). What the stage reads there is in the fingerprint by content (``after``),
+    so moving ``paths.outputs`` or ``paths.published`` reruns nothing."""
+    outs = sorted(((str(s.out), n) for n, s in {**stages, stage.name: stage}.items()), key=lambda x: -len(x[0]))
+    out = []
+    for a in stage.args:
+        key, sep, value = a.partition("=")
+        if sep and override_key(a).split(".", 1)[0] == "paths":
+            continue
+        if sep:
+            for folder, name in outs:
+                if value == folder or value.startswith(folder + os.sep):
+                    value = f"<{name}>" + value[len(folder):]
+                    break
+            a = f"{key}={value}"
+        out.append(a)
+    return out
 
 
 def _digest(inputs: dict) -> str:
@@ -287,17 +310,91 @@ def apply_overrides(cfg, stages: list[Stage], overrides, model: str) -> list[Sta
     return stages
 
 
+def _setting(cfg, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=None)
+
+
+def _int_setting(cfg, key: str, low: int, default=None) -> int:
+    """``key`` of the main command's config as an integer >= ``low``, or one line naming the key and the value."""
+    from eagle_backbone.errors import ConfigError
+
+    from eagle_backbone.runtime import int_setting
+
+    value = _setting(cfg, key)
+    if value is None and default is not None:
+        return default
+    try:
+        return int_setting(f"pipeline: {key}", value, low, "conf/pipeline.yaml")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _list_setting(cfg, key: str, check, what: str, empty_ok: bool = False) -> list:
+    from eagle_backbone.errors import ConfigError
+
+    values = _setting(cfg, key)
+    values = [] if values is None else list(values)
+    if not values and not empty_ok:
+        raise ConfigError(f"pipeline: {key} is empty; give at least one {what} (conf/pipeline.yaml)")
+    for v in values:
+        if not check(v):
+            raise ConfigError(f"pipeline: {key} holds {v!r}, not {what} (conf/pipeline.yaml)")
+    return values
+
+
+def _known_policy(name) -> bool:
+    return isinstance(name, str) and (CONF_DIR / "policy" / f"{name}.yaml").is_file()
+
+
+def validate(cfg) -> None:
+    """Every setting of the main command that a stage would otherwise refuse (or coerce) minutes later, checked once,
+    before any stage runs or model loads, and in the dry run's plan too: one ConfigError line naming the key."""
+    from eagle_backbone.errors import ConfigError
+
+    _int_setting(cfg, "oracle.parallel", 1, default=1)
+    if _setting(cfg, "threads") is not None:
+        _int_setting(cfg, "threads", 1)
+    _int_setting(cfg, "sweep.rounds", 1)
+    gamma = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+    _list_setting(cfg, "sweep.static_gammas", gamma, "an integer γ >= 1", empty_ok=True)
+    _list_setting(cfg, "sweep.adaptive", _known_policy, "a policy of conf/policy/", empty_ok=True)
+    if _setting(cfg, "peer.enabled"):
+        _list_setting(cfg, "peer.static_gammas", gamma, "an integer γ >= 1", empty_ok=True)
+        _list_setting(cfg, "peer.policies", _known_policy, "a policy of conf/policy/", empty_ok=True)
+    if _setting(cfg, "head_to_head.enabled"):
+        _int_setting(cfg, "head_to_head.rounds", 1)
+        _int_setting(cfg, "head_to_head.adaptive", 0)
+        if _setting(cfg, "head_to_head.choose_by") not in ("tuning", "sweep", None):
+            raise ConfigError(f"pipeline: head_to_head.choose_by must be tuning or sweep, got "
+                              f"{_setting(cfg, 'head_to_head.choose_by')!r}")
+    if _setting(cfg, "bench_batch.enabled"):
+        _int_setting(cfg, "bench_batch.rounds", 1)
+        _int_setting(cfg, "bench_batch.blocks", 1)
+        _list_setting(cfg, "bench_batch.concurrency", gamma, "a concurrency (integer >= 1)")
+        _list_setting(cfg, "bench_batch.temperatures",
+                      lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                      "a temperature >= 0")
+        for spec in _list_setting(cfg, "bench_batch.contenders", lambda v: isinstance(v, str), "a string"):
+            names = [o.split("=", 1)[1] for o in spec.split() if o.startswith("policy=")]
+            if len(names) != 1 or not _known_policy(names[0]):
+                raise ConfigError(f"pipeline: bench_batch.contenders holds {spec!r}: a contender is one "
+                                  "'policy=NAME [policy.key=value ...]' of conf/policy/NAME.yaml")
+    if not (_setting(cfg, "sweep.static_gammas") or _setting(cfg, "sweep.adaptive")):
+        raise ConfigError("pipeline: sweep.static_gammas and sweep.adaptive are both empty: nothing to sweep")
+
+
 def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
     """Every stage before the head to head, in order; ``model`` is the conf/model option they run on and
     ``overrides`` the main command's (those a stage's config contains reach it: :func:`apply_overrides`)."""
+    validate(cfg)
     p = cfg.paths
     threads = _threads(cfg)
     pair = _model_folders(cfg, model, overrides)
     oracle, ldlp, acceptance = Path(p.oracle), Path(p.ldlp), Path(p.acceptance)
     corpus = Path(p.embedded) / "corpus"
-    shards = int(cfg.oracle.get("parallel") or 1)
-    if shards < 1:
-        raise ValueError(f"oracle.parallel must be an integer >= 1 (collectors side by side), got {shards}")
+    shards = _int_setting(cfg, "oracle.parallel", 1, default=1)
     label_configs = ("collect_oracle.yaml", "data/*.yaml", "generation/*.yaml", "recipe/collect_oracle/*.yaml")
     ldlp_configs = ("train_ldlp.yaml", "ldlp/*.yaml", "trainer/*.yaml", "logger/*.yaml", "experiment/*.yaml",
                     "recipe/train_ldlp/*.yaml")
@@ -404,11 +501,11 @@ def _policy_reads(cfg, policies, stages: list[Stage], overrides) -> tuple[tuple[
 def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...], overrides=()) -> Stage | None:
     """The load sweep's short version (scripts/bench_batch.py): tokens/s against concurrency and temperature for
     batched AR, static γ and the adaptive policies, with paired ratios to the baselines. A contender whose
-    conf/policy/<name>.yaml does not exist (yet) is left out, so the stage runs before every policy is written."""
+    conf/policy/<name>.yaml does not exist is refused by :func:`validate`."""
     b = cfg.get("bench_batch")
     if not b or not b.get("enabled"):
         return None
-    contenders = [str(c) for c in b.contenders if _policy_exists(str(c))]
+    contenders = [str(c) for c in b.contenders]
     out = Path(cfg.paths.results) / "load_sweep"
     args = ([f"model={model}", "concurrency=[" + _list(b.concurrency) + "]",
              "temperatures=[" + _list(b.temperatures) + "]",
@@ -427,12 +524,6 @@ def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...
                  reads=pair + extra, fills=fills,
                  configs=("bench_batch.yaml", "evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml"),
                  group="bench", product="batch_bench.json")
-
-
-def _policy_exists(spec: str) -> bool:
-    """Whether the ``policy=NAME`` of a contender string has its conf/policy/NAME.yaml."""
-    names = [o.split("=", 1)[1] for o in spec.split() if o.startswith("policy=")]
-    return len(names) == 1 and (CONF_DIR / "policy" / f"{names[0]}.yaml").is_file()
 
 
 def _tuned_best(tuned: Path | None) -> dict:
@@ -568,6 +659,7 @@ class StageRunner:
         except json.JSONDecodeError:
             self.cpu_times = {}
         self.ran: list[str] = []
+        self.lock: FolderLock | None = None  # the main command's lock: it records the running stage's pids
         self.grace_s = 30.0  # after forwarding a signal, how long a stage may take to stop before it is killed
 
     def decide(self, stage: Stage) -> tuple[bool, str, str, dict]:
@@ -620,8 +712,8 @@ class StageRunner:
         code = self.run_command(stage)
         cpu = _children_cpu_s() - cpu0
         if code != 0:
-            raise RuntimeError(f"stage {stage.name!r} failed (exit {code}); fix it and rerun the same "
-                               f"command: finished stages are skipped")
+            raise StageFailed(f"stage {stage.name!r} failed (exit {code}); its own error line above names the "
+                              "setting or input to fix; then rerun (finished stages are skipped)")
         if stage.fills:  # what the stage made for itself (a cost table) is its input from now on
             for f in stage.fills:
                 inputs["reads"][str(f)] = content_digest(f)
@@ -641,7 +733,8 @@ class StageRunner:
         """Run the stage's command (``stage.parallel`` > 1: its collectors side by side, :meth:`commands`), each
         process in its own process group; SIGTERM, SIGINT or SIGHUP to the main command is forwarded to those
         groups (the stage and anything it started), and the main command then stops with it: no stage keeps
-        writing after the main command is gone. A stage still running ``grace_s`` after the signal is killed."""
+        writing after the main command is gone. A stage still running ``grace_s`` after the signal is killed. A
+        SIGKILLed main command runs no handler: the stages' parent-death signal and the watchdog stop them then."""
         code = 0
         for group in self.commands(stage):
             code = self._run_group(stage, group)
@@ -659,11 +752,19 @@ class StageRunner:
             return [[stage.command]]
         base = [c for c in stage.command if not c.startswith("overwrite=")]
         check = [c for c in stage.command] + ["shard_id=0", "max_parts_this_run=0"]
-        return [[check], [base + [f"shard_id={i}"] for i in range(stage.parallel)],
-                [base + ["shard_id=0", "max_parts_this_run=0"]]]
+        # every process its own log folder (Hydra's default names one by the second: side by side, one log was lost)
+        logs = Path(stage.out) / "logs" / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{os.getpid()}"
+        return [[check + [f"hydra.run.dir={logs}-check"]],
+                [base + [f"shard_id={i}", f"hydra.run.dir={logs}-shard{i}"] for i in range(stage.parallel)],
+                [base + ["shard_id=0", "max_parts_this_run=0", f"hydra.run.dir={logs}-report"]]]
 
     def _run_group(self, stage: Stage, commands: list[list[str]]) -> int:
-        procs = [subprocess.Popen(c, cwd=REPO_ROOT, env=self.env, start_new_session=True) for c in commands]
+        procs = [subprocess.Popen(c, cwd=REPO_ROOT, env=self.env, start_new_session=True,
+                                  preexec_fn=_die_with_parent(os.getpid())) for c in commands]
+        # the stages' process groups die with the main command even when it is SIGKILLed (no handler runs then)
+        watchdog = _watchdog([p.pid for p in procs])
+        if self.lock is not None:
+            self.lock.record_stages([p.pid for p in procs])
         got: list[int] = []
 
         def signal_all(signum):
@@ -701,6 +802,9 @@ class StageRunner:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+            _stop_watchdog(watchdog)
+            if self.lock is not None:
+                self.lock.record_stages([])
         code = next((c for c in codes if c != 0), 0)
         if got:
             name = signal.Signals(got[0]).name
@@ -767,36 +871,172 @@ def _reset_collection(out: Path) -> None:
     (out / FINGERPRINT).unlink(missing_ok=True)
 
 
+class StageFailed(ValueError):
+    """A stage ended with an error: the main command stops with one line (the stage's own error is above it)."""
+
+
+_libc = None
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn``: the stage gets SIGKILL when the main command dies (Linux ``PR_SET_PDEATHSIG``), and exits
+    at once if the main command is already gone; elsewhere a no-op (the watchdog still stops its group)."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return None
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc
+
+    def preexec():
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+_WATCHDOG = """
+import os, signal, sys, time
+parent, groups = int(sys.argv[1]), [int(g) for g in sys.argv[2:]]
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the main command stops it when the stage has ended
+while os.getppid() == parent:
+    time.sleep(0.1)
+def alive():
+    out = []
+    for g in groups:
+        try:
+            os.killpg(g, 0)
+            out.append(g)
+        except OSError:
+            pass
+    return out
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    for g in alive():
+        try:
+            os.killpg(g, sig)
+        except OSError:
+            pass
+    for _ in range(50):
+        if not alive():
+            break
+        time.sleep(0.1)
+"""
+
+
+def _watchdog(groups: list[int]) -> subprocess.Popen | None:
+    """A small process that outlives a killed main command just long enough to stop the stage's process groups
+    (``groups``: the stages and whatever they started): when its parent, the main command, is gone, it sends them
+    SIGTERM, then SIGKILL. In its own session, so a Ctrl-C at the terminal leaves it to the main command."""
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-c", _WATCHDOG, str(os.getpid())] + [str(g) for g in groups],
+                                start_new_session=True, stdin=subprocess.DEVNULL)
+    except OSError:
+        return None
+
+
+def _stop_watchdog(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    with contextlib.suppress(OSError):
+        proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (Linux /proc, clock ticks since boot): with the pid, it tells the process
+    that wrote a lock from a later one that got the same pid. None where unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _running(pid, start=None) -> bool:
+    from eagle_backbone.io import pid_alive
+
+    if not isinstance(pid, int) or not pid_alive(pid):
+        return False
+    now = _start_time(pid)
+    return start is None or now is None or now == start
+
+
 class FolderLock:
-    """An exclusive lock per folder (``LOCK`` inside it, flock: released when the process ends, even killed)."""
+    """An exclusive lock per folder (``LOCK`` inside it): flock, plus a record of the holder (pid, its start time,
+    command) and of the stage processes it runs. A record whose holder and stages are gone is stale: it is taken
+    over with one line saying so; a live holder (or a stage a killed holder left running) refuses."""
 
     def __init__(self, folders):
         self.folders = [Path(f) for f in dict.fromkeys(str(f) for f in folders)]
         self.files: list = []
+        self.record = {"pid": os.getpid(), "start": _start_time(os.getpid()),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "stages": []}
+
+    @staticmethod
+    def _read(f) -> dict | None:
+        f.seek(0)
+        text = f.read().strip()
+        try:
+            held = json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return None
+        return held if isinstance(held, dict) and not held.get("released") else None
+
+    @staticmethod
+    def _holder(held: dict | None) -> str:
+        if not held:
+            return "another process"
+        return f"pid {held.get('pid')}, started {held.get('started')}: {held.get('command')}"
 
     def __enter__(self):
         for folder in self.folders:
             folder.mkdir(parents=True, exist_ok=True)
-            f = open(folder / LOCK, "a+")
+            path = folder / LOCK
+            f = open(path, "a+")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                f.seek(0)
-                holder = f.read().strip() or "another process"
+                holder = self._holder(self._read(f))
                 f.close()
                 self.__exit__()
                 raise ValueError(f"{folder} is in use by another main command ({holder}); wait for it to finish, "
                                  "or give this one other folders (paths.data_dir=..., paths.outputs=...)") from None
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
-            f.flush()
+            held = self._read(f)
+            if held and held.get("pid") != os.getpid():
+                live = [s for s in held.get("stages") or [] if _running(s.get("pid"), s.get("start"))]
+                if _running(held.get("pid"), held.get("start")) or live:
+                    f.close()
+                    self.__exit__()
+                    what = (f"its stage process {', '.join(str(s['pid']) for s in live)} is still running"
+                            if live else "its holder is still running")
+                    raise ValueError(f"the lock at {path} is held by pid {held.get('pid')} and {what} ("
+                                     f"{self._holder(held)}); wait for it or stop it (kill <pid>), then rerun")
+                print(f"the lock at {path} was held by dead pid {held.get('pid')} and is taken over", file=sys.stderr,
+                      flush=True)
             self.files.append(f)
+            self._write(f)
         return self
+
+    def _write(self, f, record: dict | None = None) -> None:
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(record or self.record) + "\n")
+        f.flush()
+
+    def record_stages(self, pids: list[int]) -> None:
+        """Name the running stage's processes in every lock file (none: ``[]``), so a main command that finds
+        this lock after a kill sees whether anything of this one still runs."""
+        self.record["stages"] = [{"pid": p, "start": _start_time(p)} for p in pids]
+        for f in self.files:
+            self._write(f)
 
     def __exit__(self, *exc):
         for f in self.files:
             try:
+                self._write(f, {"released": True, "pid": os.getpid(), "at": time.strftime("%Y-%m-%d %H:%M:%S")})
                 fcntl.flock(f, fcntl.LOCK_UN)
             finally:
                 f.close()
@@ -823,8 +1063,9 @@ def run(cfg, model: str = "embedded", overrides=()) -> dict | None:
     check_models(cfg, model, overrides)
     stages = plan(cfg, model, overrides)
     dry = bool(cfg.get("dry_run"))
-    with (contextlib.nullcontext() if dry else FolderLock(lock_folders(cfg, stages))):  # a dry run only reads
+    with (contextlib.nullcontext() if dry else FolderLock(lock_folders(cfg, stages))) as lock:  # a dry run only reads
         runner = StageRunner(cfg, stages)
+        runner.lock = lock
         h2h = cfg.get("head_to_head")
         lines, total = runner.preview(stages, bool(h2h and h2h.get("enabled")))
         source = "this machine's last run" if runner.times else "reference estimates"
@@ -865,6 +1106,8 @@ def _run(cfg, model, overrides, stages, runner) -> dict:
             summary = summarize(sweep_dirs, out_dir, head_to_head=result)
     summary["stage_seconds"] = {s.name: runner.times.get(s.name) for s in stages}
     summary["elapsed_s"] = time.perf_counter() - runner.t_start
+    # what publishing takes: this run's stages (a disabled one's older files in paths.results are not this run's)
+    write_run_manifest(out_dir, name, [s.name for s in stages], summary["stage_seconds"])
     if cfg.get("publish"):
         for line in publish_run(out_dir, Path(cfg.paths.published), REPO_ROOT / "README.md", summary, name,
                                 command="python scripts/pipeline.py publish=true"):
@@ -884,154 +1127,3 @@ def write_run_settings(out_dir: Path, stages: list[Stage], overrides) -> dict:
                 "gpu": machine.get("gpu"), "torch": machine.get("torch")}
     atomic_write_json(out_dir / "run_settings.json", settings)
     return settings
-
-
-# ---- publishing --------------------------------------------------------------------------------------------
-
-# what publish=true copies from paths.results (outputs/, gitignored) to paths.published (results/, committed)
-PUBLISHED_FILES = ("results.md", "results.csv", "tokens_per_s.png", "summary.json", "stage_seconds.json", "run_settings.json",
-                   "tuning/tuning.md", "tuning/tuning.json", "load_sweep/batch_bench.md", "load_sweep/batch_bench.json",
-                   "load_sweep/batch_bench.png", "load_sweep/batch_bench_ratio.png")
-
-
-def _minutes(stage_seconds: dict) -> str:
-    done = [s for s in stage_seconds.values() if s is not None]
-    if not done or len(done) < len(stage_seconds):
-        return ""
-    return f"{sum(done) / 60:.1f} min"
-
-
-def results_page(results_md: str, name: str, command: str, stage_seconds: dict, published: Path) -> str:
-    """The committed results page (results/<model>/README.md): the main command's tables and plot, the time
-    its stages took, and links to the other generated pages next to it."""
-    total = _minutes(stage_seconds)
-    settings = published / "run_settings.json"
-    settings = json.loads(settings.read_text()) if settings.is_file() else {}
-    links = [("results.md", "sweeps and head to head"), ("results.csv", "CSV"),
-             ("tuning/tuning.md", "replay tuning on the validation labels"),
-             ("head_to_head_long/pooled.md", "pooled long head-to-head runs (scripts/pool_head_to_head.py)"),
-             ("bench_target.md", "target forward costs (scripts/bench_target.py)"),
-             ("batch_bench/README.md", "batched engine against concurrency (scripts/bench_batch.py)"),
-             ("batch1_parity/parity.md", "batch 1: the engine against the retired loop (scripts/bench_retired_loop.py)"),
-             ("load_sweep/batch_bench.md", "the load sweep: policies against concurrency and temperature"),
-             ("trees/batch_bench.md", "draft trees against chains under load (docs/trees.md)")]
-    times = ", ".join(f"{k} {v:.0f} s" for k, v in stage_seconds.items() if v is not None)
-    pooled = (published / "head_to_head_long" / "pooled.md").is_file()
-    lines = [f"# Results: {name}", "",
-             f"Generated by `{command}` from the main command's run (do not edit: the next publish rewrites "
-             "it)." + (f" The run's stages took {total} in all ({times})." if total else "")
-             + (f" Models in {settings['model.dtype']} on {settings.get('cpu')} (bf16 matmuls in hardware: "
-                f"{'yes' if settings.get('cpu_bf16') else 'no'})" + (f"; overrides: `{' '.join(settings['overrides'])}`"
-                                                                   if settings.get("overrides") else "") + "."
-                if settings.get("model.dtype") else ""), "",
-             "Next to this page: " + " · ".join(f"[{label}]({f})" for f, label in links if (published / f).is_file()),
-             "", "How to read the figures below: the sweep ranks policies by speedup over each run's own AR baseline, "
-             "with runs minutes apart on a shared machine, so its \"best adaptive in the sweep\" is a screening "
-             "number; the head to head times its contenders in turns on the same prompts, but its few dozen prompts "
-             "give an interval too wide to resolve a gain of 2%."
-             + (" The pooled long head-to-head runs ([head_to_head_long/pooled.md](head_to_head_long/pooled.md)) "
-                "are the measurement to quote." if pooled else ""),
-             "", results_md.strip(), "",
-             "Tokens/s against γ for every policy of the sweeps above (the main command, `python scripts/pipeline.py`, "
-             f"then `{command}`):", "", "![tokens/s against γ](tokens_per_s.png)", ""]
-    # the batched benchmark's plot, from the run its README names as the one to read (written by bench_batch.py)
-    batch_plot = next((f"{d}/batch_bench.png" for d in ("batch_bench_r2", "batch_bench")
-                       if (published / d / "batch_bench.png").is_file()), None)
-    if batch_plot:
-        lines += ["## Batched decoding against concurrency", "",
-                  "Tokens/s of batched AR and static γ against the number of sequences in flight, made by "
-                  "`scripts/bench_batch.py`; each committed run's command and what it shows: "
-                  "[batch_bench/README.md](batch_bench/README.md).",
-                  "", f"![tokens/s against concurrency]({batch_plot})", ""]
-    if (published / "load_sweep" / "batch_bench.png").is_file():
-        took = stage_seconds.get("bench_batch")
-        lines += ["## The load sweep", "",
-                  "Batched AR, static γ and the adaptive policies against concurrency, a panel per temperature, made by "
-                  "`scripts/bench_batch.py` (the main command's `bench_batch` stage runs a short version"
-                  + (f", {took:.0f} s in the run above" if took else "") + "; docs/batched.md gives the commands, and "
-                  "the page's header the prompts, rounds and temperatures of this run). The table, the baselines per "
-                  "(C, T) and the paired ratios with their 95% intervals: "
-                  "[load_sweep/batch_bench.md](load_sweep/batch_bench.md).", "",
-                  "![tokens/s against concurrency, per temperature](load_sweep/batch_bench.png)", ""]
-        if (published / "load_sweep" / "batch_bench_ratio.png").is_file():
-            lines += ["![adaptive / best static γ](load_sweep/batch_bench_ratio.png)", ""]
-    return "\n".join(lines)
-
-
-def headline_block(summary: dict, name: str, command: str, page: str) -> str:
-    """README's generated block: the main command's head to head as a short table, and a link to the page."""
-    head = summary["headline"].get(name) or {}
-    total = _minutes(summary.get("stage_seconds") or {})
-    lines = [f"Generated by `{command}`" + (f" (the main command's stages took {total} in all)" if total else "")
-             + f"; all tables and the plot: [{page}]({page}).", ""]
-    h2h = head.get("head_to_head")
-    if h2h:
-        ref = h2h["reference"]
-        # n_dropped next to n_prompts, in bold above 5%
-        from ldlp.bench.headtohead import dropped_note
-
-        lines += [(f"Head to head of the main command ({h2h['n_prompts']} prompts{dropped_note(h2h)} × {h2h['rounds']} "
-                   "rounds, timed in "
-                   f"turns, greedy; ratios of seconds on the same prompts, > 1: faster than {ref}):"), "",
-                  f"| contender | τ | tokens/s | vs {ref} | 95% interval |", "|---|---:|---:|---:|---:|"]
-        for r in h2h["rows"]:
-            if r["contender"] == "AR":
-                continue
-            vs = f"{r['vs_best_static']:.3f}" if "vs_best_static" in r else ("1" if r["contender"] == ref else "–")
-            ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
-            lines.append(f"| {r['contender']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {vs} | {ci} |")
-    else:
-        for key, label in (("best_static", "best static"), ("best_adaptive", "best adaptive")):
-            if key in head:
-                r = head[key]
-                lines.append(f"- {label} in the sweep: {r.get('policy', 'static')} at {r['tokens_per_s']:.1f} tokens/s")
-    return "\n".join(lines) + "\n"
-
-
-def _copy(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    from eagle_backbone.io import atomic_replace
-
-    atomic_replace(tmp, dst)
-
-
-def publish_run(results: Path, published: Path, readme: Path, summary: dict | None, name: str, command: str) -> list[str]:
-    """:func:`publish` one complete set from one run of this model, or a one-line error before anything is
-    copied (:func:`~ldlp.report.publish.check_publishable`); published files this run lacks are removed."""
-    from ldlp.report.publish import check_publishable, prune_published
-
-    files = check_publishable(results, name)
-    removed = prune_published(published, files)  # an older run's files this run does not replace
-    done = publish(results, published, readme, summary, name, command)
-    return done + ([f"removed {', '.join(removed)} from {published} (not in this run)"] if removed else [])
-
-
-def publish(results: Path, published: Path, readme: Path, summary: dict | None, name: str, command: str) -> list[str]:
-    """Copy the run's tables, plot and tuning from ``results`` (outputs/, gitignored) to ``published``
-    (results/<model>, committed), write its README.md, and README's ``results`` block when README has one;
-    returns what it did. ``summary`` (the pipeline's) defaults to the run's summary.json and stage_seconds.json."""
-    from ldlp.report.pages import replace_readme_block
-
-    results, published = Path(results), Path(published)
-    if summary is None:
-        summary = json.loads((results / "summary.json").read_text())
-        times = results / "stage_seconds.json"
-        summary["stage_seconds"] = json.loads(times.read_text()) if times.is_file() else {}
-
-    copied = []
-    for f in PUBLISHED_FILES:
-        if (results / f).is_file() and (results / f).resolve() != (published / f).resolve():
-            _copy(results / f, published / f)
-            copied.append(f)
-    page = published / "README.md"
-    atomic_write_text(page, results_page((results / "results.md").read_text(), name, command,
-                                         summary.get("stage_seconds") or {}, published))
-    done = [f"published {', '.join(copied + ['README.md'])} to {published}"]
-    rel = os.path.relpath(page, readme.parent)
-    if replace_readme_block(readme, "results", headline_block(summary, name, command, rel)):
-        done.append(f"updated the results block of {readme}")
-    else:
-        done.append(f"{readme} has no <!-- results:start --> ... <!-- results:end --> block: left as is")
-    return done

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...} and ${model_folder:...})
-from eagle_backbone.runtime import resolve_model_dtype, set_threads
+from eagle_backbone.runtime import check_device, resolve_model_dtype, set_threads
 
 # (logger, start of the message): notices that say nothing about this run
 _HARMLESS = (
@@ -52,8 +52,10 @@ def quiet_third_party() -> None:
             logger.addFilter(_Drop(prefix))
 
 
-def start(cfg) -> int:
-    """Every script's first call; returns the thread count in force."""
+def start(cfg, loads_models: bool = True) -> int:
+    """Every script's first call; returns the thread count in force. ``loads_models``: the script loads the models
+    of ``cfg.model`` (a CUDA device on a machine without one is refused here, in one line); False for scripts that
+    only read results (publishing a GPU run's pages on a CPU machine is fine)."""
     from omegaconf.errors import InterpolationResolutionError
 
     quiet_third_party()
@@ -66,6 +68,8 @@ def start(cfg) -> int:
                 why = str(e.__cause__ or e).split(" raised while resolving interpolation: ")[-1].splitlines()[0]
                 raise SystemExit(f"error: model.{key}: {why}") from None
         try:  # model.dtype=auto becomes the dtype the models load in, so every record names the one used
+            if loads_models and model.get("device") is not None:
+                check_device(model.get("device"))
             resolve_model_dtype(model)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None

@@ -26,9 +26,25 @@ def main(cfg: DictConfig) -> None:
     from ldlp.bench.attention import attention_routes, engine_scaling, linear_kernels, markdown
     from ldlp.bench.loaders import load_tokenizer_cached, machine_info, short_and_long_prompts
 
+    from eagle_backbone.runtime import int_list_setting, int_setting
+
     threads = start(cfg)
+    where = "conf/bench_attention.yaml"  # every setting before a model loads: one line naming the key
+    int_setting("reps", cfg.reps, 1, where)
+    int_setting("max_new_tokens", cfg.max_new_tokens, 1, where)
+    int_setting("prompts", cfg.prompts, 1, where)
+    int_list_setting("slots", cfg.slots, 1, where)
+    int_list_setting("concurrency", cfg.concurrency, 1, where)
+    if not list(cfg.dtypes or []):
+        raise ValueError(f"dtypes is empty; give at least one, e.g. dtypes=[float32] ({where})")
+    for dtype in cfg.dtypes:
+        resolve_dtype(str(dtype))
     sets = short_and_long_prompts(cfg, "bench_attention", load_tokenizer_cached(cfg.model))
     model = OmegaConf.to_container(cfg.model, resolve=True)
+    empty = [name for name, ps in sets.items() if not ps]
+    if empty:
+        raise ValueError(f"no prompts in the {', '.join(empty)} set(s) (prompts={cfg.prompts}, long_path="
+                         f"{cfg.long_path}): give a data file with prompts the target's context holds")
     routes, linear = [], []
     for dtype in cfg.dtypes:
         target = load_target({**model, "dtype": dtype})

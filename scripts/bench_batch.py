@@ -19,7 +19,7 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from ldlp.bench.load_sweep import Contender, check_contenders, check_sweep_args, sweep, write, written
+    from ldlp.bench.load_sweep import Contender, check_contenders, check_sweep_args, prompts_meta, sweep, write, written
     from eagle_backbone.candidates import make_candidates
     from eagle_backbone.errors import MissingCheckpoint
     from ldlp.bench.conversation import prompt_categories
@@ -76,7 +76,7 @@ def main(cfg: DictConfig) -> None:
     out = cfg.out_dir or HydraConfig.get().runtime.output_dir
     meta = {"model": cfg.model.name, "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
             "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
-            "blocks": int(cfg.blocks), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],
+            **prompts_meta(prompt_set, cfg.concurrency, int(cfg.blocks)), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],
             "threads": threads, "cpu": machine_info().get("cpu"), "profile_steps": bool(cfg.profile_steps)}
     # the pair's candidate generator, its drafter on the benchmark's attention math (as the target's in the engine)
     candidates = pair.candidates

@@ -19,7 +19,16 @@ def main(cfg: DictConfig) -> None:
     from ldlp.bench.at_ref import compare, markdown
     from ldlp.bench.loaders import load_pair_cached, load_tokenizer_cached, machine_info, short_and_long_prompts
 
+    from eagle_backbone.runtime import int_list_setting, int_setting
+
     threads = start(cfg)
+    where = "conf/bench_engine_ref.yaml"  # every setting before a model loads: one line naming the key
+    int_list_setting("concurrency", cfg.concurrency, 1, where)
+    int_list_setting("gammas", cfg.gammas, 0, where)
+    for key in ("rounds", "prompts", "max_new_tokens", "bootstrap"):
+        int_setting(key, cfg[key], 1, where)
+    if not str(cfg.ref or "").strip():
+        raise ValueError(f"ref is empty; give the commit to compare against, e.g. ref=5f7644e ({where})")
     sets = short_and_long_prompts(cfg, "bench_engine_ref", load_tokenizer_cached(cfg.model))
     pair = load_pair_cached(cfg.model)
     rows = compare(pair, sets, cfg.ref, tuple(cfg.concurrency), tuple(cfg.gammas), cfg.rounds, cfg.max_new_tokens,

@@ -16,7 +16,7 @@ from ldlp.report.pages import publish_pooled
 @hydra.main(config_path="../conf", config_name="pool_head_to_head", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    start(cfg)
+    start(cfg, loads_models=False)
     pooled = pool_folders(list(cfg.runs), cfg.out_dir, int(cfg.bootstrap), int(cfg.seed))
     print(pooled_markdown(pooled))
     print(f"wrote {cfg.out_dir}/pooled.md")

@@ -19,16 +19,21 @@ def main(cfg: DictConfig) -> None:
         profile_costs,
         table_path,
     )
-    from eagle_backbone.errors import ConfigError
     from eagle_backbone.engine import BatchedSpeculativeEngine
     from ldlp.bench.load_sweep import check_markdown
     from ldlp.bench.loaders import load_pair_cached
 
+    from eagle_backbone.runtime import int_list_setting, int_setting
+
     threads = start(cfg)
-    for name in ("slots", "tokens_per_slot"):  # the raw values, before any model loads
-        vals = list(cfg[name])
-        if not vals or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in vals) or len(set(vals)) < len(vals):
-            raise ConfigError(f"{name} must be distinct integers >= 1, got {vals}")
+    # the raw values, before any model loads
+    for name in ("slots", "tokens_per_slot"):
+        int_list_setting(name, cfg[name], 1, "conf/profile_cost.yaml", distinct=True)
+    int_setting("reps", cfg.reps, 1, "conf/profile_cost.yaml")
+    int_setting("context", cfg.context, 1, "conf/profile_cost.yaml")
+    if cfg.check.enabled:
+        int_list_setting("check.slots", cfg.check.slots, 1, "conf/profile_cost.yaml")
+        int_list_setting("check.gammas", cfg.check.gammas, 0, "conf/profile_cost.yaml")
     pair = load_pair_cached(cfg.model)
     target, kind = pair.target, cfg.model.drafter_kind
     capacity = int(cfg.context) + 5 * (int(cfg.reps) + 3) + max(cfg.tokens_per_slot) + 8

@@ -653,3 +653,23 @@ def test_each_adaptive_contender_states_its_share_of_the_batched_oracles_headroo
     share = findings(rows)["headroom_share"]
     assert share == {"tree_budget": {1: pytest.approx(0.25)}, "load_aware": {1: pytest.approx(-0.25)}}  # C=4: no headroom
     assert any("tree_budget C=1: +25%" in line for line in _findings_lines(rows, "tokens_per_s", "tokens/s"))
+
+
+def test_the_load_sweep_header_names_its_prompts_and_the_blocks_it_made(tmp_path):
+    """bench_batch's results record the prompt file, its SHA-256 and the prompts dropped for length (as evaluate.py's
+    do), and per C the blocks the run made: 4 asked of 16 prompts is 1 block at C=16, not 4."""
+    import hashlib
+
+    from ldlp.bench.load_sweep import markdown, prompts_meta
+    from ldlp.bench.loaders import PromptSet, prompt_set_info
+
+    data = tmp_path / "prompts.json"
+    data.write_text("[]")
+    prompts = PromptSet((f"c{i}", [1, 2, 3]) for i in range(16))
+    prompts.info = prompt_set_info({"path": str(data), "max_prompt_tokens": 64}, n_dropped=3)
+    meta = prompts_meta(prompts, [1, 4, 16], 4)
+    assert meta["data_path"] == str(data) and meta["data_sha256"] == hashlib.sha256(b"[]").hexdigest()
+    assert meta["n_dropped"] == 3 and "max_prompt_tokens=64" in meta["dropped_reason"]
+    assert meta["blocks_asked"] == 4 and meta["blocks"] == {1: 4, 4: 4, 16: 1}
+    header = markdown({"rows": [], "skipped": []}, meta)
+    assert "blocks: {1: 4, 4: 4, 16: 1}" in header and str(data) in header

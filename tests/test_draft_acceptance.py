@@ -149,6 +149,9 @@ def test_collector_resumes_to_the_same_files(pair_dirs, full_collection, tmp_pat
     part = tmp_path / "resumed"
     first = collect_acceptance(compose(pair_dirs, part, "max_parts_this_run=2"))
     assert not first["this_run"]["complete"]
+    # the report of a partial collection says so, in its JSON and its page
+    assert first["complete"] is False and first["missing_sequences"] > 0
+    assert "**Partial collection**" in (part / "report.md").read_text()
     collect_acceptance(compose(pair_dirs, part))
     assert arrow_files(part) == arrow_files(out)
     with pytest.raises(ValueError, match="other settings"):
@@ -194,3 +197,25 @@ def test_soft_scores_match_sklearn_on_hard_labels():
 
 def test_paths_default_has_the_draft_acceptance_key():
     assert "draft_acceptance" in OmegaConf.load(Path(REPO) / "conf/paths/default.yaml")
+
+
+def test_training_checks_every_temperature_before_writing_any_head(full_collection, tmp_path):
+    """Labels at T=0.7 only, heads asked for at 0.7 and 1.0: the run stops in one line naming the missing
+    collection before the first head (which a load-aware policy would read) is written."""
+    import subprocess
+    import sys
+
+    out, _ = full_collection
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "train_draft_acceptance.py"),
+                          f"labels_root={out.parent.parent}", "temperatures=[0.7,1.0]", f"out_root={tmp_path / 'heads'}",
+                          "ood=[]"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1].startswith("error: ") and "embedded_train/t1.0" in run.stderr
+    assert "collect_acceptance.py data=embedded_train temperature=1.0" in run.stderr
+    assert not (tmp_path / "heads").exists()  # no head of T=0.7 went live
+    from ldlp.training.draft_acceptance import check_inputs
+
+    cfg = OmegaConf.create({"labels_root": str(out.parent.parent), "in_domain": "embedded_train",
+                            "temperatures": [], "allow_partial": False})
+    with pytest.raises(ValueError, match="temperatures: empty"):
+        check_inputs(cfg)

@@ -853,6 +853,11 @@ def _a_run(folder: Path, model: str = "m", tuning: bool = True, sweep_complete: 
             (folder / "load_sweep" / f).write_text(f)
         (folder / "load_sweep" / "batch_bench.json").write_text(json.dumps([{"complete": sweep_complete}]))
         (folder / "load_sweep" / "batch_bench_runs.json").write_text(json.dumps({"meta": {"model": model}}))
+    from ldlp.report.publish import write_run_manifest
+
+    stages = ["corpus", "oracle"] + (["tune"] if tuning else []) + (["bench_batch"] if sweep_complete is not None
+                                                                    else [])
+    write_run_manifest(folder, model, stages, {s: 10.0 for s in stages})
     return folder
 
 
@@ -930,3 +935,163 @@ def test_scripts_print_the_projects_own_value_errors_in_one_line(monkeypatch, ca
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(ValueError, match="concurrency"):
         main(lambda: check_sweep_args([0]))
+
+
+# -- issue 32: publishing is one run's whole result ----------------------------------------------------------
+
+
+def test_publishing_takes_only_the_stages_this_run_had_and_lists_what_it_wrote(tmp_path):
+    """A run with bench_batch.enabled=false over the folder of an earlier run with a load sweep: the earlier load
+    sweep (page, plots, runs file) is neither published nor timed nor linked, the earlier publish's files are
+    removed, and manifest.json lists exactly what this publish wrote."""
+    import hashlib
+
+    from ldlp.report.publish import publish_run, write_run_manifest
+
+    published, readme = tmp_path / "published", tmp_path / "README.md"
+    readme.write_text("# r\n")
+    results = _a_run(tmp_path / "results")  # an earlier run: tuning and load sweep
+    publish_run(results, published, readme, None, "m", "cmd")
+    assert (published / "load_sweep" / "batch_bench_runs.json").is_file()  # every file of the group
+    manifest = json.loads((published / "manifest.json").read_text())
+    assert "load_sweep/batch_bench_runs.json" in manifest["files"]
+    (published / "other.md").write_text("a page of another script")  # not the main command's: left alone
+    # the next run has no load sweep; its files from the earlier run stay in the results folder
+    write_run_manifest(results, "m", ["corpus", "oracle", "tune"], {"corpus": 1.0, "oracle": 2.0, "tune": 3.0})
+    (results / "stage_seconds.json").write_text(json.dumps({"corpus": 1.0, "bench_batch": 99.0}))
+    lines = publish_run(results, published, readme, None, "m", "cmd")
+    assert not (published / "load_sweep").exists() or not any((published / "load_sweep").iterdir())
+    assert any("not published: load sweep" in line for line in lines)
+    assert json.loads((published / "stage_seconds.json").read_text()) == {"corpus": 1.0, "oracle": 2.0, "tune": 3.0}
+    page = (published / "README.md").read_text()
+    assert "load_sweep" not in page and "bench_batch" not in page
+    manifest = json.loads((published / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(published)) for p in published.rglob("*") if p.is_file()}
+    assert set(manifest["files"]) == on_disk - {"manifest.json", "other.md"}
+    for f, digest in manifest["files"].items():
+        assert hashlib.sha256((published / f).read_bytes()).hexdigest() == digest
+    assert (published / "other.md").is_file()
+    # rewriting the page from the committed files (results=<the published folder>) keeps them as they are
+    before = {f: (published / f).read_bytes() for f in manifest["files"] if f != "README.md"}
+    publish_run(published, published, readme, None, "m", "cmd")
+    assert {f: (published / f).read_bytes() for f in before} == before
+
+
+def test_publishing_a_folder_no_main_command_finished_is_refused(tmp_path):
+    from eagle_backbone.errors import ConfigError
+    from ldlp.report.publish import publish_run
+
+    results = _a_run(tmp_path / "results")
+    (results / "run.json").unlink()
+    with pytest.raises(ConfigError) as e:
+        publish_run(results, tmp_path / "published", tmp_path / "README.md", None, "m", "cmd")
+    assert "no run.json" in _one_line(e) and not (tmp_path / "published").exists()
+
+
+def test_the_publish_script_does_not_import_the_orchestrator():
+    text = (Path(__file__).resolve().parent.parent / "scripts" / "publish_results.py").read_text()
+    assert "ldlp.pipeline" not in text and "ldlp.report.publish" in text
+
+
+def test_the_cost_key_tells_cpus_of_one_name_apart_by_what_changes_costs(monkeypatch):
+    """Two CPUs sold under one name, one with bf16 matmuls and AVX-512 and one without, get different keys and
+    different file names."""
+    import eagle_backbone.runtime as runtime
+    from eagle_backbone.cost import cost_key, table_path
+
+    monkeypatch.setattr("eagle_backbone.cost.processor_name", lambda device: "Same Marketing Name")
+    keys = {}
+    for kind, flags in (("bf16", {"avx512f", "avx512_bf16", "avx2"}), ("plain", {"avx2"})):
+        monkeypatch.setattr(runtime, "cpu_flags", lambda flags=flags: flags)
+        keys[kind] = cost_key("m", torch.float32, "cpu", 1)
+    assert keys["bf16"]["cpu"] == keys["plain"]["cpu"]
+    assert keys["bf16"]["cpu_caps"]["bf16"] and keys["bf16"]["cpu_caps"]["avx512"]
+    assert not keys["plain"]["cpu_caps"]["bf16"] and not keys["plain"]["cpu_caps"]["avx512"]
+    a, b = table_path("c", keys["bf16"]), table_path("c", keys["plain"])
+    assert a != b and "avx512-bf16" in a.name and "bf16" not in b.name
+    if Path("/proc/cpuinfo").is_file():
+        assert {"cpu_family", "model"} <= set(keys["plain"]["cpu_caps"])
+
+
+def test_a_cuda_device_on_a_torch_without_one_is_one_line(monkeypatch, capsys):
+    """model.device=cuda where torch has no CUDA device: one error line at the script's start, before any model
+    loads (torch's own failure is an assertion traceback); a script that only reads results is not refused."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    from _setup import start
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.runtime import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="model.device=cuda: .*torch.cuda.is_available\\(\\) is False.*model.device=cpu"):
+        check_device("cuda")
+    with pytest.raises(ValueError, match="model.device=gpu0: not a device"):
+        check_device("gpu0")
+    cfg = OmegaConf.create({"threads": None, "model": {"device": "cuda", "dtype": "float16", "target": "t"}})
+    with pytest.raises(SystemExit) as e:
+        start(cfg)
+    assert str(e.value).startswith("error: model.device=cuda: ")
+    start(cfg, loads_models=False)  # publishing a GPU run's pages on a CPU machine
+
+
+@pytest.mark.parametrize("script, override, message", [
+    ("profile_cost.py", "reps=0", "error: reps must be an integer >= 1, got 0 (conf/profile_cost.yaml)"),
+    ("bench_attention.py", "reps=0", "error: reps must be an integer >= 1, got 0 (conf/bench_attention.yaml)"),
+    ("bench_engine_ref.py", "concurrency=[]", "error: concurrency must be a non-empty list of integers >= 1, got []"),
+])
+def test_a_bad_count_is_one_line_before_any_model_loads(script, override, message, tmp_path):
+    """One subprocess per script (their lists share int_list_setting, tested below). reps=0 used to end in
+    statistics.StatisticsError, an empty list in 'max() arg is an empty sequence', both
+    after the models loaded; a missing model folder shows that nothing was loaded first."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(repo / "scripts" / script), override,
+                          f"model.target={tmp_path / 'absent'}", f"model.drafter={tmp_path / 'absent'}",
+                          f"model.tokenizer={tmp_path / 'absent'}",
+                          f"out={tmp_path / 't.json'}" if script == "profile_cost.py" else f"out_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=300, cwd=repo)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_a_tree_too_large_names_the_settings_to_change():
+    from eagle_backbone.tree_draft import TreeSpec
+
+    with pytest.raises(ValueError, match="top_k=64, depth=6.*lower policy.top_k, policy.depth or policy.width"):
+        TreeSpec(top_k=64, depth=6)
+
+
+def test_an_engine_ref_without_the_batched_engine_is_one_line_and_leaves_no_temporary_folder(tmp_path):
+    """bench_engine_ref.py against a commit from before the batched engine: one line naming ref=, and the
+    temporary copy of that commit's core is gone when the process ends."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    root = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if root.returncode != 0 or not root.stdout.strip():
+        pytest.skip("no git history in this checkout")
+    ref = root.stdout.split()[0]
+    (tmp_path / "tmp").mkdir()
+    code = ("from ldlp.bench.at_ref import load_core_at\n"
+            "try:\n    load_core_at(%r)\nexcept ValueError as e:\n    print(e)\n" % ref)
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"ref={ref}: ") and "choose" in out.stdout
+    assert list((tmp_path / "tmp").iterdir()) == []  # the temporary core copy is removed at exit
+
+
+def test_int_settings_refuse_in_one_line_naming_the_key():
+    from eagle_backbone.runtime import int_list_setting, int_setting
+
+    assert int_setting("reps", 3, 1) == 3 and int_list_setting("slots", [1, 2], 1, distinct=True) == [1, 2]
+    for bad in (0, 1.5, True, None, "2"):
+        with pytest.raises(ValueError, match="reps must be an integer >= 1"):
+            int_setting("reps", bad, 1, "conf/x.yaml")
+    for bad in ([], None, [0], [1, 1], [2.0]):
+        with pytest.raises(ValueError, match="slots must be a non-empty list of distinct integers >= 1"):
+            int_list_setting("slots", bad, 1, distinct=True)

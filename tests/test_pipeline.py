@@ -93,7 +93,7 @@ def test_an_interrupted_stage_runs_again_and_the_fingerprint_is_stored_next_to_i
     assert _run_all(tmp_path, stages) == ["up", "down"]
     stored = json.loads((tmp_path / "up" / "stage.json").read_text())
     assert stored["complete"] is True and stored["fingerprint"] == digest
-    assert stored["inputs"]["args"] == stages[0].args
+    assert stored["inputs"]["args"] == ["out_dir=<up>", "text=a"]  # its own output folder by name, not location
     seconds = json.loads((tmp_path / "results" / "stage_seconds.json").read_text())
     assert set(seconds) == {"up", "down"}
     cpu = json.loads((tmp_path / "results" / "stage_cpu_seconds.json").read_text())  # what it would take idle
@@ -574,3 +574,199 @@ def test_collectors_side_by_side_check_the_folder_first_and_report_last(tmp_path
     cfg = _compose_pipeline([f"paths.outputs={tmp_path}", "oracle.parallel=2"])
     oracle = next(s for s in plan(cfg) if s.name == "oracle")
     assert oracle.parallel == 2 and "num_shards=2" in oracle.args  # in the fingerprint: part files are per collector
+
+
+# ---- processes meet: collectors side by side, a SIGKILLed main command, stale locks --------------------------
+
+
+def _gone(pid: int, wait_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie (killed, not yet reaped by init) is gone too
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_sigkill_of_the_main_command_leaves_no_stage_running(tmp_path):
+    """kill -9 of the main command runs no handler: the stage (parent-death signal) and the child it started (the
+    watchdog stops the stage's process group) still stop; the next main command takes the stale lock over."""
+    stage_script = tmp_path / "stage.py"
+    stage_script.write_text(textwrap.dedent("""
+        import subprocess, sys, time, os
+        from pathlib import Path
+        out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+        child = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(0.05)"])
+        (out / "pids").write_text(f"{os.getpid()} {child.pid}")
+        while True:
+            time.sleep(0.05)
+    """))
+    main = tmp_path / "main.py"
+    main.write_text(textwrap.dedent(f"""
+        from pathlib import Path
+        from omegaconf import OmegaConf
+        from ldlp.pipeline import FolderLock, Stage, StageRunner
+        out = Path({str(tmp_path / 'out')!r})
+        stage = Stage("s", "a stage that runs until stopped", {str(stage_script)!r}, [str(out)], out)
+        with FolderLock([out.parent / "locked"]) as lock:
+            runner = StageRunner(OmegaConf.create({{"force": False, "paths": {{"results": str(out.parent / "r")}}}}),
+                                 [stage])
+            runner.lock = lock
+            runner(stage, 1, 1)
+    """))
+    proc = subprocess.Popen([sys.executable, str(main)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    pids = tmp_path / "out" / "pids"
+    for _ in range(600):
+        if pids.is_file() and pids.read_text():
+            break
+        time.sleep(0.1)
+    stage_pid, child = (int(x) for x in pids.read_text().split())
+    for _ in range(600):  # the main command records the stage in its lock once it started it
+        lock = json.loads((tmp_path / "locked" / ".pipeline.lock").read_text() or "{}")
+        if lock.get("stages"):
+            break
+        time.sleep(0.1)
+    assert lock["pid"] == proc.pid and [s["pid"] for s in lock["stages"]] == [stage_pid]
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert _gone(stage_pid) and _gone(child), "a stage process survived the main command's SIGKILL"
+    # the lock names a dead holder and no live stage: taken over, in one line
+    from ldlp.pipeline import FolderLock
+
+    probe = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from ldlp.pipeline import FolderLock
+        with FolderLock([{str(tmp_path / 'locked')!r}]):
+            pass
+    """)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stderr.strip() == (f"the lock at {tmp_path / 'locked' / '.pipeline.lock'} was held by dead pid "
+                                    f"{proc.pid} and is taken over")
+    with FolderLock([tmp_path / "locked"]):  # released cleanly: no message, no refusal
+        pass
+
+
+def test_a_lock_whose_holder_or_stage_is_alive_refuses(tmp_path, capsys):
+    """A lock file naming a live process (here: a stage a killed main command left running) refuses in one line;
+    one naming only dead processes is taken over."""
+    from ldlp.pipeline import LOCK, FolderLock, _start_time
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        dead = int(dead.stdout)
+        (tmp_path / LOCK).write_text(json.dumps({"pid": dead, "started": "earlier", "command": "pipeline.py",
+                                                 "stages": [{"pid": sleeper.pid,
+                                                             "start": _start_time(sleeper.pid)}]}))
+        with pytest.raises(ValueError, match=f"held by pid {dead} and its stage process {sleeper.pid} is still "
+                                             "running.*kill"):
+            with FolderLock([tmp_path]):
+                pass
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with FolderLock([tmp_path]):
+        pass
+    assert f"held by dead pid {dead} and is taken over" in capsys.readouterr().err
+
+
+def test_collectors_side_by_side_keep_one_manifest_and_a_log_each(tmp_path):
+    """Two collectors into one folder, many times: each writes the shared manifest through the atomic writer and
+    clears killed writes' leftovers as the real collector does, and logs into the folder it is given. Every run
+    finishes, the manifest is whole, and every collector's log is there."""
+    script = tmp_path / "collector.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        from eagle_backbone.io import atomic_write_json, remove_leftovers
+        args = dict(a.split("=", 1) for a in sys.argv[1:])
+        out = Path(args["out_dir"])
+        logs = Path(args["hydra.run.dir"]); logs.mkdir(parents=True, exist_ok=True)
+        (logs / "collect_oracle.log").write_text(f"collector {args['shard_id']}\\n")
+        for i in range(40):
+            remove_leftovers(out, "*")
+            atomic_write_json(out / "manifest.json", {"num_shards": int(args["num_shards"]), "pad": "x" * 20000})
+        if args.get("max_parts_this_run") != "0":
+            (out / f"part-{args['shard_id']}").write_text("labels")
+        else:
+            (out / "report.md").write_text("done")
+    """))
+    for k in range(8):
+        out = tmp_path / f"o{k}"
+        stage = Stage("oracle", "collect", str(script), [f"out_dir={out}", "num_shards=2"], out,
+                      product="report.md", resumes=True, parallel=2)
+        assert _run_all(tmp_path, [stage]) == ["oracle"]
+        assert json.loads((out / "manifest.json").read_text())["num_shards"] == 2
+        logs = sorted(p.name.rsplit("-", 1)[1] for p in (out / "logs").iterdir())
+        assert logs == ["check", "report", "shard0", "shard1"]
+        assert not list(out.glob("*.tmp"))
+
+
+def test_a_failed_stage_ends_the_main_command_in_one_line(writer, tmp_path):
+    from ldlp.pipeline import StageFailed
+
+    bad = Stage("up", "upstream", str(writer), [f"out_dir={tmp_path / 'up'}"], tmp_path / "up")  # no text=: fails
+    with pytest.raises(StageFailed, match="stage 'up' failed \\(exit 1\\); its own error line above names the "
+                                          "setting or input to fix"):
+        _run_all(tmp_path, [bad])
+    assert issubclass(StageFailed, ValueError)  # scripts/_setup.py prints it as one error: line
+
+
+def test_where_outputs_go_is_not_an_input(tmp_path):
+    """paths.outputs and paths.published say where results are written: changing them (and switching back) reruns
+    no stage; an override that changes what a stage computes still does."""
+    base = [f"paths.data_dir={tmp_path / 'data'}"]
+
+    def digests(extra):
+        overrides = base + extra
+        stages = {s.name: s for s in plan(_compose_pipeline(overrides), "embedded", overrides)}
+        return {n: fingerprint(s, stages)[0] for n, s in stages.items()}
+
+    a = digests([f"paths.outputs={tmp_path / 'out1'}"])
+    b = digests([f"paths.outputs={tmp_path / 'out2'}", f"paths.published={tmp_path / 'pub'}"])
+    assert a == b
+    c = digests([f"paths.outputs={tmp_path / 'out1'}", "generation.max_new_tokens=16"])
+    assert c["oracle"] != a["oracle"] and c["corpus"] == a["corpus"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("sweep.rounds=0", "sweep.rounds must be an integer >= 1, got 0"),
+    ("oracle.parallel=0", "oracle.parallel must be an integer >= 1, got 0"),
+    ("oracle.parallel=1.5", "oracle.parallel must be an integer >= 1, got 1.5"),
+    ("head_to_head.rounds=0", "head_to_head.rounds must be an integer >= 1"),
+    ("bench_batch.rounds=0", "bench_batch.rounds must be an integer >= 1"),
+    ("bench_batch.concurrency=[]", "bench_batch.concurrency is empty"),
+    ("bench_batch.concurrency=[0]", "bench_batch.concurrency holds 0"),
+    ("bench_batch.temperatures=[-1.0]", "bench_batch.temperatures holds -1.0"),
+    ('bench_batch.contenders=["policy=nonesuch"]', "bench_batch.contenders holds 'policy=nonesuch'"),
+    ("bench_batch.contenders=[static]", "bench_batch.contenders holds 'static'"),
+    ("sweep.adaptive=[ldlp,typo]", "sweep.adaptive holds 'typo'"),
+    ("sweep.static_gammas=[0]", "sweep.static_gammas holds 0"),
+])
+def test_the_plan_refuses_a_bad_setting_in_one_line(tmp_path, override, key):
+    from eagle_backbone.errors import ConfigError
+
+    cfg = _compose_pipeline([f"paths.outputs={tmp_path}", override])
+    with pytest.raises(ConfigError, match=key.replace("[", "\\[").replace("(", "\\(")):
+        plan(cfg)
+
+
+def test_a_dry_run_with_zero_rounds_ends_in_one_error_line(tmp_path):
+    out = _script("scripts/pipeline.py", "dry_run=true", "sweep.rounds=0", f"paths.outputs={tmp_path}", timeout=300)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "error: pipeline: sweep.rounds must be an integer >= 1, got 0 (conf/pipeline.yaml)"], out.stderr[-2000:]
+
+
+def test_collectors_started_by_hand_side_by_side_log_into_their_own_folders():
+    for script in ("collect_oracle", "collect_acceptance"):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            dirs = {compose(config_name=script, overrides=[f"shard_id={i}", "num_shards=2"],
+                            return_hydra_config=True).hydra.run.dir for i in range(2)}
+        assert len(dirs) == 2 and all(d.endswith(("-shard0", "-shard1")) for d in dirs), (script, dirs)

@@ -1,6 +1,12 @@
 """The shared helpers: the interleaved runner and its orders, median timing, atomic writes."""
 
 import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +54,7 @@ def test_median_seconds_warms_up_then_times():
 def test_atomic_path_replaces_or_leaves_the_old_file(tmp_path):
     out = tmp_path / "sub" / "plot.png"
     with atomic_path(out, keep_suffix=True) as tmp:
-        assert tmp.name == "plot.tmp.png" and not out.exists()
+        assert re.fullmatch(rf"plot\.{os.getpid()}-[0-9a-f]{{8}}\.tmp\.png", tmp.name) and not out.exists()
         tmp.write_text("new")
     assert out.read_text() == "new" and not tmp.exists()
     with pytest.raises(RuntimeError):
@@ -73,6 +79,31 @@ def test_json_and_leftovers(tmp_path):
     part = tmp_path / "train" / "part.rows.arrow"
     part.parent.mkdir()
     part.write_bytes(b"whole")
-    tmp_sibling(part).write_bytes(b"junk")  # a killed write's leftover
-    assert remove_leftovers(tmp_path, "*/*") == [tmp_sibling(part)]
-    assert [p.name for p in part.parent.iterdir()] == ["part.rows.arrow"]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = part.with_name(f"{part.name}.{int(dead.stdout)}-0123abcd.tmp")  # a killed write's leftover
+    leftover.write_bytes(b"junk")
+    live = tmp_sibling(part)  # this (live) process's write in progress: another writer must not delete it
+    live.write_bytes(b"in progress")
+    assert remove_leftovers(tmp_path, "*/*") == [leftover]
+    assert sorted(p.name for p in part.parent.iterdir()) == sorted(["part.rows.arrow", live.name])
+    assert tmp_sibling(part) != tmp_sibling(part)  # a fresh name per call
+
+
+def test_two_processes_writing_one_file_never_collide(tmp_path):
+    """Side-by-side collectors write the same manifest.json and clear killed writes' leftovers when they start: with
+    a temporary name per process and call, neither ever loses its temporary file to the other."""
+    target = tmp_path / "manifest.json"
+    code = textwrap.dedent(f"""
+        import sys
+        from eagle_backbone.io import atomic_write_json, remove_leftovers
+        for i in range(300):
+            atomic_write_json({str(target)!r}, {{"writer": sys.argv[1], "i": i, "pad": "x" * 4000}})
+            remove_leftovers({str(tmp_path)!r})
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(w)], env=env, stderr=subprocess.PIPE, text=True)
+             for w in range(2)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert json.loads(target.read_text())["i"] == 299
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temporary file left behind

@@ -10,9 +10,11 @@ for ``rounds`` rounds (the order alternating); the ratio of tokens per process C
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import io
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -42,13 +44,23 @@ def load_core_at(ref: str):
     except subprocess.CalledProcessError as e:
         raise ValueError(f"ref={ref}: git cannot read {CORE}/ at that commit ({e.stderr.decode().strip()})") from None
     root = Path(tempfile.mkdtemp(prefix="core_at_ref_"))
+    atexit.register(shutil.rmtree, root, True)  # the copy lives as long as the process that imports from it
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(root, filter="data")
     (root / CORE).rename(root / name)
     for f in (root / name).rglob("*.py"):
         f.write_text(f.read_text().replace(CORE, name))
     sys.path.insert(0, str(root))
-    return importlib.import_module(f"{name}.engine"), importlib.import_module(f"{name}.policy")
+    try:
+        engine, policy = importlib.import_module(f"{name}.engine"), importlib.import_module(f"{name}.policy")
+    except ImportError as e:
+        raise ValueError(f"ref={ref}: its {CORE}/ cannot be loaded next to today's ({e}); choose a later ref") from None
+    missing = [f"{m.__name__.split('.')[-1]}.{a}" for m, a in ((engine, "BatchedSpeculativeEngine"),
+                                                               (policy, "StaticPolicy")) if not hasattr(m, a)]
+    if missing:
+        raise ValueError(f"ref={ref}: its {CORE}/ has no {', '.join(missing)} (the batched engine came later); "
+                         "choose a ref that has the batched engine")
+    return engine, policy
 
 
 @torch.inference_mode()
@@ -71,8 +83,14 @@ def compare(pair, sets: dict, ref: str, concurrency=(1, 16), gammas=(0, 4), roun
                     outs = {}
                     for k in order:
                         Engine, Static = engines[k]
-                        eng = Engine(pair.target, pair.drafter if g else None, "eagle" if g else None, slots=C,
-                                     policy=Static(g), capacity=capacity)
+                        try:
+                            eng = Engine(pair.target, pair.drafter if g else None, "eagle" if g else None, slots=C,
+                                         policy=Static(g), capacity=capacity)
+                        except (TypeError, AttributeError) as e:
+                            if k == "today":
+                                raise
+                            raise ValueError(f"ref={ref}: its engine does not take today's arguments ({e}); choose "
+                                             "a later ref") from None
                         res = run_workload(eng, prompts, C, max_new_tokens)
                         runs[k].append((res.new_tokens, res.cpu_s, res.wall_s))
                         outs[k] = [o.tokens for o in res.outputs]

@@ -248,6 +248,12 @@ def write_report(out: Path, k_max: int, temperature: float, run: dict | None = N
               "kept_rate_by_depth": [float(k / v) if v else None for k, v in zip(kept, valid)],
               "seconds": seconds, "positions_per_s": positions / seconds if seconds else None,
               "this_run": run or {}}
+    from ldlp.labels.store import collection_status
+
+    status = collection_status(out)  # the parts on disk against the prompts the manifest plans (every collector's)
+    missing = status["missing_sequences"]
+    report.update(sequences_planned=status["sequences_planned"], missing_sequences=missing,
+                  complete=None if missing is None else missing == 0)
     write_json(out / "report.json", report)
     fmt = lambda v: "–" if v is None else f"{v:.3f}"
     lines = [f"# Per-position acceptance labels: {out}", "",
@@ -255,6 +261,10 @@ def write_report(out: Path, k_max: int, temperature: float, run: dict | None = N
               f"({', '.join(f'{s}: {n}' for s, n in report['splits'].items())}), {report['parts']} parts, "
               f"{seconds:.1f} s."), "",
              "| depth | examples (earlier drafts kept) | mean beta | kept rate |", "|---:|---:|---:|---:|"]
+    if missing:
+        lines[2:2] = [f"**Partial collection**: {report['sequences']} of {status['sequences_planned']} sequences "
+                      f"({missing} missing); rerun the scripts/collect_acceptance.py command that started it to "
+                      "complete it.", ""]
     lines += [f"| {m + 1} | {int(valid[m])} | {fmt(report['mean_beta_by_depth'][m])} | "
               f"{fmt(report['kept_rate_by_depth'][m])} |" for m in range(k_max)]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")

@@ -23,7 +23,7 @@ from ldlp.acceptance import (
     DraftAcceptanceHeadConfig,
 )
 from ldlp.calibration import OnlineLogitCalibration
-from ldlp.labels.store import collection_status, read_rows, split_by_conversation
+from ldlp.labels.store import collection_status, read_manifest, read_rows, split_by_conversation
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,26 @@ def label_folder(root: str | Path, name: str, t: float) -> Path:
     return canonical
 
 
-def load_labels(folder: str | Path, allow_partial: bool = False) -> dict:
-    """The label rows of a collection (numpy; ``draft_state`` (R, k_max, d)), refusing an incomplete one."""
+def check_inputs(cfg) -> list[Path]:
+    """Every temperature's training labels, checked before anything is fitted or written: a missing, partial or
+    other-temperature collection at any temperature stops the run here, so no head of a run that cannot finish
+    goes live (a policy reads whichever heads exist). Returns the label folders, one per temperature."""
+    temps = list(cfg.temperatures or [])
+    if not temps:
+        raise ConfigError("temperatures: empty; give at least one, e.g. temperatures=[0.0,0.7,1.0]")
+    folders = []
+    for t in temps:
+        folder = label_folder(Path(cfg.labels_root), cfg.in_domain, float(t))
+        check_collection(folder, bool(cfg.allow_partial))
+        got = float(read_manifest(folder).get("temperature", float(t)))
+        if abs(got - float(t)) > 1e-9:
+            raise ConfigError(f"{folder}/manifest.json: collected at temperature {got}, not {t} (temperatures=)")
+        folders.append(folder)
+    return folders
+
+
+def check_collection(folder: str | Path, allow_partial: bool = False) -> None:
+    """Refuse a missing or incomplete collection in one line (reads its manifest and part metas only)."""
     if not (Path(folder) / "manifest.json").is_file():
         name, tag = Path(folder).parent.name, Path(folder).name
         raise ConfigError(f"{folder}: no acceptance labels collected there; collect them with `python "
@@ -65,6 +83,11 @@ def load_labels(folder: str | Path, allow_partial: bool = False) -> dict:
         raise ValueError(f"{folder}: incomplete acceptance collection ({status['missing_sequences']} of "
                          f"{status['sequences_planned']} sequences missing); rerun the scripts/collect_acceptance.py "
                          "command that started it, or pass allow_partial=true")
+
+
+def load_labels(folder: str | Path, allow_partial: bool = False) -> dict:
+    """The label rows of a collection (numpy; ``draft_state`` (R, k_max, d)), refusing an incomplete one."""
+    check_collection(folder, allow_partial)
     data, manifest = read_rows(folder, list(COLUMNS),
                                hint="collect them with `python scripts/collect_acceptance.py store_draft_states=true`")
     if manifest.get("kind") != "draft_acceptance_labels":
