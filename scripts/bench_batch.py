@@ -6,6 +6,7 @@
 """
 
 import logging
+import os
 from pathlib import Path
 
 import hydra
@@ -83,6 +84,7 @@ def main(cfg: DictConfig) -> None:
     if getattr(candidates, "attn", str(cfg.attn)) != str(cfg.attn):
         candidates = make_candidates(candidates.kind, pair.drafter, pair.target, str(cfg.attn))
     prepare_cost_tables(probes.values(), pair.target, candidates, str(cfg.attn), max(cfg.concurrency))
+    meta["load_average"] = round(os.getloadavg()[0], 2)  # the machine's state: one minute's load at the start
     result = sweep(pair.target, candidates, prompts, contenders,
                    [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens), sampling_config(cfg.generation),
                    rounds=int(cfg.rounds), seed=int(cfg.seed), attn=str(cfg.attn),
@@ -91,6 +93,7 @@ def main(cfg: DictConfig) -> None:
                    categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
                    bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
     result["skipped"] = skipped + result["skipped"]
+    meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]  # at the start and the end
     write(result, out, meta)
     print(Path(out, "batch_bench.md").read_text())
     print(f"wrote {out}/" + ", ".join(written(out)))
