@@ -60,7 +60,7 @@ from eagle_backbone.policy import (
     go_while,
 )
 from eagle_backbone.runtime import to_device
-from eagle_backbone.step_cost import StepRecord, StepShape, attended_keys
+from eagle_backbone.step_cost import OnlineCostModel, StepRecord, StepShape, attended_keys
 from eagle_backbone.sampling import (
     ACCEPT,
     DRAFT,
@@ -446,8 +446,6 @@ class BatchedSpeculativeEngine:
         """The engine's step-cost model, warm-started from ``prior`` (a :class:`~eagle_backbone.cost.CostTable`):
         the one given to the engine (warm-started now if it has no prior yet), else a new one; a policy that
         plans by costs reads this model."""
-        from eagle_backbone.step_cost import OnlineCostModel
-
         if self.cost_model is None:
             self.cost_model = OnlineCostModel(prior, **kw)
         elif not self.cost_model.has_prior and not self.cost_model.frozen and prior is not None:
