@@ -692,12 +692,15 @@ class BatchedSpeculativeEngine:
         logp[idx] += torch.log(probs.gather(1, tok[:, None])[:, 0].double())
         d = Depth(depth, active, plan.rows[idx], tok, probs, state, logp[idx])
         codes = self.own.call(self.policy.stop, d)
-        if codes.dtype == torch.bool:
+        if isinstance(codes, list):  # codes decided on the host (a policy planning on host floats)
+            codes = codes if self.early_exit else to_device(codes, self.device)
+        elif codes.dtype == torch.bool:
             codes = go_while(codes)
         if not self.early_exit:  # masks on the device; the rows draft on to their caps
             out.apply_codes(depth, idx, active, codes, on_host=False)
             return nxt
-        host = codes.tolist()  # where a read is no synchronisation (a CPU): skip the rows that stopped
+        # where a read is no synchronisation (a CPU): skip the rows that stopped
+        host = codes if isinstance(codes, list) else codes.tolist()
         out.apply_codes(depth, idx, active, host, on_host=True)
         go = {i for i, c in zip(active, host) if c == GO}
         return [i for i in nxt if i in go]

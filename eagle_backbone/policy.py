@@ -12,7 +12,8 @@ rows as device tensors. Per step over the R running rows the engine calls:
 2. ``stop(d) -> Tensor (A,)`` after each draft depth, only when ``reads_drafts``: a code per row that drafted
    at this depth (:class:`Depth`: its tokens, the drafter's distributions and states, the chain's
    log-probability), computed on the device: ``DROP`` (drop this draft and stop), ``STOP`` (keep it and
-   stop) or ``GO`` (keep it and draft on). Threshold rules are masks: ``go_while(mask)``.
+   stop) or ``GO`` (keep it and draft on). Threshold rules are masks: ``go_while(mask)``. A host list of
+   codes is taken too (a policy that decided on host floats, where the engine reads the codes anyway).
 3. ``observe(rows, drafted, accepted)`` after verification, with host lists from the step's one read.
 
 ``begin(slot, prompt_ids)`` is called when a prompt enters a slot; ``bind_engine(engine)`` once when an

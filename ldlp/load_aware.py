@@ -520,7 +520,7 @@ class LoadAwareMarginal(_PerSlotEstimates):
         budget = Budget(torch.tensor(E, **f64), torch.tensor(R, device=self.device), torch.tensor(T, **f64))
         return caps, StepPlan.start(caps, self.device, budget)
 
-    def stop(self, d: Depth) -> torch.Tensor:
+    def stop(self, d: Depth) -> torch.Tensor | list[int]:
         if not isinstance(self._plan, HostPlan):
             return super().stop(d)
         plan, depth = self._plan, d.depth
@@ -544,7 +544,7 @@ class LoadAwareMarginal(_PerSlotEstimates):
             if codes[j] != DROP:
                 plan.survival[r] = S[j]
             plan.going[r] = going[j] and codes[j] == GO
-        return torch.tensor(codes, device=d.tokens.device)
+        return codes  # host codes: the engine reads codes each depth here anyway (early_exit)
 
     def _codes(self, depth: int, going: torch.Tensor, survival: torch.Tensor, accept: torch.Tensor,
                can_continue: torch.Tensor) -> torch.Tensor:

@@ -436,7 +436,8 @@ def test_sweep_groups_by_category(t32, eagle32):
     assert {r["by_category"]["writing"]["tau"] for r in result["rows"] if r["policy"] == "ar"} == {1.0}
     md = markdown(result)
     assert "writing (3)" in md and "coding (2)" in md
-    assert table_rows(md.split("Per prompt category")[1]) == [r["contender"] for r in result["rows"]]
+    section = md.split("Per prompt category")[1].split("\n## ")[0]  # up to the next section
+    assert table_rows(section) == [r["contender"] for r in result["rows"]]
     with pytest.raises(ValueError, match="categories for"):
         sweep(t32, cand, prompts, contenders, [1], 8, rounds=1, categories=["x"])
 
