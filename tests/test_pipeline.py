@@ -413,19 +413,26 @@ def test_a_resume_interrupted_between_the_decision_and_the_reset_does_not_get_st
     assert (tmp_path / "oracle" / "report.md").read_text() == "c"
 
 
-def test_sigterm_reaches_the_running_stage_and_its_children(tmp_path):
-    """SIGTERM to the main command stops the stage's whole process group (here a stage that started a child),
-    and the main command exits with 128 + 15; nothing keeps writing."""
-    stage_script = tmp_path / "stage.py"
-    stage_script.write_text(textwrap.dedent("""
-        import subprocess, sys, time
+def _stage_until_stopped(tmp_path, pids: str):
+    """A stage script that starts a child, writes ``pids`` (an f-string over ``os`` and ``child``) to
+    <out>/pids, then runs until stopped."""
+    script = tmp_path / "stage.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys, time, os
         from pathlib import Path
         out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
         child = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(0.05)"])
-        (out / "pids").write_text(f"{child.pid}")
+        (out / "pids").write_text(f"PIDS")
         while True:
             time.sleep(0.05)
-    """))
+    """).replace("PIDS", pids))
+    return script
+
+
+def test_sigterm_reaches_the_running_stage_and_its_children(tmp_path):
+    """SIGTERM to the main command stops the stage's whole process group (here a stage that started a child),
+    and the main command exits with 128 + 15; nothing keeps writing."""
+    stage_script = _stage_until_stopped(tmp_path, "{child.pid}")
     main = tmp_path / "main.py"
     main.write_text(textwrap.dedent(f"""
         from pathlib import Path
@@ -599,16 +606,7 @@ def _gone(pid: int, wait_s: float = 60.0) -> bool:
 def test_sigkill_of_the_main_command_leaves_no_stage_running(tmp_path):
     """kill -9 of the main command runs no handler: the stage (parent-death signal) and the child it started (the
     watchdog stops the stage's process group) still stop; the next main command takes the stale lock over."""
-    stage_script = tmp_path / "stage.py"
-    stage_script.write_text(textwrap.dedent("""
-        import subprocess, sys, time, os
-        from pathlib import Path
-        out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-        child = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(0.05)"])
-        (out / "pids").write_text(f"{os.getpid()} {child.pid}")
-        while True:
-            time.sleep(0.05)
-    """))
+    stage_script = _stage_until_stopped(tmp_path, "{os.getpid()} {child.pid}")
     main = tmp_path / "main.py"
     main.write_text(textwrap.dedent(f"""
         from pathlib import Path
