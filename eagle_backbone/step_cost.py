@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -305,21 +305,3 @@ class OnlineCostModel:
             m.log_stretch = float(np.median([math.log(max(r.ms / r.cpu_ms, 0.5)) for r in records]))
         m.refit()
         return m
-
-
-def accuracy(records: list[StepRecord], skip: int = 50) -> dict:  # wall-time predictions
-    """The online predictions' error against the measured steps, after the first ``skip`` predicted ones:
-    median absolute relative error, its 90th percentile, the median signed error, and the count."""
-    pairs = [(r.predicted_ms, r.ms) for r in records if r.predicted_ms is not None and r.ms > 0][skip:]
-    if not pairs:
-        return {"n": 0, "median_abs_error": None, "p90_abs_error": None, "median_error": None}
-    rel = np.array([(p - m) / m for p, m in pairs])
-    return {"n": len(pairs), "median_abs_error": float(np.median(np.abs(rel))),
-            "p90_abs_error": float(np.quantile(np.abs(rel), 0.9)), "median_error": float(np.median(rel)),
-            "median_measured_ms": float(np.median([m for _, m in pairs])),
-            "median_predicted_ms": float(np.median([p for p, _ in pairs]))}
-
-
-def record_dict(r: StepRecord) -> dict:
-    return {"ms": r.ms, "predicted_ms": r.predicted_ms, "cpu_ms": r.cpu_ms, "predicted_cpu_ms": r.predicted_cpu_ms,
-            "gamma": r.gamma, **asdict(r.shape)}
