@@ -1,7 +1,7 @@
-"""The method: draft-length predictors (LDLP, acceptance head), the policies that use them, and what a
-predictor costs next to a decoding step (``policy_cost``).
+"""The method: oracle labels, the draft-length predictors, the policies that use them, and their measurement.
 
-Stages, in data-flow order: ``labels`` (oracle draft lengths) → ``training`` (fit the predictors) →
-policies here → ``bench`` (time them against static γ) → ``report`` (tables and pages); ``pipeline``
-runs them all. Top-level modules import only ``eagle_backbone`` and each other, never a stage package.
+Packages, in data-flow order: ``labels`` (oracle draft lengths) → ``training`` (fit the predictors) →
+``models`` (the LDLP, the acceptance heads, their calibration and checkpoints) → ``policies`` (threshold,
+load-aware, trees, oracles) → ``bench`` (time them against static γ) → ``report`` (tables, plots, pages);
+``pipeline`` runs them all. No two packages import each other (``tests/test_layout.py``).
 """

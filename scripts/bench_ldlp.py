@@ -12,8 +12,8 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.loading import load_target
-from ldlp.policy_cost import HISTORY_FILE, benchmark_ldlp
-from ldlp.predictor import LDLP
+from ldlp.models.policy_cost import HISTORY_FILE, benchmark_ldlp
+from ldlp.models.predictor import LDLP
 
 
 @hydra.main(config_path="../conf", config_name="bench_ldlp", version_base="1.3")

@@ -16,10 +16,10 @@ from test_oracle import mimic_pair
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
-from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
+from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json
-from ldlp.policies import AcceptancePolicy
+from ldlp.policies.threshold import AcceptancePolicy
 from ldlp.training.acceptance import examples, load_rows, train_acceptance_head
 
 K_MAX, BUDGET = 8, 36

@@ -376,7 +376,7 @@ def test_bad_input_errors(t32, draft_lm):
 @pytest.fixture(scope="module")
 def ldlp_path(t32, tmp_path_factory):
     """A randomly initialised LDLP for the tiny target, saved where LDLPPolicy reads it."""
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     torch.manual_seed(0)
     model = LDLP(LDLPConfig(input_dim=2 * t32.hidden_size, hidden_dim=16, k_max=4))
@@ -387,7 +387,7 @@ def ldlp_path(t32, tmp_path_factory):
 
 
 def test_vectorised_ldlp_matches_per_slot_policy(t32, draft_lm, ldlp_path):
-    from ldlp.policies import LDLPPolicy
+    from ldlp.policies.threshold import LDLPPolicy
 
     policy = LDLPPolicy(str(ldlp_path), max_gamma=4)
     assert policy.plans_ahead  # one predictor forward for all rows, read with the accept counts

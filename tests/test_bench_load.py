@@ -27,7 +27,8 @@ from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.bench.stats import paired_ratio
-from ldlp.policies import HeuristicPolicy, OraclePolicy
+from ldlp.policies.threshold import HeuristicPolicy
+from ldlp.policies.oracles import OraclePolicy
 
 torch.set_num_threads(1)
 
@@ -598,7 +599,7 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
     # bench_batch checks a table given to a load-aware contender (cost_table=) against the run's setup first
 
     from eagle_backbone.candidates import DraftModelCandidateGenerator
-    from ldlp.load_aware import LoadAwareMarginal
+    from ldlp.policies.load_aware import LoadAwareMarginal
 
     from ldlp.bench.loaders import prepare_cost_tables
 
@@ -616,7 +617,7 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
 def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, eagle32, tmp_path):
     from eagle_backbone.cost import cost_key, load_or_profile
     from eagle_backbone.engine import BatchedSpeculativeEngine
-    from ldlp.load_aware import LoadAwareMarginal
+    from ldlp.policies.load_aware import LoadAwareMarginal
 
     cand = EagleCandidateGenerator(eagle32, t32)
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from test_oracle import REPO, arrow_files, pair_dirs  # noqa: F401  (pair_dirs: a fixture)
 
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
-from ldlp.acceptance import (
+from ldlp.models.acceptance import (
     DraftAcceptanceHead,
     DraftAcceptanceHeadConfig,
     prob_features,

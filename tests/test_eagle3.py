@@ -322,7 +322,7 @@ def test_embedded_eagle3_config_reads_the_trained_heads_folder():
 def test_the_cost_profiler_and_a_load_aware_policy_run_on_an_eagle3_drafter(t3, tmp_path):
     """The cost profile knows the EAGLE-3 generator (its fused features in, its own state a depth), so a
     cost-driven policy profiles its table on first use and decodes losslessly on the EAGLE-3 pair."""
-    from ldlp.load_aware import LoadAwareStep
+    from ldlp.policies.load_aware import LoadAwareStep
 
     head = make_eagle3(t3)
     pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", explore_every=0)

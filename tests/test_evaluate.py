@@ -126,9 +126,9 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
     from omegaconf import OmegaConf
 
     import eagle_backbone.paths  # noqa: F401
-    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
     from ldlp.pipeline import fingerprint, plan, run, store_fingerprint
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="pipeline", overrides=[
@@ -216,10 +216,10 @@ def test_tuned_settings_replace_the_policy_fields(tmp_path):
                {"policy": "static", "params": {"gamma": 3}, "tokens_per_s": 11.0}]
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"results": results}))
-    base = OmegaConf.create({"_target_": "ldlp.policies.DDDPolicy", "threshold": -6.0, "max_gamma": 8})
+    base = OmegaConf.create({"_target_": "ldlp.policies.threshold.DDDPolicy", "threshold": -6.0, "max_gamma": 8})
     cfg, tuned = apply_tuned(base, str(path), "ddd")
     assert tuned == {"threshold": -4.0, "max_gamma": 8} and cfg.threshold == -4.0
-    static = OmegaConf.create({"_target_": "ldlp.policies.StaticPolicy", "gamma": 5})
+    static = OmegaConf.create({"_target_": "eagle_backbone.policy.StaticPolicy", "gamma": 5})
     assert apply_tuned(static, str(path), "static") == (static, None)  # a swept γ is never replaced
     assert apply_tuned(base, None, "ddd") == (base, None)
     with pytest.raises(ValueError, match="no such file"):

@@ -95,8 +95,8 @@ def test_drafter_without_embedding_is_the_one_documented_exception(tmp_path, tar
 
 
 def test_heads_with_missing_or_unexpected_keys_are_refused(tmp_path):
-    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     LDLP(LDLPConfig(input_dim=8)).save_pretrained(tmp_path / "ldlp")
     AcceptanceHead(AcceptanceHeadConfig(hidden_size=4, k_max=8)).save_pretrained(tmp_path / "acc")
@@ -124,8 +124,8 @@ def test_truncated_weights_name_the_file(tmp_path, kind, drafter):
     from eagle_backbone.drafter import EagleDrafter
     from eagle_backbone.loading import load_drafter
     from eagle_backbone.target import TargetModel
-    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     folder = tmp_path / kind
     if kind in ("target", "draft_lm"):
@@ -286,7 +286,7 @@ def test_acceptance_training_refuses_an_incomplete_collection(tmp_path):
     train_acceptance_head(cfg)
     meta = json.loads((tmp_path / "head" / "config.json").read_text())["meta"]
     assert meta["allow_partial"] is True and meta["oracle_collection"]["missing_sequences"] == 5
-    from ldlp.acceptance import AcceptanceHead
+    from ldlp.models.acceptance import AcceptanceHead
 
     assert AcceptanceHead.from_pretrained(tmp_path / "head").config.meta["allow_partial"] is True
 
@@ -303,7 +303,7 @@ def test_ldlp_training_refuses_an_incomplete_collection_and_records_the_override
     from test_ldlp import tiny_target_folder, write_oracle
 
     import eagle_backbone.paths  # noqa: F401
-    from ldlp.predictor import LDLP
+    from ldlp.models.predictor import LDLP
     from ldlp.training.predictor import run_ldlp_training
 
     target = tiny_target_folder(tmp_path / "target")
@@ -398,9 +398,9 @@ def test_any_loaded_tokenizer_keeps_user_markers_as_text(tmp_path):
 def test_heads_of_the_wrong_size_fail_before_any_generation(tmp_path, target, drafter):
     from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
     from eagle_backbone.engine import SpeculativeDecoder
-    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
-    from ldlp.policies import AcceptancePolicy, LDLPDDDPolicy, LDLPPolicy
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.policies.threshold import AcceptancePolicy, LDLPDDDPolicy, LDLPPolicy
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     d = target.hidden_size
     cands = EagleCandidateGenerator(drafter, target)
@@ -497,8 +497,8 @@ def test_bad_inputs_fail_before_the_models_load(tmp_path, monkeypatch, bad):
 
 def test_ldlp_benchmark_interleaves_respects_threads_and_flags_a_step_far_off(tmp_path, target, monkeypatch):
     from eagle_backbone.runtime import set_threads
-    from ldlp.policy_cost import HISTORY_FILE, benchmark_ldlp
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.policy_cost import HISTORY_FILE, benchmark_ldlp
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     ldlp = LDLP(LDLPConfig(input_dim=2 * target.hidden_size, hidden_dim=8)).double().eval()
     calls = []
@@ -523,7 +523,7 @@ def test_ldlp_benchmark_interleaves_respects_threads_and_flags_a_step_far_off(tm
     # a recorded step 10x faster than today's: flagged, in the dict and in metrics.md
     history[setting]["target_step_ms"] = t["target_step_ms"] / 10
     (tmp_path / HISTORY_FILE).write_text(json.dumps(history))
-    from ldlp.policy_cost import check_step_cost
+    from ldlp.models.policy_cost import check_step_cost
 
     checked = check_step_cost(tmp_path / HISTORY_FILE, t, setting)
     assert checked["flag"] and "more than 3x off" in checked["flag"] and checked["ratio_to_last"] == pytest.approx(10)
@@ -569,7 +569,7 @@ def tiny_eagle_pair(tmp_path_factory):
     drafter = make_drafter(target, seed=5)
     with torch.no_grad():  # a poor drafter: many rejections, so the residual matters (the power check's point)
         drafter.fc.weight.mul_(3.0)
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     torch.manual_seed(3)
     folder = tmp_path_factory.mktemp("ldlp") / "ldlp"
@@ -579,7 +579,7 @@ def tiny_eagle_pair(tmp_path_factory):
 
 def _policy(kind, ldlp_folder):
     from eagle_backbone.policy import StaticPolicy
-    from ldlp.policies import ConfidencePolicy, LDLPPolicy
+    from ldlp.policies.threshold import ConfidencePolicy, LDLPPolicy
 
     if kind == "static":
         return StaticPolicy(2)
@@ -690,7 +690,7 @@ def test_ldlp_training_resumed_from_last_ckpt_equals_an_uninterrupted_run(tmp_pa
     from test_ldlp import tiny_target_folder, write_oracle
 
     import eagle_backbone.paths  # noqa: F401
-    from ldlp.predictor import LDLP
+    from ldlp.models.predictor import LDLP
     from ldlp.training import predictor as P
 
     target = tiny_target_folder(tmp_path / "target")
@@ -759,11 +759,11 @@ def test_a_real_collection_is_checked_against_its_manifest(tmp_path, pair_dirs):
 def test_replay_checks_head_sizes_against_the_stored_rows(tmp_path):
     import numpy as np
 
-    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
     from eagle_backbone.cost import CostTable
     from ldlp.bench.replay import OracleRows, replay
-    from ldlp.policies import AcceptancePolicy, LDLPPolicy
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.policies.threshold import AcceptancePolicy, LDLPPolicy
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     n, k, d = 6, 4, 8
     rows = OracleRows({"seq_id": np.zeros(n, int), "index": np.arange(n), "last_token": np.arange(n) % 5,

@@ -52,8 +52,8 @@ class ReadCounter:
 @pytest.fixture(scope="module")
 def artifacts(t32, tmp_path_factory):
     """Tiny checkpoints and a cost table for the policies that read one, sized for the conftest pair."""
-    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig, DraftAcceptanceHead, DraftAcceptanceHeadConfig
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig, DraftAcceptanceHead, DraftAcceptanceHeadConfig
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     root = tmp_path_factory.mktemp("host_reads")
     d = t32.hidden_size

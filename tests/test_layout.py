@@ -17,17 +17,18 @@ from eagle_backbone.paths import REPO_ROOT
 
 PACKAGES = ("eagle_backbone", "ldlp")
 
-# module prefix -> prefixes it must never import (the rules the packages' __init__ docstrings state)
+# module prefix -> prefixes it must never import (the rules the packages' __init__ docstrings state): the data
+# flow labels -> training -> models -> policies -> bench -> report, with the pipeline above them all
+STAGES = ("ldlp.labels", "ldlp.training", "ldlp.models", "ldlp.policies", "ldlp.bench", "ldlp.report", "ldlp.pipeline")
 RULES = {
     "eagle_backbone": ("ldlp",),
-    "ldlp.labels": ("ldlp.training", "ldlp.bench", "ldlp.report", "ldlp.pipeline", "lightning"),
+    "ldlp.models": tuple(s for s in STAGES if s != "ldlp.models") + ("lightning",),
+    "ldlp.labels": ("ldlp.training", "ldlp.policies", "ldlp.bench", "ldlp.report", "ldlp.pipeline", "lightning"),
+    "ldlp.training": ("ldlp.policies", "ldlp.bench", "ldlp.report", "ldlp.pipeline"),
+    "ldlp.policies": ("ldlp.labels", "ldlp.training", "ldlp.bench", "ldlp.report", "ldlp.pipeline", "lightning"),
     "ldlp.bench": ("ldlp.training", "ldlp.report", "ldlp.pipeline", "lightning"),
-    "ldlp.training": ("ldlp.bench", "ldlp.report", "ldlp.pipeline"),
     "ldlp.report": ("ldlp.training", "ldlp.pipeline"),
 }
-# the method's top-level modules (all but the orchestrator): eagle_backbone and each other, never a stage package
-RULES.update({f"ldlp.{f.stem}": ("ldlp.labels", "ldlp.training", "ldlp.bench", "ldlp.report", "ldlp.pipeline")
-              for f in (REPO_ROOT / "ldlp").glob("*.py") if f.stem not in ("__init__", "pipeline")})
 
 # modules above every package (orchestrators nothing in the packages imports): a node of their own in the
 # package graph, so that the orchestrator importing the stages it runs is not a cycle of its package with them

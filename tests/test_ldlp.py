@@ -13,7 +13,7 @@ import torch
 from conftest import table_rows
 
 from ldlp.labels.store import load_oracle_rows
-from ldlp.predictor import LDLP, LDLPConfig, asymmetric_l1, survival_nll
+from ldlp.models.predictor import LDLP, LDLPConfig, asymmetric_l1, survival_nll
 from ldlp.training.baselines import evaluate_all, length_metrics
 from ldlp.training.predictor import LDLPModule, OracleDataModule, predict_lengths
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 from test_batched import _chi2_pvalue, _pair_distribution, ar, noisy_copy, prompts_of
 
-import ldlp.load_aware as la
+import ldlp.policies.load_aware as la
 from eagle_backbone.cost import CostTable, check_costs, cost_key, profile_costs, table_path
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
 from eagle_backbone.policy import Depth, DraftContext, OneRow, Rows
 from eagle_backbone.sampling import SamplingConfig
-from ldlp.calibration import OnlineLogitCalibration
-from ldlp.load_aware import (Budget, DepthCosts, LoadAwareMarginal, LoadAwarePolicy, LoadAwareStep, StepPlan,
+from ldlp.models.calibration import OnlineLogitCalibration
+from ldlp.policies.load_aware import (Budget, DepthCosts, LoadAwareMarginal, LoadAwarePolicy, LoadAwareStep, StepPlan,
                              allocate_depth, marginal_prefix)
 
 torch.set_num_threads(1)
@@ -508,7 +508,7 @@ def test_bad_settings_are_one_line_errors(tmp_path):
 def test_step_ms_is_the_one_step_formula():
     """CostTable.step_ms (read by the load-aware policies, check_costs and replay): bookkeeping + verification
     + (catch-up + one depth per entry of depth_rows, when any row drafts); uniform_gamma plans with it."""
-    from ldlp.load_aware import uniform_gamma
+    from ldlp.policies.load_aware import uniform_gamma
 
     c = rich_table(1.0)
     for R in (1, 3, 8, 20):
@@ -529,7 +529,7 @@ def test_step_ms_is_the_one_step_formula():
 def test_the_host_allocation_makes_the_device_allocations_choices():
     """allocate_depth_host on random survivals, estimates, caps, plans and prices: the same codes and plan
     totals as the device allocation (ties included: survivals drawn from a few values)."""
-    from ldlp.load_aware import allocate_depth_host
+    from ldlp.policies.load_aware import allocate_depth_host
 
     rng = random.Random(3)
     for _ in range(400):
@@ -551,7 +551,7 @@ def test_the_host_allocation_makes_the_device_allocations_choices():
 def test_few_rows_on_a_cpu_plan_on_host_floats_with_the_same_outcome(tmp_path, t32, eagle32):
     """policy=load_aware at C <= host_rows on a CPU engine plans on host floats; the outputs and counters
     equal those of the device plan (host_rows=0), and the host plan reads nothing extra."""
-    from ldlp.load_aware import HostPlan
+    from ldlp.policies.load_aware import HostPlan
 
     key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
     prompts = prompts_of((3, 11, 6, 8), seed=9)

@@ -59,7 +59,7 @@ def test_analysis_notebook_executes(tmp_path, monkeypatch):
     from conftest import tiny_llama_config
     from transformers import LlamaForCausalLM
 
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     write_results(tmp_path / "runs")
     write_oracle(tmp_path / "oracle")

@@ -20,8 +20,8 @@ from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.bench.load_sweep import Contender, findings, markdown, sweep, write
 from ldlp.bench.workload import run_workload
-from ldlp.oracle_budget import OracleBudgetPolicy, accepted_lengths, allocate_budget, budget_rate
-from ldlp.policies import OraclePolicy
+from ldlp.policies.oracles import OracleBudgetPolicy, accepted_lengths, allocate_budget, budget_rate
+from ldlp.policies.oracles import OraclePolicy
 
 torch.set_num_threads(1)
 

@@ -14,17 +14,10 @@ from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandida
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftContext, DraftPolicy, OneRow
 from eagle_backbone.sampling import SamplingConfig
-from ldlp.policies import (
-    ConfidencePolicy,
-    DDDPolicy,
-    EntropyPolicy,
-    HeuristicPolicy,
-    LDLPDDDPolicy,
-    LDLPPolicy,
-    OraclePolicy,
-    StaticPolicy,
-)
-from ldlp.predictor import LDLP, LDLPConfig
+from ldlp.policies.threshold import ConfidencePolicy, DDDPolicy, EntropyPolicy, HeuristicPolicy, LDLPDDDPolicy, LDLPPolicy
+from ldlp.policies.oracles import OraclePolicy
+from eagle_backbone.policy import StaticPolicy
+from ldlp.models.predictor import LDLP, LDLPConfig
 
 REPO = Path(__file__).resolve().parent.parent
 D = 32  # hidden size of the conftest targets
@@ -195,7 +188,7 @@ def test_every_policy_is_lossless_in_the_engine(target, ldlp_dir):
 def test_policy_yaml_files_instantiate(ldlp_dir, tmp_path):
     survival_dir = str(LDLP(LDLPConfig(input_dim=2 * D, hidden_dim=8, k_max=8, head="distribution"))
                        .save_pretrained(tmp_path / "survival"))
-    from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
 
     acceptance_dir = AcceptanceHead(AcceptanceHeadConfig(hidden_size=D, k_max=8)).save_pretrained(tmp_path / "acc")
     names = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))

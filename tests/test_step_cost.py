@@ -118,7 +118,7 @@ def test_the_engine_records_its_steps_and_the_policy_plans_with_its_model(t32, e
     """Every speculative step is recorded with its shape; a cost-driven policy plans with the engine's online
     model, warm-started from its table, which learns from those steps; the output stays the target's."""
     from eagle_backbone.engine import BatchedSpeculativeEngine
-    from ldlp.load_aware import LoadAwareStep
+    from ldlp.policies.load_aware import LoadAwareStep
     from test_batched import ar, prompts_of
 
     from eagle_backbone.cost import cost_key

@@ -1,4 +1,4 @@
-"""The tree policies (ldlp/tree_policies.py): YAML-level behaviour beyond the engine's tree tests.
+"""The tree policies (ldlp/policies/trees.py): YAML-level behaviour beyond the engine's tree tests.
 
 tree_budget grows a tree only where a second choice pays for its scored token and the tree's own cost:
 with verification priced flat (a GPU at low load) every drafting step is a tree; with each scored token
@@ -13,7 +13,7 @@ from test_batched import ar, prompts_of
 
 from eagle_backbone.cost import CostTable
 from eagle_backbone.engine import BatchedSpeculativeEngine
-from ldlp.tree_policies import Eagle2TreePolicy, StaticTreePolicy, TreeBudgetPolicy
+from ldlp.policies.trees import Eagle2TreePolicy, StaticTreePolicy, TreeBudgetPolicy
 
 torch.set_num_threads(1)
 

@@ -4,5 +4,5 @@ concurrency, its Markdown page, findings and plots; ``workload``: continuous bat
 engines' rows on its page), the target's forward costs (``target``) and the embedded models' card
 (``model_card``).
 
-May import ``eagle_backbone``, ``ldlp``'s top-level modules and ``ldlp.labels``; never ``training`` or ``report``.
+May import ``eagle_backbone``, ``ldlp.models``, ``ldlp.policies`` and ``ldlp.labels``; never ``training`` or ``report``.
 """

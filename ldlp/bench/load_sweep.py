@@ -13,7 +13,7 @@ the baselines (batched AR, the best static γ at that (C, T) in hindsight, the s
 every C, the oracle at T=0) comes with a paired bootstrap 95% interval over those pairs
 (:func:`eagle_backbone.timing.paired_ratio`). The oracle replays the engine with one slot
 (``SpeculativeDecoder``) per prompt before the clocks start and runs at T=0 only; so does the batched oracle
-(``policy=oracle_budget``, :mod:`ldlp.oracle_budget`), whose gain over the best static γ at each C the findings
+(``policy=oracle_budget``, :mod:`ldlp.policies.oracles`), whose gain over the best static γ at each C the findings
 report as the headroom (``oracle_headroom``).
 
 Per step: target-scored tokens per engine step (all rows, and per running row) from the timed runs' host

@@ -189,7 +189,7 @@ def check_turns_kept(data_cfg, prompt_set, what: str) -> None:
 
 def cost_engine_factory(target, candidates, attn: str | None = None, capacity: int | None = 256):
     """``factory(R, policy=None)``: a batched engine of R slots over this pair, as the load-aware policies build them
-    to profile their cost table (ldlp/load_aware.py); ``attn`` None: the target's default, as
+    to profile their cost table (ldlp/policies/load_aware.py); ``attn`` None: the target's default, as
     ``SpeculativeDecoder`` uses it."""
     from eagle_backbone.engine import BatchedSpeculativeEngine
 

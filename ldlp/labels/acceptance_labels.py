@@ -1,6 +1,6 @@
 """Per-position acceptance labels, greedy or sampled (``python scripts/collect_acceptance.py``).
 
-What :class:`ldlp.acceptance.DraftAcceptanceHead` learns: for a drafted token at depth ``i``, the
+What :class:`ldlp.models.acceptance.DraftAcceptanceHead` learns: for a drafted token at depth ``i``, the
 probability that the target keeps it given that drafts ``1..i-1`` were kept.
 
 A sequence is a prompt followed by the target's response at temperature ``T`` (greedy at ``T = 0``, a
@@ -17,7 +17,7 @@ Per depth ``m`` the row records
 * ``kept[m]``: whether speculative sampling keeps ``x_m`` (a seeded ``u_m < min(1, p_m(x_m) / q_m(x_m))``;
   greedy: ``x_m == argmax p_m``), and ``valid[m]``: whether every earlier draft was kept, i.e. whether depth
   ``m`` is reached at all, which conditions the example exactly as a draft-length policy needs;
-* the drafter's state, :func:`ldlp.acceptance.prob_features` of ``q_m``, ``q_m(x_m)`` and ``p_m(x_m)``.
+* the drafter's state, :func:`ldlp.models.acceptance.prob_features` of ``q_m``, ``q_m(x_m)`` and ``p_m(x_m)``.
 
 One target forward per response token (which generates it), one of ``K - 1`` tokens over the chain and
 ``K`` drafter steps per row, all on KV caches rolled back after each chain. Seeded per sequence: two runs
@@ -37,7 +37,7 @@ import torch
 from eagle_backbone.io import atomic_write_text
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
-from ldlp.acceptance import prob_features
+from ldlp.models.acceptance import prob_features
 from ldlp.labels.collect import Collector, Part, part_columns
 from ldlp.labels.store import (
     acceptance_rows_features,

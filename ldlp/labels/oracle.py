@@ -12,7 +12,7 @@ Each row also records what a draft-length predictor sees before drafting at ``i`
 s[i]`` and ``feature = f_{i-1}``, the feature whose logits produced ``s[i]``: ``DraftContext.feature``
 in the engine) and, for every drafted step ``m = 1..k_max``, the drafter's top-1 probability and
 entropy (softmax at temperature 1), its state (the hidden state its LM head read, which
-:class:`ldlp.acceptance.AcceptanceHead` reads) and the target's probability of the drafted token
+:class:`ldlp.models.acceptance.AcceptanceHead` reads) and the target's probability of the drafted token
 ``d_m`` given ``s[:i+1] + d_1..d_{m-1}``. For ``m <= label + 1`` that prefix is the true sequence, so the value comes
 from the one teacher-forced target pass; for ``m > label + 1`` the prefix contains a wrong draft and
 the value needs an extra target pass over the wrong continuations (``full_target_prob``; NaN without).

@@ -112,7 +112,7 @@ def write_draft_acceptance_report(results: list[dict], out_root: str | Path, n_b
              ("Estimates of a_i = P(draft i kept | drafts 1..i-1 kept) scored against the labels (greedy: drafter "
               "argmax == target argmax; sampled: beta = sum min(p, q)), on held-out rows of the training domain and on "
               f"out-of-domain prompts. ECE over {n_bins} equal-width bins. `head + online recalibration` replays each "
-              "stream in order through a fresh `ldlp.calibration.OnlineLogitCalibration`, predicting every position "
+              "stream in order through a fresh `ldlp.models.calibration.OnlineLogitCalibration`, predicting every position "
               "before its outcome (the seeded keep decision) updates it."), "",
              "| T | set | estimator | log loss | Brier | ECE | AUC | mean estimate | mean label | examples |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -1,4 +1,4 @@
-"""Fit the acceptance head (:class:`ldlp.acceptance.AcceptanceHead`) on oracle rows with scikit-learn
+"""Fit the acceptance head (:class:`ldlp.models.acceptance.AcceptanceHead`) on oracle rows with scikit-learn
 (``python scripts/train_acceptance.py``): one example per row and draft step whose outcome the labels know."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.runtime import Clock
-from ldlp.acceptance import AcceptanceHead, AcceptanceHeadConfig
+from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
 from ldlp.labels.store import read_rows, split_by_conversation
 
 

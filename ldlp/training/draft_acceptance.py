@@ -1,6 +1,6 @@
-"""Fit the per-position acceptance head (:class:`ldlp.acceptance.DraftAcceptanceHead`) at each temperature on
+"""Fit the per-position acceptance head (:class:`ldlp.models.acceptance.DraftAcceptanceHead`) at each temperature on
 the labels of ``python scripts/collect_acceptance.py``, and predict on held-out and out-of-domain labels,
-with and without online recalibration (:class:`ldlp.calibration.OnlineLogitCalibration`);
+with and without online recalibration (:class:`ldlp.models.calibration.OnlineLogitCalibration`);
 :mod:`ldlp.report.calibration` scores the predictions (``python scripts/train_draft_acceptance.py``).
 
 One example per row and depth ``m`` whose earlier drafts were all kept (``valid``). Soft labels (beta) are
@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from eagle_backbone.errors import ConfigError
-from ldlp.acceptance import (
+from ldlp.models.acceptance import (
     DRAFT_STAT_NAMES,
     DraftAcceptanceHead,
     DraftAcceptanceHeadConfig,
 )
-from ldlp.calibration import OnlineLogitCalibration
+from ldlp.models.calibration import OnlineLogitCalibration
 from ldlp.labels.store import collection_status, read_manifest, read_rows, split_by_conversation
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from eagle_backbone.io import atomic_path, atomic_write_json, check_checkpoint
 from eagle_backbone.runtime import Clock, set_threads
 from ldlp.labels.store import (load_oracle_rows, load_oracle_sequences, read_manifest, require_columns,
                                split_by_conversation)
-from ldlp.predictor import LDLP, LDLPConfig, ldlp_loss
+from ldlp.models.predictor import LDLP, LDLPConfig, ldlp_loss
 
 log = logging.getLogger(__name__)
 
@@ -458,9 +458,9 @@ def run_ldlp_training(cfg) -> dict | None:
                                                list(ev.baselines), ev.max_fit_rows, int(cfg.seed))
     timing = None
     if ev.benchmark:
-        from ldlp.policy_cost import benchmark_ldlp
+        from ldlp.models.policy_cost import benchmark_ldlp
 
-        from ldlp.policy_cost import HISTORY_FILE
+        from ldlp.models.policy_cost import HISTORY_FILE
 
         timing = benchmark_ldlp(ldlp, target, context_len=ev.benchmark_context, reps=ev.benchmark_reps,
                                 history=Path(tc.out_dir) / HISTORY_FILE)

@@ -22,7 +22,7 @@ total S of scored drafts, the cheapest drafter cost Σ_d draft_ms(A_d) over the 
 (ties: the fewest drafts). ``tests/test_oracle_budget.py`` checks it against every γ vector on small cases.
 
 **The accepted lengths** (:func:`accepted_lengths`) are found before any clock starts, as the chain oracle's
-(:class:`~ldlp.policies.OraclePolicy`) are: a replay of the prompt at static γ = k_max gives the greedy output
+(:class:`~ldlp.policies.oracles.OraclePolicy`) are: a replay of the prompt at static γ = k_max gives the greedy output
 and the counts at the positions that replay visits; this policy also stops at the others (it drafts fewer than
 L_b where drafting does not pay), so every other position p is measured too, by admitting the prompt with the
 output's first p - 1 tokens appended and recording the first step's accepted count (the same context and, in
@@ -38,9 +38,71 @@ import numpy as np
 
 from eagle_backbone.cost import CostTable
 from eagle_backbone.step_cost import OnlineCostModel
-from eagle_backbone.policy import Rows, StaticPolicy
-from ldlp.load_aware import LoadAwarePolicy
-from ldlp.policies import AcceptedAtRecorder
+from eagle_backbone.policy import DraftPolicy, Rows, StaticPolicy
+from ldlp.policies.load_aware import LoadAwarePolicy
+from ldlp.policies.threshold import check_cap
+
+# ---- the chain oracle ------------------------------------------------------------------------------------
+
+
+class OraclePolicy(DraftPolicy):
+    """Drafts exactly as many tokens as the target will accept (at most ``k_max``): zero waste.
+
+    ``begin`` replays the generation with the same target and candidate generator at a static γ = k_max
+    and records, at each decoding position, how many drafts the target accepted. Under greedy decoding the
+    replay visits the same positions as the oracle itself (drafting a tokens that are all accepted and
+    adding the target's bonus token emits exactly what drafting k_max and keeping a emits), and the
+    drafter's state at each of those positions holds the same true features, so the recorded count is
+    exactly what will be accepted. ``begin`` runs before the clock starts: the replay is not timed,
+    as befits an upper bound.
+    """
+
+    name = "oracle"
+
+    def __init__(self, k_max: int = 8):
+        self.k_max = check_cap(self.name, k_max)
+        self._accepted: dict[int, dict[int, int]] = {}  # slot -> position -> drafts the target accepts there
+        self._bound = None
+
+    def bind(self, target, candidates, max_new_tokens: int, sampling) -> None:
+        if not sampling.greedy:
+            raise ValueError("oracle policy: it is defined for greedy decoding only (generation.temperature=0); "
+                             f"got temperature={sampling.temperature}")
+        self._bound = (target, candidates, max_new_tokens)
+
+    def begin(self, slot: int, prompt_ids) -> None:
+        if self._bound is None:
+            raise ValueError("oracle policy: call bind(target, candidates, max_new_tokens, sampling) before "
+                             "generating; it needs the models to know what the target will accept")
+        from eagle_backbone.engine import SpeculativeDecoder
+
+        target, candidates, max_new_tokens = self._bound
+        recorder = AcceptedAtRecorder(self.k_max)
+        out = SpeculativeDecoder(target, candidates, recorder).generate(prompt_ids, max_new_tokens).tokens
+        # drafts past an EOS are accepted by the target but never emitted: draft up to the EOS only
+        eos = [i for i, t in enumerate(out) if t in target.eos_token_ids]
+        stop = eos[0] if eos else len(out)
+        self._accepted[slot] = {pos: min(a, max(0, stop - pos)) for pos, a in recorder.accepted_at.items()}
+
+    def drafts_at(self, slot: int, position: int) -> int:
+        """What the target accepts at ``position`` of the prompt begun in ``slot``."""
+        return self._accepted[slot].get(position, 0)
+
+    def plan(self, rows: Rows) -> list[int]:
+        return [self.drafts_at(b, p) for b, p in zip(rows.slots, rows.positions)]
+
+
+class AcceptedAtRecorder(StaticPolicy):
+    """Static γ that remembers how many drafts were accepted at each position (one sequence)."""
+
+    def __init__(self, gamma: int):
+        super().__init__(gamma)
+        self.accepted_at: dict[int, int] = {}
+
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
+        for p, k in zip(rows.positions, accepted):
+            self.accepted_at[p] = k
+
 
 # ---- the allocation: a pure function of host numbers ------------------------------------------------------
 

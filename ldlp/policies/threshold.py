@@ -15,13 +15,11 @@ None of them reads the host inside a step.
                              (transformers' ``assistant_confidence_threshold``, DISCO-like).
 * :class:`EntropyPolicy`     stop when the drafter's entropy exceeds a threshold (AdaEDL / SVIP-like).
 * :class:`AcceptancePolicy`  stop when a trained head, reading the drafter's state, says the next draft is
-                             unlikely to be kept (SpecDec++-like; :mod:`ldlp.acceptance`).
+                             unlikely to be kept (SpecDec++-like; :mod:`ldlp.models.acceptance`).
 * :class:`HeuristicPolicy`   transformers' schedule: γ += 2 after a fully accepted draft, else γ = max(1, γ - 1).
-* :class:`OraclePolicy`      the upper bound: knows how many drafts the target will accept and drafts
-                             exactly that many (zero waste). Greedy only.
 
-Policies that need the models (the oracle) get them through ``bind(target, candidates, max_new_tokens,
-sampling)``, which the evaluation calls once before generating; the others ignore it."""
+The upper bounds (the oracle, the batched oracle) are in :mod:`ldlp.policies.oracles`, the cost-driven
+policies in :mod:`ldlp.policies.load_aware`, trees in :mod:`ldlp.policies.trees`."""
 
 from __future__ import annotations
 
@@ -32,10 +30,10 @@ from pathlib import Path
 import torch
 
 from eagle_backbone.policy import Depth, DraftPolicy, Rows, StaticPolicy, go_while
-from ldlp.acceptance import MIN_LOG_P
+from ldlp.models.acceptance import MIN_LOG_P
 
-__all__ = ["StaticPolicy", "LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy",
-           "AcceptancePolicy", "HeuristicPolicy", "OraclePolicy", "DraftPolicy"]
+__all__ = ["LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy", "AcceptancePolicy",
+           "HeuristicPolicy"]
 
 
 def int_at_least(policy: str, key: str, value, low: int) -> int:
@@ -45,7 +43,7 @@ def int_at_least(policy: str, key: str, value, low: int) -> int:
     return value
 
 
-def _check_cap(name: str, max_gamma) -> int:
+def check_cap(name: str, max_gamma) -> int:
     return int_at_least(name, "max_gamma", max_gamma, 1)
 
 
@@ -68,7 +66,7 @@ class _PerSlotState:
 @lru_cache(maxsize=8)
 def _load_ldlp(path: str):
     """One predictor per checkpoint folder per process (a multirun evaluates many policies in one process)."""
-    from ldlp.predictor import LDLP
+    from ldlp.models.predictor import LDLP
 
     return LDLP.from_pretrained(path)
 
@@ -96,7 +94,7 @@ class LDLPPolicy(DraftPolicy):
                 raise ValueError(f"ldlp policy: threshold must be in (0, 1), got {threshold!r}")
             self.model = copy.deepcopy(self.model)  # the cached model stays as saved
             self.model.config.threshold = float(threshold)
-        self.max_gamma = None if max_gamma is None else _check_cap(self.name, max_gamma)
+        self.max_gamma = None if max_gamma is None else check_cap(self.name, max_gamma)
         if not isinstance(offset, int):
             raise ValueError(f"ldlp policy: offset must be an integer, got {offset!r}")
         self.offset = offset  # added to the prediction (AdaEAGLE drafts the predicted length; +1 hedges)
@@ -128,7 +126,7 @@ class DDDPolicy(DraftPolicy):
         if not threshold <= 0:
             raise ValueError(f"ddd policy: threshold is a log-probability and must be <= 0, got {threshold!r}")
         self.threshold = float(threshold)
-        self.max_gamma = _check_cap(self.name, max_gamma)
+        self.max_gamma = check_cap(self.name, max_gamma)
 
     def plan(self, rows: Rows) -> list[int]:
         return [self.max_gamma] * len(rows)
@@ -174,7 +172,7 @@ class ConfidencePolicy(DraftPolicy):
         if not 0 <= threshold <= 1:
             raise ValueError(f"confidence policy: threshold is a probability in [0, 1], got {threshold!r}")
         self.threshold = float(threshold)
-        self.max_gamma = _check_cap(self.name, max_gamma)
+        self.max_gamma = check_cap(self.name, max_gamma)
 
     def plan(self, rows: Rows) -> list[int]:
         return [self.max_gamma] * len(rows)
@@ -193,7 +191,7 @@ class EntropyPolicy(DraftPolicy):
         if not threshold >= 0:
             raise ValueError(f"entropy policy: threshold is an entropy in nats and must be >= 0, got {threshold!r}")
         self.threshold = float(threshold)
-        self.max_gamma = _check_cap(self.name, max_gamma)
+        self.max_gamma = check_cap(self.name, max_gamma)
 
     def plan(self, rows: Rows) -> list[int]:
         return [self.max_gamma] * len(rows)
@@ -210,7 +208,7 @@ class EntropyPolicy(DraftPolicy):
 
 @lru_cache(maxsize=8)
 def _load_acceptance_head(path: str):
-    from ldlp.acceptance import AcceptanceHead
+    from ldlp.models.acceptance import AcceptanceHead
 
     return AcceptanceHead.from_pretrained(path)
 
@@ -235,7 +233,7 @@ class AcceptancePolicy(DraftPolicy):
         self.path = str(path)
         self.head = _load_acceptance_head(str(path))
         self.threshold = float(threshold)
-        self.max_gamma = _check_cap(self.name, max_gamma)
+        self.max_gamma = check_cap(self.name, max_gamma)
         self._cum = None  # per row of the step: the sum of its chain's clipped log-probabilities
 
     def check_pair(self, target, candidates) -> None:
@@ -277,7 +275,7 @@ class HeuristicPolicy(DraftPolicy):
         if not isinstance(initial_gamma, int) or initial_gamma < 1:
             raise ValueError(f"heuristic policy: initial_gamma must be an integer >= 1, got {initial_gamma!r}")
         self.initial_gamma = initial_gamma
-        self.max_gamma = None if max_gamma is None else _check_cap(self.name, max_gamma)
+        self.max_gamma = None if max_gamma is None else check_cap(self.name, max_gamma)
         self._gamma: dict[int, int] = {}
 
     def begin(self, slot: int, prompt_ids) -> None:
@@ -290,62 +288,3 @@ class HeuristicPolicy(DraftPolicy):
         for b, n, k in zip(rows.slots, drafted, accepted):
             g = self._gamma[b] + 2 if n > 0 and k == n else max(1, self._gamma[b] - 1)
             self._gamma[b] = g if self.max_gamma is None else min(g, self.max_gamma)
-
-
-class OraclePolicy(DraftPolicy):
-    """Drafts exactly as many tokens as the target will accept (at most ``k_max``): zero waste.
-
-    ``begin`` replays the generation with the same target and candidate generator at a static γ = k_max
-    and records, at each decoding position, how many drafts the target accepted. Under greedy decoding the
-    replay visits the same positions as the oracle itself (drafting a tokens that are all accepted and
-    adding the target's bonus token emits exactly what drafting k_max and keeping a emits), and the
-    drafter's state at each of those positions holds the same true features, so the recorded count is
-    exactly what will be accepted. ``begin`` runs before the clock starts: the replay is not timed,
-    as befits an upper bound.
-    """
-
-    name = "oracle"
-
-    def __init__(self, k_max: int = 8):
-        self.k_max = _check_cap(self.name, k_max)
-        self._accepted: dict[int, dict[int, int]] = {}  # slot -> position -> drafts the target accepts there
-        self._bound = None
-
-    def bind(self, target, candidates, max_new_tokens: int, sampling) -> None:
-        if not sampling.greedy:
-            raise ValueError("oracle policy: it is defined for greedy decoding only (generation.temperature=0); "
-                             f"got temperature={sampling.temperature}")
-        self._bound = (target, candidates, max_new_tokens)
-
-    def begin(self, slot: int, prompt_ids) -> None:
-        if self._bound is None:
-            raise ValueError("oracle policy: call bind(target, candidates, max_new_tokens, sampling) before "
-                             "generating; it needs the models to know what the target will accept")
-        from eagle_backbone.engine import SpeculativeDecoder
-
-        target, candidates, max_new_tokens = self._bound
-        recorder = AcceptedAtRecorder(self.k_max)
-        out = SpeculativeDecoder(target, candidates, recorder).generate(prompt_ids, max_new_tokens).tokens
-        # drafts past an EOS are accepted by the target but never emitted: draft up to the EOS only
-        eos = [i for i, t in enumerate(out) if t in target.eos_token_ids]
-        stop = eos[0] if eos else len(out)
-        self._accepted[slot] = {pos: min(a, max(0, stop - pos)) for pos, a in recorder.accepted_at.items()}
-
-    def drafts_at(self, slot: int, position: int) -> int:
-        """What the target accepts at ``position`` of the prompt begun in ``slot``."""
-        return self._accepted[slot].get(position, 0)
-
-    def plan(self, rows: Rows) -> list[int]:
-        return [self.drafts_at(b, p) for b, p in zip(rows.slots, rows.positions)]
-
-
-class AcceptedAtRecorder(StaticPolicy):
-    """Static γ that remembers how many drafts were accepted at each position (one sequence)."""
-
-    def __init__(self, gamma: int):
-        super().__init__(gamma)
-        self.accepted_at: dict[int, int] = {}
-
-    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
-        for p, k in zip(rows.positions, accepted):
-            self.accepted_at[p] = k

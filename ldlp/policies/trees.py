@@ -12,7 +12,7 @@
   table, N = R (plain decoding) allowed (:func:`~eagle_backbone.tree.select_budget`).
 
 A node's value is the product of calibrated per-node acceptance estimates along its path
-(:func:`~eagle_backbone.tree.path_values`); the calibration (:class:`~ldlp.calibration.OnlineLogitCalibration`)
+(:func:`~eagle_backbone.tree.path_values`); the calibration (:class:`~ldlp.models.calibration.OnlineLogitCalibration`)
 learns from every scored node whose parent the target accepted: kept if it is on the accepted path.
 """
 
@@ -24,9 +24,9 @@ from eagle_backbone.policy import DraftPolicy, Rows, TreeOutcome
 from eagle_backbone.step_cost import OnlineCostModel
 from eagle_backbone.tree import MC_SIM_7B_63, path_values, select_budget, top_nodes
 from eagle_backbone.tree_draft import GrownTree, TreeSpec
-from ldlp.calibration import OnlineLogitCalibration
-from ldlp.load_aware import LoadAwarePolicy
-from ldlp.policies import int_at_least
+from ldlp.models.calibration import OnlineLogitCalibration
+from ldlp.policies.load_aware import LoadAwarePolicy
+from ldlp.policies.threshold import int_at_least
 
 SHAPES = {"mc_sim_7b_63": MC_SIM_7B_63}  # named static trees (EAGLE's tree_choices format)
 
@@ -81,7 +81,7 @@ class TreeBudgetPolicy(LoadAwarePolicy):
     Per step:
 
     1. ``plan``: the depth D to grow (0: plain decoding), the load-aware γ for R rows
-       (:func:`~ldlp.load_aware.uniform_gamma`) at the running rate at which the target keeps the drafter's
+       (:func:`~ldlp.policies.load_aware.uniform_gamma`) at the running rate at which the target keeps the drafter's
        first choice (the tree's spine).
     2. ``tree_now``: does a tree pay this step? Its siblings add, per row, about the running kept rate of a
        second choice at depth 1, and cost the target's price of one more token a row plus the tree's own

@@ -16,7 +16,7 @@ Inputs at step ``m``: the drafter state ``h_m`` (d), ``log p_m`` (the drafter's 
 it drafted), ``sum_{j<=m} log p_j`` (DDD's statistic) and ``m``. Model: logistic regression, fitted by
 scikit-learn on the oracle rows (:func:`ldlp.training.acceptance.examples` makes one example per row and step whose outcome the
 labels know); the standardisation is folded into the weights, so a decision is one dot product.
-Saved as ``config.json`` + ``model.safetensors``; :class:`ldlp.policies.AcceptancePolicy` drafts while
+Saved as ``config.json`` + ``model.safetensors``; :class:`ldlp.policies.threshold.AcceptancePolicy` drafts while
 ``q_m >= threshold``.
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ldlp.predictor import CONFIG_FILE, check_state, read_folder, save_folder
+from ldlp.models.predictor import CONFIG_FILE, check_state, read_folder, save_folder
 
 STAT_NAMES = ("log_p", "cum_log_p", "step")  # the inputs after the drafter state, in order
 MIN_LOG_P = math.log(1e-6)  # log-probabilities are clipped here (a sampled token can be very unlikely)

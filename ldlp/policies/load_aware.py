@@ -26,13 +26,13 @@ step and the batch-1 hooks):
      (the allocation, on the device: sorts and prefix sums over the A rows, tested against brute force)
      picks the drafts to score and the rows that draft on (see its docstring for the objective).
   3. ``observe``: each verification's outcomes (draft i kept or the first rejection) update an online
-     logistic recalibration of the estimates (:mod:`ldlp.calibration`) and the running acceptance rate.
+     logistic recalibration of the estimates (:mod:`ldlp.models.calibration`) and the running acceptance rate.
 
 * :class:`LoadAwareStep` (``load_aware_step``, ablation): the cost model without per-slot estimates, one γ
   for the whole batch from the load and the running acceptance rate (as SGLang's batch-size schedules do).
 
 Estimators (marginal and fixed): ``confidence`` (the drafter's top probability, recalibrated online: no
-training) or the folder of a trained :class:`~ldlp.acceptance.DraftAcceptanceHead` per temperature
+training) or the folder of a trained :class:`~ldlp.models.acceptance.DraftAcceptanceHead` per temperature
 (``t0.0``, ``t0.7``...; β = Σ min(p, q) labels at T > 0), which reads the drafter state too.
 
 No host read inside a step: the estimates, survivals and codes stay on the device, the cost table's
@@ -52,7 +52,7 @@ import torch
 from eagle_backbone.cost import CostTable, cost_key, load_or_profile
 from eagle_backbone.policy import DROP, GO, STOP, Depth, DraftPolicy, Rows
 from eagle_backbone.step_cost import OnlineCostModel
-from ldlp.calibration import EPS, OnlineLogitCalibration
+from ldlp.models.calibration import EPS, OnlineLogitCalibration
 
 log = logging.getLogger(__name__)
 
@@ -572,7 +572,7 @@ def _corrected_t(p: torch.Tensor, w, c) -> torch.Tensor:
 
 def load_head_for_temperature(folder: str, temperature: float):
     """The draft acceptance head trained at ``temperature`` under ``folder`` (subfolders ``t<T>``)."""
-    from ldlp.acceptance import DraftAcceptanceHead
+    from ldlp.models.acceptance import DraftAcceptanceHead
 
     root = Path(folder)
     found = {}
