@@ -414,12 +414,12 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
     return CostTable(key, slot_counts, list(tokens), target_ms, draft_ms, feed_ms, overhead_ms, depth_ms, meta, disp)
 
 
-def table_record(policy) -> dict | None:
-    """The key and file of the cost table ``policy`` planned with (a load-aware policy after binding), for the
-    results that used it; None for a policy without one."""
+def table_record(pricing) -> dict | None:
+    """The key and file of the costs a policy planned with (``policy.pricing`` of a cost-driven policy after
+    binding), for the results that used it; None for a policy without any."""
     from eagle_backbone.step_cost import OnlineCostModel
 
-    costs = getattr(policy, "costs", None)
+    costs = None if pricing is None else pricing.costs
     if isinstance(costs, OnlineCostModel):  # the online model: its prior table, and what it has learned
         prior = costs.prior_meta or {}
         return {"key": prior.get("key"), "path": prior.get("path"), "online": True, "records": costs.seen,

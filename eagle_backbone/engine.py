@@ -392,8 +392,7 @@ class BatchedSpeculativeEngine:
         self.tree_room = self.tree.fed if self.tree is not None else 0  # generator positions a tree feeds
         self.cand = candidates.bound(self) if candidates is not None else None
         self.early_exit = self.device.type != "cuda" if early_exit is None else bool(early_exit)
-        self.policy.bind_engine(self)
-        self.policy.check_pair(target, candidates)  # sizes of a policy's own model against the pair: now, not mid-run
+        self.policy.bind(self)  # its costs, its models' sizes against the pair: now, not mid-run
         self.own = OwnTime()  # the policy's own seconds (plan, stop, observe)
         # the plan's host-to-device copy goes through one pinned staging buffer on a GPU: reusing it each step
         # is safe because the previous step's copy finished before that step's host read returned
@@ -420,7 +419,7 @@ class BatchedSpeculativeEngine:
             raise ValueError(f"slot {slot} does not exist (the engine has {self.slots})")
         if self.state[slot] is not None and not self.state[slot].done:
             raise ValueError(f"slot {slot} is busy")
-        self.own.call(self.policy.begin, slot, ids)
+        self.own.call(self.policy.begin, slot, ids, max_new_tokens)
         self._unfed[slot] = 0  # the drafter's prefill reads the prompt
         s = Slot(ids, max_new_tokens, int(seed), request, t_admit=time.perf_counter())
         self.state[slot] = s

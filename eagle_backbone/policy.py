@@ -16,8 +16,15 @@ rows as device tensors. Per step over the R running rows the engine calls:
    codes is taken too (a policy that decided on host floats, where the engine reads the codes anyway).
 3. ``observe(rows, drafted, accepted)`` after verification, with host lists from the step's one read.
 
-``begin(slot, prompt_ids)`` is called when a prompt enters a slot; ``bind_engine(engine)`` once when an
-engine is built (cost tables, per-slot state); ``check_pair(target, candidates)`` may refuse a pair.
+``bind(engine)`` is called once by each engine built with the policy (its models, sampling, device and
+step-cost model); it may refuse the pair in one line. ``begin(slot, prompt_ids, max_new_tokens)`` is called
+when a prompt enters a slot, before its clock starts.
+
+**Capabilities** are declared as attributes, and the engine and the benchmarks read them (never probe for
+methods): ``reads_drafts``, ``plans_ahead``, ``needs_costs`` (it prices steps with the engine's step-cost
+model), ``greedy_only`` (an upper bound defined for greedy decoding: the oracles), ``tree`` (grows draft
+trees; ``grows_trees``) and ``fixed_gamma`` (a static γ, the baseline results compare against; None for an
+adaptive policy, ``adaptive``).
 
 **Host reads.** Every shipped policy reads the host at most once a step: the engine's own read after
 verification carries the accept counts, the emitted tokens, the drafted counts and a planned-ahead γ.
@@ -25,11 +32,12 @@ Where a device read is no synchronisation (a CPU), the engine also reads the sto
 to skip the rows that stopped (``early_exit``); on a GPU it drafts every row to its cap with the codes as
 masks and verifies up to the caps (see :class:`~eagle_backbone.engine.BatchedSpeculativeEngine`).
 
-**The slow path.** A per-sequence policy (:class:`DraftLengthPolicy`: ``gamma(ctx)``,
-``keep_drafting(ctx, i, token, probs)``, ``observe(ctx, drafted, accepted)`` on host values) runs through
-:class:`PerSlot`, which keeps one copy per slot and reads the drafts on the host at every depth. It is
-there for quick experiments; a policy meant to be measured under load implements :class:`DraftPolicy`.
-:class:`OneRow` drives a :class:`DraftPolicy` one sequence at a time (replay, per-sequence tools).
+**The per-sequence path.** A :class:`DraftLengthPolicy` (``gamma(ctx)``, ``keep_drafting(ctx, i, token,
+probs)``, ``observe(ctx, drafted, accepted)`` on host values) runs through :class:`PerSlot`, one copy per slot.
+It costs no read where the policy decides on host counts alone (``policy=heuristic``, transformers' schedule,
+is written this way); one that overrides ``keep_drafting`` reads every depth's drafts on the host, so a policy
+meant to be measured under load implements :class:`DraftPolicy`. :class:`OneRow` drives a :class:`DraftPolicy`
+one sequence at a time (replay of oracle labels).
 """
 
 from __future__ import annotations
@@ -111,7 +119,8 @@ class TreeOutcome:
 
 class DraftPolicy:
     """Base class of the batched protocol (module docstring): subclasses set ``name`` and override ``plan``
-    (and ``stop`` with ``reads_drafts = True``, ``observe``, ``begin`` where they keep state).
+    (default: every row drafts to ``max_gamma``), and ``stop`` with ``reads_drafts = True``, ``observe`` and
+    ``begin`` where they keep state.
 
     A *tree policy* sets ``tree`` (a :class:`~eagle_backbone.tree_draft.TreeSpec`): the engine then grows a
     draft tree per row, up to the row's planned depth, and calls ``select`` to choose the nodes the target
@@ -120,23 +129,36 @@ class DraftPolicy:
     plain chain step instead."""
 
     name = "base"
-    adaptive = True  # False for a fixed γ (results report gamma then)
-    reads_drafts = False  # True: stop() is called after every depth
-    plans_ahead = False  # True: plan() reads device tensors only and is called right after verification
-    needs_costs = False  # True: it prices steps by the engine's step-cost model (engine.attach_costs)
+    # ---- capabilities (module docstring) -------------------------------------------------------------
+    fixed_gamma: int | None = None  # a static γ (results report it and compare the adaptive policies with it)
+    reads_drafts = False  # stop() is called after every depth
+    plans_ahead = False  # plan() reads device tensors only and is called right after verification
+    needs_costs = False  # it prices steps by the engine's step-cost model (engine.attach_costs)
+    greedy_only = False  # defined for greedy decoding only (the oracles: they know what the target accepts)
     tree = None  # a TreeSpec: grow draft trees instead of chains
+    max_gamma: int | None = None  # the most a row drafts (the default plan's depth)
+    pricing = None  # with needs_costs: its step prices (ldlp.policies.pricing.StepPricing: .table, .costs)
 
-    def bind_engine(self, engine) -> None:
-        """Called once by each engine built with this policy."""
+    @property
+    def adaptive(self) -> bool:
+        return self.fixed_gamma is None
+
+    @property
+    def grows_trees(self) -> bool:
+        return self.tree is not None
+
+    def bind(self, engine) -> None:
+        """Called once by each engine built with this policy (after its buffers, before any prompt)."""
+        self.check_pair(engine.target, engine.candidates)
 
     def check_pair(self, target, candidates) -> None:
         """Raise a one-line ValueError when the policy cannot serve this pair (a predictor trained for others)."""
 
-    def begin(self, slot: int, prompt_ids: list[int]) -> None:
-        """A new prompt enters ``slot`` (before the clock starts)."""
+    def begin(self, slot: int, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
+        """A new prompt enters ``slot`` (before the clock starts), to generate at most ``max_new_tokens``."""
 
     def plan(self, rows: Rows) -> list[int] | torch.Tensor:
-        raise NotImplementedError
+        return [self.max_gamma] * len(rows)
 
     def stop(self, d: Depth) -> torch.Tensor:
         return torch.full_like(d.tokens, GO)
@@ -149,7 +171,7 @@ class DraftPolicy:
         """Called after each verification with the step's drafted and accepted counts per row, and the
         host values of :meth:`reads` (``extra``, by name)."""
 
-    # ---- tree policies --------------------------------------------------------------------------------
+# ---- tree policies --------------------------------------------------------------------------------
     def select(self, grown, rows: Rows) -> torch.Tensor:
         """(R, K) bool, closed under ancestors: the grown nodes the target scores (default: every valid one)."""
         return grown.valid
@@ -171,22 +193,20 @@ class StaticPolicy(DraftPolicy):
     """A fixed γ every step: EAGLE's and most papers' default."""
 
     name = "static"
-    adaptive = False
 
     def __init__(self, gamma: int = 4):
-        if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 0:
-            raise ValueError(f"static policy: gamma must be an integer >= 0, got {gamma!r}")
-        self._gamma = gamma
-
-    @property
-    def fixed_gamma(self) -> int:
-        return self._gamma
-
-    def plan(self, rows: Rows) -> list[int]:
-        return [self._gamma] * len(rows)
+        self.fixed_gamma = self.max_gamma = int_at_least("static", "gamma", gamma, 0)
 
 
-# ---- the slow path: per-sequence policies on host values ---------------------------------------------
+def int_at_least(policy: str, key: str, value, low: int) -> int:
+    """``value`` when it is an integer >= ``low``; else a one-line error naming the policy and the key (the one
+    check of every policy's integer settings)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{policy} policy: {key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+# ---- the per-sequence path: policies on host values ---------------------------------------------
 
 
 @dataclass
@@ -219,7 +239,14 @@ class DraftLengthPolicy:
     and ``begin``."""
 
     name = "per_slot"
-    adaptive = True
+    fixed_gamma: int | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.fixed_gamma is None
+
+    def check_pair(self, target, candidates) -> None:
+        """Raise a one-line ValueError when the policy cannot serve this pair."""
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Called once per generation, before timing starts."""
@@ -246,7 +273,7 @@ class PerSlot(DraftPolicy):
     def __init__(self, factory: Callable[[], DraftLengthPolicy]):
         self.factory = factory
         probe = factory()
-        self.name, self.adaptive = getattr(probe, "name", "per_slot"), getattr(probe, "adaptive", True)
+        self.name, self.fixed_gamma = probe.name, probe.fixed_gamma
         self.reads_drafts = _overrides(probe, "keep_drafting")
         self._probe = probe
         self.per_slot: dict[int, DraftLengthPolicy] = {}
@@ -257,10 +284,9 @@ class PerSlot(DraftPolicy):
         return cls(lambda: copy.deepcopy(policy))
 
     def check_pair(self, target, candidates) -> None:
-        if hasattr(self._probe, "check_pair"):
-            self._probe.check_pair(target, candidates)
+        self._probe.check_pair(target, candidates)
 
-    def begin(self, slot: int, prompt_ids: list[int]) -> None:
+    def begin(self, slot: int, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
         p = self.factory()
         p.begin(prompt_ids)
         self.per_slot[slot] = p

@@ -36,6 +36,7 @@ def main(cfg: DictConfig) -> None:
         prepare_cost_tables,
         sampling_config,
     )
+    from ldlp.bench.peer import is_peer
     from ldlp.bench.vllm_peer import make_contender, parse_contender
 
     threads = start(cfg)
@@ -64,7 +65,7 @@ def main(cfg: DictConfig) -> None:
             skipped.append({"contender": str(spec), "temperature": None, "why": str(e)})
             continue
         probe = build_policy(pcfg)
-        gamma = getattr(probe, "fixed_gamma", None) if not getattr(probe, "adaptive", True) else None
+        gamma = None if is_peer(probe) else probe.fixed_gamma
         label = f"static γ={gamma}" if gamma is not None else name
         if pcfg.get("cost_model"):  # the same policy on costs measured in hindsight (a frozen step_costs.json)
             label += " (hindsight costs)"

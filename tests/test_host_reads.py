@@ -16,7 +16,6 @@ from test_batched import ar, prompts_of
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable, cost_key
 from eagle_backbone.engine import BatchedSpeculativeEngine
-from eagle_backbone.sampling import SamplingConfig
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = {"hf_confidence", "hf_heuristic"}  # transformers' own generate loop, not this engine
@@ -78,10 +77,7 @@ def build(name: str, artifacts, t32, cand):
         cfg.policy.cost_table = str(table)
     if "explore_every" in cfg.policy:
         cfg.policy.explore_every = 0
-    policy = instantiate(cfg.policy)
-    if hasattr(policy, "bind"):
-        policy.bind(t32, cand, 12, SamplingConfig())
-    return policy
+    return instantiate(cfg.policy)
 
 
 @pytest.mark.parametrize("early_exit", [False, True], ids=["codes_on_device", "early_exit"])

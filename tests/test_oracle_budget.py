@@ -94,9 +94,9 @@ def test_accepted_lengths_are_each_positions_own(t32, cand):
             o = SpeculativeDecoder(t32, cand, StaticPolicy(4)).generate(prompt + out[: p - 1], min(4, 14 - p - 1) + 2)
             assert at[p] == (o.stats.accept_lengths[0] if o.stats.accept_lengths else 0), p
         chain = OraclePolicy(4)
-        chain.bind(t32, cand, 14, SamplingConfig())
-        chain.begin(0, prompt)
-        assert all(at[p] == a for p, a in chain._accepted[0].items())
+        BatchedSpeculativeEngine(t32, cand, slots=1, policy=chain)  # binds it to the pair
+        chain.begin(0, prompt, 14)
+        assert chain.known.by_slot[0] and all(at[p] == a for p, a in chain.known.by_slot[0].items())
     assert max(max(accepted_lengths(t32, cand, p, 14, 4)[1].values()) for p in prompts_of(3, seed=4)) > 0
 
 
@@ -117,13 +117,10 @@ def test_lossless_with_zero_waste_and_the_chain_oracle_when_drafting_is_free(t32
     ref = [t32.reference_greedy(p, 14) for p in prompts]
 
     def budget(table):
-        pol = OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4, cost_table=table_file(tmp_path, t32, table),
-                                 online_costs=False)
-        pol.bind(t32, cand, 14, SamplingConfig())
-        return pol
+        return OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4, cost_table=table_file(tmp_path, t32, table),
+                                  online_costs=False)
 
     chain = OraclePolicy(4)
-    chain.bind(t32, cand, 14, SamplingConfig())
     free, chained = run(t32, cand, budget(CostTable.linear(10.0, 0.01)), prompts, 3, 14), run(t32, cand, chain, prompts, 3, 14)
     costly = run(t32, cand, budget(CostTable.linear(1.0, 50.0)), prompts, 3, 14)
     for res in (free, costly):
@@ -136,11 +133,9 @@ def test_lossless_with_zero_waste_and_the_chain_oracle_when_drafting_is_free(t32
 def test_greedy_only_and_bad_settings(t32, cand, tmp_path):
     pol = OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4)
     with pytest.raises(ValueError, match="greedy decoding only") as e:
-        pol.bind(t32, cand, 8, SamplingConfig(temperature=0.7))
-    assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="greedy decoding only"):
         BatchedSpeculativeEngine(t32, cand, slots=2, policy=pol, sampling=SamplingConfig(temperature=1.0))
-    with pytest.raises(ValueError, match="call bind"):
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"bind\(engine\)"):
         OracleBudgetPolicy(str(tmp_path), "tiny").begin(0, [5, 6])
     for bad in ({"k_max": 0}, {"replay_slots": 0}, {"k_max": 2.5}):
         with pytest.raises(ValueError, match="must be an integer >= 1"):

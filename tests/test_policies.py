@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftContext, DraftPolicy, OneRow
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.policies.threshold import ConfidencePolicy, DDDPolicy, EntropyPolicy, HeuristicPolicy, LDLPDDDPolicy, LDLPPolicy
@@ -114,7 +114,7 @@ def test_confidence_and_entropy_thresholds():
 
 
 def test_heuristic_schedule_matches_transformers():
-    policy = OneRow(HeuristicPolicy(initial_gamma=5))
+    policy = HeuristicPolicy(initial_gamma=5)  # a per-sequence policy: one copy per slot in the engine
     policy.begin([1])
     seen = []
     for drafted, accepted in [(5, 5), (7, 7), (9, 3), (8, 0), (7, 7), (9, 8), (8, 0), (7, 0), (6, 0), (5, 0),
@@ -125,7 +125,7 @@ def test_heuristic_schedule_matches_transformers():
     assert policy.gamma(ctx()) == 1  # never below 1
     policy.begin([1])
     assert policy.gamma(ctx()) == 5  # reset per generation
-    capped = OneRow(HeuristicPolicy(initial_gamma=5, max_gamma=6))
+    capped = HeuristicPolicy(initial_gamma=5, max_gamma=6)
     capped.begin([1])
     capped.gamma(ctx())
     capped.observe(ctx(), 5, 5)
@@ -153,7 +153,6 @@ def test_oracle_zero_waste_and_lossless(target, drafter, kind):
     cand = (EagleCandidateGenerator(drafter, target) if kind == "eagle"
             else DraftModelCandidateGenerator(noisy_copy(target), target))
     oracle = OraclePolicy(k_max=6)
-    oracle.bind(target, cand, 40, SamplingConfig())
     static = SpeculativeDecoder(target, cand, StaticPolicy(6))
     for prompt in PROMPTS:
         ref = autoregressive_generate(target, prompt, 40).tokens
@@ -170,7 +169,8 @@ def test_oracle_zero_waste_and_lossless(target, drafter, kind):
 
 def test_oracle_is_greedy_only(target, drafter):
     with pytest.raises(ValueError, match="greedy"):
-        OraclePolicy().bind(target, EagleCandidateGenerator(drafter, target), 10, SamplingConfig(temperature=0.8))
+        BatchedSpeculativeEngine(target, EagleCandidateGenerator(drafter, target), slots=1, policy=OraclePolicy(),
+                                 sampling=SamplingConfig(temperature=0.8))
     with pytest.raises(ValueError, match="bind"):
         OraclePolicy().begin(0, [1, 2])
 

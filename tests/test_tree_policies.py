@@ -28,7 +28,7 @@ def table(token_ms: float) -> CostTable:
 
 def budget(tmp_path, token_ms: float, **kw) -> TreeBudgetPolicy:
     policy = TreeBudgetPolicy(cost_dir=str(tmp_path), model="tiny", **kw)
-    policy.costs = table(token_ms)  # as bind_engine would load it
+    policy.pricing.costs = table(token_ms)  # as bind would load it
     return policy
 
 
@@ -44,7 +44,7 @@ def test_tree_budget_steps_and_greedy_identity(t32, eagle32, tmp_path, token_ms,
     """Before any evidence (the priors) a free token makes the first drafting step a tree and a costly one a
     chain; chains then explore with a tree every ``explore_every`` steps; the output is the target's."""
     policy = budget(tmp_path, token_ms, explore_every=3, tree_overhead_ms=0.0, sibling_prior=0.3)
-    monkeypatch.setattr(TreeBudgetPolicy, "bind_engine", lambda self, engine: setattr(self, "device", engine.device))
+    monkeypatch.setattr(TreeBudgetPolicy, "bind", lambda self, engine: setattr(self, "device", engine.device))
     steps = []
     decide = TreeBudgetPolicy.tree_now
     monkeypatch.setattr(TreeBudgetPolicy, "tree_now", lambda self: steps.append(decide(self)) or steps[-1])

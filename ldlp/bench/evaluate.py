@@ -98,8 +98,6 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         engine = policy.engine
     else:
         prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
-        if hasattr(policy, "bind"):
-            policy.bind(pair.target, pair.candidates, max_new_tokens, sampling)
         decoder = SpeculativeDecoder(pair.target, pair.candidates, policy, profile=bool(ev.get("profile", False)))
         spec_runner = engine_runner(policy_name, decoder, sampling)
         engine = "ours"
@@ -154,7 +152,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     ar_rounds = [total(row) for row in ar_stats]
     first = rounds[0]
     steps = max(1, first.target_forwards - 1)
-    gamma = None if getattr(policy, "adaptive", True) else int(policy.fixed_gamma)
+    gamma = None if is_peer(policy) else policy.fixed_gamma
     result = {
         "policy": policy_name,
         "gamma": gamma,
@@ -197,7 +195,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "ar_tokens_per_s_rounds": [x.tokens_per_s for x in ar_rounds],
         "lossless_mismatches": mismatches,
         "policy_config": OmegaConf.to_container(policy_cfg, resolve=True),
-        "cost_table": table_record(policy),  # the key and file of the step-cost table it planned with, if any
+        "cost_table": None if is_peer(policy) else table_record(policy.pricing),  # the costs it planned with, if any
         "tuned_from": str(cfg.tuned_from) if tuned else None,
         "seed": seed,
         "machine": machine_info(),

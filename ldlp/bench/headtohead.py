@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 def _label(name: str, policy) -> str:
-    return f"static γ={policy.fixed_gamma}" if not getattr(policy, "adaptive", True) else name
+    return f"static γ={policy.fixed_gamma}" if policy.fixed_gamma is not None else name
 
 
 def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, bootstrap: int = 2000) -> dict:
@@ -67,8 +67,6 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         pcfg, _ = apply_tuned(pcfg, cfg.get("tuned_from"), name)
         policy = build_policy(pcfg)
         prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
-        if hasattr(policy, "bind"):
-            policy.bind(pair.target, pair.candidates, n, sampling)
         label = _label(name, policy)
         if label in labels:
             raise ValueError(f"contender {label!r} is listed twice")
@@ -76,7 +74,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         policies.append(policy)
         labels.append(label)
         settings.append({k: v for k, v in dict(pcfg).items() if k != "_target_"})
-        adaptive.append(bool(getattr(policy, "adaptive", True)))
+        adaptive.append(policy.adaptive)
     runners.append(ar_runner("ours", pair.target, sampling))
     labels.append("AR")
     for r in runners:  # warm-up
@@ -143,7 +141,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
               "dtype": resolve_dtype(cfg.model.get("dtype"), str(cfg.model.get("device") or "cpu")), "seconds": secs.tolist(),
               "tokens": tokens.tolist(), "categories": categories, "costs": _costs(timed),
               # per contender, the key and file of the step-cost table it planned with (load-aware policies)
-              "cost_tables": {lab: t for lab, t in zip(labels, map(table_record, policies)) if t is not None}}
+              "cost_tables": {lab: t for lab, t in zip(labels, (table_record(p.pricing) for p in policies)) if t is not None}}
     result.update(verdict(result))
     return result
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from eagle_backbone.policy import DraftLengthPolicy, PerSlot
 from eagle_backbone.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -227,14 +228,15 @@ def prepare_cost_tables(policies, target, candidates, attn: str | None, concurre
     for p in policies:
         if not (isinstance(p, DraftPolicy) and p.needs_costs):
             continue
-        if getattr(p, "cost_table_path", None) is not None:  # a table given: it must be this setup's
-            load_cost_table(None, p.model_name, target, candidates, attn, path=p.cost_table_path)
+        pr = p.pricing
+        if pr.cost_table_path is not None:  # a table given: it must be this setup's
+            load_cost_table(None, pr.model_name, target, candidates, attn, path=pr.cost_table_path)
             continue
-        if (p.cost_dir, p.model_name) in done:
+        if (pr.cost_dir, pr.model_name) in done:
             continue
-        done.add((p.cost_dir, p.model_name))
-        load_cost_table(p.cost_dir, p.model_name, target, candidates, attn, slots_for(concurrency),
-                        profile_if_missing=p.profile_if_missing)
+        done.add((pr.cost_dir, pr.model_name))
+        load_cost_table(pr.cost_dir, pr.model_name, target, candidates, attn, slots_for(concurrency),
+                        profile_if_missing=pr.profile_if_missing)
 
 
 def build_policy(policy_cfg):
@@ -246,11 +248,13 @@ def build_policy(policy_cfg):
     from hydra.errors import InstantiationException
 
     try:
-        return instantiate(policy_cfg)
+        policy = instantiate(policy_cfg)
     except InstantiationException as e:  # the policy's own one-line ValueError, not hydra's wrapper
         if isinstance(e.__cause__, ValueError):
             raise e.__cause__ from None
         raise
+    # a per-sequence policy (transformers' heuristic) runs as the batched protocol's PerSlot, one copy a slot
+    return PerSlot.of(policy) if isinstance(policy, DraftLengthPolicy) else policy
 
 
 def apply_tuned(policy_cfg, tuned_from, policy_name: str | None):

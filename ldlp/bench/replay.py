@@ -162,7 +162,7 @@ def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, cost
     ``ctx.draft_state`` (acceptance heads read them)."""
     c, res = rows.cols, ReplayResult()
     states = c.get("draft_state")
-    if not isinstance(policy, str) and hasattr(policy, "check_pair") and rows.has_features and states is not None:
+    if isinstance(policy, (DraftPolicy, DraftLengthPolicy)) and rows.has_features and states is not None:
         # a predictor or head of other sizes than the stored rows fails here, not at the first step
         from types import SimpleNamespace
 

@@ -1,4 +1,9 @@
-"""The batched oracle (``policy=oracle_budget``): each running row's true accepted length, spent by the cost table.
+"""The upper bounds, which know what the target will accept (greedy only): the chain oracle (``policy=oracle``:
+drafts exactly what is accepted) and the batched oracle (``policy=oracle_budget``: each running row's true
+accepted length, spent by the step's prices). Both look the counts up in one replay per prompt
+(:class:`KnownAcceptance`, :func:`accepted_lengths`), made before any clock starts.
+
+**The batched oracle.**
 
 Each step, every running row b has a known accepted length L_b: how many drafts of a chain the target would keep
 at the row's position (greedy decoding: the row's output is the target's own greedy sequence, so L_b is a function
@@ -31,62 +36,84 @@ exact arithmetic, the same target features behind the drafter). Defined for gree
 
 from __future__ import annotations
 
-import hashlib
-import json
+import weakref
 
 import numpy as np
 
 from eagle_backbone.cost import CostTable
-from eagle_backbone.step_cost import OnlineCostModel
-from eagle_backbone.policy import DraftPolicy, Rows, StaticPolicy
-from ldlp.policies.load_aware import LoadAwarePolicy
-from ldlp.policies.threshold import check_cap
+from eagle_backbone.policy import DraftPolicy, Rows, StaticPolicy, int_at_least
+from ldlp.policies.pricing import FeedRate, StepPricing
 
 # ---- the chain oracle ------------------------------------------------------------------------------------
+
+
+class KnownAcceptance:
+    """What the target accepts at each position of the prompts an oracle serves: the pair from the engine
+    (``bind``), each slot's counts from one replay per prompt (``begin``; :func:`accepted_lengths`, shared by every
+    instance through :data:`_REPLAYS`, so a benchmark's warm-up pays the replays before any clock starts)."""
+
+    def __init__(self, policy: str, k_max: int, every_position: bool, slots: int = 8):
+        self.policy, self.k_max, self.every_position, self.slots = policy, k_max, every_position, slots
+        self.pair = None
+        self.by_slot: dict[int, dict[int, int]] = {}  # slot -> position -> drafts the target accepts there
+
+    def bind(self, engine) -> None:
+        if not engine.sampling.greedy:
+            raise ValueError(f"{self.policy} policy: it is defined for greedy decoding only (generation.temperature=0); "
+                             f"got temperature={engine.sampling.temperature}")
+        if engine.candidates is None:
+            raise ValueError(f"{self.policy} policy: it replays speculative decoding, and the engine has no drafter")
+        self.pair = (engine.target, engine.candidates)
+
+    def begin(self, slot: int, prompt_ids, max_new_tokens: int | None) -> None:
+        if self.pair is None or max_new_tokens is None:
+            raise ValueError(f"{self.policy} policy: it serves an engine's prompts (bind(engine), then "
+                             "begin(slot, prompt_ids, max_new_tokens)): it needs the models and the budget to know "
+                             "what the target will accept")
+        target, candidates = self.pair
+        key = (id(target), self.k_max, int(max_new_tokens), self.every_position, tuple(prompt_ids))
+        memo = _REPLAYS.setdefault(candidates, {})
+        if key not in memo:
+            memo[key] = accepted_lengths(target, candidates, list(prompt_ids), int(max_new_tokens), self.k_max,
+                                         self.slots, self.every_position)[1]
+        self.by_slot[slot] = memo[key]
+
+    def at(self, slot: int, position: int) -> int:
+        return self.by_slot[slot].get(position, 0)
+
+
+_REPLAYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # candidate generator -> replay key -> counts
 
 
 class OraclePolicy(DraftPolicy):
     """Drafts exactly as many tokens as the target will accept (at most ``k_max``): zero waste.
 
     ``begin`` replays the generation with the same target and candidate generator at a static γ = k_max
-    and records, at each decoding position, how many drafts the target accepted. Under greedy decoding the
-    replay visits the same positions as the oracle itself (drafting a tokens that are all accepted and
-    adding the target's bonus token emits exactly what drafting k_max and keeping a emits), and the
-    drafter's state at each of those positions holds the same true features, so the recorded count is
-    exactly what will be accepted. ``begin`` runs before the clock starts: the replay is not timed,
+    and records, at each decoding position, how many drafts the target accepted (:func:`accepted_lengths`).
+    Under greedy decoding the replay visits the same positions as the oracle itself (drafting a tokens that
+    are all accepted and adding the target's bonus token emits exactly what drafting k_max and keeping a
+    emits), and the drafter's state at each of those positions holds the same true features, so the recorded
+    count is exactly what will be accepted. ``begin`` runs before the clock starts: the replay is not timed,
     as befits an upper bound.
     """
 
     name = "oracle"
+    greedy_only = True
 
     def __init__(self, k_max: int = 8):
-        self.k_max = check_cap(self.name, k_max)
-        self._accepted: dict[int, dict[int, int]] = {}  # slot -> position -> drafts the target accepts there
-        self._bound = None
+        self.k_max = int_at_least(self.name, "k_max", k_max, 1)
+        self.known = KnownAcceptance(self.name, self.k_max, every_position=False)
 
-    def bind(self, target, candidates, max_new_tokens: int, sampling) -> None:
-        if not sampling.greedy:
-            raise ValueError("oracle policy: it is defined for greedy decoding only (generation.temperature=0); "
-                             f"got temperature={sampling.temperature}")
-        self._bound = (target, candidates, max_new_tokens)
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        self.known.bind(engine)
 
-    def begin(self, slot: int, prompt_ids) -> None:
-        if self._bound is None:
-            raise ValueError("oracle policy: call bind(target, candidates, max_new_tokens, sampling) before "
-                             "generating; it needs the models to know what the target will accept")
-        from eagle_backbone.engine import SpeculativeDecoder
-
-        target, candidates, max_new_tokens = self._bound
-        recorder = AcceptedAtRecorder(self.k_max)
-        out = SpeculativeDecoder(target, candidates, recorder).generate(prompt_ids, max_new_tokens).tokens
-        # drafts past an EOS are accepted by the target but never emitted: draft up to the EOS only
-        eos = [i for i, t in enumerate(out) if t in target.eos_token_ids]
-        stop = eos[0] if eos else len(out)
-        self._accepted[slot] = {pos: min(a, max(0, stop - pos)) for pos, a in recorder.accepted_at.items()}
+    def begin(self, slot: int, prompt_ids, max_new_tokens: int | None = None) -> None:
+        self.known.begin(slot, prompt_ids, max_new_tokens)
 
     def drafts_at(self, slot: int, position: int) -> int:
         """What the target accepts at ``position`` of the prompt begun in ``slot``."""
-        return self._accepted[slot].get(position, 0)
+        return self.known.at(slot, position)
 
     def plan(self, rows: Rows) -> list[int]:
         return [self.drafts_at(b, p) for b, p in zip(rows.slots, rows.positions)]
@@ -215,12 +242,13 @@ def _best_profile(R: int, n: tuple[int, ...], costs: CostTable, fed_per_row: flo
 
 
 def accepted_lengths(target, candidates, prompt_ids: list[int], max_new_tokens: int, k_max: int,
-                     slots: int = 8) -> tuple[list[int], dict[int, int]]:
+                     slots: int = 8, every_position: bool = True) -> tuple[list[int], dict[int, int]]:
     """(the greedy output, {position: drafts a chain of at most ``k_max`` gets accepted there}) for every
     position p = 1 .. len(output) - 1 at which a step can start (p tokens generated), capped at the output's EOS
     as the chain oracle caps it. The replay at γ = k_max gives the output and its own positions; each other p is
     the first step of the prompt with the output's first p - 1 tokens appended (its prefill emits token p - 1),
-    ``slots`` of them at a time in one engine."""
+    ``slots`` of them at a time in one engine; ``every_position=False``: the replay's positions only (all that
+    the chain oracle, drafting exactly what is accepted, ever visits)."""
     from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
 
     prompt = list(prompt_ids)
@@ -229,7 +257,7 @@ def accepted_lengths(target, candidates, prompt_ids: list[int], max_new_tokens: 
     eos = [i for i, t in enumerate(out) if t in target.eos_token_ids]
     stop = eos[0] if eos else len(out)
     at = {p: min(a, max(0, stop - p)) for p, a in recorder.accepted_at.items()}
-    todo = [p for p in range(1, len(out)) if p not in at]
+    todo = [p for p in range(1, len(out)) if p not in at] if every_position else []
     if todo:
         capacity = len(prompt) + max_new_tokens + k_max + 4
         eng = BatchedSpeculativeEngine(target, candidates, slots=min(slots, len(todo)), policy=StaticPolicy(k_max),
@@ -253,84 +281,48 @@ def accepted_lengths(target, candidates, prompt_ids: list[int], max_new_tokens: 
 # ---- the policy --------------------------------------------------------------------------------------------
 
 
-class OracleBudgetPolicy(LoadAwarePolicy):
+class OracleBudgetPolicy(DraftPolicy):
     """The batched oracle: knows each row's accepted length L_b and drafts γ_b ∈ [0, L_b] to maximise the batch's
-    tokens per millisecond under the cost table (module docstring). Greedy only. Its cost table is found as the
-    load-aware policies find theirs (``cost_dir``, ``model``, ``cost_table``, ``profile_if_missing``)."""
+    tokens per millisecond under the step's prices (module docstring). Greedy only. Its prices are found as the
+    load-aware policies find theirs (:class:`~ldlp.policies.pricing.StepPricing`: ``cost_dir``, ``model``,
+    ``cost_table``, ``profile_if_missing``)."""
 
     name = "oracle_budget"
+    needs_costs = True
+    greedy_only = True
 
     def __init__(self, cost_dir: str, model: str, k_max: int = 8, profile_if_missing: bool = True,
                  cost_table: str | None = None, replay_slots: int = 8, online_costs: bool = True,
                  cost_model: str | None = None):
-        for key, v in (("k_max", k_max), ("replay_slots", replay_slots)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"oracle_budget policy: {key} must be an integer >= 1, got {v!r}")
-        super().__init__(cost_dir, model, 0.0, k_max, explore_every=0, profile_if_missing=profile_if_missing,
-                         cost_table=cost_table, online_costs=online_costs, cost_model=cost_model)
-        self.k_max, self.replay_slots = k_max, replay_slots
-        self._accepted: dict[int, dict[int, int]] = {}  # slot -> position -> drafts the target accepts there
-        self._bound = None
-        self._memo: dict = {}
+        self.k_max = self.max_gamma = int_at_least(self.name, "k_max", k_max, 1)
+        replay_slots = int_at_least(self.name, "replay_slots", replay_slots, 1)
+        self.pricing = StepPricing(self.name, cost_dir, model, cost_table, profile_if_missing, online_costs, cost_model)
+        self.known = KnownAcceptance(self.name, self.k_max, every_position=True, slots=replay_slots)
+        self.feed = FeedRate()  # the running drafter feed (every draft is kept: no acceptance rate to learn)
 
-    def bind(self, target, candidates, max_new_tokens: int, sampling) -> None:
-        _greedy_only(sampling)
-        self._bound = (target, candidates, max_new_tokens)
+    @property
+    def costs(self):
+        return self.pricing.costs
 
-    def bind_engine(self, engine) -> None:
-        _greedy_only(engine.sampling)
-        super().bind_engine(engine)
-        # the allocations under this table, shared by every engine's instance (a sweep builds one per workload)
-        self._memo = _memo_for(self.costs) if self.costs is not None else {}
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        self.known.bind(engine)
+        self.pricing.bind(engine)
 
-    def begin(self, slot: int, prompt_ids) -> None:
-        if self._bound is None:
-            raise ValueError("oracle_budget policy: call bind(target, candidates, max_new_tokens, sampling) before "
-                             "generating; it needs the models to know what the target will accept")
-        target, candidates, max_new_tokens = self._bound
-        _, self._accepted[slot] = accepted_lengths(target, candidates, prompt_ids, max_new_tokens, self.k_max,
-                                                   self.replay_slots)
+    def begin(self, slot: int, prompt_ids, max_new_tokens: int | None = None) -> None:
+        self.known.begin(slot, prompt_ids, max_new_tokens)
 
     def drafts_at(self, slot: int, position: int) -> int:
         """What the target accepts at ``position`` of the prompt begun in ``slot`` (a chain of at most k_max)."""
-        return self._accepted[slot].get(position, 0)
+        return self.known.at(slot, position)
 
-    def plan_lengths(self, rows: Rows, lengths: list[int]) -> list[int]:
-        """The step's γ per row from the rows' accepted lengths (capped by the rows' caps and k_max)."""
+    def plan(self, rows: Rows) -> list[int]:
         caps = rows.caps if rows.caps is not None else [self.k_max] * len(rows)
-        L = [max(0, min(int(x), c, self.k_max)) for x, c in zip(lengths, caps)]
-        self.steps += 1
+        L = [max(0, min(self.drafts_at(b, p), c, self.k_max)) for b, p, c in zip(rows.slots, rows.positions, caps)]
         if self.costs is None:  # no table (nothing to draft with): every accepted draft
             return L
         # the running drafter feed, rounded as the load-aware plan rounds it: the allocation is exact at that feed
-        if getattr(self.costs, "version", 0) != self._memo.get("version", 0):  # the online model refitted
-            self._memo = _memo_for(self.costs)
-        return allocate_budget(L, self.costs, round(self.feed_tokens, 1), self._memo)
-
-    def plan(self, rows: Rows) -> list[int]:
-        return self.plan_lengths(rows, [self.drafts_at(b, p) for b, p in zip(rows.slots, rows.positions)])
+        return allocate_budget(L, self.costs, round(self.feed.value, 1), self.pricing.memo("oracle_budget"))
 
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
-        # the running drafter feed only, as the load-aware policies keep it (every draft is kept: no rate to learn)
-        self.feed_tokens += 0.1 * (sum(accepted) / max(1, len(accepted)) + 1 - self.feed_tokens)
-
-
-_MEMOS: dict[str, dict] = {}  # a cost table's contents -> its allocations memo
-
-
-def _memo_for(costs) -> dict:
-    """One memo per cost table's contents (a table is read afresh for every engine); an online model's memo
-    lasts one version of its fit."""
-    if isinstance(costs, OnlineCostModel):
-        return {"version": costs.version}
-    cells = (costs.slots, costs.tokens, costs.target, costs.draft, costs.feed, costs.overhead, costs.depth_overhead)
-    return _MEMOS.setdefault(hashlib.sha256(json.dumps(cells).encode()).hexdigest(), {})
-
-
-def _greedy_only(sampling) -> None:
-    if not sampling.greedy:
-        raise ValueError("oracle_budget policy: it is defined for greedy decoding only (generation.temperature=0); "
-                         f"got temperature={sampling.temperature}")
-
-
-__all__ = ["OracleBudgetPolicy", "accepted_lengths", "allocate_budget", "budget_rate"]
+        self.feed.update(accepted)

@@ -29,22 +29,11 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.policy import Depth, DraftPolicy, Rows, StaticPolicy, go_while
+from eagle_backbone.policy import Depth, DraftContext, DraftLengthPolicy, DraftPolicy, Rows, go_while, int_at_least
 from ldlp.models.acceptance import MIN_LOG_P
 
 __all__ = ["LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy", "AcceptancePolicy",
            "HeuristicPolicy"]
-
-
-def int_at_least(policy: str, key: str, value, low: int) -> int:
-    """``value`` when it is an integer >= ``low``; else a one-line error naming the policy and the key."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{policy} policy: {key} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def check_cap(name: str, max_gamma) -> int:
-    return int_at_least(name, "max_gamma", max_gamma, 1)
 
 
 class _PerSlotState:
@@ -94,8 +83,8 @@ class LDLPPolicy(DraftPolicy):
                 raise ValueError(f"ldlp policy: threshold must be in (0, 1), got {threshold!r}")
             self.model = copy.deepcopy(self.model)  # the cached model stays as saved
             self.model.config.threshold = float(threshold)
-        self.max_gamma = None if max_gamma is None else check_cap(self.name, max_gamma)
-        if not isinstance(offset, int):
+        self.max_gamma = None if max_gamma is None else int_at_least(self.name, "max_gamma", max_gamma, 1)
+        if not isinstance(offset, int) or isinstance(offset, bool):
             raise ValueError(f"ldlp policy: offset must be an integer, got {offset!r}")
         self.offset = offset  # added to the prediction (AdaEAGLE drafts the predicted length; +1 hedges)
 
@@ -126,10 +115,8 @@ class DDDPolicy(DraftPolicy):
         if not threshold <= 0:
             raise ValueError(f"ddd policy: threshold is a log-probability and must be <= 0, got {threshold!r}")
         self.threshold = float(threshold)
-        self.max_gamma = check_cap(self.name, max_gamma)
+        self.max_gamma = int_at_least(self.name, "max_gamma", max_gamma, 1)
 
-    def plan(self, rows: Rows) -> list[int]:
-        return [self.max_gamma] * len(rows)
 
     def stop(self, d: Depth) -> torch.Tensor:
         return go_while(d.logp >= self.threshold)
@@ -155,7 +142,7 @@ class LDLPDDDPolicy(DraftPolicy):
     def plan(self, rows: Rows) -> list[int]:
         lengths = self._length.at(rows.slots, rows.features.device)
         lengths[torch.as_tensor(rows.slots, device=lengths.device)] = self.ldlp.plan(rows)
-        return [self.max_gamma] * len(rows)
+        return super().plan(rows)  # every row drafts to the cap; stop() decides
 
     def stop(self, d: Depth) -> torch.Tensor:
         lengths = self._length.t[d.slots]
@@ -172,10 +159,8 @@ class ConfidencePolicy(DraftPolicy):
         if not 0 <= threshold <= 1:
             raise ValueError(f"confidence policy: threshold is a probability in [0, 1], got {threshold!r}")
         self.threshold = float(threshold)
-        self.max_gamma = check_cap(self.name, max_gamma)
+        self.max_gamma = int_at_least(self.name, "max_gamma", max_gamma, 1)
 
-    def plan(self, rows: Rows) -> list[int]:
-        return [self.max_gamma] * len(rows)
 
     def stop(self, d: Depth) -> torch.Tensor:
         return go_while(d.probs.max(-1).values.double() >= self.threshold)
@@ -191,10 +176,8 @@ class EntropyPolicy(DraftPolicy):
         if not threshold >= 0:
             raise ValueError(f"entropy policy: threshold is an entropy in nats and must be >= 0, got {threshold!r}")
         self.threshold = float(threshold)
-        self.max_gamma = check_cap(self.name, max_gamma)
+        self.max_gamma = int_at_least(self.name, "max_gamma", max_gamma, 1)
 
-    def plan(self, rows: Rows) -> list[int]:
-        return [self.max_gamma] * len(rows)
 
     @staticmethod
     def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -233,7 +216,7 @@ class AcceptancePolicy(DraftPolicy):
         self.path = str(path)
         self.head = _load_acceptance_head(str(path))
         self.threshold = float(threshold)
-        self.max_gamma = check_cap(self.name, max_gamma)
+        self.max_gamma = int_at_least(self.name, "max_gamma", max_gamma, 1)
         self._cum = None  # per row of the step: the sum of its chain's clipped log-probabilities
 
     def check_pair(self, target, candidates) -> None:
@@ -248,8 +231,6 @@ class AcceptancePolicy(DraftPolicy):
                              "was trained for another drafter; train one for it (python scripts/train_acceptance.py) "
                              "or point policy.path at it")
 
-    def plan(self, rows: Rows) -> list[int]:
-        return [self.max_gamma] * len(rows)
 
     def stop(self, d: Depth) -> torch.Tensor:
         if d.states is None:
@@ -265,26 +246,25 @@ class AcceptancePolicy(DraftPolicy):
         return go_while(self.head(d.states, stats) >= self.threshold)
 
 
-class HeuristicPolicy(DraftPolicy):
+class HeuristicPolicy(DraftLengthPolicy):
     """transformers' ``num_assistant_tokens_schedule="heuristic"``, reset at every generation
-    (``"heuristic_transient"``) so that results do not depend on the order of the prompts."""
+    (``"heuristic_transient"``) so that results do not depend on the order of the prompts. Written to the
+    per-sequence protocol (:class:`~eagle_backbone.policy.DraftLengthPolicy`, one copy per slot through
+    :class:`~eagle_backbone.policy.PerSlot`): it decides on host counts alone, so that path costs it no read."""
 
     name = "heuristic"
 
     def __init__(self, initial_gamma: int = 5, max_gamma: int | None = None):
-        if not isinstance(initial_gamma, int) or initial_gamma < 1:
-            raise ValueError(f"heuristic policy: initial_gamma must be an integer >= 1, got {initial_gamma!r}")
-        self.initial_gamma = initial_gamma
-        self.max_gamma = None if max_gamma is None else check_cap(self.name, max_gamma)
-        self._gamma: dict[int, int] = {}
+        self.initial_gamma = int_at_least(self.name, "initial_gamma", initial_gamma, 1)
+        self.max_gamma = None if max_gamma is None else int_at_least(self.name, "max_gamma", max_gamma, 1)
+        self._gamma = self.initial_gamma
 
-    def begin(self, slot: int, prompt_ids) -> None:
-        self._gamma[slot] = self.initial_gamma
+    def begin(self, prompt_ids) -> None:
+        self._gamma = self.initial_gamma
 
-    def plan(self, rows: Rows) -> list[int]:
-        return [self._gamma[b] for b in rows.slots]
+    def gamma(self, ctx: DraftContext) -> int:
+        return self._gamma
 
-    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
-        for b, n, k in zip(rows.slots, drafted, accepted):
-            g = self._gamma[b] + 2 if n > 0 and k == n else max(1, self._gamma[b] - 1)
-            self._gamma[b] = g if self.max_gamma is None else min(g, self.max_gamma)
+    def observe(self, ctx: DraftContext, drafted: int, accepted: int) -> None:
+        g = self._gamma + 2 if drafted > 0 and accepted == drafted else max(1, self._gamma - 1)
+        self._gamma = g if self.max_gamma is None else min(g, self.max_gamma)

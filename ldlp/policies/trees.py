@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from eagle_backbone.policy import DraftPolicy, Rows, TreeOutcome
+from eagle_backbone.policy import DraftPolicy, Rows, TreeOutcome, int_at_least
 from eagle_backbone.step_cost import OnlineCostModel
 from eagle_backbone.tree import MC_SIM_7B_63, path_values, select_budget, top_nodes
 from eagle_backbone.tree_draft import GrownTree, TreeSpec
 from ldlp.models.calibration import OnlineLogitCalibration
-from ldlp.policies.load_aware import LoadAwarePolicy
-from ldlp.policies.threshold import int_at_least
+from ldlp.policies.pricing import DraftGate, FeedRate, RunningRate, StepPricing
 
 SHAPES = {"mc_sim_7b_63": MC_SIM_7B_63}  # named static trees (EAGLE's tree_choices format)
 
@@ -36,8 +35,8 @@ class StaticTreePolicy(DraftPolicy):
     (EAGLE/Medusa ``tree_choices``: [0] the top draft, [0, 1] its second child, ...)."""
 
     name = "static_tree"
-    # `adaptive = False` marks a fixed chain γ (results compare against the best of those); a fixed tree is
-    # no such baseline, so it keeps the default
+    # no fixed_gamma: that marks a fixed chain γ (results compare against the best of those); a fixed tree is
+    # no such baseline
 
     def __init__(self, paths="mc_sim_7b_63"):
         if isinstance(paths, str):
@@ -48,9 +47,8 @@ class StaticTreePolicy(DraftPolicy):
             self.tree = TreeSpec.static([list(p) for p in paths])
         except (TypeError, ValueError) as e:
             raise ValueError(f"static_tree policy: paths: {e}") from None
+        self.max_gamma = self.tree.depth  # every row grows the whole shape
 
-    def plan(self, rows: Rows) -> list[int]:
-        return [self.tree.depth] * len(rows)
 
 
 class Eagle2TreePolicy(DraftPolicy):
@@ -62,9 +60,8 @@ class Eagle2TreePolicy(DraftPolicy):
     def __init__(self, top_k: int = 4, depth: int = 6, total_tokens: int = 16):
         self.tree = TreeSpec(int_at_least(self.name, "top_k", top_k, 1), int_at_least(self.name, "depth", depth, 1))
         self.total_tokens = min(int_at_least(self.name, "total_tokens", total_tokens, 1), self.tree.max_nodes)
+        self.max_gamma = self.tree.depth
 
-    def plan(self, rows: Rows) -> list[int]:
-        return [self.tree.depth] * len(rows)
 
     def select(self, grown: GrownTree, rows: Rows) -> torch.Tensor:
         score = torch.where(grown.valid, grown.score, float("-inf"))
@@ -74,9 +71,10 @@ class Eagle2TreePolicy(DraftPolicy):
         return self.total_tokens
 
 
-class TreeBudgetPolicy(LoadAwarePolicy):
-    """Dynamic trees under one batch-wide, cost-chosen budget (module docstring). Shares the load-aware
-    policies' cost table (``cost_dir``/``cost_table``, profiled on first use when missing) and their plan.
+class TreeBudgetPolicy(DraftPolicy):
+    """Dynamic trees under one batch-wide, cost-chosen budget (module docstring). Holds what the load-aware
+    policies hold: the step's prices (:class:`~ldlp.policies.pricing.StepPricing`: ``cost_dir``/``cost_table``,
+    profiled on first use when missing), the gate that decides whether a step drafts, and running rates.
 
     Per step:
 
@@ -95,16 +93,16 @@ class TreeBudgetPolicy(LoadAwarePolicy):
        step's one read."""
 
     name = "tree_budget"
-    reads_drafts = False
+    needs_costs = True
 
-    def __init__(self, cost_dir: str, model: str, temperature: float = 0.0, top_k: int = 2, depth: int = 8,
-                 width: int | None = 1, max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98,
-                 prior: float = 0.8, sibling_prior: float = 0.1, tree_overhead_ms: float = 1.5,
-                 explore_every: int = 8, profile_if_missing: bool = True, cost_table: str | None = None,
-                 online_costs: bool = True, cost_model: str | None = None):
-        depth = int_at_least(self.name, "depth", depth, 1)
-        super().__init__(cost_dir, model, temperature, depth, prior, explore_every, profile_if_missing, cost_table,
-                         online_costs, cost_model)
+    def __init__(self, cost_dir: str, model: str, top_k: int = 2, depth: int = 8, width: int | None = 1,
+                 max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98, prior: float = 0.8,
+                 sibling_prior: float = 0.1, tree_overhead_ms: float = 1.5, explore_every: int = 8,
+                 profile_if_missing: bool = True, cost_table: str | None = None, online_costs: bool = True,
+                 cost_model: str | None = None):
+        self.max_gamma = depth = int_at_least(self.name, "depth", depth, 1)
+        if not 0 < prior < 1:
+            raise ValueError(f"{self.name} policy: prior must be in (0, 1), got {prior!r}")
         try:
             self.tree = TreeSpec(int_at_least(self.name, "top_k", top_k, 1), depth, width=width)
         except ValueError as e:
@@ -113,23 +111,33 @@ class TreeBudgetPolicy(LoadAwarePolicy):
             raise ValueError(f"{self.name} policy: need 0 <= sibling_prior < 1 and tree_overhead_ms >= 0, got "
                              f"{sibling_prior!r}, {tree_overhead_ms!r}")
         self.max_nodes = min(int_at_least(self.name, "max_nodes", max_nodes, 1), self.tree.max_nodes)
+        self.tree_overhead_ms = float(tree_overhead_ms)
+        # the tree's own cost before a tree step is timed: the online model's prior for it
+        self.pricing = StepPricing(self.name, cost_dir, model, cost_table, profile_if_missing, online_costs,
+                                   cost_model, model_options={"tree_prior_ms": self.tree_overhead_ms})
+        self.gate = DraftGate(explore_every)
+        self.explore_every = int(explore_every)
+        self.accept = RunningRate(prior, 0.01, 0.99)  # P(the drafter's first choice kept), the tree's spine
+        self.sibling = RunningRate(sibling_prior)  # P(second choice kept | its parent kept)
+        self.feed = FeedRate()
         # one correction per sibling rank: under greedy decoding a node is kept only when its siblings before
         # it are not, so the second-best child of a confident parent is rarely kept whatever its confidence
         self.calibration = OnlineLogitCalibration(decay=decay, groups=self.tree.top_k) if recalibrate else None
-        self.sibling_rate = float(sibling_prior)  # running P(second choice kept | its parent kept)
-        self.tree_overhead_ms = float(tree_overhead_ms)
+        self.device = torch.device("cpu")
         self.tree_steps = self.chain_steps = 0
         self._depth, self._tree_now, self._chains = 0, False, 0
         self._counts: torch.Tensor | None = None  # this step's kept/tested first and second choices (device)
-        self._vec: dict = {}
 
-    def bind_engine(self, engine) -> None:
-        super().bind_engine(engine)
+    @property
+    def costs(self):
+        return self.pricing.costs
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        self.device = engine.device
+        self.pricing.bind(engine)
         if self.calibration is not None:
             self.calibration.to(engine.device)
-
-    def _model_options(self) -> dict:
-        return {"tree_prior_ms": self.tree_overhead_ms}  # the tree's own cost before a tree step is timed
 
     def tree_ms(self) -> float:
         """The tree machinery's own cost a step: the online model's (learned from timed tree steps, starting
@@ -137,30 +145,29 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         return self.costs.tree_ms() if isinstance(self.costs, OnlineCostModel) else self.tree_overhead_ms
 
     # ---- plan: the depth, and whether a tree pays -------------------------------------------------------------
-    def _step_ms(self, R: int, D: int, N: int) -> float:
+    def _step_ms(self, R: int, D: int, N: int, feed: float) -> float:
         """A step of R rows growing D depths (the first reads one token a row, deeper ones the frontier:
         ``width`` a row) and scoring N tokens: the cost table's one step formula (CostTable.step_ms)."""
         depth_rows = [R] + [R * self.tree.width] * (D - 1) if D else []
-        return self.costs.step_ms(R, depth_rows, N, self.feed_tokens)
+        return self.costs.step_ms(R, depth_rows, N, feed)
 
     def tree_pays(self, R: int, D: int) -> bool:
         """Whether a second choice at depth 1 on every row (the most valuable sibling) pays for one more scored
         token a row and the tree's own cost, against a chain of D at the spine's rate."""
         if D == 0 or self.tree.top_k < 2:
             return False
-        c, a = self.costs, self.accept_rate
+        c, a = self.costs, self.accept.value
         E = R * (1 + sum(a ** i for i in range(1, D + 1)))
         N = R * (D + 1)
-        T = self._step_ms(R, D, N)
+        T = self._step_ms(R, D, N, self.feed.value)
         extra = c.target_ms(R, N + R) - c.target_ms(R, N) + self.tree_ms()
-        return (E + R * self.sibling_rate) / (T + extra) > E / T
-
-    def _start(self, caps: list[int], g: int):
-        return [min(g, c) for c in caps], None
+        return (E + R * self.sibling.value) / (T + extra) > E / T
 
     def plan(self, rows: Rows) -> list[int]:
         self._counts = None
-        out = super().plan(rows)  # the load-aware γ (explore steps included), capped at depth
+        caps = [min(c, self.max_gamma) for c in rows.caps]
+        g = self.gate.gamma(self.pricing, caps, self.accept.value, self.feed.value)  # the load-aware γ, explore steps included
+        out = [min(g, c) for c in caps]
         self._depth = D = max(out) if out else 0
         self._tree_now = False
         if D:
@@ -182,15 +189,13 @@ class TreeBudgetPolicy(LoadAwarePolicy):
 
     def _cost_vector(self, R: int, D: int, n_max: int) -> torch.Tensor:
         """cost[N] for N = 0 .. R + n_max scored tokens (ms; the fixed part included): a device vector per (R, D)."""
-        key = (R, D, round(self.feed_tokens, 1))
-        version = getattr(self.costs, "version", 0)
-        if self._vec.get("version") != version:
-            self._vec = {"version": version}
-        if key not in self._vec:
+        key = (R, D, n_max, round(self.feed.value, 1))
+        memo = self.pricing.memo("tree_cost_vector", shared=False)  # priced at this policy's running feed
+        if key not in memo:
             tree_ms = self.tree_ms()
-            self._vec[key] = torch.tensor([self._step_ms(R, D, N) + tree_ms if N >= R else float("inf")
-                                           for N in range(R + n_max + 1)], dtype=torch.float64, device=self.device)
-        return self._vec[key]
+            memo[key] = torch.tensor([self._step_ms(R, D, N, self.feed.value) + tree_ms if N >= R else float("inf")
+                                      for N in range(R + n_max + 1)], dtype=torch.float64, device=self.device)
+        return memo[key]
 
     def select(self, grown: GrownTree, rows: Rows) -> torch.Tensor:
         R, K = grown.tokens.shape
@@ -217,17 +222,14 @@ class TreeBudgetPolicy(LoadAwarePolicy):
         return {"choices": self._counts} if self._counts is not None else {}
 
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
-        self.feed_tokens += 0.1 * (sum(accepted) / max(1, len(accepted)) + 1 - self.feed_tokens)
+        self.feed.update(accepted)
         counts = (extra or {}).get("choices")
         if counts:  # a tree step: the first and second choices' outcomes
             kept, n, kept2, n2 = counts
-            if n2:
-                self.sibling_rate += 0.2 * min(1.0, n2 / 32) * (kept2 / n2 - self.sibling_rate)
+            self.sibling.update(kept2, n2)
         elif self._depth:  # a chain step: drafts 1..k kept, draft k + 1 (if drafted) the first rejection
             kept = sum(min(a, d) for a, d in zip(accepted, drafted))
             n = sum(min(d, a + 1) for a, d in zip(accepted, drafted))
         else:
             return
-        if n:
-            w = min(1.0, n / 32)  # an EMA whose step grows with the evidence, as the load-aware rate's
-            self.accept_rate = min(0.99, max(0.01, self.accept_rate + 0.2 * w * (kept / n - self.accept_rate)))
+        self.accept.update(kept, n)
