@@ -3,6 +3,7 @@
     python scripts/bench_batch.py
     python scripts/bench_batch.py concurrency=[1,4,16] 'contenders=["policy=static policy.gamma=3"]' rounds=1
     python scripts/bench_batch.py 'temperatures=[0.0,0.7,1.0]' blocks=4 data.limit=128   (the load sweep, docs/batched.md)
+    python scripts/bench_batch.py render_only=true out_dir=results/embedded/load_sweep   (its page again, from the JSON)
 """
 
 import logging
@@ -20,10 +21,10 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from ldlp.bench.load_sweep import Contender, check_contenders, check_sweep_args, prompts_meta, sweep, write, written
     from eagle_backbone.candidates import make_candidates
-    from eagle_backbone.errors import MissingCheckpoint
+    from eagle_backbone.errors import ConfigError, MissingCheckpoint
     from ldlp.bench.conversation import prompt_categories
+    from ldlp.bench.load_sweep import Contender, check_contenders, check_sweep_args, prompts_meta, sweep
     from ldlp.bench.loaders import (
         build_policy,
         check_turns_kept,
@@ -38,7 +39,14 @@ def main(cfg: DictConfig) -> None:
     )
     from ldlp.bench.peer import is_peer
     from ldlp.bench.vllm_peer import make_contender, parse_contender
+    from ldlp.report.load_sweep import render, write, written
 
+    if cfg.render_only:  # the page and plots again from out_dir's JSON: nothing loads, nothing runs
+        if not cfg.out_dir:
+            raise ConfigError("render_only=true needs out_dir=DIR (a load sweep's results folder)")
+        out = render(cfg.out_dir)
+        print(f"wrote {out}/" + ", ".join(written(out)))
+        return
     threads = start(cfg)
     # the raw values, checked before anything loads (a 1.5 is refused, not truncated); None: the generation's T
     temperatures = check_sweep_args(list(cfg.concurrency), cfg.get("temperatures"), cfg.blocks, cfg.rounds,

@@ -20,7 +20,7 @@ def main(cfg: DictConfig) -> None:
         table_path,
     )
     from eagle_backbone.engine import BatchedSpeculativeEngine
-    from ldlp.bench.load_sweep import check_markdown
+    from ldlp.report.load_sweep import check_markdown
     from ldlp.bench.loaders import load_pair_cached
 
     from eagle_backbone.runtime import int_list_setting, int_setting

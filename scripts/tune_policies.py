@@ -74,7 +74,7 @@ def main(cfg: DictConfig) -> None:
     where = f"{shown}, split {cfg.split}"
     md = tuning_markdown(results, costs, rows, where)
     if check:
-        from ldlp.bench.load_sweep import check_markdown
+        from ldlp.report.load_sweep import check_markdown
 
         md += ("\nThe cost table against timed static-γ steps of the engine at one slot (validation prompts):\n\n"
                + check_markdown(check))

@@ -1,7 +1,8 @@
 """Peer engines in the batched benchmark: rows of another engine (vLLM, ``ldlp.bench.vllm_peer``) measured on the
-same prompts, budgets, stops and rounds, in turns with this engine's contenders, and the page's section that
-sets them side by side (issue 22): per C, vLLM's AR and its best EAGLE k against this engine's batched AR and
-best static γ, as paired ratios of tokens/s (this engine / the peer) over the (round, block) workloads both ran.
+same prompts, budgets, stops and rounds, in turns with this engine's contenders, and the rows of the page's
+section that sets them side by side (issue 22; ``ldlp.report.load_sweep`` writes it): per C, vLLM's AR and its
+best EAGLE k against this engine's batched AR and best static γ, as paired ratios of tokens/s (this engine / the
+peer) over the (round, block) workloads both ran.
 
 A peer contender carries a ``runner`` (:class:`~ldlp.bench.load_sweep.Contender`) whose
 ``run(prompts, C, max_new_tokens, seeds, sampling, stop_ids)`` returns the token ids per prompt and a summary
@@ -32,26 +33,14 @@ def _ratio(runs, mine: str, theirs: str, C: int, T: float) -> dict | None:
                         [b[k][1] for k in common], bootstrap=2000, seed=0)
 
 
-def _cell(v: dict | None) -> str:
-    if not v:
-        return "–"
-    if v.get("ci95") is None:
-        return f"{v['ratio']:.2f}"
-    return f"{v['ratio']:.2f} ({v['ci95'][0]:.2f}–{v['ci95'][1]:.2f})"
-
-
-def peer_lines(result: dict, rows: list[dict]) -> list[str]:
-    """The peer section of one temperature's rows ([] without peer rows)."""
+def peer_table(result: dict, rows: list[dict]) -> list[dict]:
+    """Per C with peer rows (``rows``: one temperature's; [] without peer rows): the peer's AR row (``peer_ar``)
+    and its fastest speculative row (``peer_best``), this engine's batched AR (``ar``) and best static γ
+    (``best_static``) rows, the paired ratios of tokens/s, this engine's over the peer's, for AR (``ratio_ar``)
+    and speculative decoding (``ratio_speculative``), and whether every peer row was lossless (None: not checked)."""
     peers = [r for r in rows if r["policy"] in PEER_POLICIES and r.get("tokens_per_s") is not None]
-    if not peers:
-        return []
     runs = result.get("runs", [])
-    lines = ["", ("Peer engine (vLLM, same prompts, budget, stops and rounds, run in turns): tokens/s and τ; the "
-                  "ratios are this engine's tokens/s over vLLM's, paired over the (round, block) workloads both "
-                  "ran, with the bootstrap 95% interval (> 1: this engine is faster)."), "",
-             "| C | vLLM AR | vLLM EAGLE, best k | this engine, AR | this engine, best static γ | "
-             "ours / vLLM, AR | ours / vLLM, speculative | lossless (vLLM rows) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = []
     for C in sorted({r["concurrency"] for r in peers}):
         here = [r for r in rows if r["concurrency"] == C and r.get("tokens_per_s") is not None]
         T = here[0]["temperature"]
@@ -61,19 +50,10 @@ def peer_lines(result: dict, rows: list[dict]) -> list[str]:
         o_ar = next((r for r in here if r["policy"] == "ar"), None)
         st = [r for r in here if r["policy"] == "static"]
         o_best = max(st, key=lambda r: r["tokens_per_s"]) if st else None
-
-        def fmt(r, what=""):
-            if r is None:
-                return "–"
-            note = (what.strip() + ", ") if what else ""
-            return f"{r['tokens_per_s']:.1f} ({note}τ {r['tau']:.2f})"
-
-        r_ar = _ratio(runs, o_ar["contender"], v_ar["contender"], C, T) if o_ar and v_ar else None
-        r_sp = _ratio(runs, o_best["contender"], v_best["contender"], C, T) if o_best and v_best else None
         lossless = [r["lossless"] for r in here if r["policy"] in PEER_POLICIES]
-        ok = "–" if None in lossless else ("yes" if all(lossless) else "**no**")
-        k = f" k={v_best['gamma']}" if v_best else ""
-        g = f" γ={o_best['gamma']}" if o_best else ""
-        lines.append(f"| {C} | {fmt(v_ar)} | {fmt(v_best, k)} | {fmt(o_ar)} | {fmt(o_best, g)} | "
-                     f"{_cell(r_ar)} | {_cell(r_sp)} | {ok} |")
-    return lines
+        out.append({"concurrency": C, "peer_ar": v_ar, "peer_best": v_best, "ar": o_ar, "best_static": o_best,
+                    "ratio_ar": _ratio(runs, o_ar["contender"], v_ar["contender"], C, T) if o_ar and v_ar else None,
+                    "ratio_speculative": (_ratio(runs, o_best["contender"], v_best["contender"], C, T)
+                                          if o_best and v_best else None),
+                    "lossless": None if None in lossless else all(lossless)})
+    return out
