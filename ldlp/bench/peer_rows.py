@@ -1,6 +1,6 @@
 """Peer engines in the batched benchmark: rows of another engine (vLLM, ``ldlp.bench.vllm_peer``) measured on the
 same prompts, budgets, stops and rounds, in turns with this engine's contenders, and the page's section that
-sets them side by side (issue 22): per C, vLLM's AR and its best EAGLE k against this engine's batched AR and
+sets them side by side (issue 22): per C, vLLM's AR and its best EAGLE (or EAGLE-3) k against this engine's batched AR and
 best static γ, as paired ratios of tokens/s (this engine / the peer) over the (round, block) workloads both ran.
 
 A peer contender carries a ``runner`` (:class:`~ldlp.bench.load_sweep.Contender`) whose
@@ -72,7 +72,7 @@ def peer_lines(result: dict, rows: list[dict]) -> list[str]:
         r_sp = _ratio(runs, o_best["contender"], v_best["contender"], C, T) if o_best and v_best else None
         lossless = [r["lossless"] for r in here if r["policy"] in PEER_POLICIES]
         ok = "–" if None in lossless else ("yes" if all(lossless) else "**no**")
-        k = f" k={v_best['gamma']}" if v_best else ""
+        k = f" {v_best['contender'].removeprefix('vllm ')}" if v_best else ""  # e.g. "eagle3 k=3"
         g = f" γ={o_best['gamma']}" if o_best else ""
         lines.append(f"| {C} | {fmt(v_ar)} | {fmt(v_best, k)} | {fmt(o_ar)} | {fmt(o_best, g)} | "
                      f"{_cell(r_ar)} | {_cell(r_sp)} | {ok} |")
