@@ -23,7 +23,8 @@ Checkpoints, both read and written unchanged (:meth:`from_pretrained`, :meth:`sa
   ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight``, ``midlayer.{hidden_norm,input_layernorm,
   post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
   ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``
-  (no embedding: the target's is tied);
+  (no embedding: the target's is tied; ``d2t`` and ``t2d`` may be absent for the full vocabulary, and are
+  not written then: vLLM refuses them);
 * **speculators** (vLLM's): ``config.json`` with ``speculators_model_type: eagle3``, ``speculators_config``,
   ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``,
   ``eagle_aux_hidden_state_layer_ids``; the same weights with ``layers.0.`` for ``midlayer.`` and
@@ -56,6 +57,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low, middle and high layer of an ``num_layers``-layer target (vLLM's and speculators' default)."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def portable_verifier(verifier: str | Path | None) -> str | None:
+    """speculators' ``verifier.name_or_path`` for the target ``verifier``: a path inside this repository
+    relative to its root (``data/embedded/target``: ``vllm serve data/embedded/eagle3`` run from the root
+    finds it), anything else (a hub id, a folder elsewhere) as given."""
+    if verifier is None:
+        return None
+    from eagle_backbone.paths import REPO_ROOT
+
+    p = Path(verifier)
+    if p.is_absolute():
+        try:
+            return p.resolve().relative_to(REPO_ROOT).as_posix()
+        except ValueError:
+            return str(verifier)
+    return str(verifier)
 
 
 class Eagle3Drafter(nn.Module):
@@ -221,7 +239,13 @@ class Eagle3Drafter(nn.Module):
 
     def save_pretrained(self, path: str | Path, layout: str = "speculators", dtype: torch.dtype | None = None,
                         verifier: str | None = None, speculative_tokens: int = 6, safe_serialization: bool = True) -> None:
-        """Write the head in ``layout`` speculators (vLLM serves it as is) or eagle (SafeAILab's)."""
+        """Write the head in ``layout`` speculators (vLLM serves it as is) or eagle (SafeAILab's).
+
+        ``verifier``: the target, written as speculators' ``verifier.name_or_path`` (what ``vllm serve <head>``
+        loads as the target); a path inside this repository is written relative to its root
+        (:func:`portable_verifier`), so the folder does not name the machine it was trained on. A head over
+        the full target vocabulary (identity map) is written without ``d2t`` and ``t2d``: vLLM's EAGLE-3 model
+        has no map parameter then and refuses a checkpoint that ships one; both loaders take it as identity."""
         if layout not in ("speculators", "eagle"):
             raise ValueError(f"layout must be 'speculators' or 'eagle', got {layout!r}")
         path = Path(path)
@@ -230,6 +254,9 @@ class Eagle3Drafter(nn.Module):
         layer.update(num_hidden_layers=1, model_type="llama", tie_word_embeddings=False)
         state = {k: v.detach().to(dtype or v.dtype) if v.is_floating_point() else v.detach()
                  for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        if self.draft_vocab_size == self.vocab_size and not bool(self.d2t.any()):
+            state.pop("d2t")
+            state.pop("t2d")
         if layout == "eagle":
             cfg = dict(layer, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=self.draft_vocab_size)
             if self.layer_ids:
@@ -243,7 +270,8 @@ class Eagle3Drafter(nn.Module):
                        "algorithm": "eagle3", "default_proposal_method": "greedy",
                        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                       "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
+                       "verifier": {"name_or_path": portable_verifier(verifier),
+                                    "architectures": ["LlamaForCausalLM"]}},
                    "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
                    "norm_before_residual": self.norm_before_residual, "target_hidden_size": None,
                    "eagle_aux_hidden_state_layer_ids": list(self.layer_ids) if self.layer_ids else None,

@@ -60,7 +60,8 @@ def main(cfg: DictConfig) -> None:
     skipped = []  # contenders whose checkpoint this clone has not trained: in the JSON and on the page
     probes = {}
     for spec in cfg.contenders:
-        peer = parse_contender(spec)  # "engine=vllm [spec.k=K]": vLLM as a peer (ldlp/bench/vllm_peer.py)
+        # "engine=vllm [spec.method=eagle|eagle3] [spec.k=K]": vLLM as a peer (ldlp/bench/vllm_peer.py)
+        peer = parse_contender(spec)
         if peer is not None:
             contenders.append(make_contender(peer, cfg.model, prompts, int(cfg.generation.max_new_tokens), cfg.get("vllm"),
                                              cfg.paths.outputs, threads=threads, seed=int(cfg.seed), log=log.info))

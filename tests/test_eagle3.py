@@ -270,6 +270,8 @@ def test_written_heads_load_back_identically(t3, tmp_path, layout, draft_vocab):
     for k, v in d.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
     keys = set(__import__("safetensors.torch", fromlist=["load_file"]).load_file(str(tmp_path / "h" / "model.safetensors")))
+    # the identity map of a full draft vocabulary is left out (vLLM refuses it), a reduced one's is written
+    assert ({"d2t", "t2d"} <= keys) == (draft_vocab is not None)
     if layout == "eagle":
         assert "midlayer.hidden_norm.weight" in keys and "embed_tokens.weight" not in keys
     else:
@@ -277,6 +279,22 @@ def test_written_heads_load_back_identically(t3, tmp_path, layout, draft_vocab):
         cfg = json.loads((tmp_path / "h" / "config.json").read_text())
         assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
         assert cfg["speculators_config"]["algorithm"] == "eagle3"
+
+
+def test_the_verifier_is_written_relative_to_the_repository(t3, tmp_path):
+    """speculators' verifier.name_or_path names no machine: a target inside the repository is written relative
+    to its root (vllm serve run from the root finds it), a hub id or an outside folder as given."""
+    from eagle_backbone.eagle3 import portable_verifier
+    from eagle_backbone.paths import EMBEDDED_DIR, REPO_ROOT
+
+    assert portable_verifier(EMBEDDED_DIR / "target") == "data/embedded/target"
+    assert portable_verifier(str(REPO_ROOT / "data" / ".." / "data" / "embedded" / "target")) == "data/embedded/target"
+    assert portable_verifier("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    assert portable_verifier("/models/Llama-3.1-8B") == "/models/Llama-3.1-8B" and portable_verifier(None) is None
+    make_eagle3(t3).save_pretrained(tmp_path / "h", layout="speculators", verifier=str(EMBEDDED_DIR / "target"))
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "data/embedded/target"
+    load_drafter("eagle3", tmp_path / "h")
 
 
 def test_speculators_package_reads_the_written_config(t3, tmp_path):

@@ -1,6 +1,8 @@
 """vLLM as a peer (ldlp/bench/vllm_peer.py): the drafter's fc bias folded into its own embedding for vLLM's
-bias-free EAGLE-1 drafter (plain torch, always run), the contender strings, and one end-to-end test that runs
-only where a Python with vLLM is given (ADAEAGLE_VLLM_PYTHON, or this interpreter when it has vllm)."""
+bias-free EAGLE-1 drafter (plain torch, always run), the contender strings and their refusals, the shipped
+EAGLE-3 head's folder as vLLM reads it, and end-to-end tests (vLLM's AR, EAGLE and EAGLE-3 against the target's
+greedy decoding) that run only where a Python with vLLM is given (ADAEAGLE_VLLM_PYTHON, or this interpreter
+when it has vllm)."""
 
 import json
 import os
@@ -12,7 +14,7 @@ from transformers import LlamaConfig
 
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.bench.vllm_peer import convert_drafter, fold_fc_bias, parse_contender
+from ldlp.bench.vllm_peer import contender_label, convert_drafter, fold_fc_bias, parse_contender
 
 EMBEDDED = REPO_ROOT / "data" / "embedded"
 
@@ -108,11 +110,66 @@ def test_convert_drafter_writes_once_in_vllms_layout(tmp_path):
 
 def test_contender_strings():
     assert parse_contender("policy=static policy.gamma=3") is None
-    assert parse_contender("engine=vllm") == {"k": None}
-    assert parse_contender("engine=vllm spec.k=3") == {"k": 3}
-    for bad in ("engine=sglang", "engine=vllm spec.k=0", "engine=vllm spec.k=x", "engine=vllm policy=static"):
-        with pytest.raises(ValueError):
+    assert parse_contender("engine=vllm") == {"k": None, "method": None}
+    assert parse_contender("engine=vllm spec.k=3") == {"k": 3, "method": "eagle"}  # EAGLE-1, as before
+    assert parse_contender("engine=vllm spec.method=eagle spec.k=2") == {"k": 2, "method": "eagle"}
+    assert parse_contender("engine=vllm spec.method=eagle3 spec.k=6") == {"k": 6, "method": "eagle3"}
+    assert contender_label(None) == "vllm ar" and contender_label(3) == "vllm eagle k=3"
+    assert contender_label(6, "eagle3") == "vllm eagle3 k=6"
+    for bad, why in (("engine=sglang", "engine must be vllm"), ("engine=vllm spec.k=0", "integer >= 1"),
+                     ("engine=vllm spec.k=x", "integer >= 1"), ("engine=vllm policy=static", "takes engine=vllm"),
+                     ("engine=vllm spec.method=medusa spec.k=3", "spec.method must be one of eagle|eagle3"),
+                     ("engine=vllm spec.method=eagle3", "spec.method needs spec.k")):
+        with pytest.raises(ValueError, match=why):
             parse_contender(bad)
+
+
+def _model_cfg(kind: str, drafter):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"drafter_kind": kind, "drafter": str(drafter), "target": str(EMBEDDED / "target")})
+
+
+@pytest.mark.parametrize("spec,kind,why", [
+    ("engine=vllm spec.method=eagle3 spec.k=3", "eagle", "vLLM's EAGLE-3 needs the pair's eagle3 drafter "
+     r"\(model.drafter_kind=eagle3\), and model.drafter_kind is eagle \(model=embedded_eagle3"),
+    ("engine=vllm spec.method=eagle3 spec.k=3", "draft_lm", "model.drafter_kind is draft_lm"),
+    ("engine=vllm spec.k=3", "eagle3", r"vLLM's EAGLE needs .*drafter_kind is eagle3 \(spec.method=eagle3 for"),
+])
+def test_a_method_that_does_not_fit_the_drafter_is_refused_in_one_line(spec, kind, why):
+    """Before any worker or weights: spec.method=eagle3 needs an EAGLE-3 pair, plain spec.k an EAGLE-1 one."""
+    from ldlp.bench.vllm_peer import make_contender
+
+    with pytest.raises(ValueError, match=why) as e:
+        make_contender(parse_contender(spec), _model_cfg(kind, EMBEDDED / "drafter"), [[1, 2, 3]], 8,
+                       {"python": "/nonexistent/python"}, "/nonexistent")
+    assert "\n" not in str(e.value)
+
+
+def test_the_shipped_eagle3_head_is_servable_as_it_is(tmp_path):
+    """vLLM reads the shipped speculators folder unchanged: speculators' layout, no identity d2t (vLLM has
+    nowhere to load it with a full draft vocabulary), a verifier path that names no machine; a folder that
+    breaks either is refused in one line before vLLM starts."""
+    import shutil
+
+    from ldlp.bench.vllm_peer import check_eagle3_head
+
+    head = EMBEDDED / "eagle3"
+    check_eagle3_head(head)
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "data/embedded/target"
+    assert (REPO_ROOT / cfg["speculators_config"]["verifier"]["name_or_path"] / "config.json").exists()
+    with pytest.raises(ValueError, match="not in speculators' layout"):
+        check_eagle3_head(EMBEDDED / "drafter")
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(head, bad)
+    w = load_file(str(bad / "model.safetensors"))
+    w["d2t"] = torch.zeros(cfg["draft_vocab_size"], dtype=torch.long)
+    save_file(w, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="ships d2t with a full draft vocabulary"):
+        check_eagle3_head(bad)
 
 
 def _vllm_python():
@@ -143,6 +200,32 @@ def test_vllm_ar_and_eagle_equal_the_targets_greedy_decoding(tmp_path):
         assert outs == ref, (k, outs, ref)
         assert summ["new_tokens"] == sum(map(len, ref)) and summ["wall_s"] > 0
         assert summ["tau"] == 1.0 if k is None else summ["tau"] >= 1.0
+
+
+@pytest.mark.skipif(_vllm_python() is None, reason="vLLM is not installed (pip install -e '.[vllm]', or set "
+                    "ADAEAGLE_VLLM_PYTHON to a Python that has it: docs/batched.md)")
+def test_vllm_eagle3_serves_the_shipped_head_unchanged_and_equals_greedy(tmp_path):
+    """vLLM's EAGLE-3 on the shipped speculators folder as it is (no conversion: the cache stays empty) gives
+    the target's greedy decoding, and its counters count drafts of k tokens."""
+    from eagle_backbone.loading import load_pair
+    from eagle_backbone.paths import embedded_model_config
+    from ldlp.bench.vllm_peer import VllmRunner
+
+    pair = load_pair(embedded_model_config(dtype="float32"))  # the same target as model=embedded_eagle3
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, pair.target.vocab_size, (n,), generator=g).tolist() for n in (6, 13, 9)]
+    ref = [pair.target.reference_greedy(p, 16) for p in prompts]
+    runner = VllmRunner(3, EMBEDDED / "target", EMBEDDED / "eagle3", tmp_path / "drafters", python=_vllm_python(),
+                        max_model_len=64, log_dir=tmp_path, method="eagle3")
+    assert runner.base["drafter"] == str((EMBEDDED / "eagle3").resolve()) and not (tmp_path / "drafters").exists()
+    try:
+        outs, summ = runner.run(prompts, 2, 16, [0, 1, 2], None, pair.target.eos_token_ids)
+    finally:
+        runner.close()
+    assert outs == ref, (outs, ref)
+    assert summ["new_tokens"] == sum(map(len, ref)) and summ["tau"] >= 1.0
+    assert summ["drafted_tokens"] == pytest.approx(3 * (summ["new_tokens"] / summ["tau"] - len(prompts)))
+    assert (tmp_path / "vllm_worker_eagle3_k3.log").exists()
 
 
 class _FakePeer:

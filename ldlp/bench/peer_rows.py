@@ -1,7 +1,7 @@
 """Peer engines in the batched benchmark: rows of another engine (vLLM, ``ldlp.bench.vllm_peer``) measured on the
 same prompts, budgets, stops and rounds, in turns with this engine's contenders, and the rows of the page's
 section that sets them side by side (issue 22; ``ldlp.report.load_sweep`` writes it): per C, vLLM's AR and its
-best EAGLE k against this engine's batched AR and best static γ, as paired ratios of tokens/s (this engine / the
+best EAGLE (or EAGLE-3) k against this engine's batched AR and best static γ, as paired ratios of tokens/s (this engine / the
 peer) over the (round, block) workloads both ran.
 
 A peer contender carries a ``runner`` (:class:`~ldlp.bench.load_sweep.Contender`) whose

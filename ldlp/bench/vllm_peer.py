@@ -1,6 +1,7 @@
 """vLLM as a peer in the batched benchmark (``scripts/bench_batch.py contenders=[..., "engine=vllm",
-"engine=vllm spec.k=3"]``, issue 22): vLLM's own AR and its own EAGLE speculative decoding with this
-project's drafter, on the same target, prompts (the project's token ids), budgets, stop tokens and rounds.
+"engine=vllm spec.k=3", "engine=vllm spec.method=eagle3 spec.k=3"]``, issues 22 and 33): vLLM's own AR and
+its own EAGLE (EAGLE-1) or EAGLE-3 speculative decoding with this project's drafter, on the same target,
+prompts (the project's token ids), budgets, stop tokens and rounds.
 
 vLLM never runs in the benchmark's process. A worker (:mod:`ldlp.bench.vllm_worker`, standard library and
 vLLM only) runs vLLM's offline ``LLM`` API in a Python of its own, ``vllm.python`` (default: this
@@ -21,6 +22,13 @@ drafter embedding that differs from the target's and shares the target's LM head
 The rest of the layer is the same math (no input norm; post-attention norm, MLP; no final norm), and the
 feature both read is the target's last hidden state after its final norm. :func:`convert_drafter` writes
 the converted folder (float32) under ``<outputs>/vllm_drafters/<hash of the inputs>/`` once and reuses it.
+
+**The EAGLE-3 head** (``spec.method=eagle3``, ``model.drafter_kind=eagle3``) needs no conversion: vLLM reads
+speculators' layout itself (``SpeculatorsConfig``: ``transformer_layer_config`` becomes its
+``Eagle3LlamaForCausalLM`` config, ``eagle_aux_hidden_state_layer_ids`` the target layers whose entering
+states it fuses), so the worker is given the head's folder as it is. :func:`check_eagle3_head` refuses, in
+one line, what vLLM would refuse later: another layout, or an identity ``d2t`` shipped with a full draft
+vocabulary (``Eagle3Drafter.save_pretrained`` no longer writes one).
 """
 
 from __future__ import annotations
@@ -119,28 +127,63 @@ def convert_drafter(drafter_dir: str | Path, target_dir: str | Path, cache_root:
 
 # ---- the worker, from the benchmark's side ---------------------------------------------------------------
 
+METHODS = ("eagle", "eagle3")  # vLLM's speculative method -> the model.drafter_kind it serves (the same name)
+
+
 def parse_contender(spec: str) -> dict | None:
-    """``"engine=vllm"`` -> {"k": None}; ``"engine=vllm spec.k=3"`` -> {"k": 3}; None for any other contender
-    (a policy string). A ValueError for an engine other than vllm or a bad k."""
+    """``"engine=vllm"`` -> {"k": None, "method": None}; ``"engine=vllm spec.k=3"`` -> {"k": 3, "method":
+    "eagle"}; ``"engine=vllm spec.method=eagle3 spec.k=3"`` -> {"k": 3, "method": "eagle3"}; None for any other
+    contender (a policy string). A ValueError for an engine other than vllm, a bad k or method, or a method
+    without k."""
     words = str(spec).split()
     kv = dict(w.split("=", 1) for w in words if "=" in w)
     if "engine" not in kv:
         return None
     if kv["engine"] != "vllm":
         raise ValueError(f"contender {spec!r}: engine must be vllm (the only peer engine), got {kv['engine']!r}")
-    unknown = sorted(set(kv) - {"engine", "spec.k"})
+    unknown = sorted(set(kv) - {"engine", "spec.k", "spec.method"})
     if unknown or len(kv) != len(words):
-        raise ValueError(f"contender {spec!r}: takes engine=vllm and optionally spec.k=K, not {unknown or words}")
+        raise ValueError(f"contender {spec!r}: takes engine=vllm and optionally spec.k=K and spec.method="
+                         f"{'|'.join(METHODS)}, not {unknown or words}")
     k = kv.get("spec.k")
     if k is not None:
         if not k.isdigit() or int(k) < 1:
             raise ValueError(f"contender {spec!r}: spec.k must be an integer >= 1, got {k!r}")
         k = int(k)
-    return {"k": k}
+    method = kv.get("spec.method")
+    if method is not None and method not in METHODS:
+        raise ValueError(f"contender {spec!r}: spec.method must be one of {'|'.join(METHODS)}, got {method!r}")
+    if method is not None and k is None:
+        raise ValueError(f"contender {spec!r}: spec.method needs spec.k=K (the drafted tokens per step)")
+    return {"k": k, "method": None if k is None else (method or "eagle")}
 
 
-def contender_label(k: int | None) -> str:
-    return "vllm ar" if k is None else f"vllm eagle k={k}"
+def contender_label(k: int | None, method: str | None = "eagle") -> str:
+    return "vllm ar" if k is None else f"vllm {method or 'eagle'} k={k}"
+
+
+def check_eagle3_head(folder: str | Path) -> None:
+    """Raise a one-line ValueError unless vLLM can serve the EAGLE-3 head at ``folder`` as it is: speculators'
+    layout (``speculators_model_type: eagle3``) and, with a full draft vocabulary, no ``d2t`` in the weights
+    (vLLM's model then has no map to load it into and stops)."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise ValueError(f"vLLM EAGLE-3: {folder} has no config.json")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"vLLM EAGLE-3: {cfg_path} is not in speculators' layout (speculators_model_type "
+                         f"{cfg.get('speculators_model_type')!r}); write it with Eagle3Drafter.save_pretrained("
+                         "layout='speculators') (docs/eagle3.md)")
+    vocab = (cfg.get("transformer_layer_config") or {}).get("vocab_size")
+    if cfg.get("draft_vocab_size") in (None, vocab) and (folder / "model.safetensors").exists():
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            if "d2t" in f.keys():
+                raise ValueError(f"vLLM EAGLE-3: {folder / 'model.safetensors'} ships d2t with a full draft "
+                                 "vocabulary, which vLLM refuses; rewrite it with Eagle3Drafter.save_pretrained "
+                                 "(it leaves the identity map out)")
 
 
 class VllmWorker:
@@ -206,15 +249,21 @@ class VllmRunner:
 
     def __init__(self, k: int | None, target_dir: str | Path, drafter_dir: str | Path | None, cache_root: str | Path,
                  python: str | None = None, threads: int = 1, dtype: str = "float32", seed: int = 0,
-                 max_model_len: int = 2048, log_dir: str | Path | None = None, log=print):
+                 max_model_len: int = 2048, log_dir: str | Path | None = None, log=print, method: str = "eagle"):
+        if method not in METHODS:
+            raise ValueError(f"vLLM speculative method must be one of {METHODS}, got {method!r}")
         if k is not None and drafter_dir is None:
-            raise ValueError("vLLM's EAGLE needs the pair's EAGLE drafter (model.drafter_kind=eagle)")
-        self.k, self.python, self.log_fn = k, python or sys.executable, log
+            raise ValueError(f"vLLM's {method} needs the pair's {method} drafter (model.drafter_kind={method})")
+        self.k, self.method, self.python, self.log_fn = k, method, python or sys.executable, log
         self.base = {"target": str(Path(target_dir).resolve()), "dtype": dtype, "threads": int(threads),
                      "seed": int(seed), "max_model_len": int(max_model_len), "k": k}
-        if k is not None:
-            self.base["drafter"] = str(convert_drafter(drafter_dir, target_dir, cache_root).resolve())
-        self.log_path = Path(log_dir) / f"vllm_worker_{'ar' if k is None else f'k{k}'}.log" if log_dir else None
+        if k is not None and method == "eagle3":  # speculators' folder, read by vLLM as it is
+            check_eagle3_head(drafter_dir)
+            self.base.update(drafter=str(Path(drafter_dir).resolve()), method="eagle3")
+        elif k is not None:
+            self.base.update(drafter=str(convert_drafter(drafter_dir, target_dir, cache_root).resolve()), method="eagle")
+        tag = "ar" if k is None else (f"k{k}" if method == "eagle" else f"{method}_k{k}")
+        self.log_path = Path(log_dir) / f"vllm_worker_{tag}.log" if log_dir else None
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.worker: VllmWorker | None = None
@@ -234,7 +283,7 @@ class VllmRunner:
         self.worker = VllmWorker(self.python, {**self.base, "max_num_seqs": int(C), "kv_cache_bytes": kv},
                                  self.log_path)
         self.C, self.info = C, self.worker.ready
-        self.log_fn(f"{contender_label(self.k)}: vLLM {self.info.get('vllm')} worker for C={C} ready in "
+        self.log_fn(f"{contender_label(self.k, self.method)}: vLLM {self.info.get('vllm')} worker for C={C} ready in "
                     f"{time.perf_counter() - t0:.0f} s ({self.info.get('torch_threads')} torch thread(s))")
 
     def warm_up(self, prompts: list[list[int]], C: int, max_new_tokens: int, stop_ids) -> None:
@@ -296,16 +345,24 @@ def _p90(xs: list[float]) -> float:
 
 def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_tokens: int, vllm_cfg, outputs: str | Path,
                    threads: int = 1, seed: int = 0, log=print):
-    """The batched benchmark's contender for ``parse_contender``'s ``spec``: label ``vllm ar`` or ``vllm eagle
-    k=K``, policy ``vllm``, gamma 0 or K, and a :class:`VllmRunner` on the pair's target (and its EAGLE drafter,
-    converted under ``outputs/vllm_peer/drafters``; worker logs in ``outputs/vllm_peer/logs``).
-    ``vllm_cfg``: ``python`` (None: this interpreter), ``dtype`` (float32)."""
+    """The batched benchmark's contender for ``parse_contender``'s ``spec``: label ``vllm ar``, ``vllm eagle
+    k=K`` or ``vllm eagle3 k=K``, policy ``vllm``, gamma 0 or K, and a :class:`VllmRunner` on the pair's target
+    (and its drafter: EAGLE-1's converted under ``outputs/vllm_peer/drafters``, EAGLE-3's speculators folder as
+    it is; worker logs in ``outputs/vllm_peer/logs``). ``vllm_cfg``: ``python`` (None: this interpreter),
+    ``dtype`` (float32). Refuses, in one line and before anything loads, a method that does not match
+    ``model.drafter_kind`` (``spec.method=eagle3`` needs ``eagle3``, plain ``spec.k`` needs ``eagle``)."""
     from ldlp.bench.load_sweep import Contender
 
-    k = spec["k"]
-    if k is not None and str(model_cfg.get("drafter_kind", "eagle")) != "eagle":
-        raise ValueError(f"engine=vllm spec.k={k}: vLLM's EAGLE needs the pair's EAGLE drafter, and "
-                         f"model.drafter_kind is {model_cfg.get('drafter_kind')}")
+    k, method = spec["k"], spec.get("method") or "eagle"
+    kind = str(model_cfg.get("drafter_kind", "eagle"))
+    if k is not None and kind != method:
+        what = "spec.k" if method == "eagle" else f"spec.method={method} spec.k"
+        raise ValueError(f"engine=vllm {what}={k}: vLLM's {'EAGLE' if method == 'eagle' else 'EAGLE-3'} needs the "
+                         f"pair's {method} drafter (model.drafter_kind={method}), and model.drafter_kind is {kind}"
+                         + (" (model=embedded_eagle3 for the embedded pair)" if method == "eagle3" else
+                            " (spec.method=eagle3 for an EAGLE-3 head)" if kind == "eagle3" else ""))
+    if k is not None and method == "eagle3":
+        check_eagle3_head(model_cfg.drafter)
     python = (vllm_cfg or {}).get("python") or sys.executable
     if not vllm_available(python):
         raise ValueError(f"engine=vllm: {python} cannot import vllm; install it (pip install -e '.[vllm]') or "
@@ -315,5 +372,5 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
     root = Path(outputs) / "vllm_peer"
     runner = VllmRunner(k, model_cfg.target, model_cfg.drafter if k is not None else None, root / "drafters",
                         python=python, threads=threads, dtype=str((vllm_cfg or {}).get("dtype") or "float32"),
-                        seed=seed, max_model_len=max_len, log_dir=root / "logs", log=log)
-    return Contender(contender_label(k), "vllm", 0 if k is None else k, None, runner)
+                        seed=seed, max_model_len=max_len, log_dir=root / "logs", log=log, method=method)
+    return Contender(contender_label(k, method), "vllm", 0 if k is None else k, None, runner)

@@ -2,8 +2,9 @@
 Python that has vLLM (``python -I ldlp/bench/vllm_worker.py``), one process per (contender, C).
 
 JSON lines on stdin/stdout (vLLM's own logging goes to stderr). The first line is the settings:
-``{"target", "drafter" (the converted EAGLE-1 folder, with "k"), "k", "max_num_seqs", "max_model_len",
-"dtype", "threads", "seed"}``; the answer is ``{"ready": true, "vllm": version, "load_s"}``. Then:
+``{"target", "drafter" (with "k": the converted EAGLE-1 folder, or the EAGLE-3 head's speculators folder as
+it is), "method" ("eagle" or "eagle3", with "k"), "k", "max_num_seqs", "max_model_len", "dtype", "threads",
+"seed"}``; the answer is ``{"ready": true, "vllm": version, "load_s"}``. Then:
 
 * ``{"cmd": "generate", "prompts": [[ids]], "max_new_tokens", "stop_token_ids", "temperature", "top_k",
   "top_p", "seeds"}`` -> ``{"outputs": [[ids]], "wall_s", "cpu_s", "num_drafts", "num_draft_tokens",
@@ -51,7 +52,7 @@ def _build(s: dict):
                   # an explicit KV cache: vLLM's CPU default reserves a fraction of the machine's memory
                   kv_cache_memory_bytes=int(s.get("kv_cache_bytes", 512 << 20)))
     if s.get("k"):
-        kwargs["speculative_config"] = {"method": "eagle", "model": s["drafter"],
+        kwargs["speculative_config"] = {"method": s.get("method") or "eagle", "model": s["drafter"],
                                         "num_speculative_tokens": int(s["k"])}
     return LLM(**kwargs)
 

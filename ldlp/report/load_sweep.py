@@ -197,7 +197,7 @@ def _peer_lines(result: dict, rows: list[dict]) -> list[str]:
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in table:
         ok = "–" if p["lossless"] is None else ("yes" if p["lossless"] else "**no**")
-        k = f" k={p['peer_best']['gamma']}" if p["peer_best"] else ""
+        k = f" {p['peer_best']['contender'].removeprefix('vllm ')}" if p["peer_best"] else ""  # e.g. "eagle3 k=3"
         g = f" γ={p['best_static']['gamma']}" if p["best_static"] else ""
         lines.append(f"| {p['concurrency']} | {fmt(p['peer_ar'])} | {fmt(p['peer_best'], k)} | {fmt(p['ar'])} | "
                      f"{fmt(p['best_static'], g)} | {cell(p['ratio_ar'])} | {cell(p['ratio_speculative'])} | {ok} |")
