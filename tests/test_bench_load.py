@@ -25,7 +25,6 @@ from ldlp.bench.load_sweep import (
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
-from eagle_backbone.sampling import SamplingConfig
 from ldlp.bench.stats import paired_ratio
 from ldlp.policies.threshold import HeuristicPolicy
 from ldlp.policies.oracles import OraclePolicy
@@ -233,9 +232,7 @@ def test_oracle_in_a_batch_is_lossless_and_matches_its_batch1_counts(t32, eagle3
     want_tokens = sum(len(t32.reference_greedy(p, 12)) for p in prompts)
     batch1 = []
     for p in prompts:
-        pol = OraclePolicy(4)
-        pol.bind(t32, cand, 12, SamplingConfig())
-        batch1.append(SpeculativeDecoder(t32, cand, pol).generate(p, 12).stats)
+        batch1.append(SpeculativeDecoder(t32, cand, OraclePolicy(4)).generate(p, 12).stats)
     tau1 = sum(s.new_tokens for s in batch1) / sum(s.target_forwards for s in batch1)
     oracle = [r for r in result["rows"] if r["policy"] == "oracle"]
     assert [r["concurrency"] for r in oracle] == [1, 3, 6]
@@ -396,7 +393,7 @@ def test_a_batch_level_policy_runs_in_the_sweep(t32, eagle32):
         name = "half_cap"
         engines = 0
 
-        def bind_engine(self, engine):
+        def bind(self, engine):
             HalfCap.engines += 1
 
         def plan(self, rows):

@@ -44,7 +44,6 @@ import torch
 from eagle_backbone.cost import table_record
 from eagle_backbone.engine import BatchedSpeculativeEngine
 from eagle_backbone.errors import ConfigError
-from eagle_backbone.policy import DraftPolicy, Rows
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
 from ldlp.bench.load_aggregate import aggregate_runs
@@ -85,75 +84,23 @@ def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
     return [list(range(b, n, k)) for b in range(k)]
 
 
-# -- the oracle replay: the one place that asks a policy whether it replays the engine ------------------------
+# -- the oracles: policies that know what the target accepts --------------------------------------------------
 
 
 def replayed_labels(contenders: list[Contender]) -> set[str]:
-    """The contenders whose policy replays the engine with one slot in ``begin`` (the oracles: a policy with
-    ``bind(target, candidates, ...)``); the sweep prepares them before the clocks start (:func:`_prepare_bound`)
-    and runs them at T=0 only."""
-    probes = {c.label: c.make() for c in contenders if c.make is not None}
-    return {k for k, p in probes.items() if hasattr(p, "bind")}
+    """The contenders whose policy is ``greedy_only`` (the oracles: they replay the engine with one slot in
+    ``begin`` to know what the target accepts); the sweep warms their replays before the clocks start
+    (:func:`_warm_replays`) and runs them at T=0 only."""
+    return {c.label for c in contenders if c.make is not None and c.make().greedy_only}
 
 
-class _ReplayedOracle(DraftPolicy):
-    """A bound policy (the oracle) whose ``begin`` replays the engine with one slot: the replays run once per
-    prompt before any clock starts (:func:`_prepare_bound`), and each slot only looks its prompt up, as the
-    batch-1 evaluation leaves the replay out of the timing.
-
-    ``planner``: a fresh instance of the contender's policy that turns the rows' looked-up accepted lengths into
-    the step's γ (its ``plan_lengths(rows, lengths)``: the batched oracle, ``policy=oracle_budget``, spends them by
-    its cost table); it is bound to each engine and observes its steps. None: γ = the accepted length (the
-    chain oracle)."""
-
-    name = "oracle"
-
-    def __init__(self, done: dict, make: Callable, planner: DraftPolicy | None = None):
-        self.done, self.make, self.by_slot, self.planner = done, make, {}, planner
-        if planner is not None:
-            self.name = planner.name
-
-    @property
-    def costs(self):
-        """The planner's cost table (what :func:`~eagle_backbone.cost.table_record` reports), if any."""
-        return getattr(self.planner, "costs", None)
-
-    def bind_engine(self, engine) -> None:
-        if self.planner is not None:
-            self.planner.bind_engine(engine)
-
-    def begin(self, slot: int, prompt_ids) -> None:
-        key = tuple(prompt_ids)
-        if key not in self.done:  # a prompt not prepared (e.g. a warm-up's shorter budget): replay it now
-            self.done[key] = self.make(prompt_ids)
-        self.by_slot[slot] = self.done[key]
-
-    def plan(self, rows: Rows) -> list[int]:
-        lengths = [self.by_slot[b].drafts_at(0, p) for b, p in zip(rows.slots, rows.positions)]
-        return lengths if self.planner is None else self.planner.plan_lengths(rows, lengths)
-
-    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra=None) -> None:
-        if self.planner is not None:
-            self.planner.observe(rows, drafted, accepted, extra)
-
-
-def _prepare_bound(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
-    """A contender whose policy needs ``bind`` (the oracles): bind one instance per prompt to the candidate
-    generator and run its ``begin`` now; the slots' policies share the results. A policy with
-    ``plan_lengths`` (the batched oracle) also plans each engine's steps from them (:class:`_ReplayedOracle`)."""
-    def one(prompt):
-        pol = c.make()
-        pol.bind(target, candidates, max_new_tokens, sampling)
-        pol.begin(0, prompt)  # its counts for this prompt, kept under slot 0
-        return pol
-
-    done = {}
+def _warm_replays(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
+    """Run an oracle's ``begin`` on every prompt once, untimed, with a one-slot engine: its replays are shared by
+    every instance (:class:`~ldlp.policies.oracles.KnownAcceptance`), so the engines' slots only look them up."""
+    engine = BatchedSpeculativeEngine(target, candidates, slots=1, policy=c.make(), sampling=sampling)
     for p in prompts:
-        if tuple(p) not in done:
-            done[tuple(p)] = one(p)
-    plans = hasattr(next(iter(done.values())), "plan_lengths")
-    return Contender(c.label, c.policy, c.gamma,
-                     lambda: _ReplayedOracle(done, one, c.make() if plans else None))
+        engine.policy.begin(0, p, max_new_tokens)
+    return c
 
 
 def _is_int(x) -> bool:
@@ -287,7 +234,7 @@ class _Run:
             self.log(f"skipping {c.label}: its policy replays speculative decoding and no candidate generator was given")
             return None
         self.log(f"{c.label}: replaying the engine with one slot on {len(self.prompts)} prompts (untimed)")
-        return _prepare_bound(c, self.target, self.candidates, self.prompts, self.max_new_tokens, samp)
+        return _warm_replays(c, self.target, self.candidates, self.prompts, self.max_new_tokens, samp)
 
     # -- the timed runs --
 
@@ -330,7 +277,7 @@ class _Run:
         self.records.extend(eng.step_log)
         summ["policy_s"] = eng.policy_s  # the policy's own seconds in the run
         summ.update(step_counters(res.outputs, eng.steps))
-        used = table_record(eng.policy)
+        used = table_record(eng.policy.pricing)
         if used is not None and c.label not in self.cost_tables:
             self.cost_tables[c.label] = used
         if self.categories is not None:
