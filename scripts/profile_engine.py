@@ -24,7 +24,8 @@ def main(cfg: DictConfig) -> None:
     start(cfg)
     out = Path(cfg.out_dir)
     pair = load_pair_cached(cfg.model)
-    join = {f"prompt_len={n}": prefill_join_cost(pair.target, prompt_len=int(n)) for n in cfg.prompt_lens}
+    join = {f"prompt_len={n}": prefill_join_cost(pair.target, tuple(cfg.join_concurrency), prompt_len=int(n))
+            for n in cfg.prompt_lens}
     atomic_write_json(out / "prefill_join.json", join)
     for n, rows in join.items():
         for r in rows:

@@ -413,11 +413,10 @@ def test_prefill_modes_and_profile(t32, eagle32, prefill):
 
 
 def test_sweep_groups_by_category(t32, eagle32):
-    """Per-category counters of a batched sweep sum back to the run's totals, and the table has one row per
+    """Per-category counters of a batched sweep sum back to the run's totals, and the page's table has one row per
     (contender, C) with a column per category."""
-    from conftest import table_rows
-
-    from ldlp.bench.load_sweep import Contender, markdown, sweep
+    from ldlp.bench.load_aggregate import category_table
+    from ldlp.bench.load_sweep import Contender, sweep
 
     prompts = prompts_of((5, 9, 3, 11, 6, 2))
     categories = ["writing", "coding", "writing", None, "coding", "writing"]  # None: left out of the grouping
@@ -434,10 +433,10 @@ def test_sweep_groups_by_category(t32, eagle32):
         assert sum(v["new_tokens"] for v in by.values()) == run["new_tokens"] - len(ar(t32, [prompts[3]], 8)[0])
         assert all(v["tau"] >= 1.0 for v in by.values())
     assert {r["by_category"]["writing"]["tau"] for r in result["rows"] if r["policy"] == "ar"} == {1.0}
-    md = markdown(result)
-    assert "writing (3)" in md and "coding (2)" in md
-    section = md.split("Per prompt category")[1].split("\n## ")[0]  # up to the next section
-    assert table_rows(section) == [r["contender"] for r in result["rows"]]
+    table = category_table(result["rows"])
+    assert table["categories"] == {"writing": 3, "coding": 2}
+    assert [(r["contender"], r["concurrency"]) for r in table["rows"]] == \
+        [(r["contender"], r["concurrency"]) for r in result["rows"]]
     with pytest.raises(ValueError, match="categories for"):
         sweep(t32, cand, prompts, contenders, [1], 8, rounds=1, categories=["x"])
 

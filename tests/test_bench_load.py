@@ -9,25 +9,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import table_rows
-
-from ldlp.bench.load_sweep import (
+from ldlp.bench.load_aggregate import (
     BASELINES,
     ROW_KEYS,
-    Contender,
-    markdown,
-    plot_ratios,
-    plot_tokens_per_s,
-    split_blocks,
-    sweep,
-    write,
+    greedy_identity,
+    ratio_rows,
+    rows_at,
+    step_rows,
+    temperatures_of,
 )
+from ldlp.bench.load_sweep import Contender, split_blocks, sweep
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
 from ldlp.bench.stats import paired_ratio
 from ldlp.policies.threshold import HeuristicPolicy
 from ldlp.policies.oracles import OraclePolicy
+from ldlp.report.load_sweep import plot_ratios, plot_tokens_per_s, write
 
 torch.set_num_threads(1)
 
@@ -140,18 +138,15 @@ def test_sweep_over_concurrency_and_temperature(t32, eagle32, tmp_path):
     counters = lambda res: sorted((r["contender"], r["concurrency"], r["temperature"], r["new_tokens"], r["tau"])
                                   for r in res["rows"])
     assert counters(again) == counters(result)
-    # the Markdown has a section per temperature with the baseline table; the plots draw
-    md = markdown(result)
-    assert "## Temperature 0 (greedy)" in md and "## Temperature 1" in md and "Skipped oracle at T=1" in md
-    section = md.split("## Temperature 1")[1].split("Paired ratios")[1]
-    assert table_rows(section.split("\n\n")[1]) == ["heuristic"] * 3
+    # the page's rows: a section per temperature, the paired-ratio table at T=1 without the oracle; the plots draw
+    assert temperatures_of(rows) == [0.0, 1.0]
+    assert [(r["contender"], r["concurrency"]) for r in ratio_rows(rows_at(rows, 1.0))] == [("heuristic", C) for C in (1, 2, 4)]
     out = write(result, tmp_path)
     assert (out / "batch_bench.png").is_file() and (out / "batch_bench_ratio.png").is_file()
     saved = json.loads((out / "batch_bench.json").read_text())
     assert {tuple(sorted(r["vs"])) for r in saved if r["vs"]} >= {tuple(sorted(BASELINES))}
     # one engine: one row per (contender, C, T), no engine column, no batch-1 loop comparison
     assert len(saved) == len(cells) and "engine" not in ROW_KEYS and not any("engine" in r for r in saved)
-    assert "batch-1 loop" not in md and "batch-1 engine" not in md
     runs = json.loads((out / "batch_bench_runs.json").read_text())
     assert set(runs["findings"]) == {"0.0", "1.0"} and runs["findings"]["0.0"]["baselines"]
     assert not any("batch1_parity" in f for f in runs["findings"].values())
@@ -159,14 +154,13 @@ def test_sweep_over_concurrency_and_temperature(t32, eagle32, tmp_path):
 
 
 def test_one_temperature_stays_as_before(t32, eagle32, tmp_path):
-    """No temperatures given: the generation's temperature alone, one block, no section headers; the
-    single-temperature plot still draws; no adaptive contender: no ratio plot."""
+    """No temperatures given: the generation's temperature alone, one block; the single-temperature plot still
+    draws; no adaptive contender: no ratio plot."""
     prompts = prompts_of(4)
     cs = contenders()[:3]
     cand = EagleCandidateGenerator(eagle32, t32)
     result = sweep(t32, cand, prompts, cs, [1, 2], 6, rounds=1, log=lambda _: None)
-    assert {r["temperature"] for r in result["rows"]} == {0.0} and {r["blocks"] for r in result["rows"]} == {1}
-    assert "## Temperature" not in markdown(result)
+    assert temperatures_of(result["rows"]) == [0.0] and {r["blocks"] for r in result["rows"]} == {1}
     assert plot_tokens_per_s(result, tmp_path / "p.png").is_file()
     assert plot_ratios(result, tmp_path / "r.png") is None
     with pytest.raises(ValueError, match="blocks"):
@@ -178,7 +172,7 @@ def test_one_temperature_stays_as_before(t32, eagle32, tmp_path):
 def test_step_metrics_from_the_timed_runs_and_a_profiled_pass_after_them(t32, eagle32, tmp_path):
     """Scored tokens per step come from the timed runs' counters (AR scores one token a row-step, static γ at most
     γ + 1); with profile_steps one untimed profiled pass per (contender, C, T) on the first block, after every timed
-    run, gives verify and draft ms per step; the page has their columns and the JSON their keys (new keys only)."""
+    run, gives verify and draft ms per step; the page's step table has every row and the JSON their keys."""
     prompts = prompts_of(6, seed=3)
     cs = contenders()[:3] + [contenders()[-1]]
     logs = []
@@ -205,8 +199,9 @@ def test_step_metrics_from_the_timed_runs_and_a_profiled_pass_after_them(t32, ea
     first_profiled = next(i for i, line in enumerate(logs) if line.startswith("profiled"))
     assert not any(line.startswith("round") for line in logs[first_profiled:])
     assert len(result["profiles"]) == len(cs) * 2 and len(result["runs"]) == len(cs) * (2 + 2)
-    md = markdown(result)
-    assert "| contender | C | tokens/s | τ | scored / step | scored / row-step | rows / step | verify ms / step" in md
+    order = [c.label for c in cs]
+    assert [(r["contender"], r["concurrency"]) for r in step_rows(result["rows"])] == \
+        sorted(rows, key=lambda k: (order.index(k[0]), k[1]))
     out = write(result, tmp_path)
     saved = json.loads((out / "batch_bench.json").read_text())
     assert all(r["verify_ms_per_step"] is not None and r["scored_per_step"] for r in saved)
@@ -215,7 +210,7 @@ def test_step_metrics_from_the_timed_runs_and_a_profiled_pass_after_them(t32, ea
     plain = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts, cs[:2], [2], 6, rounds=1, log=lambda _: None,
                   bootstrap=10)
     assert plain["profiles"] == [] and all(r["verify_ms_per_step"] is None and r["scored_per_step"] for r in plain["rows"])
-    assert "(profile_steps=true; not run)" in markdown(plain)
+    assert len(step_rows(plain["rows"])) == 2 and not any(r["profile"] for r in step_rows(plain["rows"]))
 
 
 # ---- the oracle in a batch -----------------------------------------------------------------------------------
@@ -268,7 +263,8 @@ def test_greedy_reference_is_the_targets_own_decoding(t32, eagle32, monkeypatch)
         sorted((c.label, C, False, 2) for C in (1, 3) for c in cs)
     assert sorted((d["contender"], d["concurrency"], d["prompt"], d["position"]) for d in result["differences"]) == \
         sorted((c.label, C, 1, 2) for C in (1, 3) for c in cs)
-    assert "own greedy output from the target" in markdown(result)
+    identity = greedy_identity(result["rows"], result["differences"])
+    assert (identity["identical"], identity["sequences"], identity["lossy_rows"], identity["differing"]) == (8, 12, 4, 4)
 
 
 def test_sweep_runs_a_custom_candidate_generator(t32, eagle32):
@@ -299,7 +295,9 @@ def test_sweep_runs_a_custom_candidate_generator(t32, eagle32):
 
 def test_bench_batch_script_sweeps_c_by_t(tmp_path):
     """scripts/bench_batch.py on a tiny float32 pair: temperatures and blocks from the command line, a row per
-    (C, T, contender) with its baselines, the oracle at T=0 only; bad settings fail in one line before loading."""
+    (C, T, contender) with its baselines, the oracle at T=0 only; bad settings fail in one line before loading.
+    The one test that renders the load sweep's page (its headline sections; the tables' rows are checked on
+    ldlp.bench.load_aggregate's rows), and renders it again from the JSON (render_only=true)."""
     import subprocess
     import sys
 
@@ -328,22 +326,32 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
     heur = [r for r in rows if r["contender"] == "heuristic"]
     assert all({"ar", "best_static", "batch1_static"} <= set(r["vs"]) for r in heur)
     assert all("oracle" in r["vs"] for r in heur if r["temperature"] == 0)
-    assert (out / "batch_bench_ratio.png").is_file() and "## Temperature 1" in (out / "batch_bench.md").read_text()
+    assert (out / "batch_bench_ratio.png").is_file()
     # profile_steps (on by default): verify and draft ms per step from the untimed profiled pass
     assert all(r["verify_ms_per_step"] is not None and r["scored_per_row_step"] >= 1 for r in rows)
-    assert "verify ms / step" in (out / "batch_bench.md").read_text()
     # a checkpoint this clone has not trained: skipped, and said so in the JSON and on the page
     runs = json.loads((out / "batch_bench_runs.json").read_text())
     assert {s["contender"] for s in runs["skipped"]} >= {f"policy=ldlp policy.path={tmp_path / 'no_ldlp'}"}
-    assert runs["complete"] is True and "Skipped policy=ldlp" in (out / "batch_bench.md").read_text()
+    assert runs["complete"] is True
+    page = (out / "batch_bench.md").read_text()
+    for headline in ("Status: complete", "Skipped policy=ldlp", "## Temperature 0 (greedy)", "## Temperature 1",
+                     "Paired ratios", "Per engine step", "Greedy identity", "## Step costs"):
+        assert headline in page, headline
     assert res.stdout.strip().splitlines()[-1].endswith("batch_bench.png, batch_bench_ratio.png, step_costs.json, "
                                                          "step_costs.png")
     # the online step-cost model's accuracy per (contender, C, T), and the costs measured in hindsight
     acc = {(r["contender"], r["concurrency"], r["temperature"]) for r in runs["step_costs"]}
     assert ("static γ=2", 2, 0.0) in acc and ("ar", 1, 1.0) in acc
-    assert "## Step costs: the online model against the measured steps" in (out / "batch_bench.md").read_text()
     from eagle_backbone.step_cost import OnlineCostModel
     assert OnlineCostModel.load(out / "step_costs.json").seen > 0
+    # the page again from the folder's JSON (what render_only=true runs): the same page, the JSON untouched
+    from ldlp.report.load_sweep import render
+
+    (out / "batch_bench.md").unlink()
+    json_before = {f: (out / f).read_bytes() for f in ("batch_bench.json", "batch_bench_runs.json", "step_costs.json")}
+    render(out)
+    assert (out / "batch_bench.md").read_text() == page
+    assert {f: (out / f).read_bytes() for f in json_before} == json_before
     bad = subprocess.run(cmd[:-1] + ["blocks=0"], check=False, cwd=repo, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "blocks must be an integer >= 1" in bad.stderr + bad.stdout
 
@@ -472,7 +480,7 @@ def test_sweep_settings_are_checked_raw_before_anything_runs():
 
 
 def test_a_stopped_sweep_says_so_and_a_reused_folder_keeps_no_older_file(t32, eagle32, tmp_path):
-    from ldlp.bench.load_sweep import written
+    from ldlp.report.load_sweep import written
 
     out = tmp_path / "out"
     out.mkdir()
@@ -494,13 +502,11 @@ def test_a_stopped_sweep_says_so_and_a_reused_folder_keeps_no_older_file(t32, ea
     runs = json.loads((out / "batch_bench_runs.json").read_text())
     assert rows and all(r["complete"] is False for r in rows)
     assert runs["complete"] is False and runs["rounds_done"] == 0.5 and runs["rounds"] == 1
-    assert "Status: **incomplete**: 0.50 of 1 rounds done" in (out / "batch_bench.md").read_text()
     # the finished run
     assert result["complete"] is True and result["rounds_done"] == 1
     write(result, out, {"model": "tiny"})
     assert {"batch_bench.png", "batch_bench.md"} <= set(written(out))
     assert json.loads((out / "batch_bench_runs.json").read_text())["complete"] is True
-    assert (out / "batch_bench.md").read_text().splitlines()[2] == "Status: complete (1 of 1 rounds)."
     assert (out / "batch_bench.png").read_bytes() != b"an older run's plot"
 
 
@@ -631,13 +637,12 @@ def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, 
     write(result, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "batch_bench_runs.json").read_text())["cost_tables"]["load_aware"]["path"] \
         == table.meta["path"]
-    assert f"Cost table of load_aware: {table.meta['path']}" in (tmp_path / "out" / "batch_bench.md").read_text()
 
 
 def test_each_adaptive_contender_states_its_share_of_the_batched_oracles_headroom():
     """(contender − best static γ) / (oracle_budget − best static γ) at each C where the batched oracle gains;
     static γ, AR and the oracles themselves get none."""
-    from ldlp.bench.load_sweep import _findings_lines, findings
+    from ldlp.bench.load_aggregate import findings
 
     def row(contender, policy, gamma, C, tps):
         return {"contender": contender, "policy": policy, "gamma": gamma, "concurrency": C, "temperature": 0.0,
@@ -650,15 +655,16 @@ def test_each_adaptive_contender_states_its_share_of_the_batched_oracles_headroo
             row("oracle_budget", "oracle_budget", None, 4, 310.0), row("tree_budget", "tree_budget", None, 4, 330.0)]
     share = findings(rows)["headroom_share"]
     assert share == {"tree_budget": {1: pytest.approx(0.25)}, "load_aware": {1: pytest.approx(-0.25)}}  # C=4: no headroom
-    assert any("tree_budget C=1: +25%" in line for line in _findings_lines(rows, "tokens_per_s", "tokens/s"))
 
 
 def test_the_load_sweep_header_names_its_prompts_and_the_blocks_it_made(tmp_path):
     """bench_batch's results record the prompt file, its SHA-256 and the prompts dropped for length (as evaluate.py's
-    do), and per C the blocks the run made: 4 asked of 16 prompts is 1 block at C=16, not 4."""
+    do), and per C the blocks the run made: 4 asked of 16 prompts is 1 block at C=16, not 4; read back from the
+    folder as the page's header is written from it."""
     import hashlib
 
-    from ldlp.bench.load_sweep import markdown, prompts_meta
+    from ldlp.bench.load_aggregate import read_result
+    from ldlp.bench.load_sweep import prompts_meta
     from ldlp.bench.loaders import PromptSet, prompt_set_info
 
     data = tmp_path / "prompts.json"
@@ -669,5 +675,5 @@ def test_the_load_sweep_header_names_its_prompts_and_the_blocks_it_made(tmp_path
     assert meta["data_path"] == str(data) and meta["data_sha256"] == hashlib.sha256(b"[]").hexdigest()
     assert meta["n_dropped"] == 3 and "max_prompt_tokens=64" in meta["dropped_reason"]
     assert meta["blocks_asked"] == 4 and meta["blocks"] == {1: 4, 4: 4, 16: 1}
-    header = markdown({"rows": [], "skipped": []}, meta)
-    assert "blocks: {1: 4, 4: 4, 16: 1}" in header and str(data) in header
+    write({"rows": [], "runs": [], "skipped": []}, tmp_path / "out", meta)
+    assert read_result(tmp_path / "out")[1] == meta

@@ -247,7 +247,9 @@ class _FakePeer:
 
 
 def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
-    from ldlp.bench.load_sweep import Contender, markdown, sweep
+    from ldlp.bench.load_aggregate import throughput_table
+    from ldlp.bench.load_sweep import Contender, sweep
+    from ldlp.bench.peer_rows import peer_table
     from eagle_backbone.candidates import EagleCandidateGenerator
     from eagle_backbone.policy import StaticPolicy
 
@@ -265,7 +267,12 @@ def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
     assert rows[("vllm ar", 2)]["lossless"] is True and rows[("vllm ar", 2)]["tokens_per_s"] == pytest.approx(200.0)
     assert rows[("vllm eagle k=2", 1)]["lossless"] is False  # checked against the target like every contender
     assert all(not rows[(p, C)].get("vs") for p in ("vllm ar", "vllm eagle k=2") for C in (1, 2))
-    page = markdown(result)
-    assert "Peer engine (vLLM" in page and "| vllm eagle k=2 |" in page
-    line = next(x for x in page.splitlines() if x.startswith("| 2 | 200.0 (τ 1.00)"))
-    assert "k=2" in line and line.endswith("| **no** |")
+    # the page's rows: the peers beside this engine's contenders, and per C the peer section's
+    assert [r["contender"] for r in throughput_table(result["rows"], "tokens_per_s")["rows"]] == [c.label for c in cs]
+    table = peer_table(result, result["rows"])
+    assert [p["concurrency"] for p in table] == [1, 2]
+    at2 = table[1]
+    assert (at2["peer_ar"]["tokens_per_s"], at2["peer_ar"]["tau"]) == (pytest.approx(200.0), 1.0)
+    assert at2["peer_best"]["gamma"] == 2 and at2["lossless"] is False
+    assert at2["ar"]["contender"] == "ar" and at2["best_static"]["contender"] == "static γ=2"
+    assert at2["ratio_ar"]["pairs"] == 2 and at2["ratio_speculative"]["pairs"] == 2

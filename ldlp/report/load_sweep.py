@@ -426,8 +426,8 @@ def written(out_dir: str | Path) -> list[str]:
     return [n for n in OUTPUT_FILES if (Path(out_dir) / n).is_file()]
 
 
-def render(folder: str | Path, with_plot: bool = True) -> Path:
-    """A results folder's page (and with ``with_plot`` its plots) written again from its JSON
-    (:func:`~ldlp.bench.load_aggregate.read_result`), the JSON left as it is: after a change to how they are written."""
+def render(folder: str | Path) -> Path:
+    """A results folder's page and plots written again from its JSON (:func:`~ldlp.bench.load_aggregate.read_result`),
+    the JSON left as it is: after a change to how they are written."""
     result, meta = read_result(folder)
-    return write(result, folder, meta, with_plot=with_plot, with_json=False)
+    return write(result, folder, meta, with_json=False)
