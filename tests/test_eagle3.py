@@ -348,4 +348,4 @@ def test_the_cost_profiler_and_a_load_aware_policy_run_on_an_eagle3_drafter(t3, 
     prompts = prompts_of((5, 9), vocab=V)
     outs = eng.generate(prompts, 10)
     assert [o.tokens for o in outs] == [t3.reference_greedy(p, 10) for p in prompts]
-    assert pol.table is not None and pol.table.key["drafter_kind"] == "eagle3" and eng.cost_model.seen > 0
+    assert pol.pricing.table is not None and pol.pricing.table.key["drafter_kind"] == "eagle3" and eng.cost_model.seen > 0

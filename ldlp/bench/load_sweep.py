@@ -43,6 +43,7 @@ import torch
 
 from eagle_backbone.cost import table_record
 from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.policy import as_draft_policy
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
@@ -91,7 +92,7 @@ def replayed_labels(contenders: list[Contender]) -> set[str]:
     """The contenders whose policy is ``greedy_only`` (the oracles: they replay the engine with one slot in
     ``begin`` to know what the target accepts); the sweep warms their replays before the clocks start
     (:func:`_warm_replays`) and runs them at T=0 only."""
-    return {c.label for c in contenders if c.make is not None and c.make().greedy_only}
+    return {c.label for c in contenders if c.make is not None and as_draft_policy(c.make).greedy_only}
 
 
 def _warm_replays(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:

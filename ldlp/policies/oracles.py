@@ -79,6 +79,7 @@ class KnownAcceptance:
         self.by_slot[slot] = memo[key]
 
     def at(self, slot: int, position: int) -> int:
+        """What the target accepts at ``position`` of the prompt begun in ``slot`` (a chain of at most k_max)."""
         return self.by_slot[slot].get(position, 0)
 
 
@@ -101,7 +102,7 @@ class OraclePolicy(DraftPolicy):
     greedy_only = True
 
     def __init__(self, k_max: int = 8):
-        self.k_max = int_at_least(self.name, "k_max", k_max, 1)
+        self.k_max = self.max_gamma = int_at_least(self.name, "k_max", k_max, 1)
         self.known = KnownAcceptance(self.name, self.k_max, every_position=False)
 
     def bind(self, engine) -> None:
@@ -111,12 +112,8 @@ class OraclePolicy(DraftPolicy):
     def begin(self, slot: int, prompt_ids, max_new_tokens: int | None = None) -> None:
         self.known.begin(slot, prompt_ids, max_new_tokens)
 
-    def drafts_at(self, slot: int, position: int) -> int:
-        """What the target accepts at ``position`` of the prompt begun in ``slot``."""
-        return self.known.at(slot, position)
-
     def plan(self, rows: Rows) -> list[int]:
-        return [self.drafts_at(b, p) for b, p in zip(rows.slots, rows.positions)]
+        return [self.known.at(b, p) for b, p in zip(rows.slots, rows.positions)]
 
 
 class AcceptedAtRecorder(StaticPolicy):
@@ -312,13 +309,9 @@ class OracleBudgetPolicy(DraftPolicy):
     def begin(self, slot: int, prompt_ids, max_new_tokens: int | None = None) -> None:
         self.known.begin(slot, prompt_ids, max_new_tokens)
 
-    def drafts_at(self, slot: int, position: int) -> int:
-        """What the target accepts at ``position`` of the prompt begun in ``slot`` (a chain of at most k_max)."""
-        return self.known.at(slot, position)
-
     def plan(self, rows: Rows) -> list[int]:
         caps = rows.caps if rows.caps is not None else [self.k_max] * len(rows)
-        L = [max(0, min(self.drafts_at(b, p), c, self.k_max)) for b, p, c in zip(rows.slots, rows.positions, caps)]
+        L = [max(0, min(self.known.at(b, p), c, self.k_max)) for b, p, c in zip(rows.slots, rows.positions, caps)]
         if self.costs is None:  # no table (nothing to draft with): every accepted draft
             return L
         # the running drafter feed, rounded as the load-aware plan rounds it: the allocation is exact at that feed
