@@ -321,7 +321,8 @@ def head_to_head_stages(cfg, stages: list[Stage], model: str, pair: tuple[str, .
          f"sweep.static_gammas=[{list_arg(cfg.sweep.static_gammas)}]",
          f"sweep.adaptive=[{list_arg(cfg.sweep.adaptive)}]", f"head_to_head.adaptive={int(h.adaptive)}",
          f"head_to_head.choose_by={choose_by}",
-         f"out_dir={chosen}"] + ([f"tuned_from={tuned}"] if tuned else []) + thread_args(cfg),
+         f"out_dir={chosen}"] + ([f"tuned_from={tuned}"] if tuned else []) + thread_args(cfg)
+        + [o for o in cfg.sweep.overrides if o.startswith("model.")],  # the model as the sweeps named their rows
         chosen, after=tuple(s.name for s in sweeps) + (("tune",) if tuned else ()), configs=("choose_contenders.yaml",),
         group="sweeps", product=CONTENDERS)
     args = ([f"model={model}", f"contenders_from={chosen / CONTENDERS}", f"rounds={h.rounds}", f"out_dir={out}",
