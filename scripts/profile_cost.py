@@ -2,6 +2,7 @@
 
     python scripts/profile_cost.py
     python scripts/profile_cost.py threads=2 slots=[1,8,32]
+    python scripts/profile_cost.py missing_only=true slots=[1,2,4,8,16]   (profile only what paths.cost lacks)
 """
 
 import hydra
@@ -35,6 +36,13 @@ def main(cfg: DictConfig) -> None:
         int_list_setting("check.slots", cfg.check.slots, 1, "conf/profile_cost.yaml")
         int_list_setting("check.gammas", cfg.check.gammas, 0, "conf/profile_cost.yaml")
     pair = load_pair_cached(cfg.model)
+    if cfg.missing_only:  # the main command's cost stage: only what is missing, as a first use would profile it
+        from ldlp.bench.loaders import load_cost_table
+
+        table = load_cost_table(cfg.paths.cost, cfg.model.name, pair.target, pair.candidates, str(cfg.attn),
+                                slots=list(cfg.slots))
+        print(f"cost table in {cfg.paths.cost}: slot counts {table.slots}, attention {cfg.attn}")
+        return
     target, kind = pair.target, cfg.model.drafter_kind
     capacity = int(cfg.context) + 5 * (int(cfg.reps) + 3) + max(cfg.tokens_per_slot) + 8
 

@@ -363,7 +363,8 @@ def test_pipeline_plans_the_short_load_sweep_and_publishes_its_page(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from eagle_backbone.paths import CONF_DIR
-    from ldlp.pipeline import _force_level, plan, publish
+    from ldlp.pipeline import force_level, plan
+    from ldlp.report.publish import publish
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="pipeline", overrides=[f"paths.outputs={tmp_path / 'outputs'}",
@@ -375,7 +376,7 @@ def test_pipeline_plans_the_short_load_sweep_and_publishes_its_page(tmp_path):
     for spec in cfg.bench_batch.contenders:  # a policy without its conf/policy/<name>.yaml is left out
         name = spec.split()[0].split("=", 1)[1]
         assert (f'"{spec}"' in contenders) == (CONF_DIR / "policy" / f"{name}.yaml").is_file()
-    assert "acceptance" in stage.after and "oracle" not in stage.after and stage.group in _force_level(True)
+    assert "acceptance" in stage.after and "oracle" not in stage.after and stage.group in force_level(True)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         off = compose(config_name="pipeline", overrides=[f"paths.outputs={tmp_path}", "bench_batch.enabled=false"])
     assert "bench_batch" not in {s.name for s in plan(off)}

@@ -731,7 +731,7 @@ def test_ldlp_training_resumed_from_last_ckpt_equals_an_uninterrupted_run(tmp_pa
 
 
 def test_readme_block_states_dropped_prompts():
-    from ldlp.pipeline import headline_block
+    from ldlp.report.publish import headline_block
 
     h2h = {"reference": "static γ=6", "n_prompts": 56, "n_dropped": 24, "dropped_reason": "longer than "
            "max_prompt_tokens=1536", "rounds": 2, "rows": []}
@@ -863,8 +863,7 @@ def _a_run(folder: Path, model: str = "m", tuning: bool = True, sweep_complete: 
 
 def test_publishing_takes_one_complete_run_of_this_model_or_refuses(tmp_path):
     from eagle_backbone.errors import ConfigError
-    from ldlp.pipeline import PUBLISHED_FILES, publish
-    from ldlp.report.publish import check_publishable, group_files, prune_published
+    from ldlp.report.publish import PUBLISHED_FILES, check_publishable, group_files, prune_published, publish
 
     assert set(group_files()) == set(PUBLISHED_FILES)  # the check covers every file publish copies
     published, readme = tmp_path / "published", tmp_path / "README.md"
@@ -891,7 +890,7 @@ def test_publishing_takes_one_complete_run_of_this_model_or_refuses(tmp_path):
             check_publishable(folder, "m")
         assert why in _one_line(e), case
     # both ways of publishing (publish_results.py, the main command's publish=true) go through publish_run
-    from ldlp.pipeline import publish_run
+    from ldlp.report.publish import publish_run
 
     before = sorted(p.relative_to(published) for p in published.rglob("*"))
     with pytest.raises(ConfigError, match="not model.name=m"):

@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...})
-from ldlp.pipeline import Stage, StageRunner, fingerprint, plan, publish, script_keys, store_fingerprint
+from ldlp.pipeline import Stage, StageRunner, fingerprint, plan, script_keys, store_fingerprint
+from ldlp.report.publish import publish
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -208,7 +209,7 @@ def test_help_is_the_scripts_own_and_missing_vicuna_weights_say_what_to_set():
 
 
 def test_comments_in_a_config_change_nothing_but_a_value_does(tmp_path, monkeypatch):
-    import ldlp.pipeline as pipeline
+    import ldlp.pipeline.stage as pipeline
 
     conf = tmp_path / "conf"
     conf.mkdir()
@@ -273,7 +274,12 @@ def test_dry_run_prints_the_plan_and_model_dtype_reaches_every_stage(tmp_path):
     text, commands = _plan_lines(tmp_path, "model.dtype=float32", "generation.max_new_tokens=16")
     assert text.startswith("plan (") and "model.dtype=float32" in text.splitlines()[0] and "expected" in text
     assert len(commands) >= 14 and "corpus" in commands and "bench_batch" in commands
-    assert "run (first run)" in text and "head_to_head: run if its contenders (chosen from the sweeps' summary)" in text
+    assert "run (first run)" in text
+    # the cost table and the head to head's contenders are stages of their own, before the stages that read them
+    assert list(commands).index("cost") < list(commands).index("tune") and "missing_only=true" in commands["cost"]
+    assert list(commands)[-2:] == ["contenders", "head_to_head"]
+    assert "contenders_from=" + str(tmp_path / "outputs" / "pipeline" / "embedded" / "contenders" / "contenders.json") \
+        in commands["head_to_head"].split()
     for name, command in commands.items():
         args = command.split()
         if name == "corpus":  # its config has no model or generation
@@ -289,8 +295,6 @@ def test_dry_run_prints_the_plan_and_model_dtype_reaches_every_stage(tmp_path):
 
 
 def test_overrides_enter_fingerprints_and_paths_reach_the_data_configs(tmp_path):
-    from ldlp.pipeline import head_to_head_stage
-
     base = [f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"]
     f32, b16 = base + ["model.dtype=float32"], base + ["model.dtype=bfloat16"]
     extra = ["model.drafter=/elsewhere/drafter", "data.limit=3", "threads=2"]
@@ -298,8 +302,9 @@ def test_overrides_enter_fingerprints_and_paths_reach_the_data_configs(tmp_path)
     stages = {s.name: s for s in plan(cfg, "embedded", f32 + extra)}
     for s in stages.values():
         assert f"paths.data_dir={tmp_path / 'data'}" in s.args and s.args.count("threads=2") == 1, s.args
-        if s.name != "corpus":
-            assert s.resolved == {"model.dtype": "float32"} and "data.limit=3" in s.args, s
+        if s.name != "corpus":  # data.*: every stage that reads prompts (not the contenders stage: it reads results)
+            assert s.resolved == {"model.dtype": "float32"}, s
+            assert ("data.limit=3" in s.args) == (s.name != "contenders"), s
     # the peer sweeps run the draft LM: the main pair's drafter override is not theirs
     assert "model.drafter=/elsewhere/drafter" in stages["sweep:static:1"].args
     assert not any(a.startswith("model.drafter") for a in stages["sweep:peer:1"].args)
@@ -311,9 +316,7 @@ def test_overrides_enter_fingerprints_and_paths_reach_the_data_configs(tmp_path)
     for name, s in same.items():
         a, b = fingerprint(s, same)[0], fingerprint(other[name], other)[0]
         assert (a == b) == (name == "corpus"), name
-    summary = {"headline": {"embedded": {"best_static": {"gamma": 4}, "best_adaptive": {"policy": "ldlp"}}},
-               "rows": [{"model": "embedded", "policy": "ldlp", "speedup": 1.5}]}
-    h2h = head_to_head_stage(cfg, "embedded", summary, list(stages.values()), "embedded", f32 + extra)
+    h2h = stages["head_to_head"]
     assert "model.dtype=float32" in h2h.args and h2h.resolved == {"model.dtype": "float32"}
     # paths.data_dir is where the stages' data configs read the corpus, not only where it is built
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -325,29 +328,37 @@ def test_overrides_enter_fingerprints_and_paths_reach_the_data_configs(tmp_path)
 # ---- faults: what the sweep makes itself, retrained heads, stuck resumes, signals, two main commands ---------
 
 
-def test_a_cost_table_the_stage_makes_is_not_a_reason_to_rerun_but_a_new_one_is(tmp_path):
-    """The load sweep profiles a missing cost table into paths.cost and reads it: the next run must not redo the
-    sweep for the table it made itself, while a table profiled again by hand reruns it."""
+def test_a_cost_table_the_cost_stage_makes_is_not_a_reason_to_rerun_but_a_new_one_is(tmp_path):
+    """The cost stage profiles a missing cost table into paths.cost (and keeps one that is there); the load sweep
+    reads it: the next run must not redo the sweep for the table made for it, while a table profiled again by hand
+    reruns it."""
+    profile = tmp_path / "profile.py"
+    profile.write_text(textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        cost = Path(dict(a.split("=", 1) for a in sys.argv[1:])["out_dir"])
+        if not (cost / "table.json").exists():
+            cost.mkdir(parents=True, exist_ok=True); (cost / "table.json").write_text("profiled")
+    """))
     script = tmp_path / "bench.py"
     script.write_text(textwrap.dedent("""
         import sys
         from pathlib import Path
         args = dict(a.split("=", 1) for a in sys.argv[1:])
-        cost, out = Path(args["cost"]), Path(args["out_dir"])
-        if not (cost / "table.json").exists():
-            cost.mkdir(parents=True, exist_ok=True); (cost / "table.json").write_text("profiled")
-        out.mkdir(parents=True, exist_ok=True)
+        assert (Path(args["cost"]) / "table.json").exists()
+        out = Path(args["out_dir"]); out.mkdir(parents=True, exist_ok=True)
         with open(out / "runs.txt", "a") as f:
             f.write("run\\n")
     """))
     cost = tmp_path / "cost"
 
     def stages():
-        return [Stage("bench_batch", "bench", str(script), [f"out_dir={tmp_path / 'out'}", f"cost={cost}"],
-                      tmp_path / "out", reads=(str(cost),), fills=(str(cost),))]
+        return [Stage("cost", "cost", str(profile), [f"out_dir={cost}"], cost),
+                Stage("bench_batch", "bench", str(script), [f"out_dir={tmp_path / 'out'}", f"cost={cost}"],
+                      tmp_path / "out", after=("cost",))]
 
-    assert _run_all(tmp_path, stages()) == ["bench_batch"]
-    assert _run_all(tmp_path, stages()) == []  # the table it profiled is recorded as its input
+    assert _run_all(tmp_path, stages()) == ["cost", "bench_batch"]
+    assert _run_all(tmp_path, stages()) == []  # the table made for it is its input, unchanged
     (cost / "table.json").write_text("profiled again")
     assert _run_all(tmp_path, stages()) == ["bench_batch"]
 
@@ -361,7 +372,7 @@ def test_retrained_draft_acceptance_heads_rerun_the_load_sweep_that_uses_them(tm
     (heads / "t0.0" / "model.safetensors").write_bytes(b"head")
     stages = {s.name: s for s in plan(cfg, "embedded", over)}
     bench = stages["bench_batch"]
-    assert str(heads) in bench.reads and str(cfg.paths.cost) in bench.reads and bench.fills == (str(cfg.paths.cost),)
+    assert str(heads) in bench.reads and "cost" in bench.after and stages["cost"].out == Path(cfg.paths.cost)
     before = fingerprint(bench, stages)[0]
     (heads / "t0.0" / "model.safetensors").write_bytes(b"retrained head")
     assert fingerprint(bench, stages)[0] != before
@@ -654,7 +665,7 @@ def test_sigkill_of_the_main_command_leaves_no_stage_running(tmp_path):
 def test_a_lock_whose_holder_or_stage_is_alive_refuses(tmp_path, capsys):
     """A lock file naming a live process (here: a stage a killed main command left running) refuses in one line;
     one naming only dead processes is taken over."""
-    from ldlp.pipeline import LOCK, FolderLock, _start_time
+    from ldlp.pipeline import LOCK, FolderLock, start_time
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -662,7 +673,7 @@ def test_a_lock_whose_holder_or_stage_is_alive_refuses(tmp_path, capsys):
         dead = int(dead.stdout)
         (tmp_path / LOCK).write_text(json.dumps({"pid": dead, "started": "earlier", "command": "pipeline.py",
                                                  "stages": [{"pid": sleeper.pid,
-                                                             "start": _start_time(sleeper.pid)}]}))
+                                                             "start": start_time(sleeper.pid)}]}))
         with pytest.raises(ValueError, match=f"held by pid {dead} and its stage process {sleeper.pid} is still "
                                              "running.*kill"):
             with FolderLock([tmp_path]):

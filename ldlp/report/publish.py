@@ -2,8 +2,9 @@
 
 ``python scripts/publish_results.py`` and the main command's ``publish=true`` both go through :func:`publish_run`.
 The main command writes ``run.json`` into ``paths.results`` when it finishes (:func:`write_run_manifest`: the
-stages of that run and their seconds); publishing reads it, so the files of a stage that run did not have (a
-disabled load sweep, a tuning left from an earlier run) are neither published nor listed. Before anything is
+stages of that run and their seconds; :func:`write_run_settings`: what its figures were measured with); publishing
+reads it, so the files of a stage that run did not have (a disabled load sweep, a tuning left from an earlier run)
+are neither published nor listed. Before anything is
 copied, :func:`check_publishable` refuses, in one line, a folder that is no finished main-command run, lacks its
 core files, holds half of an optional group, was made for another model than ``model.name``, or whose load sweep
 is an unfinished checkpoint. Every published file of an earlier publish that this run does not replace is removed
@@ -134,6 +135,19 @@ def write_run_manifest(results: str | Path, name: str, stages: list[str], stage_
            "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     atomic_write_json(Path(results) / RUN_MANIFEST, run)
     return run
+
+
+def write_run_settings(results: str | Path, dtype: str | None, overrides) -> dict:
+    """``paths.results/run_settings.json``: what the figures were measured with (``dtype``: the one model.dtype
+    resolved to, the main command's overrides, the CPU and whether it has bf16 matmuls); the results page states it."""
+    from eagle_backbone.runtime import bf16_matmuls
+    from ldlp.bench.loaders import machine_info
+
+    machine = machine_info()
+    settings = {"model.dtype": dtype, "overrides": list(overrides or ()), "cpu": machine.get("cpu"),
+                "cpu_bf16": bf16_matmuls("cpu"), "gpu": machine.get("gpu"), "torch": machine.get("torch")}
+    atomic_write_json(Path(results) / "run_settings.json", settings)
+    return settings
 
 
 def read_run_manifest(results: str | Path) -> dict:
