@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import one_line
 from omegaconf import OmegaConf
 from test_oracle import REPO, arrow_files, pair_dirs  # noqa: F401  (pair_dirs: a fixture)
 
@@ -219,3 +220,15 @@ def test_training_checks_every_temperature_before_writing_any_head(full_collecti
                             "temperatures": [], "allow_partial": False})
     with pytest.raises(ValueError, match="temperatures: empty"):
         check_inputs(cfg)
+
+
+def test_per_temperature_labels_are_found_however_t_was_spelt_and_missing_ones_name_the_collector(tmp_path):
+    from ldlp.training.draft_acceptance import label_folder, load_labels
+
+    (tmp_path / "embedded_train" / "t1").mkdir(parents=True)  # collect_acceptance.py temperature=1
+    assert label_folder(tmp_path, "embedded_train", 1.0) == tmp_path / "embedded_train" / "t1"
+    assert label_folder(tmp_path, "embedded_train", 0.7) == tmp_path / "embedded_train" / "t0.7"
+    with pytest.raises(ValueError) as e:
+        load_labels(label_folder(tmp_path, "embedded_train", 0.7))
+    msg = one_line(e)
+    assert "scripts/collect_acceptance.py data=embedded_train temperature=0.7" in msg and "collect_oracle" not in msg

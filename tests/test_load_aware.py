@@ -1,15 +1,12 @@
-"""policy=load_aware and its ablations (ldlp/load_aware.py), its cost table (eagle_backbone/cost.py) and
-online recalibration (ldlp/calibration.py): the allocation the policies call against brute force, their
+"""policy=load_aware and its ablations (ldlp/policies/load_aware.py), its cost table (eagle_backbone/cost.py) and
+online recalibration (ldlp/models/calibration.py): the allocation the policies call against brute force, their
 decisions against the pre-refactor single-class policy, the two cost extremes, the YAMLs, and losslessness
 in a batch, greedy and sampled. Tiny float32 models; synthetic cost tables; no clock read."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -231,13 +228,11 @@ PRE_REFACTOR = {
 }
 
 
-def _make(tmp_path, mode: str, kw: dict, cls=None, **more):
+def _make(tmp_path, mode: str, kw: dict, **more):
     """A policy of ``mode`` reading a cost table set by the driver (no engine)."""
     p = tmp_path / "unused_cost.json"
     rich_table(1.0).save(p)
-    if cls is None:
-        return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), online_costs=False, **kw, **more)
-    return cls(cost_dir=str(tmp_path), model="tiny", cost_table=str(p), mode=mode, **kw, **more)  # the old class
+    return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), online_costs=False, **kw, **more)
 
 
 def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 8)) -> str:
@@ -249,9 +244,8 @@ def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 
     for _ in range(steps):
         R = rng.choice(rows)
         caps = [rng.choice([0, 1, 2, 4, 6, 6, 6]) for _ in range(R)]
-        new_api = not hasattr(pol, "keep_rows")  # the pre-split class from git has the old hooks
         view = Rows(list(range(R)), caps, [0] * R, torch.zeros(R, dtype=torch.long), torch.zeros(R, 4))
-        g = list(pol.plan(view) if new_api else pol.plan(caps))
+        g = list(pol.plan(view))
         line = ["".join(map(str, g))]
         drafted = [0] * R
         active = [i for i in range(R) if g[i] > 0]
@@ -263,12 +257,9 @@ def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 
                 active = [i for i in active if g[i] > depth]
             else:
                 probs = torch.tensor([[p, p / 2, p / 3] for p in (rng.uniform(0.02, 0.99) for _ in active)])
-                if new_api:
-                    d = Depth(depth, list(active), torch.tensor(active), torch.zeros(len(active), dtype=torch.long),
-                              probs, None, torch.zeros(len(active), dtype=torch.float64))
-                    codes = pol.stop(d).tolist()
-                else:
-                    codes = pol.keep_rows(depth, list(active), None, probs)
+                d = Depth(depth, list(active), torch.tensor(active), torch.zeros(len(active), dtype=torch.long),
+                          probs, None, torch.zeros(len(active), dtype=torch.float64))
+                codes = pol.stop(d).tolist()
                 line.append("".join(map(str, codes)))
                 for i, c in zip(active, codes):
                     if c == 0:
@@ -276,10 +267,7 @@ def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 
                 active = [i for i, c in zip(active, codes) if c == 2 and g[i] > depth]
             depth += 1
         accepted = [rng.randint(0, d) for d in drafted]
-        if new_api:
-            pol.observe(view, drafted, accepted, {k: v.tolist() for k, v in pol.reads().items()})
-        else:
-            pol.observe_rows(drafted, accepted)
+        pol.observe(view, drafted, accepted, {k: v.tolist() for k, v in pol.reads().items()})
         out.append(",".join(line))
     return ";".join(out) + f"|{pol.accept_rate:.12f}|{pol.feed_tokens:.12f}"
 
@@ -288,9 +276,7 @@ def _drive_batch1(pol, costs: CostTable, seed: int, steps: int = 20) -> str:
     """Drive ``pol`` as the batch-1 engine does (gamma, keep_drafting per draft, observe)."""
     rng = random.Random(seed)
     pol.costs = costs
-    state = pol
-    if not hasattr(pol, "keep_rows"):
-        pol = OneRow(pol)  # a batched policy one sequence at a time
+    state, pol = pol, OneRow(pol)  # a batched policy one sequence at a time
     pol.begin([])
     out = []
     for step in range(steps):
@@ -308,16 +294,15 @@ def _drive_batch1(pol, costs: CostTable, seed: int, steps: int = 20) -> str:
     return ";".join(out) + f"|{state.accept_rate:.12f}"
 
 
-def _decisions(tmp_path, cls=None) -> dict:
+def _decisions(tmp_path) -> dict:
     got = {}
     for k, (mode, scale, kw) in enumerate(_CASES):
         if mode not in CLASSES:
             continue
-        got[f"{mode}-{scale}-{k}"] = _drive(_make(tmp_path, mode, kw, cls, max_gamma=5, explore_every=4),
+        got[f"{mode}-{scale}-{k}"] = _drive(_make(tmp_path, mode, kw, max_gamma=5, explore_every=4),
                                             rich_table(scale), seed=k)
     for mode in CLASSES:
-        kw = {"threshold": 0.3} if cls is not None else {}
-        got[f"b1-{mode}"] = _drive_batch1(_make(tmp_path, mode, kw, cls, max_gamma=5, explore_every=4),
+        got[f"b1-{mode}"] = _drive_batch1(_make(tmp_path, mode, {}, max_gamma=5, explore_every=4),
                                           rich_table(2.0), seed=_B1_SEEDS[mode])
     return got
 
@@ -326,45 +311,6 @@ def test_the_three_classes_decide_as_the_single_class_policy_did(tmp_path):
     """Same plans (γ per row), same codes at every depth, same running acceptance rate, on fixed inputs, as
     the one class with a ``mode`` string before the split (its outputs recorded in PRE_REFACTOR)."""
     assert _decisions(tmp_path) == PRE_REFACTOR
-
-
-PRE_SPLIT_COMMIT = "5f7644e"
-
-
-def test_the_three_classes_decide_as_the_single_class_policy_from_git(tmp_path):
-    """The same comparison on more inputs, against the pre-split module itself from git (skipped where the
-    clone lacks that commit)."""
-    try:
-        src = subprocess.run(["git", "show", f"{PRE_SPLIT_COMMIT}:ldlp/load_aware.py"], cwd=REPO, check=True,
-                             capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip(f"git show {PRE_SPLIT_COMMIT}:ldlp/load_aware.py is not available in this clone")
-    path = tmp_path / "load_aware_pre_split.py"
-    # the cost table has moved since (eagle_backbone.batched.cost -> eagle_backbone.cost); the class is the same
-    # and the batch protocol it subclassed is now eagle_backbone.policy.DraftPolicy: a stand-in base class
-    src = src.replace("from eagle_backbone.batched.cost import", "from eagle_backbone.cost import")
-    src = src.replace("from eagle_backbone.batched.policy import BatchDraftPolicy, DraftContext",
-                      "from eagle_backbone.policy import DraftContext\nBatchDraftPolicy = object")
-    src = src.replace("from eagle_backbone.policy import BatchDraftPolicy, DraftContext",
-                      "from eagle_backbone.policy import DraftContext\nBatchDraftPolicy = object")
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("load_aware_pre_split", path)
-    old = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = old
-    try:
-        spec.loader.exec_module(old)
-    except ImportError as e:
-        pytest.skip(f"the pre-split module no longer imports here: {e}")
-    finally:
-        sys.modules.pop(spec.name, None)
-    assert _decisions(tmp_path, old.LoadAwarePolicy) == PRE_REFACTOR
-    for seed in range(10, 16):
-        for mode, scale, kw in (("marginal", 0.5, {}), ("marginal", 2.0, {"decay": 0.9}), ("step", 0.5, {}),
-                                ("step", 2.0, {})):
-            new = _drive(_make(tmp_path, mode, kw, max_gamma=6, explore_every=3), rich_table(scale), seed)
-            was = _drive(_make(tmp_path, mode, kw, old.LoadAwarePolicy, max_gamma=6, explore_every=3),
-                         rich_table(scale), seed)
-            assert new == was, (mode, scale, kw, seed)
 
 
 def test_policy_yamls_build_the_three_classes(tmp_path):

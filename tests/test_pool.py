@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import table_rows
+from conftest import one_line, table_rows
 
 from ldlp.bench.pool import pool, pool_folders, pooled_markdown
 from ldlp.report.pages import publish_pooled
@@ -124,3 +124,14 @@ def test_pool_folders_writes_the_table_and_the_readme_block(tmp_path):
     (tmp_path / "run-2" / "head_to_head.json").write_text("{broken")
     with pytest.raises(ValueError, match="run-2/head_to_head.json: not valid JSON"):
         pool_folders([str(tmp_path / "run-*")], tmp_path / "out")
+
+
+def test_pooling_refuses_runs_of_different_prompt_sets():
+    runs = _runs(1.02, n_runs=2)
+    for r, sha in zip(runs, ("a" * 64, "b" * 64)):
+        r.update(model="m", dataset="prompts", data_path="/d/q.jsonl", data_sha256=sha, n_prompts=40)
+    with pytest.raises(ValueError) as e:
+        pool(runs, bootstrap=10)
+    assert "data_sha256" in one_line(e) and "run 2 and run 1" in str(e.value)
+    runs[1]["data_sha256"] = "a" * 64
+    assert pool(runs, bootstrap=10)["reference"]
