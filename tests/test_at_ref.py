@@ -1,7 +1,7 @@
-"""The decoding core at another commit, read from git beside today's (ldlp/bench/at_ref.py, scripts/bench_engine_ref.py):
-it runs on the same prompts and agrees, and a commit from before the batched engine is refused in one line. No test
-skips where history is missing: the first reads this checkout's own HEAD, the second a tiny core committed to a
-repository of its own."""
+"""The decoding core at another commit, read from git beside today's (ldlp/bench/at_ref.py,
+scripts/bench_engine_ref.py): it runs on the same prompts and agrees, and a commit from before the batched
+engine is refused in one line. No test skips where history is missing: the first reads this checkout's own
+HEAD, the second a tiny core committed to a repository of its own."""
 
 import os
 import subprocess

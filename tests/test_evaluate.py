@@ -188,21 +188,26 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):
-    from ldlp.report.pages import update_readme
+    """The block between README's markers is replaced, nothing else is touched, a rerun changes nothing, and a
+    README without markers is left alone; update_readme renders the results table and plot into that block."""
+    from ldlp.report.pages import replace_readme_block, update_readme
 
+    readme = tmp_path / "README.md"
+    outside = ("before\n<!-- results:start -->\n", "\n<!-- results:end -->\nafter\n")
+    readme.write_text(outside[0] + "old" + outside[1])
+    assert replace_readme_block(readme, "results", "new\n")
+    assert readme.read_text() == outside[0] + "new" + outside[1]
+    assert replace_readme_block(readme, "results", "new") and readme.read_text() == outside[0] + "new" + outside[1]
+    (tmp_path / "OTHER.md").write_text("no markers\n")
+    assert not replace_readme_block(tmp_path / "OTHER.md", "results", "new")
+    assert (tmp_path / "OTHER.md").read_text() == "no markers\n"
     (tmp_path / "results").mkdir()
     md, png = tmp_path / "results" / "results.md", tmp_path / "results" / "tokens_per_s.png"
-    md.write_text("## Title\n\n| a |\n|---|\n| 1 |\n")
+    md.write_text("## Title\n\nrows\n")
     png.write_bytes(b"png")
-    readme = tmp_path / "README.md"
-    readme.write_text("# Project\nbefore\n<!-- results:start -->\nold numbers\n<!-- results:end -->\nafter\n")
-    assert update_readme(readme, md, png, "python scripts/pipeline.py")
+    assert update_readme(readme, md, png, "cmd")
     text = readme.read_text()
-    assert "old numbers" not in text and "| 1 |" in text and "(results/tokens_per_s.png)" in text
-    assert text.startswith("# Project\nbefore\n") and text.endswith("<!-- results:end -->\nafter\n")
-    assert update_readme(readme, md, png, "cmd") and readme.read_text().count("| 1 |") == 1  # idempotent
-    (tmp_path / "OTHER.md").write_text("no markers\n")
-    assert not update_readme(tmp_path / "OTHER.md", md, png, "cmd")
+    assert text.startswith(outside[0]) and text.endswith(outside[1]) and "results/tokens_per_s.png" in text
 
 
 def test_tuned_settings_replace_the_policy_fields(tmp_path):
