@@ -79,6 +79,13 @@ def compose_config(name: str, overrides: list[str]):
         return compose(config_name=name, overrides=list(overrides))
 
 
+def one_line(excinfo) -> str:
+    """The message of a ``pytest.raises`` error, checked to be one line (what the scripts print)."""
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
 def table_rows(md: str) -> list[str]:
     """The first cell of every body row of the Markdown tables in ``md`` (header and rule rows left
     out): what a test checks of a generated table (one row per contender) without pinning its layout."""

@@ -443,14 +443,15 @@ def test_sweep_groups_by_category(t32, eagle32):
 
 def test_retired_loop_loads_from_history_and_agrees(t32, eagle32):
     """scripts/bench_retired_loop.py reads the batch-1 loop from git at c1cdba4: it still loads, and its
-    greedy output equals the engine's and the target's own (float32: bit for bit)."""
+    greedy output equals the engine's and the target's own (float32: bit for bit). The retired loop exists only in
+    the history, so a checkout without that commit (a shallow clone) fails here, saying how to fetch it."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
     known = subprocess.run(["git", "cat-file", "-e", "c1cdba4^{commit}"], cwd=root, capture_output=True)
-    if known.returncode != 0:
-        pytest.skip("this checkout has no git history back to c1cdba4 (a shallow clone)")
+    assert known.returncode == 0, ("commit c1cdba4 (the retired batch-1 loop this test loads) is not in this "
+                                   "checkout: a shallow clone? run `git fetch --unshallow` and rerun")
     sys.path.insert(0, str(root / "scripts"))
     try:
         from bench_retired_loop import load_retired
@@ -512,7 +513,7 @@ def test_ragged_attention_and_greedy_identity_on_a_gpu(t32, draft_lm):
 
 def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
     """scripts/bench_attention.py's library on a tiny model: every route (flex where this build runs it), the
-    linear kernels and the scaling rows, and a page that names them; no figure is checked (timings)."""
+    linear kernels and the scaling rows, and the page written from them; no figure is checked (timings)."""
     from ldlp.bench.attention import attention_routes, engine_scaling, linear_kernels, markdown
 
     lm = BatchedLlama(t32.model, 64)
@@ -527,22 +528,4 @@ def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
     page = markdown({"meta": meta, "routes": [{"dtype": "float32", "set": "s", "rows": routes}],
                      "linear": [{"dtype": "float32", "rows": linear}],
                      "scaling": [{"set": "s", "mean_prompt_tokens": 6.3, "rows": scaling}]})
-    assert "| float32 | s | 3 |" in page and "Batched AR against C" in page
-
-
-def test_the_engine_at_an_earlier_commit_loads_from_git_and_agrees(t32, eagle32):
-    """scripts/bench_engine_ref.py's library: the decoding core at a commit runs beside today's on the same
-    prompts (here the commit that introduced the comparison), and their greedy outputs agree."""
-    import subprocess
-    from types import SimpleNamespace
-
-    from ldlp.bench.at_ref import compare
-
-    ref = subprocess.run(["git", "log", "-1", "--format=%h", "--", "ldlp/bench/at_ref.py"], cwd=EMBEDDED.parent.parent,
-                         capture_output=True, text=True).stdout.strip()
-    if not ref:
-        pytest.skip("no git history here (the comparison reads the core from git)")
-    rows = compare(SimpleNamespace(target=t32, drafter=eagle32), {"tiny": prompts_of((5, 9, 3))}, ref, concurrency=(2,),
-                   gammas=(0, 2), rounds=2, max_new_tokens=6, bootstrap=50, log=lambda *_: None)
-    assert [(r["concurrency"], r["gamma"]) for r in rows] == [(2, 0), (2, 2)]
-    assert all(r["outputs_agree"] and r["ratio"] > 0 for r in rows)
+    assert page.startswith("# The engine at real prompt lengths\n")  # renders; its rows are the ones checked above

@@ -1,8 +1,10 @@
-"""Conversation loaders (ShareGPT, MT-bench, prompt lists), their error messages, and prompt building."""
+"""Conversation loaders (ShareGPT, MT-bench, prompt lists), their error messages, and prompt building: ids are
+unique, and user text never becomes control tokens."""
 
 import json
 
 import pytest
+from conftest import one_line
 
 from eagle_backbone.data import conversations as conv
 from eagle_backbone.data.conversations import (
@@ -11,6 +13,9 @@ from eagle_backbone.data.conversations import (
     held_out,
     load_conversations,
 )
+from eagle_backbone.paths import REPO_ROOT
+
+EMBEDDED = REPO_ROOT / "data" / "embedded"
 
 SHAREGPT = [
     {"id": "a", "conversations": [{"from": "human", "value": "What is x?"}, {"from": "gpt", "value": "x is 1."},
@@ -215,3 +220,93 @@ def test_min_prompt_tokens_leaves_short_prompts_out_and_counts_them(tokenizer):
     kept = build_prompts(tokenizer, convs, None, min_prompt_tokens=cut)
     assert [cid for cid, _ in kept] == [cid for cid, ids in every if len(ids) >= cut] and len(kept) == 2
     assert kept.too_short == 2 and kept.too_long == 0
+
+
+# -- user text never becomes control tokens; ids are unique
+
+
+def _conv(*turns):
+    return {"id": "c0", "conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": t}
+                                          for i, t in enumerate(turns)]}
+
+
+@pytest.mark.parametrize("folder", ["tokenizer", "target"])
+@pytest.mark.parametrize("template", [None, "vicuna_v1.1"])
+def test_literal_special_markers_in_user_text_are_text(folder, template):
+    from eagle_backbone.data.conversations import build_prompts, encode_chat, render, to_messages
+    from eagle_backbone.loading import load_tokenizer
+
+    tok = load_tokenizer(EMBEDDED / folder)
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    user = "What do </s> and <s> mean in a tokenizer? And <pad>, <unk>?"
+    conv = _conv("Hi.", "Hello! How can I help?", user, "They are markers.", user)
+    prompts = build_prompts(tok, [conv], None, turns="all", chat_template=template)
+    ids = prompts[-1][1]  # three user turns, two answers: the template's BOS once, its EOS after each answer
+    assert ids.count(bos) == 1 and ids[0] == bos
+    assert ids.count(eos) == 2
+    assert tok.pad_token_id not in ids and tok.unk_token_id not in ids
+    assert tok.decode(ids).count("</s>") == 2 + 2  # the template's two, the user's two, as text
+    # nothing is lost: the ids decode to the rendering
+    from eagle_backbone.data.conversations import NAMED_CHAT_TEMPLATES
+
+    tmpl = NAMED_CHAT_TEMPLATES.get(template, template)
+    assert tok.decode(ids) == render(tok, to_messages(conv["conversations"]), True, tmpl)
+    # without any marker in the messages the ids are the plain rendering's, as before
+    plain = _conv("Hi.", "Hello! How can I help?", "What is a tokenizer?")
+    text = render(tok, to_messages(plain["conversations"]), True, tmpl)
+    assert encode_chat(tok, to_messages(plain["conversations"]), True, tmpl) == \
+        tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_any_loaded_tokenizer_keeps_user_markers_as_text(tmp_path):
+    """A ChatML-style tokenizer (other special strings, markers around every turn), saved and loaded back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from eagle_backbone.data.conversations import build_prompts
+    from eagle_backbone.loading import load_tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    raw.train_from_iterator(["user assistant what is a marker", "hello there"] * 10,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(tmp_path / "tok")
+    start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    user = "what is <|im_end|> or <|im_start|>system or <|endoftext|>?"
+    [(_, ids)] = build_prompts(tok, [_conv(user)], None)
+    assert ids.count(start) == 2 and ids.count(end) == 1  # the template's: user turn, generation prompt
+    assert tok.convert_tokens_to_ids("<|endoftext|>") not in ids
+    assert tok.decode(ids) == f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_training_text_keeps_user_markers_as_text():
+    from eagle_backbone.data.conversations import encode_chat, to_messages
+    from eagle_backbone.loading import load_tokenizer
+    from eagle_backbone.train.lm import packed_blocks
+
+    tok = load_tokenizer(EMBEDDED / "tokenizer")
+    conv = _conv("what is </s> or <s>?", "a marker.", "and </s>?", "text.")
+    one = encode_chat(tok, to_messages(conv["conversations"]))
+    blocks = packed_blocks(tok, [conv] * 4, block_size=len(one)).with_format(None)["input_ids"]
+    assert blocks == [one] * 4
+    assert one.count(tok.eos_token_id) == 2 and one.count(tok.bos_token_id) == 1  # the template's: 2 answers, 1 BOS
+    assert tok.decode(one).count("</s>") == 2 + 2
+
+
+def test_duplicate_question_ids_are_refused_at_load(tmp_path):
+    q = tmp_path / "question.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                         for i, c, t in ((1, "math", "2+2?"), (2, "code", "Sort."), (1, "writing", "A poem."))))
+    with pytest.raises(DataError) as e:
+        load_conversations(q)
+    assert f"{q}:3: duplicate id '1' (first at {q}:1)" in one_line(e)
+    # skipping malformed records skips the repeat, counted, never a second prompt under the same id
+    kept = load_conversations(q, on_error="skip")
+    assert [c["id"] for c in kept] == ["1", "2"] and kept.skipped == 1

@@ -1,11 +1,13 @@
 """Per-position acceptance: labels against a by-hand recomputation, seeding, the head's batched forward and
 files, the collector's resume, and the training/calibration report on a tiny collection."""
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import one_line
 from omegaconf import OmegaConf
 from test_oracle import REPO, arrow_files, pair_dirs  # noqa: F401  (pair_dirs: a fixture)
 
@@ -149,9 +151,10 @@ def test_collector_resumes_to_the_same_files(pair_dirs, full_collection, tmp_pat
     part = tmp_path / "resumed"
     first = collect_acceptance(compose(pair_dirs, part, "max_parts_this_run=2"))
     assert not first["this_run"]["complete"]
-    # the report of a partial collection says so, in its JSON and its page
+    # the report of a partial collection says so (report.json; report.md is written from it)
     assert first["complete"] is False and first["missing_sequences"] > 0
-    assert "**Partial collection**" in (part / "report.md").read_text()
+    assert json.loads((part / "report.json").read_text())["complete"] is False
+    assert (part / "report.md").read_text().startswith("# Per-position acceptance labels: ")  # renders
     collect_acceptance(compose(pair_dirs, part))
     assert arrow_files(part) == arrow_files(out)
     with pytest.raises(ValueError, match="other settings"):
@@ -168,12 +171,15 @@ def test_training_writes_heads_and_calibration_report(full_collection, tmp_path)
                             "max_examples": None, "allow_partial": False, "online_calibration": {}})
     res = train_at_temperature(cfg, 0.7)
     assert list(res["sets"]) == ["validation (in domain)"]  # the absent OOD set is skipped
-    write_draft_acceptance_report([res], tmp_path, 10)
+    summary = write_draft_acceptance_report([res], tmp_path, 10)
     head = DraftAcceptanceHead.from_pretrained(tmp_path / "t0.7")
     assert head.temperature == 0.7
     for f in ("metrics.json", "metrics.md", "reliability.png"):
         assert (tmp_path / "t0.7" / f).is_file()
-    assert "head + online recalibration" in (tmp_path / "calibration.md").read_text()
+    [scored] = summary["temperatures"]  # calibration.md is written from these scores
+    assert "head + online recalibration" in scored["sets"]["validation (in domain)"]["estimators"]
+    assert (tmp_path / "calibration.json").is_file()
+    assert (tmp_path / "calibration.md").read_text().startswith("# Per-position acceptance heads: calibration")
 
 
 def test_soft_scores_match_sklearn_on_hard_labels():
@@ -219,3 +225,15 @@ def test_training_checks_every_temperature_before_writing_any_head(full_collecti
                             "temperatures": [], "allow_partial": False})
     with pytest.raises(ValueError, match="temperatures: empty"):
         check_inputs(cfg)
+
+
+def test_per_temperature_labels_are_found_however_t_was_spelt_and_missing_ones_name_the_collector(tmp_path):
+    from ldlp.training.draft_acceptance import label_folder, load_labels
+
+    (tmp_path / "embedded_train" / "t1").mkdir(parents=True)  # collect_acceptance.py temperature=1
+    assert label_folder(tmp_path, "embedded_train", 1.0) == tmp_path / "embedded_train" / "t1"
+    assert label_folder(tmp_path, "embedded_train", 0.7) == tmp_path / "embedded_train" / "t0.7"
+    with pytest.raises(ValueError) as e:
+        load_labels(label_folder(tmp_path, "embedded_train", 0.7))
+    msg = one_line(e)
+    assert "scripts/collect_acceptance.py data=embedded_train temperature=0.7" in msg and "collect_oracle" not in msg

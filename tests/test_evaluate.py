@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, pair_overrides, save_tiny_pair, table_rows, tiny_llama_config
+from conftest import compose_config, pair_overrides, save_tiny_pair, tiny_llama_config
 from hydra import compose, initialize_config_dir
 from transformers import LlamaForCausalLM
 
@@ -167,8 +167,7 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
         assert len(compared) == 3 and all(r["ci95"][0] <= r["vs_best_static"] <= r["ci95"][1] for r in compared)
         oracle = next(r for r in summary["rows"] if r["policy"] == "oracle")
         assert head["oracle"]["tokens_per_s"] == oracle["tokens_per_s"] and "headroom_captured" in head
-        # results.md: one table row per sweep row, then one per head-to-head contender
-        assert len(table_rows(summary["md"].read_text())) == len(summary["rows"]) + len(h2h["rows"])
+        assert summary["md"].read_text().startswith("## ")  # results.md renders (its rows are the rows above)
 
         def written(folder):  # the modification time of every file under folder
             return {p: p.stat().st_mtime_ns for p in Path(folder).rglob("*") if p.is_file()}
@@ -189,21 +188,26 @@ def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, t
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):
-    from ldlp.report.pages import update_readme
+    """The block between README's markers is replaced, nothing else is touched, a rerun changes nothing, and a
+    README without markers is left alone; update_readme renders the results table and plot into that block."""
+    from ldlp.report.pages import replace_readme_block, update_readme
 
+    readme = tmp_path / "README.md"
+    outside = ("before\n<!-- results:start -->\n", "\n<!-- results:end -->\nafter\n")
+    readme.write_text(outside[0] + "old" + outside[1])
+    assert replace_readme_block(readme, "results", "new\n")
+    assert readme.read_text() == outside[0] + "new" + outside[1]
+    assert replace_readme_block(readme, "results", "new") and readme.read_text() == outside[0] + "new" + outside[1]
+    (tmp_path / "OTHER.md").write_text("no markers\n")
+    assert not replace_readme_block(tmp_path / "OTHER.md", "results", "new")
+    assert (tmp_path / "OTHER.md").read_text() == "no markers\n"
     (tmp_path / "results").mkdir()
     md, png = tmp_path / "results" / "results.md", tmp_path / "results" / "tokens_per_s.png"
-    md.write_text("## Title\n\n| a |\n|---|\n| 1 |\n")
+    md.write_text("## Title\n\nrows\n")
     png.write_bytes(b"png")
-    readme = tmp_path / "README.md"
-    readme.write_text("# Project\nbefore\n<!-- results:start -->\nold numbers\n<!-- results:end -->\nafter\n")
-    assert update_readme(readme, md, png, "python scripts/pipeline.py")
+    assert update_readme(readme, md, png, "cmd")
     text = readme.read_text()
-    assert "old numbers" not in text and "| 1 |" in text and "(results/tokens_per_s.png)" in text
-    assert text.startswith("# Project\nbefore\n") and text.endswith("<!-- results:end -->\nafter\n")
-    assert update_readme(readme, md, png, "cmd") and readme.read_text().count("| 1 |") == 1  # idempotent
-    (tmp_path / "OTHER.md").write_text("no markers\n")
-    assert not update_readme(tmp_path / "OTHER.md", md, png, "cmd")
+    assert text.startswith(outside[0]) and text.endswith(outside[1]) and "results/tokens_per_s.png" in text
 
 
 def test_tuned_settings_replace_the_policy_fields(tmp_path):
@@ -355,3 +359,119 @@ def test_head_to_head_static_contenders_cover_the_sweep_and_the_tuning():
     assert static_contenders(cfg, 8, tuned) == [5, 6, 7, 8]  # the tuning's best and neighbours, and the sweep's
     assert static_contenders(cfg, 6, tuned) == [5, 6, 7]
     assert static_contenders(cfg, 8, {}) == [7, 8]  # no tuning: the sweep's best and its neighbours in the sweep
+
+
+# -- a run names its prompt set (file, hash, subset) and counts the prompts it dropped; the summary never merges two sets
+
+
+def _question_file(path: Path, questions: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"question_id": i, "turns": [q]}) + "\n" for i, q in enumerate(questions)))
+    return path
+
+
+def _eval_cfg(models: Path, prompts: Path, extra=()):
+    return compose_config("evaluate", pair_overrides(models, "float32") + [
+        "data=mt_bench", f"data.path={prompts}", "generation.max_new_tokens=4", "evaluation.repeats=1", "evaluation.warmup=0",
+        "evaluation.calibration_prompts=1", "evaluation.progress=false", "threads=1",
+        *([] if any(x.startswith("policy=") for x in extra) else ["policy=static", "policy.gamma=2"]), *extra])
+
+
+def test_results_json_identifies_the_prompt_file_and_counts_dropped_prompts(tiny_models, tmp_path):
+    from ldlp.bench.loaders import file_sha256
+
+    prompts = _question_file(tmp_path / "q.jsonl", ["Hello there.", "word " * 400, "What is 2 + 2?", "Hi."])
+    cfg = _eval_cfg(tiny_models, prompts, ["data.limit=3", "data.sample_seed=5", "data.max_prompt_tokens=64"])
+    result = evaluate(cfg, policy_name="static", out_dir=tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["data_path"] == str(prompts) and saved["data_sha256"] == file_sha256(prompts)
+    assert (saved["limit"], saved["sample_seed"], saved["turns"]) == (3, 5, "first")
+    assert saved["n_prompts"] + saved["n_dropped"] == 3 and saved["n_dropped"] == 1
+    assert "max_prompt_tokens=64" in saved["dropped_reason"]
+    assert result["n_dropped"] == 1
+
+
+@pytest.mark.parametrize("bad", ["data", "policy", "checkpoint"])
+def test_bad_inputs_fail_before_the_models_load(tmp_path, monkeypatch, bad):
+    import ldlp.bench.evaluate as ev
+
+    def no_weights(_):
+        raise AssertionError("the models were loaded before the cheap inputs were checked")
+
+    monkeypatch.setattr(ev, "load_pair_cached", no_weights)
+    good = _question_file(tmp_path / "q.jsonl", ["Hello there."])
+    models = tmp_path / "models"  # no weights anywhere: only the tokenizer, which has none
+    extra = {"data": [], "policy": ["policy=static", "policy.gamma=-3"],
+             "checkpoint": ["policy=ldlp", f"policy.path={tmp_path / 'no_ldlp'}"]}[bad]
+    prompts = good
+    if bad == "data":
+        prompts = tmp_path / "bad.jsonl"
+        prompts.write_text('{"question_id": 1, "turns": ["fine"]}\n{"question_id": 2, "turns": \n')
+    cfg = _eval_cfg(models, prompts, extra)
+    with pytest.raises(ValueError) as e:
+        ev.evaluate(cfg, policy_name=None)
+    msg = str(e.value)
+    assert {"data": str(prompts), "policy": "gamma", "checkpoint": "no_ldlp"}[bad] in msg
+
+
+def _result(**kw) -> dict:
+    r = {"policy": "static", "gamma": 2, "model": "tiny", "drafter_kind": "eagle", "dataset": "prompts",
+         "n_prompts": 10, "n_dropped": 0, "dropped_reason": None, "temperature": 0.0, "max_new_tokens": 8,
+         "tokens_per_s": 100.0, "ar_tokens_per_s": 50.0, "speedup": 2.0, "tau": 2.0, "target_forwards": 5,
+         "wasted_tokens": 1, "drafted_tokens": 4, "new_tokens": 8, "lossless": True, "repeats": 1,
+         "data_path": "/d/humaneval.jsonl", "data_sha256": "a" * 64, "limit": None, "sample_seed": None,
+         "turns": "first", "policy_config": {"gamma": 2}}
+    r.update(kw)
+    return r
+
+
+def _write_runs(root: Path, results: list[dict]) -> Path:
+    for k, r in enumerate(results):
+        (root / f"run{k}").mkdir(parents=True)
+        (root / f"run{k}" / "results.json").write_text(json.dumps(r))
+    return root
+
+
+@pytest.mark.parametrize("field,other", [("data_path", "/d/gsm8k.jsonl"), ("data_sha256", "b" * 64), ("limit", 5),
+                                         ("sample_seed", 3), ("turns", "all")])
+def test_runs_on_different_prompt_sets_never_share_a_row(tmp_path, field, other):
+    from ldlp.report.summary import aggregate, find_results, summarize
+
+    runs = _write_runs(tmp_path / "runs", [_result(tokens_per_s=100.0), _result(**{field: other}, tokens_per_s=10.0)])
+    rows = aggregate(find_results(runs))
+    assert len(rows) == 2 and sorted(r["tokens_per_s"] for r in rows) == [10.0, 100.0]
+    out = summarize(runs, tmp_path / "out")  # a headline per prompt set, never one over both
+    assert len({h["prompt_set_key"] for h in out["headline"].values()}) == 2
+
+
+def test_old_results_without_the_prompt_file_hash_get_one_warning(tmp_path, caplog):
+    from ldlp.report.summary import aggregate, find_results
+
+    old = [{k: v for k, v in _result(tokens_per_s=t).items() if k not in ("data_sha256", "limit", "sample_seed")}
+           for t in (1.0, 2.0, 3.0)]
+    with caplog.at_level("WARNING", logger="ldlp.report.summary"):
+        aggregate(find_results(_write_runs(tmp_path, old)))
+    warnings = [r for r in caplog.records if "predate the prompt-file hash" in r.getMessage()]
+    assert len(warnings) == 1 and "3 of 3" in warnings[0].getMessage()
+
+
+def test_dropped_prompts_are_carried_into_the_rows_and_the_csv(tmp_path):
+    """Each row carries its prompt set's dropped count and reason (the tables' header line states them through
+    ``dropped_note``, tested below); results.csv has the column."""
+    from ldlp.report.summary import summarize
+
+    why = "longer than max_prompt_tokens=1536"
+    out = summarize(_write_runs(tmp_path / "many", [_result(n_prompts=56, n_dropped=24, dropped_reason=why)]),
+                    tmp_path / "o2")
+    [row] = out["rows"]
+    assert (row["n_prompts"], row["n_dropped"], row["dropped_reason"]) == (56, 24, why)
+    assert "n_dropped" in (tmp_path / "o2" / "results.csv").read_text().splitlines()[0]
+
+
+def test_the_dropped_note_states_the_share_in_bold_over_5_percent():
+    """The phrase every table's header line (the sweep's, the head to head's, README's block) puts after its
+    prompt count."""
+    from ldlp.bench.headtohead import dropped_note
+
+    result = {"n_prompts": 56, "n_dropped": 24, "dropped_reason": "longer than max_prompt_tokens=1536"}
+    assert dropped_note(result) == " (**24 of 80 prompts (30%) dropped: longer than max_prompt_tokens=1536**)"
+    assert dropped_note({**result, "n_prompts": 976}) == " (24 dropped: longer than max_prompt_tokens=1536)"

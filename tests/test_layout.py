@@ -180,6 +180,32 @@ def plots_and_markdown(root: Path, package: str) -> list[str]:
     return found
 
 
+NAMES = re.compile(r"``([\w.]+)``|\b(labels|training|models|policies|bench|report|pipeline|Lightning)\b")
+
+
+def import_statement(doc: str, package: str) -> tuple[set[str], set[str]]:
+    """The modules a package's docstring says it may import and those it says it never imports, from its
+    ``May import ...; never ...`` sentence: names in double backquotes, and the stage names, "Lightning" and
+    "the pipeline" written bare (``ldlp`` under "never" in a stage package: every other stage)."""
+    m = re.search(r"May import (.*?)(?:\.\s|\.?$)", " ".join(doc.split()))  # to the end of its sentence
+    if not m:
+        return set(), set()
+    may, _, never = m.group(1).partition("never")
+
+    def names(part: str, banned: bool) -> set[str]:
+        out = set()
+        for quoted, bare in NAMES.findall(part):
+            name = (quoted or bare).lower()
+            name = f"ldlp.{name}" if f"ldlp.{name}" in STAGES else name  # a stage by its short name
+            if name == "ldlp" and banned and within(package, "ldlp"):
+                out |= {s for s in STAGES if s != package}
+            else:
+                out.add(name)
+        return out
+
+    return names(may, False), names(never, True)
+
+
 # -- the checker catches what it should --------------------------------------------------------------------
 
 
@@ -293,10 +319,34 @@ def test_stage_packages_keep_their_import_rules(layout):
     assert layout["rules"] == []
 
 
-def test_every_package_states_what_it_may_import():
-    for init in sorted(p for pkg in PACKAGES for p in (REPO_ROOT / pkg).rglob("__init__.py")):
-        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert "import" in doc, f"{init.relative_to(REPO_ROOT)}: the docstring does not say what it may import"
+def test_every_package_states_the_rules_this_file_checks():
+    """Each package in ``RULES`` says in its ``__init__`` what it may import and what never, and says what
+    ``RULES`` checks: a project package it may import is not banned, one it never imports is, and every project
+    package it does not list as allowed is banned (third-party names, Lightning among them, are checked in the
+    first two ways only: the lists need not name every library)."""
+    project = (CORE,) + STAGES
+    for pkg, banned in RULES.items():
+        init = REPO_ROOT / pkg.replace(".", "/") / "__init__.py"
+        may, never = import_statement(ast.get_docstring(ast.parse(init.read_text())) or "", pkg)
+        where = f"{init.relative_to(REPO_ROOT)}"
+        assert may or never, f"{where}: the docstring has no 'May import ...; never ...' statement"
+        is_banned = lambda m: any(within(m, b) or within(b, m) for b in banned)  # noqa: E731
+        assert not [m for m in may if is_banned(m)], f"{where}: may import {may}, but RULES[{pkg!r}] bans {banned}"
+        assert all(is_banned(n) for n in never), f"{where}: never imports {never}, but RULES[{pkg!r}] bans {banned}"
+        allowed = {p for p in project for m in may if within(m, p) or within(p, m)}
+        unlisted = [p for p in project if p not in allowed and not within(pkg, p) and not is_banned(p)]
+        assert not unlisted, f"{where}: does not list {unlisted} as allowed, and RULES[{pkg!r}] does not ban them"
+
+
+def test_import_statement_parser():
+    doc = ("Things.\n\nMay import ``eagle_backbone``, torch and ``ldlp.models``; never Lightning, ``training``, bench\n"
+           "or the pipeline.")
+    assert import_statement(doc, "ldlp.policies") == (
+        {"eagle_backbone", "ldlp.models"}, {"lightning", "ldlp.training", "ldlp.bench", "ldlp.pipeline"})
+    other = "May import ``eagle_backbone`` only; never another ``ldlp`` package (they import this one)."
+    assert import_statement(other, "ldlp.models") == ({"eagle_backbone"}, set(STAGES) - {"ldlp.models"})
+    assert import_statement("May import torch; never ``ldlp``.", CORE) == (set(), {"ldlp"})
+    assert import_statement("Imports what it needs.", "ldlp.bench") == (set(), set())
 
 
 def test_reading_labels_and_replaying_policies_do_not_import_lightning():

@@ -1,5 +1,5 @@
-"""policy=load_aware and its ablations (ldlp/load_aware.py), its cost table (eagle_backbone/cost.py) and
-online recalibration (ldlp/calibration.py): the allocation the policies call against brute force, their
+"""policy=load_aware and its ablations (ldlp/policies/load_aware.py), its cost table (eagle_backbone/cost.py) and
+online recalibration (ldlp/models/calibration.py): the allocation the policies call against brute force, their
 decisions against the pre-refactor single-class policy, the two cost extremes, the YAMLs, and losslessness
 in a batch, greedy and sampled. Tiny float32 models; synthetic cost tables; no clock read."""
 
@@ -277,8 +277,7 @@ def _drive_batch1(pol, costs: CostTable, seed: int, steps: int = 20) -> str:
     """Drive ``pol`` as the batch-1 engine does (gamma, keep_drafting per draft, observe)."""
     rng = random.Random(seed)
     pol.pricing.costs = costs
-    state = pol
-    pol = OneRow(pol)  # a batched policy one sequence at a time
+    state, pol = pol, OneRow(pol)  # a batched policy one sequence at a time
     pol.begin([])
     out = []
     for step in range(steps):

@@ -147,7 +147,7 @@ def test_greedy_only_and_bad_settings(t32, cand, tmp_path):
 def test_the_sweep_runs_it_and_reports_its_headroom(t32, cand, tmp_path):
     """A contender of the load sweep like the chain oracle: prepared before the clocks, T=0 only (skipped in one
     line at T > 0), lossless, its cost table recorded, and its gain over the best static γ per C in the findings
-    and on the page."""
+    (the page's headroom section is written from them) and the runs file."""
     path = table_file(tmp_path, t32, CostTable.linear(10.0, 0.3, 0.05))
     cs = [Contender("ar", "ar", 0, None),
           Contender("static γ=1", "static", 1, lambda: StaticPolicy(1)),

@@ -137,8 +137,9 @@ def test_replay_priced_by_the_cost_table_counts_the_same_and_matches_its_linear_
         assert a.seconds == pytest.approx(b.seconds)
     results = tune(rows, table, {"static": (lambda p: StaticPolicy(**p), grid({"gamma": [1, 3]}))},
                    progress=False)
-    assert "priced by the measured cost table" in tuning_markdown(results, table, rows, "test")
-    assert "a linear cost table" in tuning_markdown(results, linear, rows, "test")
+    # the page states which prices it used (describe_costs, from this record)
+    assert (costs_record(table)["source"], costs_record(linear)["source"]) == ("cost_table", "linear")
+    assert tuning_markdown(results, table, rows, "test").startswith("## Policy tuning by exact replay")  # renders
 
 
 def test_replay_priced_by_the_step_cost_model_that_an_engine_starts_from_the_table(setup):
@@ -154,3 +155,26 @@ def test_replay_priced_by_the_step_cost_model_that_an_engine_starts_from_the_tab
     assert a.seconds == pytest.approx(b.seconds, rel=0.03)
     record = costs_record(model)
     assert record["source"] == "step_cost_model" and set(record["costs_ms"]) >= {"fixed", "per_token"}
+
+
+def test_replay_checks_head_sizes_against_the_stored_rows(tmp_path):
+    import numpy as np
+
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from eagle_backbone.cost import CostTable
+    from ldlp.bench.replay import OracleRows, replay
+    from ldlp.policies.threshold import AcceptancePolicy, LDLPPolicy
+    from ldlp.models.predictor import LDLP, LDLPConfig
+
+    n, k, d = 6, 4, 8
+    rows = OracleRows({"seq_id": np.zeros(n, int), "index": np.arange(n), "last_token": np.arange(n) % 5,
+                       "label": np.ones(n, int), "remaining": np.arange(n)[::-1], "draft_top1_prob": np.full((n, k), .5),
+                       "draft_entropy": np.ones((n, k)), "feature": np.zeros((n, d), np.float32),
+                       "draft_state": np.zeros((n, k * d), np.float32)})
+    AcceptanceHead(AcceptanceHeadConfig(hidden_size=d + 4, k_max=k)).save_pretrained(tmp_path / "acc")
+    LDLP(LDLPConfig(input_dim=2 * (d + 4))).save_pretrained(tmp_path / "ldlp")
+    costs = CostTable.linear(step_ms=1000.0, draft_ms=100.0)
+    for policy, what in ((AcceptancePolicy(str(tmp_path / "acc"), max_gamma=k), f"hidden_size={d + 4}"),
+                         (LDLPPolicy(str(tmp_path / "ldlp")), f"input_dim={2 * (d + 4)}")):
+        with pytest.raises(ValueError, match=what):
+            replay(rows, policy, costs, embed=lambda ids: torch.zeros(len(ids), d))

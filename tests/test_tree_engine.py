@@ -400,3 +400,10 @@ def test_every_grown_node_has_its_paths_draft_distribution(t32, drafters, kind, 
             want = torch.log_softmax(logits.float(), -1)[0, grown.tokens[r, i]]
             torch.testing.assert_close(grown.logq[r, i], want, rtol=1e-4, atol=1e-4)
             assert int(grown.depth[r, i]) == len(path)
+
+
+def test_a_tree_too_large_names_the_settings_to_change():
+    from eagle_backbone.tree_draft import TreeSpec
+
+    with pytest.raises(ValueError, match="top_k=64, depth=6.*lower policy.top_k, policy.depth or policy.width"):
+        TreeSpec(top_k=64, depth=6)
