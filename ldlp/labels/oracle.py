@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from eagle_backbone.candidates import check_eagle_pair
+from eagle_backbone.eagle3 import Eagle3Drafter
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
 
@@ -157,8 +158,13 @@ def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_ma
     label is censored when it is below ``k_max``), ``draft_top1_prob``, ``draft_entropy``,
     ``target_prob`` (R, k_max; column ``m-1`` is drafted step ``m``), ``feature`` (R, d) = ``f_{i-1}``
     in the target's dtype, ``draft_tokens`` (R, k_max) and ``draft_state`` (R, k_max, d), the drafter
-    output each step's LM head read (in the LM head's dtype).
+    output each step's LM head read (in the LM head's dtype). An EAGLE-3 drafter is labelled by
+    :func:`ldlp.labels.oracle_eagle3.oracle_labels_eagle3` (the same rows; its states are pre-norm).
     """
+    if isinstance(drafter, Eagle3Drafter):  # the same rows from the EAGLE-3 drafter's own code path
+        from ldlp.labels.oracle_eagle3 import oracle_labels_eagle3
+
+        return oracle_labels_eagle3(target, drafter, input_ids, prompt_len, k_max, full_target_prob, max_rows_per_pass)
     s = _check(input_ids, prompt_len, k_max)
     n, L = prompt_len, len(s)
     R = L - 1 - n
