@@ -1,4 +1,4 @@
-"""Oracle labels and the LDLP on an EAGLE-3 pair (ldlp/labels/oracle_eagle3.py): the vectorised labels equal
+"""Oracle labels and the LDLP on an EAGLE-3 pair (ldlp/labels/oracle.py, oracle_labels_eagle3): the vectorised labels equal
 the engine's drafting loop run at every position, drafting exactly the label wastes nothing in the engine, and
 the collector writes rows an LDLP reads (the target's embedding and final-normed last hidden state: width d,
 not the drafter's fused 3d layer states), whose policy then runs on the EAGLE-3 engine."""
@@ -16,7 +16,7 @@ from test_oracle import CONVS, VAL, LabelPolicy, assert_same_rows
 from eagle_backbone.candidates import Eagle3CandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
 from ldlp.labels.oracle import oracle_labels
-from ldlp.labels.oracle_eagle3 import oracle_labels_eagle3_sequential
+from ldlp.labels.oracle import oracle_labels_eagle3_sequential
 
 torch.set_num_threads(1)
 V = 8

@@ -433,7 +433,7 @@ class OracleCollector(Collector):
 
     identity_keys = IDENTITY_KEYS
     drafter_use = "the oracle labels an EAGLE drafter (EAGLE-1 or EAGLE-3)"
-    drafter_kinds = ("eagle", "eagle3")  # oracle_labels dispatches an EAGLE-3 drafter to oracle_eagle3.py
+    drafter_kinds = ("eagle", "eagle3")  # oracle_labels dispatches an EAGLE-3 drafter to oracle_labels_eagle3
     count_keys = ("sequences", "positions", "splits")
     k_max_why = " (labels are stored as int8)"
     dtype_keys = ("feature_dtype", "stat_dtype")
