@@ -104,7 +104,7 @@ def bench_drafters(cfg) -> dict:
         if greedy:
             reference = [target.reference_greedy(p, n) for p in prompts]
             lossless = all(o == reference for o in outputs)
-        tok_p, sec_p, fwd_p = tokens.sum(1), secs.sum(1), fwds.sum(1)  # per runner, per prompt (rounds summed)
+        tok_p, sec_p = tokens.sum(1), secs.sum(1)  # per runner, per prompt (rounds summed)
         tau_p = tokens[:, 0], fwds[:, 0]  # τ from the first round (the counters repeat at T = 0)
         rows = []
         for i, label in enumerate(labels):
@@ -165,7 +165,6 @@ def _ci(x: dict) -> str:
 
 
 def drafters_markdown(result: dict) -> str:
-    names = list(result["drafters"])
     ref = result["reference"]
     kinds = ", ".join(f"`{k}` ({v.get('drafter_kind')})" for k, v in result["drafters"].items())
     lines = [f"### Drafters head to head ({result['model']}, {result['dtype']})", "",
@@ -176,11 +175,11 @@ def drafters_markdown(result: dict) -> str:
         greedy = float(T) == 0.0
         lines += [f"#### T = {T}" + (f" (lossless: {cell['lossless']})" if greedy else ""), "",
                   f"{cell['rounds']} round(s), contenders in turns on every prompt (rotating order).", "",
-                  "| contender | τ | tokens/s | " + ("speedup vs AR |" if greedy else "") ,
+                  "| contender | τ | tokens/s |" + (" speedup vs AR |" if greedy else ""),
                   "|---|---:|---:|" + ("---:|" if greedy else "")]
         for row in cell["rows"]:
-            lines.append(f"| {row['contender']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | "
-                         + (f"{row['speedup_vs_ar']:.2f} |" if greedy else ""))
+            lines.append(f"| {row['contender']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} |"
+                         + (f" {row['speedup_vs_ar']:.2f} |" if greedy else ""))
         lines.append("")
         for name, x in cell["tau_vs_reference"].items():
             lines.append(f"- τ at γ={x['gamma']}: {name} {x['tau']:.2f} vs {ref} {x['reference_tau']:.2f}: "

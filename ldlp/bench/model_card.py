@@ -212,6 +212,7 @@ def _shipped_mb(root: Path) -> float:
 
 
 def _test_prompts(cfg, tokenizer, corpus: Path):
+    test = load_conversations(corpus / "test.json")
     test_prompts = build_prompts(tokenizer, test, cfg.max_prompt_tokens, turns="first")
     step = max(1, len(test_prompts) // cfg.n_prompts)  # a deterministic spread over the split
     return test_prompts[::step][: cfg.n_prompts]

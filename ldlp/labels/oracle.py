@@ -423,7 +423,7 @@ def oracle_labels_eagle3_sequential(target, drafter, input_ids, prompt_len: int,
         dm = BatchedEagle3Drafter(drafter, i + k_max)
         cache = dm.new_cache(1)
         h = dm(torch.tensor(s[1: i + 1], device=device), aux[:i], RaggedBatch([0], [0], [i], device), cache)[-1:]
-        toks, tops, ents, sts = [], [], [], []
+        toks, tops, ents, sts, tok = [], [], [], [], None
         for m in range(1, k_max + 1):
             if m > 1:
                 h = dm.draft(tok, h, RaggedBatch([0], [i + m - 2], [1], device), cache)
