@@ -3,7 +3,10 @@
 Quality: validation loss/perplexity of the target and the draft LM against a unigram baseline, and
 the drafter's teacher-forced top-1 agreement with the target. Cost: c = (one drafter step) / (one
 target step), timed interleaved in one process. Decoding: AR tokens/s, and τ and speedup at static
-γ = 1..6 on the test split, with the EAGLE drafter and with the draft LM.
+γ = 1..6 on the test split, with the EAGLE drafter and with the draft LM. The EAGLE-3 head
+(``data/embedded/eagle3``, when shipped) gets its own entry (:func:`eagle3_entry`: size, training, its
+validation top-1 by depth, c on the engine's drafting path, and its static-γ rows); ``only=eagle3`` measures
+that entry alone and merges it into the existing ``model_card.json`` before the card is rendered again.
 """
 
 from __future__ import annotations
@@ -131,7 +134,112 @@ def greedy_samples(target, tokenizer, prompts: list[tuple[str, list[int]]], n: i
     return out
 
 
+@torch.inference_mode()
+def eagle3_step_cost(target: TargetModel, head, prompt: list[int], reps: int = 200, eagle1=None) -> dict:
+    """Median seconds of one target decoding step and one EAGLE-3 drafting step (the engine's path: the
+    batched drafter's forward on its slot cache and its logits over the target's vocabulary), interleaved;
+    with ``eagle1`` (an EAGLE-1 drafter) its step too, timed as :func:`step_costs` times it, in the same loop."""
+    from eagle_backbone.eagle3 import BatchedEagle3Drafter
+    from eagle_backbone.llama import RaggedBatch
+
+    ids = torch.tensor([prompt])
+    n = ids.shape[1]
+    layers = head.aux_layers(target.model.config.num_hidden_layers)
+    t_cache = target.new_cache()
+    out = target.decoder(input_ids=ids, cache=t_cache, use_cache=True, output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i][0] for i in layers], -1)
+    dm = BatchedEagle3Drafter(head, n + 8)
+    cache = dm.new_cache(1)
+    h = dm(ids[0, 1:], aux[:-1], RaggedBatch([0], [0], [n - 1], "cpu"), cache)[-1:]
+    tok, one = ids[:, -1:], RaggedBatch([0], [n - 1], [1], "cpu")
+    if eagle1 is not None:
+        d_cache = eagle1.new_cache()
+        h1 = eagle1(ids[:, 1:], out.last_hidden_state[:, :-1], d_cache)
+    clock = Clock()
+
+    def one_step(name, _, k, r):
+        t0 = clock()
+        if name == "target":
+            target(tok, t_cache)
+            seconds = clock() - t0
+            rollback(t_cache, n)
+            return seconds
+        if name == "eagle":
+            target.lm_head(eagle1(tok, h1[:, -1:], d_cache))
+            seconds = clock() - t0
+            rollback(d_cache, n - 1)
+            return seconds
+        dm.logits(dm.draft(tok[0], h, one, cache))  # overwrites the same position every time
+        return clock() - t0
+
+    names = ["target", "eagle3"] + (["eagle"] if eagle1 is not None else [])
+    times = interleaved(names, [None], reps, one_step, order="fixed")
+    med = {name: statistics.median(row[0] for row in per) for name, per in zip(names, times)}
+    out = {"target_step_s": med["target"], "eagle3_step_s": med["eagle3"], "c_eagle3": med["eagle3"] / med["target"]}
+    if eagle1 is not None:
+        out.update(eagle_step_s=med["eagle"], c_eagle=med["eagle"] / med["target"])
+    return out
+
+
+def eagle3_entry(cfg, root: Path, target: TargetModel, val_prompt: list[int], prompts: list[list[int]]) -> dict:
+    """The EAGLE-3 head's card entry, measured in the decoding setting (``target`` loaded with it)."""
+    from eagle_backbone.candidates import Eagle3CandidateGenerator
+    from eagle_backbone.eagle3 import Eagle3Drafter
+    from eagle_backbone.loading import tie_drafter_embedding
+
+    head = Eagle3Drafter.from_pretrained(root / "eagle3", dtype=cfg.decode.dtype)
+    tie_drafter_embedding(head, target)
+    summary_path = root / "eagle3" / "training_summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    eagle1 = EagleDrafter.from_pretrained(root / "drafter", dtype=cfg.decode.dtype)  # c of both in one loop
+    costs = eagle3_step_cost(target, head, val_prompt, reps=cfg.cost_reps, eagle1=eagle1)
+    autoregressive_generate(target, prompts[0], 16)  # warm-up
+    decode, rows = static_gamma_table(target, {"eagle3": Eagle3CandidateGenerator(head, target)}, prompts,
+                                      list(cfg.gammas), cfg.max_new_tokens, cfg.repeats)
+    top1 = [summary[f"val_top1_{k}"] for k in range(int(summary.get("ttt_steps", 0))) if f"val_top1_{k}" in summary]
+    return {"params": sum(p.numel() for n, p in head.named_parameters() if not n.startswith("embed")),
+            "layers": summary.get("layers"), "steps": summary.get("steps"), "seed": summary.get("seed", 0),
+            "train_seconds_this_run": summary.get("train_seconds_this_run"), "val_top1_by_depth": top1,
+            "costs": costs, "decoding": {**decode, "dtype": cfg.decode.dtype,
+                                         "attn_implementation": cfg.decode.attn_implementation,
+                                         "n_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
+                                         "repeats": cfg.repeats, "rows": rows}}
+
+
+def _shipped_mb(root: Path) -> float:
+    shipped = [f for name in ("tokenizer", "target", "drafter", "draft_lm", "eagle3") for f in (root / name).rglob("*")]
+    return sum(f.stat().st_size for f in shipped if f.is_file()) / 2**20
+
+
+def _test_prompts(cfg, tokenizer, corpus: Path):
+    test = load_conversations(corpus / "test.json")
+    test_prompts = build_prompts(tokenizer, test, cfg.max_prompt_tokens, turns="first")
+    step = max(1, len(test_prompts) // cfg.n_prompts)  # a deterministic spread over the split
+    return test_prompts[::step][: cfg.n_prompts]
+
+
+def update_eagle3(cfg) -> dict:
+    """``only=eagle3``: measure the EAGLE-3 entry alone, merge it into model_card.json, render the card again."""
+    set_threads(cfg.get("threads"))
+    root = Path(cfg.embedded_dir)
+    card = json.loads((root / "model_card.json").read_text())
+    tokenizer = load_tokenizer(root / "tokenizer")
+    corpus = Path(cfg.corpus_dir)
+    chosen = _test_prompts(cfg, tokenizer, corpus)
+    val_prompt = build_prompts(tokenizer, load_conversations(corpus / "validation.json"), cfg.max_prompt_tokens)[0][1]
+    target = TargetModel.from_pretrained(root / "target", dtype=cfg.decode.dtype,
+                                         attn_implementation=cfg.decode.attn_implementation)
+    card["eagle3"] = eagle3_entry(cfg, root, target, val_prompt, [p for _, p in chosen])
+    card["eagle3"]["measured_apart"] = True  # its own run: its AR baseline and step costs are its own
+    card["shipped_mb"] = _shipped_mb(root)
+    atomic_write_json(root / "model_card.json", card, newline=False)
+    atomic_write_text(root / "MODEL_CARD.md", render_card(card))
+    return card
+
+
 def build_model_card(cfg) -> dict:
+    if cfg.get("only") == "eagle3":
+        return update_eagle3(cfg)
     torch.manual_seed(cfg.seed)
     set_threads(cfg.get("threads"))
     root = Path(cfg.embedded_dir)
@@ -142,7 +250,6 @@ def build_model_card(cfg) -> dict:
     corpus = Path(cfg.corpus_dir)
     train = load_conversations(corpus / "train.json")
     val = load_conversations(corpus / "validation.json")
-    test = load_conversations(corpus / "test.json")
 
     from eagle_backbone.train.lm import packed_blocks  # Lightning: imported when a card is built
 
@@ -153,10 +260,7 @@ def build_model_card(cfg) -> dict:
                                  len(tokenizer))
     top1 = drafter_top1(target, drafter, val_blocks, max_blocks=cfg.max_val_blocks)
 
-    test_prompts = build_prompts(tokenizer, test, cfg.max_prompt_tokens, turns="first")
-    # a deterministic spread over the split rather than its first modules only
-    step = max(1, len(test_prompts) // cfg.n_prompts)
-    chosen = test_prompts[::step][: cfg.n_prompts]
+    chosen = _test_prompts(cfg, tokenizer, corpus)
     val_prompt = build_prompts(tokenizer, val, cfg.max_prompt_tokens)[0][1]
     # speed is measured as the main command decodes (conf/model/embedded.yaml: dtype and attention);
     # the losses and the top-1 agreement above describe the models in float32
@@ -172,8 +276,8 @@ def build_model_card(cfg) -> dict:
     summaries = {name: json.loads((root / name / "training_summary.json").read_text())
                  for name in ("target", "drafter", "draft_lm") if (root / name / "training_summary.json").exists()}
     manifest = json.loads((corpus / "manifest.json").read_text())
-    shipped = [f for name in ("tokenizer", "target", "drafter", "draft_lm") for f in (root / name).rglob("*")]
-    size_mb = sum(f.stat().st_size for f in shipped if f.is_file()) / 2**20
+    eagle3 = eagle3_entry(cfg, root, target, val_prompt, [p for _, p in chosen]) if (root / "eagle3").is_dir() else None
+    size_mb = _shipped_mb(root)
     card = {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -192,6 +296,8 @@ def build_model_card(cfg) -> dict:
         "shipped_mb": size_mb,
         "command": cfg.command,
     }
+    if eagle3 is not None:
+        card["eagle3"] = eagle3
     for key in ("config",):
         for part in ("target", "draft_lm", "drafter"):
             card[part].pop(key, None)
@@ -204,8 +310,10 @@ def render_card(c: dict) -> str:
     t, d, lm, k, dec = c["target"], c["drafter"], c["draft_lm"], c["costs"], c["decoding"]
     ok = lambda cond: "met" if cond else "NOT met"  # noqa: E731
     hours = lambda s: f"{s / 60:.0f} min" if s else "n/a"  # noqa: E731
+    e3 = c.get("eagle3")
     lines = [
-        "# Embedded models: a Llama target, its EAGLE-1 drafter and a small draft LM",
+        "# Embedded models: a Llama target, its EAGLE-1 " + ("and EAGLE-3 drafters" if e3 else "drafter")
+        + " and a small draft LM",
         "",
         "Generated by `python scripts/model_card.py` (do not edit by hand); rebuilt from scratch with "
         f"`{c['command']}`.",
@@ -228,6 +336,12 @@ def render_card(c: dict) -> str:
         f"| EAGLE-1 drafter | {d['params'] / 1e6:.2f}M (+ shared embedding/head) | {d.get('steps', 'n/a')} | "
         f"{d.get('tokens_seen', 0) / 1e6:.1f}M | {hours(d.get('train_seconds_total', d.get('train_seconds_this_run')))} | "
         "— | — | " + f"{d.get('seed', 0)} |",
+    ]
+    if e3:
+        lines.append(f"| EAGLE-3 head (layers {e3.get('layers')}) | {e3['params'] / 1e6:.2f}M (fc, layer, norm, LM head) | "
+                     f"{e3.get('steps', 'n/a')} | – | {hours(e3.get('train_seconds_this_run'))} + distillation | — | — | "
+                     f"{e3.get('seed', 0)} |")
+    lines += [
         "",
         f"- Unigram baseline perplexity on validation: **{t['unigram_val_ppl']:.1f}** vs target **{t['val_ppl']:.1f}** "
         f"({ok(t['val_ppl'] < t['unigram_val_ppl'])}: clearly below the baseline).",
@@ -236,6 +350,16 @@ def render_card(c: dict) -> str:
         f"- Step cost on this CPU (median of interleaved single-token steps): target {k['target_step_s'] * 1e3:.2f} ms, "
         f"EAGLE drafter {k['eagle_step_s'] * 1e3:.2f} ms, draft LM {k['draft_lm_step_s'] * 1e3:.2f} ms; "
         f"**c = {k['c_eagle']:.3f}** for EAGLE (target <= 0.3: {ok(k['c_eagle'] <= 0.3)}), c = {k['c_draft_lm']:.3f} for the draft LM.",
+    ]
+    if e3:
+        k3, top1 = e3["costs"], e3.get("val_top1_by_depth") or []
+        lines.append("- EAGLE-3 head: top-1 agreement with the target on its validation blocks, by draft depth 1.."
+                     f"{len(top1)}: " + ", ".join(f"{x:.3f}" for x in top1) + "; step cost on the engine's drafting "
+                     f"path {k3['eagle3_step_s'] * 1e3:.2f} ms against a target step of {k3['target_step_s'] * 1e3:.2f} ms: "
+                     f"**c = {k3['c_eagle3']:.3f}** (docs/eagle3.md; goal <= 0.25: {ok(k3['c_eagle3'] <= 0.25)})"
+                     + (f"; the EAGLE-1 drafter in the same loop: c = {k3['c_eagle']:.3f}" if "c_eagle" in k3 else "")
+                     + (", measured in its own run" if e3.get("measured_apart") else "") + ".")
+    lines += [
         f"- Shipped size: {c['shipped_mb']:.1f} MB (safetensors, bfloat16).",
         "",
         "## Decoding on the test split (greedy)",
@@ -250,6 +374,14 @@ def render_card(c: dict) -> str:
     ]
     lines += [f"| {r['drafter']} | {r['gamma']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | "
               f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |" for r in dec["rows"]]
+    if e3:
+        d3 = e3["decoding"]
+        lines += ["", f"EAGLE-3 head{' (its own run' if e3.get('measured_apart') else ' (the same run'}: "
+                  f"{d3['n_prompts']} prompts, {d3['max_new_tokens']} new tokens, {d3['repeats']} repeats, "
+                  f"{d3['dtype']}; AR baseline {d3['ar_tokens_per_s']:.1f} tokens/s; lossless: **{d3['lossless']}**):", "",
+                  "| drafter | γ | τ | acceptance | tokens/s | speedup |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['drafter']} | {r['gamma']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | "
+                  f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |" for r in d3["rows"]]
     m = c["machine"]
     lines += ["", f"Machine: {m['platform']}, {m['processor']}, torch {m['torch']} with {m['torch_threads']} threads.",
               "", "## Greedy answers to held-out (test split) prompts", ""]

@@ -266,6 +266,7 @@ class Collector:
 
     identity_keys: tuple[str, ...] = ()
     drafter_use = "labels need an EAGLE drafter"
+    drafter_kinds: tuple[str, ...] = ("eagle",)  # the model.drafter_kind values it labels
     count_keys: tuple[str, ...] = ("sequences", "positions")
     k_max_limit, k_max_why = 127, ""  # k_max in 1..k_max_limit; why the limit, for the error
     dtype_keys: tuple[str, ...] = ()  # settings that are float16 or float32
@@ -353,9 +354,9 @@ class Collector:
         clock = Clock()  # stage wall time (a CPU clock: it must not wait for the GPU between items)
         t_start = clock()
 
-        if cfg.model.drafter_kind != "eagle":
-            raise ValueError(f"model.drafter_kind={cfg.model.drafter_kind!r}: {self.drafter_use}; use an eagle "
-                             "model config")
+        if cfg.model.drafter_kind not in self.drafter_kinds:
+            raise ValueError(f"model.drafter_kind={cfg.model.drafter_kind!r}: {self.drafter_use}; use an "
+                             f"{' or '.join(self.drafter_kinds)} model config")
         pair = load_pair(cfg.model)
         target, drafter = pair.target, pair.drafter
         manifest_path = out / "manifest.json"
@@ -431,7 +432,8 @@ class OracleCollector(Collector):
     """The oracle's hooks: greedy responses, :func:`oracle_labels` per position, label histograms per part."""
 
     identity_keys = IDENTITY_KEYS
-    drafter_use = "the oracle labels an EAGLE drafter (features in, features out)"
+    drafter_use = "the oracle labels an EAGLE drafter (EAGLE-1 or EAGLE-3)"
+    drafter_kinds = ("eagle", "eagle3")  # oracle_labels dispatches an EAGLE-3 drafter to oracle_labels_eagle3
     count_keys = ("sequences", "positions", "splits")
     k_max_why = " (labels are stored as int8)"
     dtype_keys = ("feature_dtype", "stat_dtype")

@@ -1,0 +1,202 @@
+"""Drafters head to head: two (or more) drafters of one target, static chains in turns on every prompt.
+
+The head to head (:mod:`ldlp.bench.headtohead`) compares policies of one drafter; this compares drafters
+(EAGLE-1 against EAGLE-3, docs/eagle3.md#goals). One target is loaded once; every drafter gets its candidate
+generator on it. At T = 0 every (drafter, static γ) and the AR baseline take turns on every prompt in a
+rotating order for ``rounds`` rounds (the order moves every prompt, so a slow phase of a shared machine hits
+all alike); at T > 0 every drafter runs ``tau_gamma`` for ``sampled_rounds`` rounds (τ, the counters, is what
+is measured there; sampled sequences are seeded per prompt, seed + prompt index).
+
+Paired against the first drafter (the reference), with a bootstrap 95% interval that resamples prompts (each
+with all its rounds):
+
+* τ at ``tau_gamma`` (new tokens over target forwards, summed over the prompts), per T;
+* tokens/s of each drafter's best static γ at T = 0 (chosen in hindsight on these runs), its ratio to the
+  reference's best;
+* the draft-cost ratio c as the timed generations give it: milliseconds per drafted token over milliseconds
+  per target pass, fitted to each drafter's static-γ generations (:func:`ldlp.bench.replay.fit_costs`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from eagle_backbone.candidates import make_candidates
+from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.loading import load_drafter, load_target, tie_drafter_embedding
+from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.runtime import resolve_dtype
+from eagle_backbone.sampling import SamplingConfig
+from eagle_backbone.timing import interleaved
+from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
+from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
+
+log = logging.getLogger(__name__)
+
+
+def _boot(num: np.ndarray, den: np.ndarray, ref_num: np.ndarray, ref_den: np.ndarray, boot_k: np.ndarray):
+    """(Σ num / Σ den) / (Σ ref_num / Σ ref_den) over prompts, and its bootstrap 95% interval (per-prompt arrays)."""
+    point = (num.sum() / den.sum()) / (ref_num.sum() / ref_den.sum())
+    b = (num[boot_k].sum(1) / den[boot_k].sum(1)) / (ref_num[boot_k].sum(1) / ref_den[boot_k].sum(1))
+    return float(point), [float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))]
+
+
+def bench_drafters(cfg) -> dict:
+    from ldlp.bench.replay import fit_costs
+
+    names = list(cfg.drafters)
+    if len(names) < 2:
+        raise ValueError(f"drafters: give at least two (the first is the reference), got {names}")
+    gammas = [int(g) for g in cfg.gammas]
+    tau_gamma = int(cfg.tau_gamma)
+    prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
+    prompts = [ids for _, ids in prompt_set]
+    target = load_target(cfg.model)
+    device = str(cfg.model.get("device") or "cpu")
+    attn = "eager" if (cfg.model.get("attn_implementation") or "sdpa") == "eager" else "sdpa"
+    gens = {}
+    for name in names:
+        d = cfg.drafters[name]
+        drafter = load_drafter(d.drafter_kind, d.drafter, cfg.model.dtype, device)
+        tie_drafter_embedding(drafter, target)
+        gens[name] = make_candidates(d.drafter_kind, drafter, target, attn)
+    n, seed, B = int(cfg.generation.max_new_tokens), int(cfg.seed), int(cfg.bootstrap)
+    rng = np.random.default_rng(seed)
+    boot_k = rng.integers(0, len(prompts), size=(B, len(prompts)))
+    result = {"drafters": {k: dict(cfg.drafters[k]) for k in names}, "reference": names[0], "gammas": gammas,
+              "tau_gamma": tau_gamma, "n_prompts": len(prompts), "max_new_tokens": n,
+              "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "model": str(cfg.model.name),
+              "dtype": resolve_dtype(cfg.model.get("dtype"), device), "machine": machine_info(), "by_temperature": {}}
+
+    for T in [float(t) for t in cfg.temperatures]:
+        sampling = SamplingConfig(temperature=T)
+        greedy = sampling.greedy
+        contenders = [(name, g) for name in names for g in (gammas if greedy else [tau_gamma])]
+        runners = [engine_runner(f"{name} γ={g}", SpeculativeDecoder(target, gens[name], StaticPolicy(g)), sampling)
+                   for name, g in contenders]
+        if greedy:
+            runners.append(ar_runner("ours", target, sampling))
+        labels = [r.name for r in runners]
+        rounds = int(cfg.rounds if greedy else cfg.sampled_rounds)
+        for r in runners:  # warm-up
+            r.run(prompts[0], min(16, n), seed)
+        secs = np.zeros((len(runners), rounds, len(prompts)))
+        tokens = np.zeros((len(runners), rounds, len(prompts)))
+        fwds = np.zeros((len(runners), rounds, len(prompts)))
+        outputs = [[None] * len(prompts) for _ in runners]
+        stats_of = {name: [] for name in names}
+        bar = progress_bar(rounds * len(prompts), f"drafters T={T}", bool(cfg.evaluation.get("progress", True)))
+
+        def turn(i, prompt, k, r):
+            out, st = runners[i].run(prompt, n, seed + k)
+            secs[i, r, k], tokens[i, r, k], fwds[i, r, k] = st.wall_s, st.new_tokens, max(1, st.target_forwards)
+            if r == 0:
+                outputs[i][k] = out
+            if i < len(contenders):
+                stats_of[contenders[i][0]].append(st)
+
+        interleaved(range(len(runners)), prompts, rounds, turn, order="rotate", after_item=lambda: bar.update(1))
+        bar.close()
+        lossless = None
+        if greedy:
+            reference = [target.reference_greedy(p, n) for p in prompts]
+            lossless = all(o == reference for o in outputs)
+        tok_p, sec_p = tokens.sum(1), secs.sum(1)  # per runner, per prompt (rounds summed)
+        tau_p = tokens[:, 0], fwds[:, 0]  # τ from the first round (the counters repeat at T = 0)
+        rows = []
+        for i, label in enumerate(labels):
+            rows.append({"contender": label, "drafter": contenders[i][0] if i < len(contenders) else "ar",
+                         "gamma": contenders[i][1] if i < len(contenders) else 0,
+                         "tokens_per_s": float(tok_p[i].sum() / sec_p[i].sum()),
+                         "tau": float(tau_p[0][i].sum() / tau_p[1][i].sum()),
+                         "tokens_per_s_rounds": (tokens[i].sum(1) / secs[i].sum(1)).tolist()})
+        if greedy:
+            ar = rows[-1]["tokens_per_s"]
+            for row in rows:
+                row["speedup_vs_ar"] = row["tokens_per_s"] / ar
+        cell = {"rounds": rounds, "lossless": lossless, "rows": rows, "labels": labels, "seconds": secs.tolist(),
+                "tokens": tokens.tolist(), "target_forwards": fwds.tolist()}
+        ref_tau = labels.index(f"{names[0]} γ={tau_gamma}")
+        cell["tau_vs_reference"] = {}
+        for name in names[1:]:
+            i = labels.index(f"{name} γ={tau_gamma}")
+            point, ci = _boot(tau_p[0][i], tau_p[1][i], tau_p[0][ref_tau], tau_p[1][ref_tau], boot_k)
+            cell["tau_vs_reference"][name] = {"gamma": tau_gamma, "tau": rows[i]["tau"], "reference_tau": rows[ref_tau]["tau"],
+                                              "ratio": point, "ci95": ci}
+        if greedy:
+            best = {}
+            for name in names:
+                idx = [i for i, (nm, _) in enumerate(contenders) if nm == name]
+                b = max(idx, key=lambda i: rows[i]["tokens_per_s"])
+                best[name] = b
+                try:
+                    lin = dict(fit_costs(stats_of[name]).meta["linear"])
+                    lin["c"] = lin["draft_ms"] / lin["step_ms"] if lin["step_ms"] else None
+                except ValueError:
+                    lin = None
+                cell.setdefault("costs", {})[name] = lin
+            cell["best_static"] = {name: {"gamma": contenders[b][1], "tokens_per_s": rows[b]["tokens_per_s"],
+                                          "speedup_vs_ar": rows[b]["speedup_vs_ar"], "tau": rows[b]["tau"]}
+                                   for name, b in best.items()}
+            cell["best_static_vs_reference"] = {}
+            r0 = best[names[0]]
+            for name in names[1:]:
+                b = best[name]
+                point, ci = _boot(tok_p[b], sec_p[b], tok_p[r0], sec_p[r0], boot_k)
+                faster = int((tokens[b].sum(1) / secs[b].sum(1) > tokens[r0].sum(1) / secs[r0].sum(1)).sum())
+                cell["best_static_vs_reference"][name] = {"gamma": contenders[b][1], "reference_gamma": contenders[r0][1],
+                                                          "ratio": point, "ci95": ci, "rounds_faster": faster}
+                # and at every γ: the same γ for both drafters
+                cell.setdefault("same_gamma_vs_reference", {})[name] = {
+                    g: dict(zip(("ratio", "ci95"), _boot(tok_p[labels.index(f"{name} γ={g}")],
+                                                         sec_p[labels.index(f"{name} γ={g}")],
+                                                         tok_p[labels.index(f"{names[0]} γ={g}")],
+                                                         sec_p[labels.index(f"{names[0]} γ={g}")], boot_k)))
+                    for g in gammas}
+        result["by_temperature"][str(T)] = cell
+    return result
+
+
+def _ci(x: dict) -> str:
+    return f"{x['ratio']:.3f} ({x['ci95'][0]:.3f}–{x['ci95'][1]:.3f})"
+
+
+def drafters_markdown(result: dict) -> str:
+    ref = result["reference"]
+    kinds = ", ".join(f"`{k}` ({v.get('drafter_kind')})" for k, v in result["drafters"].items())
+    lines = [f"### Drafters head to head ({result['model']}, {result['dtype']})", "",
+             f"Drafters {kinds} on one "
+             f"target; {result['n_prompts']} prompts of {result['dataset']}, {result['max_new_tokens']} new tokens at "
+             f"most. Ratios are against `{ref}` on the same prompts, with a bootstrap 95% interval over prompts.", ""]
+    for T, cell in result["by_temperature"].items():
+        greedy = float(T) == 0.0
+        lines += [f"#### T = {T}" + (f" (lossless: {cell['lossless']})" if greedy else ""), "",
+                  f"{cell['rounds']} round(s), contenders in turns on every prompt (rotating order).", "",
+                  "| contender | τ | tokens/s |" + (" speedup vs AR |" if greedy else ""),
+                  "|---|---:|---:|" + ("---:|" if greedy else "")]
+        for row in cell["rows"]:
+            lines.append(f"| {row['contender']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} |"
+                         + (f" {row['speedup_vs_ar']:.2f} |" if greedy else ""))
+        lines.append("")
+        for name, x in cell["tau_vs_reference"].items():
+            lines.append(f"- τ at γ={x['gamma']}: {name} {x['tau']:.2f} vs {ref} {x['reference_tau']:.2f}: "
+                         f"ratio {_ci(x)}")
+        if greedy:
+            for name, b in cell["best_static"].items():
+                lines.append(f"- best static γ of {name}: γ={b['gamma']}, {b['tokens_per_s']:.1f} tokens/s "
+                             f"({b['speedup_vs_ar']:.2f}× AR, τ {b['tau']:.2f})")
+            for name, x in cell["best_static_vs_reference"].items():
+                lines.append(f"- tokens/s, best static γ, {name} (γ={x['gamma']}) vs {ref} (γ={x['reference_gamma']}): "
+                             f"{_ci(x)}; faster in {x['rounds_faster']}/{cell['rounds']} rounds")
+            for name, per in cell.get("same_gamma_vs_reference", {}).items():
+                lines.append(f"- tokens/s at the same γ, {name} vs {ref}: "
+                             + ", ".join(f"γ={g}: {_ci(x)}" for g, x in per.items()))
+            for name, lin in cell.get("costs", {}).items():
+                if lin:
+                    lines.append(f"- fitted costs of {name}: {lin['step_ms']:.2f} ms a target pass (a step's fixed cost), "
+                                 f"{lin['draft_ms']:.2f} ms a drafted token: c = {lin['draft_ms'] / lin['step_ms']:.3f}")
+        lines.append("")
+    return "\n".join(lines)
