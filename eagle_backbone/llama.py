@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from eagle_backbone.linear import Projection
 from eagle_backbone.runtime import to_device
 from eagle_backbone.tree import ancestor_matrix
 
@@ -413,20 +414,33 @@ def attend(cache: SlotCache, layer: int, q, k, v, batch: RaggedBatch, scaling: f
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def decoder_layer(layer: nn.Module, x: torch.Tensor, cos, sin, cache: SlotCache, li: int, batch: RaggedBatch,
-                  impl: str) -> torch.Tensor:
-    """One transformers LlamaDecoderLayer on the flat tokens (N, d), with our cache."""
-    N = x.shape[0]
-    attn = layer.self_attn
-    hd = attn.head_dim
-    h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(N, -1, hd)
-    k = attn.k_proj(h).view(N, -1, hd)
-    v = attn.v_proj(h).view(N, -1, hd)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    x = x + attn.o_proj(attend(cache, li, q, k, v, batch, attn.scaling, impl))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+class DecoderLayer:
+    """A transformers LlamaDecoderLayer as the engine runs it: its norms and activation, and its seven
+    projections as :class:`~eagle_backbone.linear.Projection` (oneDNN's packed matmul on a CPU where it is
+    faster; ``linear="plain"``: ``F.linear``). The module itself is left as it is."""
+
+    def __init__(self, layer: nn.Module, linear: str = "auto"):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q, self.k, self.v, self.o = (Projection(m, linear) for m in (attn.q_proj, attn.k_proj, attn.v_proj,
+                                                                           attn.o_proj))
+        self.gate, self.up, self.down = (Projection(m, linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.act = mlp.act_fn
+
+    def __call__(self, x: torch.Tensor, cos, sin, cache: SlotCache, li: int, batch: RaggedBatch,
+                 impl: str) -> torch.Tensor:
+        """The layer on the flat tokens (N, d), with our cache."""
+        N, hd = x.shape[0], self.head_dim
+        h = self.input_layernorm(x)
+        q = self.q(h).view(N, -1, hd)
+        k = self.k(h).view(N, -1, hd)
+        v = self.v(h).view(N, -1, hd)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        x = x + self.o(attend(cache, li, q, k, v, batch, self.scaling, impl).reshape(N, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down(self.act(self.gate(h)) * self.up(h))
 
 
 class RotaryTable:
@@ -454,7 +468,7 @@ class BatchedLlama:
     ``output_hidden_states[i]``: 0 the embeddings; EAGLE-3's features);
     ``logits(h)`` applies the LM head (so callers score only the positions they need)."""
 
-    def __init__(self, model: nn.Module, capacity: int, attn: str = "eager"):
+    def __init__(self, model: nn.Module, capacity: int, attn: str = "eager", linear: str = "auto"):
         decoder = model.get_decoder()
         layers = getattr(decoder, "layers", None)
         if layers is None or not all(hasattr(l, "self_attn") and hasattr(l.self_attn, "q_proj") for l in layers):
@@ -462,6 +476,7 @@ class BatchedLlama:
                              "(layers with self_attn.q_proj/k_proj/v_proj/o_proj and an mlp)")
         _check_attn(attn)
         self.model, self.decoder, self.layers = model, decoder, list(layers)
+        self.run_layers = [DecoderLayer(layer, linear) for layer in self.layers]
         self.lm_head, self.embed_tokens = model.get_output_embeddings(), model.get_input_embeddings()
         self.attn, self.capacity = attn, capacity
         w = self.lm_head.weight
@@ -478,10 +493,10 @@ class BatchedLlama:
         cos, sin = self.rope(batch.rope_pos)  # a tree node turns as at its depth, not where it is written
         x = self.embed_tokens(tokens)
         extra = {}
-        for li, layer in enumerate(self.layers):
+        for li, layer in enumerate(self.run_layers):
             if li in hidden_layers:
                 extra[li] = x
-            x = decoder_layer(layer, x, cos, sin, cache, li, batch, self.attn)
+            x = layer(x, cos, sin, cache, li, batch, self.attn)
         h = self.decoder.norm(x)
         return (h, [extra[i] for i in hidden_layers]) if hidden_layers else h
 
@@ -494,10 +509,11 @@ class BatchedLlama:
 class BatchedEagleDrafter:
     """An :class:`~eagle_backbone.drafter.EagleDrafter` run on a :class:`SlotCache` (one layer)."""
 
-    def __init__(self, drafter: nn.Module, lm_head: nn.Module, capacity: int, attn: str = "eager"):
+    def __init__(self, drafter: nn.Module, lm_head: nn.Module, capacity: int, attn: str = "eager", linear: str = "auto"):
         _check_attn(attn)
         self.drafter, self.lm_head = drafter, lm_head  # the target's LM head reads the predicted features
         self.layer = drafter.layers[0]
+        self.run_layer = DecoderLayer(self.layer, linear)
         self.attn, self.capacity = attn, capacity
         w = drafter.fc.weight
         self.dtype, self.device = w.dtype, w.device
@@ -513,7 +529,7 @@ class BatchedEagleDrafter:
         d = self.drafter
         h = d.fc(torch.cat([d.embed_tokens(tokens).to(features.dtype), features.to(self.dtype)], dim=-1))
         cos, sin = self.rope(batch.rope_pos)
-        return decoder_layer(self.layer, h, cos, sin, cache, 0, batch, self.attn)
+        return self.run_layer(h, cos, sin, cache, 0, batch, self.attn)
 
     draft = __call__  # drafted pairs (token, predicted feature) read the same way as true ones
 

@@ -113,9 +113,11 @@ def attention_routes(lm: BatchedLlama, lengths: list[int], slots=(1, 16, 32), re
 
 
 @torch.inference_mode()
-def linear_kernels(lm: BatchedLlama, tokens=(1, 16, 80), reps: int = 10, seed: int = 0) -> list[dict]:
-    """Median CPU ms of one layer's q/k/v/o and MLP projections at M tokens, torch's F.linear against oneDNN's
-    linear; ``same_bits_alone``: each kernel gives the first row the same bits at M = 1 as inside M rows."""
+def linear_kernels(lm: BatchedLlama, tokens=(1, 2, 3, 4, 8, 16, 80), reps: int = 10, seed: int = 0) -> list[dict]:
+    """Median CPU ms of one layer's q/k/v/o and MLP projections at M tokens: torch's F.linear, oneDNN's linear on
+    the weight as stored, and on a copy packed once (``onednn_packed``, what the engine's
+    :class:`~eagle_backbone.linear.Projection` calls from ``ROUTES``' token count on); ``same_bits_alone``: each
+    kernel gives the first row the same bits at M = 1 as inside M rows."""
     g = torch.Generator().manual_seed(seed)
     layer = lm.layers[0]
     mods = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
@@ -124,6 +126,11 @@ def linear_kernels(lm: BatchedLlama, tokens=(1, 16, 80), reps: int = 10, seed: i
     kernels = {"F.linear": lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias)}
     if onednn is not None:
         kernels["onednn"] = lambda m, x: onednn(x, m.weight, m.bias, "none", [], "")
+        try:
+            packed = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 16) for m in mods}
+            kernels["onednn_packed"] = lambda m, x: onednn(x, packed[m], m.bias, "none", [], "")
+        except RuntimeError:  # no packed layout for this dtype here: the two others only
+            pass
     out = []
     for M in tokens:
         xs = {m: torch.randn(M, m.in_features, generator=g).to(lm.dtype) for m in mods}
@@ -187,15 +194,17 @@ def markdown(result: dict) -> str:
         lines += ["", "Routes that did not run: " + "; ".join(sorted(errs))]
     lines += ["", "## Linear kernels (one layer's projections at M tokens)", "",
               "Median process-CPU ms; same bits alone: a row scored alone (M = 1) gets the bits it gets inside M rows.", "",
-              "| dtype | M | F.linear | oneDNN | F.linear / oneDNN | same bits alone (F.linear, oneDNN) |",
-              "|---|---:|---:|---:|---:|---|"]
+              "| dtype | M | F.linear | oneDNN | oneDNN packed | F.linear / oneDNN | F.linear / packed | same bits alone "
+              "(F.linear, oneDNN, packed) |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for x in result.get("linear", []):
         for r in x["rows"]:
-            ms, same = r["ms"], r["same_bits_alone"]
-            one, base = ms.get("onednn"), ms["F.linear"]
-            speed = "–" if one is None else f"{base / one:.2f}×"
-            lines.append(f"| {x['dtype']} | {r['tokens']} | {base:.3f} | {'–' if one is None else f'{one:.3f}'} | {speed} | "
-                         f"{same.get('F.linear')}, {same.get('onednn', '–')} |")
+            ms, same, base = r["ms"], r["same_bits_alone"], r["ms"]["F.linear"]
+            cells = [ms.get(k) for k in ("onednn", "onednn_packed")]
+            times = " | ".join("–" if c is None else f"{c:.3f}" for c in cells)
+            speed = " | ".join("–" if c is None else f"{base / c:.2f}×" for c in cells)
+            lines.append(f"| {x['dtype']} | {r['tokens']} | {base:.3f} | {times} | {speed} | "
+                         f"{same.get('F.linear')}, {same.get('onednn', '–')}, {same.get('onednn_packed', '–')} |")
     lines += ["", f"## Batched AR against C ({m['dtype']}, {m['max_new_tokens']} new tokens a prompt)", "",
               "Generated tokens per process CPU-second (one thread: the compute spent), with the prefill's share "
               "of the engine's time (prefill in its own forward here) and the tokens per CPU-second of decoding "
