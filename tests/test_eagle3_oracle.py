@@ -90,8 +90,8 @@ def test_collector_and_ldlp_run_on_an_eagle3_pair(eagle3_dirs, tmp_path):
     from eagle_backbone.paths import REPO_ROOT
     from ldlp.labels.collect import collect_oracle
     from ldlp.labels.store import load_oracle_rows, read_rows
-    from ldlp.policies import LDLPPolicy
-    from ldlp.predictor import LDLP, LDLPConfig
+    from ldlp.policies.threshold import LDLPPolicy
+    from ldlp.models.predictor import LDLP, LDLPConfig
 
     root = eagle3_dirs
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):

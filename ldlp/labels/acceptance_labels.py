@@ -38,7 +38,8 @@ from eagle_backbone.io import atomic_write_text
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
 from ldlp.models.acceptance import prob_features
-from ldlp.labels.collect import Collector, Part, part_columns
+from ldlp.labels.collect import Collector, part_columns
+from ldlp.labels.work import Part
 from ldlp.labels.store import (
     acceptance_rows_features,
     committed_parts,
