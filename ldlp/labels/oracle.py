@@ -201,31 +201,8 @@ def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_ma
     draft, top1, entropy = by_step(tok1, 0), by_step(top1_1, 1), by_step(ent1, 2)
     states = by_step(state1, 3)
 
-    label = lcp_labels(draft, seq, index)
-
-    # target probabilities along the true prefix: steps m <= label + 1 read position i + m - 1
-    steps = torch.arange(1, k_max + 1)[None]
-    pos = index[:, None] + steps - 1
-    on_true = steps <= (label[:, None] + 1)
-    pos_c = pos.clamp(max=L - 1).to(logits.device)
-    tp = torch.exp(logits[pos_c, draft.to(logits.device)].float() - log_norm[pos_c]).cpu()
-    target_prob = torch.where(on_true, tp, torch.full_like(tp, float("nan")))
-    if full_target_prob:
-        _wrong_prefix_target_probs(target, tcache, L, draft, label, index, target_prob,
-                                   max_tokens=(max_rows_per_pass or R) * (k_max - 1))
-
-    return {
-        "index": index,
-        "last_token": seq[n: L - 1].clone(),
-        "label": label,
-        "remaining": (L - 1) - index,
-        "draft_top1_prob": top1,
-        "draft_entropy": entropy,
-        "target_prob": target_prob,
-        "feature": feats[n - 1: L - 2].cpu(),
-        "draft_tokens": draft,
-        "draft_state": states,
-    }
+    return _label_rows(target, tcache, seq, index, n, L, logits, log_norm, feats, k_max,
+                       (draft, top1, entropy, states), full_target_prob, max_rows_per_pass or R)
 
 
 @torch.inference_mode()
@@ -380,30 +357,8 @@ def oracle_labels_eagle3(target, drafter, input_ids, prompt_len: int, k_max: int
         return torch.cat([first[:, None], torch.cat(per_step[which])], 1).cpu()
 
     draft, top1, entropy, states = by_step(tok1, 0), by_step(top1_1, 1), by_step(ent1, 2), by_step(h1, 3)
-    label = lcp_labels(draft, seq, index)
-
-    steps = torch.arange(1, k_max + 1)[None]
-    pos = index[:, None] + steps - 1
-    on_true = steps <= (label[:, None] + 1)
-    pos_c = pos.clamp(max=L - 1).to(logits.device)
-    tp = torch.exp(logits[pos_c, draft.to(logits.device)].float() - log_norm[pos_c]).cpu()
-    target_prob = torch.where(on_true, tp, torch.full_like(tp, float("nan")))
-    if full_target_prob:
-        _wrong_prefix_target_probs(target, tcache, L, draft, label, index, target_prob,
-                                   max_tokens=(max_rows_per_pass or R) * (k_max - 1))
-
-    return {
-        "index": index,
-        "last_token": seq[n: L - 1].clone(),
-        "label": label,
-        "remaining": (L - 1) - index,
-        "draft_top1_prob": top1,
-        "draft_entropy": entropy,
-        "target_prob": target_prob,
-        "feature": feats[n - 1: L - 2].cpu(),
-        "draft_tokens": draft,
-        "draft_state": states,
-    }
+    return _label_rows(target, tcache, seq, index, n, L, logits, log_norm, feats, k_max,
+                       (draft, top1, entropy, states), full_target_prob, max_rows_per_pass or R)
 
 
 @torch.inference_mode()
@@ -440,3 +395,25 @@ def oracle_labels_eagle3_sequential(target, drafter, input_ids, prompt_len: int,
                      ("feature", feats[i - 1].cpu()), ("draft_state", torch.stack(sts).cpu())):
             rows[k].append(v)
     return {k: (torch.stack(v) if v and isinstance(v[0], torch.Tensor) else torch.tensor(v)) for k, v in rows.items()}
+
+
+def _label_rows(target, tcache, seq, index, n: int, L: int, logits, log_norm, feats, k_max: int, drafted,
+                full_target_prob: bool, rows_per_pass: int) -> dict:
+    """The label columns from a chain drafted at every index (``drafted``: tokens, top-1 probabilities,
+    entropies, drafter states, each (R, k_max, ...)): the label (the longest agreeing prefix), the target's
+    probabilities of the drafts along the true prefix (steps m <= label + 1 read position i + m - 1) and, with
+    ``full_target_prob``, past it."""
+    draft, top1, entropy, states = drafted
+    label = lcp_labels(draft, seq, index)
+    steps = torch.arange(1, k_max + 1)[None]
+    pos = index[:, None] + steps - 1
+    on_true = steps <= (label[:, None] + 1)
+    pos_c = pos.clamp(max=L - 1).to(logits.device)
+    tp = torch.exp(logits[pos_c, draft.to(logits.device)].float() - log_norm[pos_c]).cpu()
+    target_prob = torch.where(on_true, tp, torch.full_like(tp, float("nan")))
+    if full_target_prob:
+        _wrong_prefix_target_probs(target, tcache, L, draft, label, index, target_prob,
+                                   max_tokens=rows_per_pass * (k_max - 1))
+    return {"index": index, "last_token": seq[n: L - 1].clone(), "label": label, "remaining": (L - 1) - index,
+            "draft_top1_prob": top1, "draft_entropy": entropy, "target_prob": target_prob,
+            "feature": feats[n - 1: L - 2].cpu(), "draft_tokens": draft, "draft_state": states}
