@@ -478,6 +478,7 @@ class BatchedLlama:
         self.model, self.decoder, self.layers = model, decoder, list(layers)
         self.run_layers = [DecoderLayer(layer, linear) for layer in self.layers]
         self.lm_head, self.embed_tokens = model.get_output_embeddings(), model.get_input_embeddings()
+        self.head = Projection(self.lm_head, linear)
         self.attn, self.capacity = attn, capacity
         w = self.lm_head.weight
         self.dtype, self.device = w.dtype, w.device
@@ -503,7 +504,7 @@ class BatchedLlama:
     __call__ = forward
 
     def logits(self, h):
-        return self.lm_head(h)
+        return self.head(h)
 
 
 class BatchedEagleDrafter:
@@ -514,6 +515,7 @@ class BatchedEagleDrafter:
         self.drafter, self.lm_head = drafter, lm_head  # the target's LM head reads the predicted features
         self.layer = drafter.layers[0]
         self.run_layer = DecoderLayer(self.layer, linear)
+        self.head = Projection(lm_head, linear)
         self.attn, self.capacity = attn, capacity
         w = drafter.fc.weight
         self.dtype, self.device = w.dtype, w.device
@@ -534,4 +536,4 @@ class BatchedEagleDrafter:
     draft = __call__  # drafted pairs (token, predicted feature) read the same way as true ones
 
     def logits(self, h):
-        return self.lm_head(h.to(self.lm_head.weight.dtype))
+        return self.head(h.to(self.lm_head.weight.dtype))
