@@ -141,7 +141,9 @@ def test_publish_copies_the_run_and_writes_the_pages(tmp_path):
     results, published = tmp_path / "outputs" / "results" / "m", tmp_path / "results" / "m"
     (results / "tuning").mkdir(parents=True)
     (results / "results.md").write_text("## Static vs adaptive\n\n| a |\n|---|\n| 1 |\n")
-    for f in ("results.csv", "tokens_per_s.png", "summary.json", "tuning/tuning.md", "tuning/tuning.json"):
+    for f in ("results.csv", "tokens_per_s.png", "summary.json", "tuning/tuning.md", "tuning/tuning.json",
+              "load_sweep/batch_bench.md", "load_sweep/batch_bench.png", "load_sweep/batch_bench_ratio.png"):
+        (results / f).parent.mkdir(parents=True, exist_ok=True)
         (results / f).write_text(f)
     (results / "run_settings.json").write_text(json.dumps({"model.dtype": "float32", "cpu": "AMD EPYC",
                                                            "cpu_bf16": False, "overrides": []}))
@@ -157,6 +159,7 @@ def test_publish_copies_the_run_and_writes_the_pages(tmp_path):
     assert (published / "tuning" / "tuning.json").read_text() == "tuning/tuning.json"
     page = (published / "README.md").read_text()
     assert "| 1 |" in page and "(tokens_per_s.png)" in page and "3.0 min" in page
+    assert "(load_sweep/batch_bench.md)" in page and "(load_sweep/batch_bench.png)" in page  # the load sweep's
     assert "Models in float32 on AMD EPYC (bf16 matmuls in hardware: no)." in page  # the dtype of its figures
     text = readme.read_text()
     assert "old" not in text and text.endswith("<!-- results:end -->\nrest\n")
