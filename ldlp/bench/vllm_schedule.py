@@ -220,18 +220,18 @@ class StepModel:
         self.cells = cells  # [{"batch", "k", "steps", "median_ms", "fit_ms"}]
         self._anchor: dict[int, list[tuple[float, float]]] = {}
         for c in cells:
-            if c.get("anchor", True) and c["fit_ms"] > 0:
+            if c.get("anchor", False) and c["fit_ms"] > 0:
                 self._anchor.setdefault(c["k"], []).append((math.log(c["batch"]), c["median_ms"] / c["fit_ms"]))
         for v in self._anchor.values():
             v.sort()
 
     @classmethod
-    def fit(cls, steps: list[tuple[int, int, int, float]], min_steps: int = 5, anchor_batches=None,
+    def fit(cls, steps: list[tuple[int, int, int, float]], min_steps: int = 5, anchor_batches=(),
             min_anchor_steps: int = 20) -> StepModel:
         """Non-negative least squares on the per-(B, verified, K) cells' median ms (cells of at least
-        ``min_steps`` steps, weighted by the square root of their steps). The prediction is scaled to the median
-        of the steady cells (verified = B · K) with at least ``min_anchor_steps`` steps at a batch size in
-        ``anchor_batches`` (the grid's C; None: any): the grid itself, not the few steps of a tail."""
+        ``min_steps`` steps, weighted by the square root of their steps). With ``anchor_batches`` (the grid's C;
+        None: any batch size) the prediction is scaled to the median of the steady cells (verified = B · K) there
+        with at least ``min_anchor_steps`` steps; by default the fit alone, which averages the cells' noise."""
         from scipy.optimize import nnls
 
         groups: dict[tuple, list[float]] = {}

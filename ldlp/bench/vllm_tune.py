@@ -122,7 +122,7 @@ def why_rows(choice: dict, ks) -> list[dict]:
 
 def tune(make_runner, prompts: list[list[int]], ks: list[int], concurrency: list[int], rounds: int,
          max_new_tokens: int, stop_ids, prompts_per_cell: int, max_batch: int, margin: float = 0.0,
-         step_time: str = "cpu", reference: list[list[int]] | None = None, log=print) -> dict:
+         step_time: str = "cpu", reference: list[list[int]] | None = None, log=print, anchor: bool = False) -> dict:
     """The whole tuning: ``make_runner(K)`` -> a :class:`~ldlp.bench.vllm_peer.VllmRunner` with the constant
     schedule ``[[1, max(concurrency), K]]`` and traced steps. Returns the record the page is written from."""
     C_max = max(concurrency)
@@ -141,27 +141,34 @@ def tune(make_runner, prompts: list[list[int]], ks: list[int], concurrency: list
     finally:
         for r in runners.values():
             r.close()
-    acc = acceptance_by_position(calls)
-    steps = [s for c in calls for s in (c.get("steps") or [])]
-    model = StepModel.fit(decode_steps(steps, step_time), anchor_batches=set(concurrency))
-    # the prompt set's output lengths (each prompt's, as every K gives the same tokens): the budget's effect
     lengths = list({i: len(o) for c in calls for i, o in zip(c["prompts"], c["outputs"])}.values())
+    rec = {"ks": list(ks), "concurrency": list(concurrency), "rounds": rounds, "prompts_per_cell": prompts_per_cell,
+           "max_new_tokens": max_new_tokens, "output_lengths": sorted(lengths),
+           "lossless": check_outputs(calls, reference), "workers_start_s": start_s,
+           "grid_s": time.perf_counter() - t0 - start_s,
+           "calls": [{k: v for k, v in c.items() if k not in ("outputs", "steps")} | {"steps": len(c.get("steps") or [])}
+                     for c in calls],
+           # every traced step, per call (the script writes it to trace.json.gz): the step model's records
+           "trace": [{"round": c["round"], "C": c["C"], "chunk": c["chunk"], "k": c["k"], "steps": c.get("steps") or []}
+                     for c in calls]}
+    return {**rec, **analyse(rec["calls"], rec["trace"], ks, concurrency, max_batch, margin, step_time, lengths, anchor)}
+
+
+def analyse(calls: list[dict], trace: list[dict], ks, concurrency, max_batch: int, margin: float, step_time: str,
+            lengths: list[int], anchor: bool = False) -> dict:
+    """From the grid's calls (their counters) and traced steps: acceptance by position, the step model, the
+    expected tokens per step for the prompts' output ``lengths``, the choice and the page's rows. ``anchor``: the
+    step model meets the grid's cell medians (else the fit alone, which averages the cells' noise)."""
+    acc = acceptance_by_position(calls)
+    steps = [s for t in trace for s in t["steps"]]
+    model = StepModel.fit(decode_steps(steps, step_time), anchor_batches=set(concurrency) if anchor else set())
     tokens = {K: tokens_per_step(acc["p"], K, lengths) for K in ks}
     choice = choose_schedule(max_batch, ks, tokens, model, margin)
-    rows = grid_rows(calls, model, tokens, {K: expected_tau(acc["p"], K, lengths) for K in ks})
-    return {"ks": list(ks), "concurrency": list(concurrency), "rounds": rounds, "max_batch": max_batch,
-            "margin": margin, "step_time": step_time, "prompts_per_cell": prompts_per_cell,
-            "max_new_tokens": max_new_tokens, "acceptance": acc, "step_model": model.to_dict(),
-            "output_lengths": sorted(lengths), "tokens_per_step": tokens,
-            "grid": rows, "choice": {"ranges": choice["ranges"], "per_batch": choice["per_batch"]},
-            "why": why_rows(choice, ks), "schedule": choice["ranges"], "k_max": max(k for _, _, k in choice["ranges"]),
-            "lossless": check_outputs(calls, reference), "workers_start_s": start_s,
-            "grid_s": time.perf_counter() - t0 - start_s,
-            "calls": [{k: v for k, v in c.items() if k not in ("outputs", "steps")} | {"steps": len(c.get("steps") or [])}
-                      for c in calls],
-            # every traced step, per call (the script writes it to trace.json.gz): the step model's records
-            "trace": [{"round": c["round"], "C": c["C"], "chunk": c["chunk"], "k": c["k"], "steps": c.get("steps") or []}
-                      for c in calls]}
+    return {"max_batch": max_batch, "margin": margin, "step_time": step_time, "anchor": anchor, "acceptance": acc,
+            "step_model": model.to_dict(), "tokens_per_step": tokens,
+            "grid": grid_rows(calls, model, tokens, {K: expected_tau(acc["p"], K, lengths) for K in ks}),
+            "choice": {"ranges": choice["ranges"], "per_batch": choice["per_batch"]}, "why": why_rows(choice, ks),
+            "schedule": choice["ranges"], "k_max": max(k for _, _, k in choice["ranges"])}
 
 
 def write_schedule(record: dict, out: str | Path, method: str = "eagle", model: str | None = None) -> list[Path]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 from eagle_backbone.io import atomic_write_text
 
 
@@ -60,14 +62,19 @@ def _acceptance_lines(rec: dict) -> list[str]:
 def _step_lines(rec: dict) -> list[str]:
     m = rec["step_model"]
     coef = ", ".join(f"{k} {v:.3f}" for k, v in m["coef"].items())
-    lines = [f"Fitted ({rec['step_time']} time, ms): {coef}; per (B, K) cell of steady steps (verifying K per request, "
-             "no prompt admitted): the median step and the fit. The model is the fit scaled by the measured/fit ratio "
-             "of the grid's cells (anchor: a grid C with 20+ steps), interpolated in log B between them.", "",
-             "| B | K | steps | median ms | fit ms | measured / fit | anchor |", "|---:|---:|---:|---:|---:|---:|:---:|"]
+    how = ("the fit scaled by the measured/fit ratio of the grid's cells (anchor: a grid C with 20+ steps), "
+           "interpolated in log B between them" if rec.get("anchor") else
+           "the fit alone, one model over every batch size and K (a cell's median moves by several percent between "
+           "runs on a shared machine; the fit averages that)")
+    lines = [f"ms = fixed + per_row · B + per_draft_forward · K + per_draft_token · B · K, fitted by non-negative least "
+             f"squares to vLLM's traced steps that admit no prompt ({rec['step_time']} time, ms): {coef}. Per (B, K) "
+             f"cell of steady steps (verifying K per request): the median step and the fit. The model is {how}.", "",
+             "| B | K | steps | median ms | fit ms | measured / fit |" + (" anchor |" if rec.get("anchor") else ""),
+             "|---:|---:|---:|---:|---:|---:|" + (":---:|" if rec.get("anchor") else "")]
     for c in sorted(m["cells"], key=lambda c: (c["k"], c["batch"])):
         ratio = f"{c['median_ms'] / c['fit_ms']:.2f}" if c["fit_ms"] else "–"
-        lines.append(f"| {c['batch']} | {c['k']} | {c['steps']} | {c['median_ms']:.2f} | {c['fit_ms']:.2f} | {ratio} | "
-                     f"{'yes' if c.get('anchor', True) else ''} |")
+        lines.append(f"| {c['batch']} | {c['k']} | {c['steps']} | {c['median_ms']:.2f} | {c['fit_ms']:.2f} | {ratio} |"
+                     + (f" {'yes' if c.get('anchor') else ''} |" if rec.get("anchor") else ""))
     return lines
 
 
@@ -167,13 +174,19 @@ def markdown(rec: dict, heldout: dict | None = None) -> str:
     meta = rec.get("meta", {})
     snip = rec.get("snippet")
     lines = ["# vLLM Dynamic SD schedule, tuned on this machine", "",
-             ", ".join(f"{k}: {v}" for k, v in meta.items()), "",
+             ", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+    if rec.get("refit"):
+        lines += [f"The schedule was chosen again from this run's traced steps and counters (`refit=true`: "
+                  f"{rec['refit']}); nothing was measured again.", ""]
+    lines += [
              f"Tuning: {rec['tuning_s']:.0f} s in all ({rec['workers_start_s']:.0f} s starting {len(rec['ks'])} vLLM "
              f"workers, {rec['grid_s']:.0f} s of grid: K ∈ {rec['ks']}, C ∈ {rec['concurrency']}, {rec['rounds']} "
              f"rounds, {rec['prompts_per_cell']} prompts per C at least, max_new_tokens {rec['max_new_tokens']}). "
              f"Schedule for batch sizes 1–{rec['max_batch']}, margin {rec['margin']:g}.", "",
-             "## The schedule", "", "Paste into `speculative_config` (with your drafter as `model`):", "", "```json",
-             json.dumps(snip, indent=2), "```", "",
+             "## The schedule", "", "Paste into `speculative_config` (with your drafter as `model`; `schedule.json` "
+             "and `schedule.yaml` beside this page hold the same):", "", "```yaml",
+             yaml.safe_dump(snip, default_flow_style=None, sort_keys=False).rstrip(), "```", "",
+             f"`{json.dumps(snip)}`", "",
              "## Why each range got its K", "",
              f"At batch size B, K gives the expected tokens/s B · tokens(K) / step ms(B, K) (tokens per request and "
              f"step: the acceptance below; step ms: the step model). Every batch size takes a K within the margin "
