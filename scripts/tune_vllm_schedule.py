@@ -79,8 +79,9 @@ def _refit(cfg: DictConfig, out: Path) -> None:
         trace = json.load(f)
     grid = _check(OmegaConf.merge(cfg, {"ks": rec["ks"], "concurrency": rec["concurrency"]}))
     rec.update(analyse(rec["calls"], trace, rec["ks"], rec["concurrency"], grid["max_batch"], float(cfg.margin),
-                       str(cfg.step_time), rec["output_lengths"], bool(cfg.anchor_grid)))
-    rec["refit"] = f"{datetime.date.today().isoformat()}, margin {float(cfg.margin):g}, step_time {cfg.step_time}"
+                       str(cfg.step_time), rec["output_lengths"], bool(cfg.anchor_grid), bool(cfg.calibrate)))
+    rec["refit"] = (f"{datetime.date.today().isoformat()}, margin {float(cfg.margin):g}, step_time {cfg.step_time}, "
+                    f"calibrate {bool(cfg.calibrate)}")
     rec["snippet"] = snippet(rec["schedule"], rec["k_max"], rec["meta"].get("drafter", "eagle"))
     files = write_schedule(rec, out, rec["meta"].get("drafter", "eagle"))
     (out / "tuning.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
@@ -167,7 +168,7 @@ def main(cfg: DictConfig) -> None:
 
     rec = tune(make_runner, used, grid["ks"], grid["concurrency"], int(cfg.rounds), max_new, stops,
                int(cfg.prompts_per_cell), grid["max_batch"], float(cfg.margin), str(cfg.step_time), reference,
-               log=log.info, anchor=bool(cfg.anchor_grid))
+               log=log.info, anchor=bool(cfg.anchor_grid), calibrate=bool(cfg.calibrate))
     rec["tuning_s"] = time.perf_counter() - t_start
     rec["meta"] = {"model": cfg.model.name, "drafter": kind, "vllm": build.get("version"), "dtype": str(cfg.vllm.dtype),
                    "threads": threads, "cpu": machine_info().get("cpu"),

@@ -363,3 +363,19 @@ def test_a_schedule_contender_in_the_sweep_and_on_its_page(t32, eagle32, tmp_pat
     assert "| 2 | 121.0 | vllm eagle k=1 (120.0) | 1.008" in md
     write(result, tmp_path)  # the plots take the schedule's row too
     assert (tmp_path / "batch_bench.png").is_file()
+
+
+def test_calibration_meets_the_grid_and_keeps_the_models_shape_between():
+    from ldlp.bench.vllm_schedule import calibrated
+
+    model = StepModel({"fixed": 6.0, "per_row": 0.3, "per_draft_forward": 0.8, "per_draft_token": 0.4}, [])
+    tokens = {1: 1.8, 4: 3.6}
+    measured = {(1, 1): 150.0, (1, 16): 1500.0, (4, 1): 250.0, (4, 16): 1200.0}
+    ms, scale = calibrated(model, tokens, measured)
+    for (K, C), v in measured.items():
+        assert 1e3 * C * tokens[K] / ms(C, K) == pytest.approx(v)
+    r4 = 1e3 * 4 * tokens[4] / ms(4, 4) / (1e3 * 4 * tokens[4] / model(4, 4))
+    assert r4 == pytest.approx(scale[(4, 1)] + (scale[(4, 16)] - scale[(4, 1)]) * 0.5)  # log 4 is halfway to log 16
+    assert ms(32, 1) == pytest.approx(model(32, 1) / scale[(1, 16)])  # held at the ends
+    got = choose_schedule(16, [1, 4], tokens, ms)
+    assert got["ranges"][0][2] == 4 and got["ranges"][-1][2] == 1  # the grid's own ranking at its ends

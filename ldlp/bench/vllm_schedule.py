@@ -23,6 +23,9 @@ the drafted tokens per step from the number of requests the step schedules (vLLM
   one K), so the model is the grid itself where it was measured and the fit's shape between.
   With a budget the last step of a request wastes the drafts past it: :func:`tokens_per_step` gives the expected
   tokens per step for the prompt set's output lengths (an exact recursion on the tokens left).
+* **Calibration** (:func:`calibrated`): the expected tokens/s at each grid C scaled to the grid's measured
+  throughput there (whole calls: prefill, tail, the step time's spread), the scale interpolated in log B between
+  grid C. The model gives the shape between grid points; the grid where it was measured.
 * **The choice** (:func:`choose_schedule`, pure): at each batch size B the expected tokens/s of K is
   ``B · tokens(K) / ms(B, K)``; every B takes a K within ``margin`` of its best, with the fewest ranges (each
   threshold is a K switch under load: vllm-project/vllm issue 49548), then the most expected tokens/s in all.
@@ -275,6 +278,25 @@ class StepModel:
     @classmethod
     def from_dict(cls, d: dict) -> StepModel:
         return cls(d["coef"], d["cells"])
+
+
+def calibrated(step_ms: Callable[[int, int], float], tokens: dict, measured: dict) -> tuple[Callable, dict]:
+    """The step model calibrated to the grid's measured throughput: ``measured`` (K, C) -> tokens/s of whole
+    calls of C requests (their prefill, tail and everything outside a steady step included). At each grid C the
+    expected tokens/s ``1000 · C · tokens[K] / step_ms(C, K)`` is scaled to the measured; between grid C the
+    scale is interpolated in log B (held at the ends). Returns (the effective ms(B, K) the choice prices K by,
+    the scale per (K, C))."""
+    scale = {(K, C): v / (1e3 * C * tokens[K] / step_ms(C, K)) for (K, C), v in measured.items() if v}
+    per_k: dict[int, list[tuple[float, float]]] = {}
+    for (K, C), r in sorted(scale.items()):
+        per_k.setdefault(K, []).append((math.log(C), r))
+
+    def ms(B: int, K: int) -> float:
+        pts = per_k.get(K)
+        r = float(np.interp(math.log(B), [x for x, _ in pts], [y for _, y in pts])) if pts else 1.0
+        return step_ms(B, K) / r
+
+    return ms, scale
 
 
 # ---- the choice ---------------------------------------------------------------------------------------------

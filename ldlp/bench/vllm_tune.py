@@ -24,6 +24,7 @@ from pathlib import Path
 from ldlp.bench.vllm_schedule import (
     StepModel,
     acceptance_by_position,
+    calibrated,
     choose_schedule,
     decode_steps,
     expected_tau,
@@ -122,7 +123,8 @@ def why_rows(choice: dict, ks) -> list[dict]:
 
 def tune(make_runner, prompts: list[list[int]], ks: list[int], concurrency: list[int], rounds: int,
          max_new_tokens: int, stop_ids, prompts_per_cell: int, max_batch: int, margin: float = 0.0,
-         step_time: str = "cpu", reference: list[list[int]] | None = None, log=print, anchor: bool = False) -> dict:
+         step_time: str = "cpu", reference: list[list[int]] | None = None, log=print, anchor: bool = False,
+         calibrate: bool = True) -> dict:
     """The whole tuning: ``make_runner(K)`` -> a :class:`~ldlp.bench.vllm_peer.VllmRunner` with the constant
     schedule ``[[1, max(concurrency), K]]`` and traced steps. Returns the record the page is written from."""
     C_max = max(concurrency)
@@ -151,24 +153,34 @@ def tune(make_runner, prompts: list[list[int]], ks: list[int], concurrency: list
            # every traced step, per call (the script writes it to trace.json.gz): the step model's records
            "trace": [{"round": c["round"], "C": c["C"], "chunk": c["chunk"], "k": c["k"], "steps": c.get("steps") or []}
                      for c in calls]}
-    return {**rec, **analyse(rec["calls"], rec["trace"], ks, concurrency, max_batch, margin, step_time, lengths, anchor)}
+    return {**rec, **analyse(rec["calls"], rec["trace"], ks, concurrency, max_batch, margin, step_time, lengths, anchor,
+                             calibrate)}
 
 
 def analyse(calls: list[dict], trace: list[dict], ks, concurrency, max_batch: int, margin: float, step_time: str,
-            lengths: list[int], anchor: bool = False) -> dict:
+            lengths: list[int], anchor: bool = False, calibrate: bool = True) -> dict:
     """From the grid's calls (their counters) and traced steps: acceptance by position, the step model, the
     expected tokens per step for the prompts' output ``lengths``, the choice and the page's rows. ``anchor``: the
-    step model meets the grid's cell medians (else the fit alone, which averages the cells' noise)."""
+    step model meets the grid's cell medians (else the fit alone, which averages the cells' noise);
+    ``calibrate``: the choice prices K by the expected tokens/s scaled to the grid's measured throughput at each
+    grid C (:func:`~ldlp.bench.vllm_schedule.calibrated`; else the model alone)."""
     acc = acceptance_by_position(calls)
     steps = [s for t in trace for s in t["steps"]]
     model = StepModel.fit(decode_steps(steps, step_time), anchor_batches=set(concurrency) if anchor else set())
     tokens = {K: tokens_per_step(acc["p"], K, lengths) for K in ks}
-    choice = choose_schedule(max_batch, ks, tokens, model, margin)
-    return {"max_batch": max_batch, "margin": margin, "step_time": step_time, "anchor": anchor, "acceptance": acc,
-            "step_model": model.to_dict(), "tokens_per_step": tokens,
-            "grid": grid_rows(calls, model, tokens, {K: expected_tau(acc["p"], K, lengths) for K in ks}),
-            "choice": {"ranges": choice["ranges"], "per_batch": choice["per_batch"]}, "why": why_rows(choice, ks),
-            "schedule": choice["ranges"], "k_max": max(k for _, _, k in choice["ranges"])}
+    rows = grid_rows(calls, model, tokens, {K: expected_tau(acc["p"], K, lengths) for K in ks})
+    scale = None
+    price = model
+    if calibrate:  # the grid's measured throughput where it was measured (per CPU-second with step_time=cpu)
+        metric = "tokens_per_cpu_s" if step_time == "cpu" else "tokens_per_s"
+        price, scale = calibrated(model, tokens, {(g["k"], g["concurrency"]): g[metric] for g in rows})
+        for g in rows:
+            g["calibration"] = scale.get((g["k"], g["concurrency"]))
+    choice = choose_schedule(max_batch, ks, tokens, price, margin)
+    return {"max_batch": max_batch, "margin": margin, "step_time": step_time, "anchor": anchor,
+            "calibrate": calibrate, "acceptance": acc, "step_model": model.to_dict(), "tokens_per_step": tokens,
+            "grid": rows, "choice": {"ranges": choice["ranges"], "per_batch": choice["per_batch"]},
+            "why": why_rows(choice, ks), "schedule": choice["ranges"], "k_max": max(k for _, _, k in choice["ranges"])}
 
 
 def write_schedule(record: dict, out: str | Path, method: str = "eagle", model: str | None = None) -> list[Path]:

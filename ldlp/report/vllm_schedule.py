@@ -100,6 +100,12 @@ def _grid_lines(rec: dict) -> list[str]:
                  f"{_f(g['expected_tokens_per_s'], '.0f')}" + (" ↑" if best_measured[C] == K else ""))
             cells.append(f"**{c}**" if chosen.get(C) == K else c)
         lines.append(f"| {K} | " + " | ".join(cells) + " |")
+    if any(g.get("calibration") for g in rec["grid"]):
+        lines += ["", "The choice's calibration: measured / expected at each (K, C) (the expected above is the model's):", "",
+                  "| K | " + " | ".join(f"C={C}" for C in Cs) + " |", "|---:|" + "---:|" * len(Cs)]
+        for K in rec["ks"]:
+            lines.append(f"| {K} | " + " | ".join(_f(grid[(K, C)].get("calibration"), ".3f") if (K, C) in grid else "–"
+                                                  for C in Cs) + " |")
     lines += ["", ("τ (tokens per request forward, the prefill's included) measured / expected from the acceptance by "
                    "position and the prompts' output lengths (a check of the acceptance model):"), "",
               "| K | " + " | ".join(f"C={C}" for C in Cs) + " |", "|---:|" + "---:|" * len(Cs)]
@@ -189,7 +195,11 @@ def markdown(rec: dict, heldout: dict | None = None) -> str:
              f"`{json.dumps(snip)}`", "",
              "## Why each range got its K", "",
              f"At batch size B, K gives the expected tokens/s B · tokens(K) / step ms(B, K) (tokens per request and "
-             f"step: the acceptance below; step ms: the step model). Every batch size takes a K within the margin "
+             f"step: the acceptance below; step ms: the step model)"
+             + (", scaled at each grid C to the throughput measured there (whole calls of C requests, per "
+                f"{'CPU-' if rec['step_time'] == 'cpu' else 'wall-clock '}second) and between grid C by the scale "
+                "interpolated in log B" if rec.get("calibrate") else "")
+             + f". Every batch size takes a K within the margin "
              f"({100 * rec['margin']:g}%) of its best, with the fewest ranges, then the most expected tokens/s in all. "
              "At each range's first and last batch size:", ""]
     lines += _why_lines(rec)
