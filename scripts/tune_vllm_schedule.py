@@ -27,6 +27,18 @@ def _ints(name, xs, low=1) -> list[int]:
     return sorted(xs)
 
 
+def _heldout(cfg: DictConfig) -> list[dict]:
+    """The held-out comparison of each load sweep folder in ``heldout`` (one folder or a list)."""
+    from ldlp.bench.vllm_tune import heldout_comparison
+
+    folders = cfg.heldout if not isinstance(cfg.heldout, str) else [cfg.heldout]
+    out = [heldout_comparison(f) for f in (folders or [])]
+    for h in out:  # a sweep made before bench_batch recorded its prompt set: heldout_data names it
+        h["meta"].setdefault("data", cfg.get("heldout_data"))
+        h["meta"]["data"] = h["meta"]["data"] or cfg.get("heldout_data")
+    return out
+
+
 def _stop_ids(target: Path) -> set[int]:
     """The target's stop tokens as TargetModel reads them: generation_config.json's eos_token_id, else
     config.json's."""
@@ -69,7 +81,7 @@ def _refit(cfg: DictConfig, out: Path) -> None:
 
     from eagle_backbone.errors import ConfigError
     from ldlp.bench.vllm_schedule import snippet
-    from ldlp.bench.vllm_tune import analyse, heldout_comparison, write_schedule
+    from ldlp.bench.vllm_tune import analyse, write_schedule
     from ldlp.report.vllm_schedule import write
 
     if not (out / "tuning.json").is_file() or not (out / "trace.json.gz").is_file():
@@ -85,7 +97,7 @@ def _refit(cfg: DictConfig, out: Path) -> None:
     rec["snippet"] = snippet(rec["schedule"], rec["k_max"], rec["meta"].get("drafter", "eagle"))
     files = write_schedule(rec, out, rec["meta"].get("drafter", "eagle"))
     (out / "tuning.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    page = write(rec, out, heldout_comparison(cfg.heldout) if cfg.heldout else None)
+    page = write(rec, out, _heldout(cfg))
     print(f"schedule: {rec['schedule']} (num_speculative_tokens {rec['k_max']}), chosen again from {out}")
     print("wrote " + ", ".join(str(p) for p in [*files, out / "tuning.json", page]))
 
@@ -95,7 +107,6 @@ def _refit(cfg: DictConfig, out: Path) -> None:
 def main(cfg: DictConfig) -> None:
     t_start = time.perf_counter()
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.vllm_tune import heldout_comparison
     from ldlp.report.vllm_schedule import write
 
     out = Path(cfg.out_dir)
@@ -103,7 +114,7 @@ def main(cfg: DictConfig) -> None:
         if not (out / "tuning.json").is_file():
             raise ConfigError(f"render_only=true: {out / 'tuning.json'} does not exist (run the tuner first)")
         rec = json.loads((out / "tuning.json").read_text())
-        page = write(rec, out, heldout_comparison(cfg.heldout) if cfg.heldout else None)
+        page = write(rec, out, _heldout(cfg))
         print(f"wrote {page}")
         return
     if cfg.refit:  # the schedule again from the folder's traced steps and counters: nothing runs
@@ -183,7 +194,7 @@ def main(cfg: DictConfig) -> None:
     with gzip.open(out / "trace.json.gz", "wt") as f:  # vLLM's traced steps (STEP_FIELDS), per grid call
         json.dump(rec.pop("trace"), f)
     (out / "tuning.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    page = write(rec, out, heldout_comparison(cfg.heldout) if cfg.heldout else None)
+    page = write(rec, out, _heldout(cfg))
     print(f"schedule: {rec['schedule']} (num_speculative_tokens {rec['k_max']}); tuning took {rec['tuning_s']:.0f} s")
     print("wrote " + ", ".join(str(p) for p in [*files, out / "tuning.json", out / "trace.json.gz", page]))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from eagle_backbone.io import atomic_write_text
+from ldlp.bench.vllm_schedule import schedule_tag
 
 
 def _ratio(v: dict | None) -> str:
@@ -118,12 +119,12 @@ def _grid_lines(rec: dict) -> list[str]:
 
 def _comparison_lines(vs: dict, what: str, unit: str) -> list[str]:
     single = vs["single"]
-    lines = [f"| C | {what} tokens/s | best {unit} in hindsight | {what} / it (wall) | (CPU s) | "
+    lines = [f"| C | pairs | {what} tokens/s | best {unit} in hindsight | {what} / it (wall) | (CPU s) | "
              f"single best {unit} over the sweep: {single} | {what} / it (wall) | (CPU s) |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in vs["rows"]:
         b, one = r["best"], r["single"]
-        lines.append(f"| {r['concurrency']} | {_f(r['mine']['tokens_per_s'])} | "
+        lines.append(f"| {r['concurrency']} | {(r['ratio_best'] or {}).get('pairs', '–')} | {_f(r['mine']['tokens_per_s'])} | "
                      f"{b['contender'] if b else '–'} ({_f(b['tokens_per_s']) if b else '–'}) | "
                      f"{_ratio(r['ratio_best'])} | {_ratio(r['ratio_best_cpu'])} | "
                      f"{_f(one['tokens_per_s']) if one else '–'}{'' if r['single_is_best'] else ' (not the best here)'} | "
@@ -153,7 +154,7 @@ def _goal_lines(g: dict | None, gc: dict | None) -> list[str]:
 
 def heldout_lines(h: dict, tuned_on: str) -> list[str]:
     m = h.get("meta") or {}
-    lines = ["", "## Held-out evaluation", "",
+    lines = ["", f"### {h['folder']}", "",
              f"Tuned on **{tuned_on}**; evaluated on **{m.get('data', '?')}** ({m.get('prompts', '?')} prompts, "
              f"max_new_tokens {m.get('max_new_tokens', '?')}, {m.get('rounds', '?')} rounds, blocks per C "
              f"{m.get('blocks', '?')}), in `{h['folder']}` (its page: batch_bench.md). Every contender ran each "
@@ -176,7 +177,7 @@ def heldout_lines(h: dict, tuned_on: str) -> list[str]:
     return lines
 
 
-def markdown(rec: dict, heldout: dict | None = None) -> str:
+def markdown(rec: dict, heldout: list[dict] | dict | None = None) -> str:
     meta = rec.get("meta", {})
     snip = rec.get("snippet")
     lines = ["# vLLM Dynamic SD schedule, tuned on this machine", "",
@@ -214,12 +215,17 @@ def markdown(rec: dict, heldout: dict | None = None) -> str:
            else f"; identical to the target's greedy decoding: {lo['identical_to_greedy']}/{lo['sequences']}")
     lines += ["", f"Outputs: {lo['sequences']} sequences; every K gave the same tokens for each prompt: "
                   f"{'yes' if lo['identical_across_k'] else '**no**'}{ref}."]
+    heldout = [heldout] if isinstance(heldout, dict) else (heldout or [])
     if heldout:
-        lines += heldout_lines(heldout, meta.get("data", "?"))
+        lines += ["", "## Held-out evaluation", "",
+                  f"The schedule of this page: `{schedule_tag(rec['schedule'])}`. Each load sweep below ran its "
+                  "contenders on prompts the tuner never saw; a schedule is named by its ranges."]
+    for h in heldout:
+        lines += heldout_lines(h, meta.get("data", "?"))
     return "\n".join(lines) + "\n"
 
 
-def write(rec: dict, out: str | Path, heldout: dict | None = None) -> Path:
+def write(rec: dict, out: str | Path, heldout: list[dict] | dict | None = None) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(out / "vllm_schedule.md", markdown(rec, heldout))
