@@ -85,7 +85,7 @@ def main(cfg: DictConfig) -> None:
     check_contenders(contenders, int(cfg.generation.max_new_tokens))
     pair = load_pair_cached(cfg.model)
     out = cfg.out_dir or HydraConfig.get().runtime.output_dir
-    meta = {"model": cfg.model.name, "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
+    meta = {"model": cfg.model.name, "data": cfg.data.get("name"), "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
             "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
             **prompts_meta(prompt_set, cfg.concurrency, int(cfg.blocks)), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],
             "threads": threads, "cpu": machine_info().get("cpu"), "profile_steps": bool(cfg.profile_steps)}

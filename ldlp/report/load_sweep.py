@@ -30,7 +30,7 @@ from ldlp.bench.load_aggregate import (
     throughput_table,
     verdicts,
 )
-from ldlp.bench.peer_rows import peer_table
+from ldlp.bench.peer_rows import peer_table, versus_static
 from ldlp.report import step_costs as step_cost_page
 
 BASELINE_TITLES = {"ar": "batched AR", "best_static": "best static γ at (C, T)",
@@ -204,6 +204,29 @@ def _peer_lines(result: dict, rows: list[dict]) -> list[str]:
     return lines
 
 
+def _schedule_lines(result: dict, rows: list[dict]) -> list[str]:
+    """vLLM with a Dynamic SD schedule against vLLM's static k of its method (docs/vllm_schedule.md)."""
+    labels = list(dict.fromkeys(r["contender"] for r in rows if r["policy"] == "vllm" and " schedule " in r["contender"]))
+    lines = []
+    for lab in labels:
+        method = lab.split()[1]
+        statics = list(dict.fromkeys(r["contender"] for r in rows if r["contender"].startswith(f"vllm {method} k=")))
+        vs = versus_static(result, rows, lab, statics)
+        if not vs or not statics:
+            continue
+        lines += ["", (f"{lab} (vLLM's Dynamic SD) against vLLM's static k: paired ratios of tokens/s (schedule / static) "
+                       f"over the (round, block) workloads, wall clock; the single static best over the sweep: "
+                       f"{vs['single']}."), "",
+                  "| C | schedule tokens/s | best static k here | schedule / it | schedule / single best |",
+                  "|---:|---:|---|---:|---:|"]
+        for r in vs["rows"]:
+            b = r["best"]
+            lines.append(f"| {r['concurrency']} | {r['mine']['tokens_per_s']:.1f} | "
+                         f"{b['contender'] if b else '–'} ({_fmt(b['tokens_per_s'] if b else None, '.1f')}) | "
+                         f"{ratio_cell(r['ratio_best'])} | {ratio_cell(r['ratio_single'])} |")
+    return lines
+
+
 def _category_lines(rows: list[dict]) -> list[str]:
     """τ and mean request latency per prompt category, one row per (contender, C), when there are two or more."""
     t = category_table(rows)
@@ -252,6 +275,7 @@ def _temperature_section(result: dict, rows: list[dict]) -> list[str]:
     lines += _baseline_lines(rows)
     lines += _step_lines(rows)
     lines += _peer_lines(result, rows)
+    lines += _schedule_lines(result, rows)
     if any(r.get("tokens_per_cpu_s") for r in rows):
         lines += ["", ("The same runs in generated tokens per CPU-second of the benchmark process (one thread): other "
                        "jobs on a shared machine stretch wall time far more than they stretch this."), ""]
