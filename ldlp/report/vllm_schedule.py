@@ -195,8 +195,8 @@ def markdown(rec: dict, heldout: list[dict] | dict | None = None) -> str:
              yaml.safe_dump(snip, default_flow_style=None, sort_keys=False).rstrip(), "```", "",
              f"`{json.dumps(snip)}`", "",
              "## Why each range got its K", "",
-             f"At batch size B, K gives the expected tokens/s B · tokens(K) / step ms(B, K) (tokens per request and "
-             f"step: the acceptance below; step ms: the step model)"
+             "At batch size B, K gives the expected tokens/s B · tokens(K) / step ms(B, K) (tokens per request and "
+             "step: the acceptance below; step ms: the step model)"
              + (", scaled at each grid C to the throughput measured there (whole calls of C requests, per "
                 f"{'CPU-' if rec['step_time'] == 'cpu' else 'wall-clock '}second) and between grid C by the scale "
                 "interpolated in log B" if rec.get("calibrate") else "")
