@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from eagle_backbone.drafter import checked_embedding, load_state_dict, write_weights
-from eagle_backbone.io import atomic_path, atomic_write_json
+from eagle_backbone.io import atomic_write_json
 
 SPECULATORS_VERSION = "0.9.0"  # the schema written (speculators' Eagle3SpeculatorConfig)
 _UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")  # speculators variants this drafter does not run
@@ -291,12 +291,15 @@ class BatchedEagle3Drafter:
     """An :class:`Eagle3Drafter` run on a :class:`~eagle_backbone.llama.SlotCache` over ragged batches (one
     layer), as :class:`~eagle_backbone.llama.BatchedEagleDrafter` runs EAGLE-1's."""
 
-    def __init__(self, drafter: Eagle3Drafter, capacity: int, attn: str = "eager"):
-        from eagle_backbone.llama import RotaryTable
+    def __init__(self, drafter: Eagle3Drafter, capacity: int, attn: str = "eager", linear: str = "auto"):
+        from eagle_backbone.linear import Projection
+        from eagle_backbone.llama import DecoderLayer, RotaryTable
 
         if attn not in ("eager", "sdpa"):
             raise ValueError(f"attn must be 'eager' or 'sdpa', got {attn!r}")
         self.drafter, self.attn, self.capacity = drafter, attn, capacity
+        # the layer's projections (q, k, v read the 2d-wide input) and fc as the engine runs linears
+        self.layer, self.fc = DecoderLayer(drafter.midlayer, linear), Projection(drafter.fc, linear)
         w = drafter.fc.weight
         self.dtype, self.device = w.dtype, w.device
         self.rope = RotaryTable(drafter.rotary_emb, capacity, self.dtype, self.device)
@@ -310,21 +313,22 @@ class BatchedEagle3Drafter:
 
     def __call__(self, tokens, features, batch, cache):
         """True pairs: tokens (N,) and the target's fused layers (N, k·d) -> states (N, d)."""
-        return self.draft(tokens, self.drafter.fc(features.to(self.dtype)), batch, cache)
+        return self.draft(tokens, self.fc(features.to(self.dtype)), batch, cache)
 
     def draft(self, tokens, states, batch, cache):
         """Draft pairs: tokens (N,) and the drafter's own states (N, d) -> the next states (N, d)."""
         from eagle_backbone.llama import attend
 
-        d = self.drafter
+        d, L = self.drafter, self.layer
         x, residual = d.mix(d.embed_tokens(tokens).to(self.dtype), states.to(self.dtype))
-        attn, N = d.midlayer.self_attn, x.shape[0]
-        q = attn.q_proj(x).view(N, -1, self.head_dim)
-        k = attn.k_proj(x).view(N, -1, self.head_dim)
-        v = attn.v_proj(x).view(N, -1, self.head_dim)
+        N = x.shape[0]
+        q = L.q(x).view(N, -1, self.head_dim)
+        k = L.k(x).view(N, -1, self.head_dim)
+        v = L.v(x).view(N, -1, self.head_dim)
         cos, sin = self.rope(batch.rope_pos)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        return d.finish(residual, attend(cache, 0, q, k, v, batch, attn.scaling, self.attn))
+        # Eagle3Drafter.finish on the engine's linears: o_proj, the residual, the MLP block
+        return L.mlp(residual + L.o(attend(cache, 0, q, k, v, batch, L.scaling, self.attn).reshape(N, -1)))
 
     def logits(self, h):
         """Logits over the target's vocabulary (draft tokens mapped by d2t)."""

@@ -438,7 +438,10 @@ class DecoderLayer:
         v = self.v(h).view(N, -1, hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        x = x + self.o(attend(cache, li, q, k, v, batch, self.scaling, impl).reshape(N, -1))
+        return self.mlp(x + self.o(attend(cache, li, q, k, v, batch, self.scaling, impl).reshape(N, -1)))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP block with its residual: x + down(act(gate(h)) · up(h)), h the post-attention norm of x."""
         h = self.post_attention_layernorm(x)
         return x + self.down(self.act(self.gate(h)) * self.up(h))
 
