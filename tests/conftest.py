@@ -79,6 +79,20 @@ def compose_config(name: str, overrides: list[str]):
         return compose(config_name=name, overrides=list(overrides))
 
 
+def vllm_python() -> str | None:
+    """The Python that has vLLM (ADAEAGLE_VLLM_PYTHON, or this interpreter), or None: the vLLM tests skip."""
+    import sys
+
+    from ldlp.bench.vllm_peer import vllm_available
+
+    py = os.environ.get("ADAEAGLE_VLLM_PYTHON") or sys.executable
+    return py if vllm_available(py) else None
+
+
+needs_vllm = pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (pip install -e '.[vllm]', or "
+                                "set ADAEAGLE_VLLM_PYTHON to a Python that has it: docs/batched.md)")
+
+
 def one_line(excinfo) -> str:
     """The message of a ``pytest.raises`` error, checked to be one line (what the scripts print)."""
     msg = str(excinfo.value)

@@ -5,10 +5,9 @@ greedy decoding) that run only where a Python with vLLM is given (ADAEAGLE_VLLM_
 when it has vllm)."""
 
 import json
-import os
-import sys
 
 import pytest
+from conftest import needs_vllm, vllm_python
 import torch
 from transformers import LlamaConfig
 
@@ -172,15 +171,7 @@ def test_the_shipped_eagle3_head_is_servable_as_it_is(tmp_path):
         check_eagle3_head(bad)
 
 
-def _vllm_python():
-    from ldlp.bench.vllm_peer import vllm_available
-
-    py = os.environ.get("ADAEAGLE_VLLM_PYTHON") or sys.executable
-    return py if vllm_available(py) else None
-
-
-@pytest.mark.skipif(_vllm_python() is None, reason="vLLM is not installed (pip install -e '.[vllm]', or set "
-                    "ADAEAGLE_VLLM_PYTHON to a Python that has it: docs/batched.md)")
+@needs_vllm
 def test_vllm_ar_and_eagle_equal_the_targets_greedy_decoding(tmp_path):
     from eagle_backbone.loading import load_pair
     from eagle_backbone.paths import embedded_model_config
@@ -192,7 +183,7 @@ def test_vllm_ar_and_eagle_equal_the_targets_greedy_decoding(tmp_path):
     ref = [pair.target.reference_greedy(p, 12) for p in prompts]
     for k in (None, 2):
         runner = VllmRunner(k, EMBEDDED / "target", EMBEDDED / "drafter", tmp_path / "drafters",
-                            python=_vllm_python(), max_model_len=64, log_dir=tmp_path)
+                            python=vllm_python(), max_model_len=64, log_dir=tmp_path)
         try:
             outs, summ = runner.run(prompts, 2, 12, [0, 1, 2], None, pair.target.eos_token_ids)
         finally:
@@ -202,8 +193,7 @@ def test_vllm_ar_and_eagle_equal_the_targets_greedy_decoding(tmp_path):
         assert summ["tau"] == 1.0 if k is None else summ["tau"] >= 1.0
 
 
-@pytest.mark.skipif(_vllm_python() is None, reason="vLLM is not installed (pip install -e '.[vllm]', or set "
-                    "ADAEAGLE_VLLM_PYTHON to a Python that has it: docs/batched.md)")
+@needs_vllm
 def test_vllm_eagle3_serves_the_shipped_head_unchanged_and_equals_greedy(tmp_path):
     """vLLM's EAGLE-3 on the shipped speculators folder as it is (no conversion: the cache stays empty) gives
     the target's greedy decoding, and its counters count drafts of k tokens."""
@@ -215,7 +205,7 @@ def test_vllm_eagle3_serves_the_shipped_head_unchanged_and_equals_greedy(tmp_pat
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, pair.target.vocab_size, (n,), generator=g).tolist() for n in (6, 13, 9)]
     ref = [pair.target.reference_greedy(p, 16) for p in prompts]
-    runner = VllmRunner(3, EMBEDDED / "target", EMBEDDED / "eagle3", tmp_path / "drafters", python=_vllm_python(),
+    runner = VllmRunner(3, EMBEDDED / "target", EMBEDDED / "eagle3", tmp_path / "drafters", python=vllm_python(),
                         max_model_len=64, log_dir=tmp_path, method="eagle3")
     assert runner.base["drafter"] == str((EMBEDDED / "eagle3").resolve()) and not (tmp_path / "drafters").exists()
     try:

@@ -6,12 +6,11 @@ runs vLLM with a schedule where a Python with vLLM is given (ADAEAGLE_VLLM_PYTHO
 import itertools
 import json
 import math
-import os
 import random
-import sys
 
 import numpy as np
 import pytest
+from conftest import needs_vllm, vllm_python
 
 from eagle_backbone.paths import REPO_ROOT
 from ldlp.bench.vllm_schedule import (
@@ -285,15 +284,7 @@ def test_the_page_is_written_from_the_record(tmp_path):
     assert "identical to the target's greedy decoding: 6/6" in md
 
 
-def _vllm_python():
-    from ldlp.bench.vllm_peer import vllm_available
-
-    py = os.environ.get("ADAEAGLE_VLLM_PYTHON") or sys.executable
-    return py if vllm_available(py) else None
-
-
-@pytest.mark.skipif(_vllm_python() is None, reason="vLLM is not installed (pip install -e '.[vllm]', or set "
-                    "ADAEAGLE_VLLM_PYTHON to a Python that has it: docs/batched.md)")
+@needs_vllm
 def test_vllm_runs_the_schedule_it_was_given_and_equals_greedy(tmp_path):
     """vLLM resolves the schedule as given (no fallback to static k), drafts K by the batch size it schedules
     (traced steps), and its outputs equal the target's greedy decoding."""
@@ -307,7 +298,7 @@ def test_vllm_runs_the_schedule_it_was_given_and_equals_greedy(tmp_path):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(4, pair.target.vocab_size, (n,), generator=g).tolist() for n in (7, 12, 9)]
     ref = [pair.target.reference_greedy(p, 14) for p in prompts]
-    runner = VllmRunner(3, EMBEDDED / "target", EMBEDDED / "drafter", tmp_path / "drafters", python=_vllm_python(),
+    runner = VllmRunner(3, EMBEDDED / "target", EMBEDDED / "drafter", tmp_path / "drafters", python=vllm_python(),
                         max_model_len=64, log_dir=tmp_path, schedule=[[1, 1, 3], [2, 4, 1]], trace_steps=True)
     try:
         info = runner.start(2)
