@@ -322,9 +322,7 @@ class BatchedEagle3Drafter:
         d, L = self.drafter, self.layer
         x, residual = d.mix(d.embed_tokens(tokens).to(self.dtype), states.to(self.dtype))
         N = x.shape[0]
-        q = L.q(x).view(N, -1, self.head_dim)
-        k = L.k(x).view(N, -1, self.head_dim)
-        v = L.v(x).view(N, -1, self.head_dim)
+        q, k, v = L.qkv_heads(x)
         cos, sin = self.rope(batch.rope_pos)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         # Eagle3Drafter.finish on the engine's linears: o_proj, the residual, the MLP block

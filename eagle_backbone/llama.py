@@ -415,27 +415,30 @@ def attend(cache: SlotCache, layer: int, q, k, v, batch: RaggedBatch, scaling: f
 
 
 class DecoderLayer:
-    """A transformers LlamaDecoderLayer as the engine runs it: its norms and activation, and its seven
-    projections as :class:`~eagle_backbone.linear.Projection` (oneDNN's packed matmul on a CPU where it is
-    faster; ``linear="plain"``: ``F.linear``). The module itself is left as it is."""
+    """A transformers LlamaDecoderLayer as the engine runs it: its norms and activation, and its projections
+    as :class:`~eagle_backbone.linear.Projection` (oneDNN's packed matmul on a CPU where it is faster;
+    ``linear="plain"``: ``F.linear``), q/k/v fused into one matmul and gate/up into another. The module itself
+    is left as it is."""
 
     def __init__(self, layer: nn.Module, linear: str = "auto"):
         attn, mlp = layer.self_attn, layer.mlp
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        self.q, self.k, self.v, self.o = (Projection(m, linear) for m in (attn.q_proj, attn.k_proj, attn.v_proj,
-                                                                           attn.o_proj))
-        self.gate, self.up, self.down = (Projection(m, linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.qkv = Projection([attn.q_proj, attn.k_proj, attn.v_proj], linear)
+        self.o = Projection(attn.o_proj, linear)
+        self.gate_up = Projection([mlp.gate_proj, mlp.up_proj], linear)
+        self.down = Projection(mlp.down_proj, linear)
         self.act = mlp.act_fn
+
+    def qkv_heads(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the flat tokens h (N, ·), as (N, heads, head_dim) views of one fused matmul."""
+        return tuple(t.view(h.shape[0], -1, self.head_dim) for t in self.qkv.split(h))
 
     def __call__(self, x: torch.Tensor, cos, sin, cache: SlotCache, li: int, batch: RaggedBatch,
                  impl: str) -> torch.Tensor:
         """The layer on the flat tokens (N, d), with our cache."""
-        N, hd = x.shape[0], self.head_dim
-        h = self.input_layernorm(x)
-        q = self.q(h).view(N, -1, hd)
-        k = self.k(h).view(N, -1, hd)
-        v = self.v(h).view(N, -1, hd)
+        N = x.shape[0]
+        q, k, v = self.qkv_heads(self.input_layernorm(x))
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return self.mlp(x + self.o(attend(cache, li, q, k, v, batch, self.scaling, impl).reshape(N, -1)))
@@ -443,7 +446,8 @@ class DecoderLayer:
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP block with its residual: x + down(act(gate(h)) · up(h)), h the post-attention norm of x."""
         h = self.post_attention_layernorm(x)
-        return x + self.down(self.act(self.gate(h)) * self.up(h))
+        gate, up = self.gate_up.split(h)
+        return x + self.down(self.act(gate) * up)
 
 
 class RotaryTable:

@@ -521,7 +521,8 @@ def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
     assert [r["slots"] for r in routes] == [1, 3]
     assert all({"gather", "copy", "per_row", "dense"} <= set(r["ms"]) for r in routes)
     linear = linear_kernels(lm, tokens=(1, 4), reps=1)
-    assert all("F.linear" in r["ms"] for r in linear)
+    assert all("F.linear" in r["ms"] and "engine_fused" in r["ms"] for r in linear)
+    assert all(r["fused_same_bits"] for r in linear)  # fused q/k/v and gate/up: the bits of one call each
     scaling = engine_scaling(t32, prompts_of((6, 9, 4)), concurrency=(1, 2), max_new_tokens=4)
     assert [r["concurrency"] for r in scaling] == [1, 2] and all(0 <= r["prefill_share"] <= 1 for r in scaling)
     meta = {"model": "tiny", "threads": 1, "machine": {}, "command": "x", "dtype": "float32", "max_new_tokens": 4}

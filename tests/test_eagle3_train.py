@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from eagle_backbone.eagle3 import BatchedEagle3Drafter, Eagle3Drafter
 from eagle_backbone.llama import RaggedBatch
 from eagle_backbone.paths import REPO_ROOT
-from eagle_backbone.train.eagle3 import DistilledData, Eagle3Module, distill, ttt_loss
+from eagle_backbone.train.eagle3 import DistilledData, Eagle3Module, distill, distilled_records, ttt_loss
 from eagle_backbone.train.lm import fit_resumable
 
 torch.set_num_threads(1)
@@ -49,6 +49,32 @@ def test_distillation_is_the_targets_greedy_decoding_and_seeded_sampling_repeats
     recs = distill(t, prompts, 10, 0.0, seed=0, slots=2)
     assert [r["response_ids"] for r in recs] == [t.reference_greedy(p, 10) for _, p in prompts]
     assert distill(t, prompts, 10, 1.0, seed=3, slots=2) == distill(t, prompts, 10, 1.0, seed=3, slots=3)
+
+
+def test_distilled_records_mix_greedy_and_sampled_answers_and_are_made_once(tmp_path, monkeypatch):
+    """One response per prompt at each temperature, in the configured order, each temperature kept in its own
+    file: a second call reads them back without decoding; distinct, non-negative temperatures only."""
+    import json
+
+    from eagle_backbone.data import conversations
+
+    t = make_target(dtype=torch.float32)
+    prompts = [("a", [1, 5, 9, 7]), ("b", [1, 30, 2, 8, 8]), ("c", [1, 11])]
+    monkeypatch.setattr(conversations, "load_conversations", lambda path, limit=None: prompts)
+    monkeypatch.setattr(conversations, "build_prompts", lambda tok, convs, n: convs)
+    cfg = OmegaConf.create({"train_path": "train.json", "validation_path": "val.json", "distill": {
+        "dir": str(tmp_path), "prompts": 3, "validation_prompts": 2, "max_prompt_tokens": 16, "max_new_tokens": 6,
+        "temperatures": [0.0, 1.0], "seed": 4, "slots": 2}})
+    recs = distilled_records(cfg, t, None, "train")
+    assert recs[:3] == distill(t, prompts, 6, 0.0, seed=4, slots=2)
+    assert recs[3:] == distill(t, prompts, 6, 1.0, seed=4, slots=2)
+    assert json.loads((tmp_path / "train-T1.settings.json").read_text())["temperature"] == 1.0
+    monkeypatch.setattr("eagle_backbone.train.eagle3.distill", lambda *a, **k: pytest.fail("decoded again"))
+    assert distilled_records(cfg, t, None, "train") == recs
+    for bad in ([], [1.0, 1.0], [-0.5]):
+        cfg.distill.temperatures = bad
+        with pytest.raises(ValueError, match="distill.temperatures"):
+            distilled_records(cfg, t, None, "train")
 
 
 def _fit(root, records, max_steps, ckpt, resume, schedule=6):

@@ -1,5 +1,5 @@
 """The engine's CPU linear layers (eagle_backbone/linear.py): the route by token count, the packed copy kept
-current, and the same outputs as F.linear."""
+current, the same outputs as F.linear, and fused projections with the bits of one call each."""
 
 import pytest
 import torch
@@ -50,3 +50,31 @@ def test_plain_mode_and_bad_modes():
     assert Projection(m, "plain").min_tokens is None
     with pytest.raises(ValueError, match="linear must be one of"):
         check_linear("fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["auto", "plain"])
+def test_fused_projections_give_each_linears_bits_and_follow_updates(dtype, mode):
+    """q/k/v (or gate/up) fused into one matmul: split, each output is bit for bit the one-call output on the
+    same route, at every token count; an in-place update of any part restacks and repacks."""
+    torch.manual_seed(0)
+    mods = [nn.Linear(48, n, bias=False).to(dtype) for n in (48, 16, 16)]
+    fused = Projection(mods, mode)
+    for n in (1, 2, 3, 17):
+        x = torch.randn(n, 48).to(dtype)
+        for got, m in zip(fused.split(x), mods):
+            assert got.shape == (n, m.out_features)
+            assert torch.equal(got, Projection(m, mode)(x))
+    with torch.no_grad():
+        mods[2].weight.mul_(2.0)
+    x = torch.randn(5, 48).to(dtype)
+    assert torch.equal(fused.split(x)[2], Projection(mods[2], mode)(x))
+    with pytest.raises(ValueError, match="all have a bias or all have none"):
+        Projection([nn.Linear(4, 4), nn.Linear(4, 4, bias=False)])
+
+
+def test_fused_projections_off_a_cpu_call_each_linear_and_stack_nothing():
+    mods = [nn.Linear(8, 8, device="meta") for _ in range(3)]
+    fused = Projection(mods)
+    assert [t.shape for t in fused.split(torch.empty(4, 8, device="meta"))] == [(4, 8)] * 3
+    assert fused._stacked is None  # no stacked copy of the weights held on a GPU

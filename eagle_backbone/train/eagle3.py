@@ -1,7 +1,8 @@
 """Training an EAGLE-3 head with Lightning: self-distillation data and the training-time test (TTT).
 
-**Data.** The target answers the corpus' first user turns itself (batched decoding, greedy or sampled with
-one seed per prompt: :func:`distill`), so the drafter learns what the target says, not what a corpus says.
+**Data.** The target answers the corpus' first user turns itself (batched decoding, greedy and sampled with
+one seed per prompt: :func:`distill`), so the drafter learns what the target says, not what a corpus says, on
+the contexts both decoding modes produce.
 Each record is a prompt and the target's response; a block is their tokens (cut to ``block_size``), its loss
 mask the response's tokens.
 
@@ -219,26 +220,37 @@ class DistilledData(L.LightningDataModule):
 
 
 def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[dict]:
-    """The distilled records of ``split`` (train | validation), made once and kept in ``cfg.distill.dir``
-    (``<split>.jsonl`` and its settings; other settings make them again)."""
+    """The distilled records of ``split`` (train | validation): the target's response to every prompt at each
+    of ``cfg.distill.temperatures`` (EAGLE-3's self-distillation: greedy and sampled answers), concatenated in
+    that order. Each temperature's records are made once and kept in ``cfg.distill.dir`` as
+    ``<split>-T<temperature>.jsonl`` beside their settings; other settings make them again."""
     from eagle_backbone.data.conversations import build_prompts, load_conversations
 
     d = cfg.distill
-    settings = {"split": split, "path": str(cfg.train_path if split == "train" else cfg.validation_path),
-                "prompts": int(d.prompts if split == "train" else d.validation_prompts),
-                "max_prompt_tokens": int(d.max_prompt_tokens), "max_new_tokens": int(d.max_new_tokens),
-                "temperature": float(d.temperature), "seed": int(d.seed)}
-    out = Path(d.dir) / f"{split}.jsonl"
-    meta = Path(d.dir) / f"{split}.settings.json"
-    if out.exists() and meta.exists() and json.loads(meta.read_text()) == settings:
-        return [json.loads(line) for line in out.read_text().splitlines()]
-    convs = load_conversations(settings["path"], limit=None)
-    prompts = build_prompts(tokenizer, convs, settings["max_prompt_tokens"])[: settings["prompts"]]
-    records = distill(target, list(prompts), settings["max_new_tokens"], settings["temperature"],
-                      settings["seed"] + (0 if split == "train" else 1), int(d.slots))
-    with atomic_path(out) as tmp:
-        Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in records))
-    atomic_write_json(meta, settings, newline=False)
+    temperatures = [float(t) for t in d.temperatures]
+    if not temperatures or any(t < 0 for t in temperatures) or len(set(temperatures)) != len(temperatures):
+        raise ValueError(f"drafter_training.distill.temperatures: {temperatures}: give distinct temperatures >= 0")
+    prompts = None
+    records = []
+    for temperature in temperatures:
+        settings = {"split": split, "path": str(cfg.train_path if split == "train" else cfg.validation_path),
+                    "prompts": int(d.prompts if split == "train" else d.validation_prompts),
+                    "max_prompt_tokens": int(d.max_prompt_tokens), "max_new_tokens": int(d.max_new_tokens),
+                    "temperature": temperature, "seed": int(d.seed)}
+        out = Path(d.dir) / f"{split}-T{temperature:g}.jsonl"
+        meta = out.with_suffix(".settings.json")
+        if out.exists() and meta.exists() and json.loads(meta.read_text()) == settings:
+            records += [json.loads(line) for line in out.read_text().splitlines()]
+            continue
+        if prompts is None:
+            convs = load_conversations(settings["path"], limit=None)
+            prompts = build_prompts(tokenizer, convs, settings["max_prompt_tokens"])[: settings["prompts"]]
+        made = distill(target, list(prompts), settings["max_new_tokens"], temperature,
+                       settings["seed"] + (0 if split == "train" else 1), int(d.slots))
+        with atomic_path(out) as tmp:
+            Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in made))
+        atomic_write_json(meta, settings, newline=False)
+        records += made
     return records
 
 
@@ -263,7 +275,8 @@ def run_eagle3_training(root_cfg) -> dict:
     trainer, val_metrics, seconds = fit_resumable(module, dm, root_cfg.trainer, root_cfg.logger, cfg.ckpt_dir,
                                                   root_cfg.resume, every_n_steps=int(cfg.get("checkpoint_every", 50)))
     summary = {"kind": "eagle3", "steps": trainer.global_step, "ttt_steps": cfg.ttt_steps, "layers": list(module.layers),
-               "train_records": len(train), "val_records": len(val), "train_seconds_this_run": seconds,
+               "train_records": len(train), "val_records": len(val),
+               "distill_temperatures": [float(t) for t in cfg.distill.temperatures], "train_seconds_this_run": seconds,
                "seed": root_cfg.seed, "params": sum(p.numel() for n, p in module.drafter.named_parameters()
                                                     if not n.startswith("embed"))}
     summary.update({k.replace("val/", "val_"): float(v) for k, v in val_metrics.items() if not math.isnan(float(v))})

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from eagle_backbone.linear import Projection
 from eagle_backbone.llama import BatchedLlama, RaggedBatch, attend
 
 ROUTES = ("gather", "copy", "per_row", "dense", "flex")
@@ -131,10 +132,13 @@ def linear_kernels(lm: BatchedLlama, tokens=(1, 2, 3, 4, 8, 16, 80), reps: int =
             kernels["onednn_packed"] = lambda m, x: onednn(x, packed[m], m.bias, "none", [], "")
         except RuntimeError:  # no packed layout for this dtype here: the two others only
             pass
+    # the engine's calls (DecoderLayer): q/k/v fused into one matmul, gate/up into another, each routed by M
+    fused = [Projection(group) for group in (mods[:3], mods[3:4], mods[4:6], mods[6:])]
     out = []
     for M in tokens:
         xs = {m: torch.randn(M, m.in_features, generator=g).to(lm.dtype) for m in mods}
         fns = {k: (lambda f=f: [f(m, xs[m]) for m in mods]) for k, f in kernels.items()}
+        fns["engine_fused"] = lambda: [p.split(xs[m]) for p, m in zip(fused, (mods[0], mods[3], mods[4], mods[6]))]
         try:
             ms = _timed(fns, reps)
         except RuntimeError as e:  # oneDNN without this dtype on this CPU
@@ -142,7 +146,10 @@ def linear_kernels(lm: BatchedLlama, tokens=(1, 2, 3, 4, 8, 16, 80), reps: int =
             ms["onednn_error"] = str(e).splitlines()[0][:160]
         same = {k: all(torch.equal(f(m, xs[m][:1]), f(m, xs[m])[:1]) for m in mods) for k, f in kernels.items()
                 if k in ms}
-        out.append({"tokens": M, "ms": ms, "same_bits_alone": same})
+        # fused against one call a projection on the same route: the same bits (each column one dot product)
+        same_fused = all(torch.equal(torch.cat(p.split(x), -1), torch.cat([Projection(m)(x) for m in grp], -1))
+                         for p, grp in zip(fused, (mods[:3], mods[3:4], mods[4:6], mods[6:])) for x in [xs[grp[0]]])
+        out.append({"tokens": M, "ms": ms, "same_bits_alone": same, "fused_same_bits": same_fused})
     return out
 
 
@@ -194,17 +201,20 @@ def markdown(result: dict) -> str:
         lines += ["", "Routes that did not run: " + "; ".join(sorted(errs))]
     lines += ["", "## Linear kernels (one layer's projections at M tokens)", "",
               "Median process-CPU ms; same bits alone: a row scored alone (M = 1) gets the bits it gets inside M rows.", "",
-              "| dtype | M | F.linear | oneDNN | oneDNN packed | F.linear / oneDNN | F.linear / packed | same bits alone "
-              "(F.linear, oneDNN, packed) |",
-              "|---|---:|---:|---:|---:|---:|---:|---|"]
+              "`engine (fused)`: the engine's calls, q/k/v fused into one matmul and gate/up into another, each routed "
+              "by M as `Projection` routes it; fused = same bits: its outputs equal one call a projection's.", "",
+              "| dtype | M | F.linear | oneDNN | oneDNN packed | engine (fused) | F.linear / oneDNN | F.linear / packed "
+              "| F.linear / engine | same bits alone (F.linear, oneDNN, packed) | fused = same bits |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for x in result.get("linear", []):
         for r in x["rows"]:
             ms, same, base = r["ms"], r["same_bits_alone"], r["ms"]["F.linear"]
-            cells = [ms.get(k) for k in ("onednn", "onednn_packed")]
+            cells = [ms.get(k) for k in ("onednn", "onednn_packed", "engine_fused")]
             times = " | ".join("–" if c is None else f"{c:.3f}" for c in cells)
             speed = " | ".join("–" if c is None else f"{base / c:.2f}×" for c in cells)
             lines.append(f"| {x['dtype']} | {r['tokens']} | {base:.3f} | {times} | {speed} | "
-                         f"{same.get('F.linear')}, {same.get('onednn', '–')}, {same.get('onednn_packed', '–')} |")
+                         f"{same.get('F.linear')}, {same.get('onednn', '–')}, {same.get('onednn_packed', '–')} | "
+                         f"{r.get('fused_same_bits', '–')} |")
     lines += ["", f"## Batched AR against C ({m['dtype']}, {m['max_new_tokens']} new tokens a prompt)", "",
               "Generated tokens per process CPU-second (one thread: the compute spent), with the prefill's share "
               "of the engine's time (prefill in its own forward here) and the tokens per CPU-second of decoding "
