@@ -41,17 +41,12 @@ from torch import nn
 
 from eagle_backbone.drafter import checked_embedding, load_state_dict, write_weights
 from eagle_backbone.io import atomic_write_json
+from eagle_backbone.llama import rotate
 
 SPECULATORS_VERSION = "0.9.0"  # the schema written (speculators' Eagle3SpeculatorConfig)
 _UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")  # speculators variants this drafter does not run
 _DROP = ("architectures", "transformers_version", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
          "norm_before_residual", "_name_or_path", "dtype", "torch_dtype", "auto_map")
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Llama's rotate-half form); cos and sin broadcast against x."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -322,9 +317,7 @@ class BatchedEagle3Drafter:
         d, L = self.drafter, self.layer
         x, residual = d.mix(d.embed_tokens(tokens).to(self.dtype), states.to(self.dtype))
         N = x.shape[0]
-        q, k, v = L.qkv_heads(x)
-        cos, sin = self.rope(batch.rope_pos)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = L.attention_inputs(x, *self.rope(batch.rope_pos))
         # Eagle3Drafter.finish on the engine's linears: o_proj, the residual, the MLP block
         return L.mlp(residual + L.o(attend(cache, 0, q, k, v, batch, L.scaling, self.attn).reshape(N, -1)))
 

@@ -60,6 +60,11 @@ class Projection:
         self.min_tokens = onednn_from(self.parts[0][0], mode)
         self._stacked: tuple | None = None
 
+    @property
+    def fused(self) -> bool:
+        """Several linears run as one matmul (on a CPU; see :meth:`split`)."""
+        return len(self.parts) > 1 and self.parts[0][0].device.type == "cpu"
+
     def _versions(self) -> tuple:
         return tuple(w._version for w, _ in self.parts) + tuple(b._version for _, b in self.parts if b is not None)
 
@@ -96,6 +101,6 @@ class Projection:
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The outputs of each linear: one fused matmul split into views on a CPU; elsewhere one call each, so a
         GPU holds no stacked copy of the weights (a 7B target's q/k/v and gate/up are 9 GB in bfloat16)."""
-        if len(self.parts) == 1 or self.parts[0][0].device.type == "cpu":
+        if len(self.parts) == 1 or self.fused:
             return self(x).split(self.sizes, -1)
         return tuple(F.linear(x, w, b) for w, b in self.parts)

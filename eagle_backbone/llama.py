@@ -54,6 +54,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from transformers.models.llama.modeling_llama import LlamaRMSNorm as _LLAMA_RMS_NORM
+
 from eagle_backbone.linear import Projection
 from eagle_backbone.runtime import to_device
 from eagle_backbone.tree import ancestor_matrix
@@ -329,9 +331,19 @@ def _causal_bias(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(n, n, dtype=dtype, device=device).masked_fill_(upper, torch.finfo(dtype).min)
 
 
-def _rotate_half(x):
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Llama's rotate-half form); cos and sin broadcast against x."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for a Llama RMSNorm in fewer kernels: torch's fused ``rms_norm`` in float32, then the
+    weight, in the module's order of casts, so the bits are the module's (tests/test_linear.py); any other
+    norm module is called as it is."""
+    if type(norm) is not _LLAMA_RMS_NORM:
+        return norm(x)
+    return norm.weight * nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
 def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None, base: int | None = None) -> torch.Tensor:
@@ -430,22 +442,28 @@ class DecoderLayer:
         self.down = Projection(mlp.down_proj, linear)
         self.act = mlp.act_fn
 
-    def qkv_heads(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of the flat tokens h (N, ·), as (N, heads, head_dim) views of one fused matmul."""
-        return tuple(t.view(h.shape[0], -1, self.head_dim) for t in self.qkv.split(h))
+    def attention_inputs(self, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k turned by the rotary embedding, and v, of the flat tokens h (N, ·): (N, heads, head_dim)
+        each. On a CPU q, k and v are one fused matmul's output, and q and k turn in one pass."""
+        N, hd = h.shape[0], self.head_dim
+        if not self.qkv.fused:
+            q, k, v = (t.view(N, -1, hd) for t in self.qkv.split(h))
+            return rotate(q, cos, sin), rotate(k, cos, sin), v
+        out = self.qkv(h)
+        nq, nk, _ = self.qkv.sizes
+        q, k = rotate(out[:, : nq + nk].view(N, -1, hd), cos, sin).split([nq // hd, nk // hd], 1)
+        return q, k, out[:, nq + nk:].view(N, -1, hd)
 
     def __call__(self, x: torch.Tensor, cos, sin, cache: SlotCache, li: int, batch: RaggedBatch,
                  impl: str) -> torch.Tensor:
         """The layer on the flat tokens (N, d), with our cache."""
         N = x.shape[0]
-        q, k, v = self.qkv_heads(self.input_layernorm(x))
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self.attention_inputs(rms_norm(self.input_layernorm, x), cos, sin)
         return self.mlp(x + self.o(attend(cache, li, q, k, v, batch, self.scaling, impl).reshape(N, -1)))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP block with its residual: x + down(act(gate(h)) · up(h)), h the post-attention norm of x."""
-        h = self.post_attention_layernorm(x)
+        h = rms_norm(self.post_attention_layernorm, x)
         gate, up = self.gate_up.split(h)
         return x + self.down(self.act(gate) * up)
 
@@ -505,7 +523,7 @@ class BatchedLlama:
             if li in hidden_layers:
                 extra[li] = x
             x = layer(x, cos, sin, cache, li, batch, self.attn)
-        h = self.decoder.norm(x)
+        h = rms_norm(self.decoder.norm, x)
         return (h, [extra[i] for i in hidden_layers]) if hidden_layers else h
 
     __call__ = forward

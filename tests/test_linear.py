@@ -1,5 +1,6 @@
 """The engine's CPU linear layers (eagle_backbone/linear.py): the route by token count, the packed copy kept
-current, the same outputs as F.linear, and fused projections with the bits of one call each."""
+current, the same outputs as F.linear, fused projections with the bits of one call each, and the fused RMSNorm
+with the module's bits."""
 
 import pytest
 import torch
@@ -78,3 +79,21 @@ def test_fused_projections_off_a_cpu_call_each_linear_and_stack_nothing():
     fused = Projection(mods)
     assert [t.shape for t in fused.split(torch.empty(4, 8, device="meta"))] == [(4, 8)] * 3
     assert fused._stacked is None  # no stacked copy of the weights held on a GPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engines_rms_norm_has_the_modules_bits(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from eagle_backbone.llama import rms_norm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    for scale in (1e-3, 1.0, 30.0):
+        x = (torch.randn(9, 64) * scale).to(dtype)
+        assert torch.equal(rms_norm(norm, x), norm(x))
+    other = nn.LayerNorm(64).to(dtype)  # not a Llama RMSNorm: called as it is
+    x = torch.randn(3, 64).to(dtype)
+    assert torch.equal(rms_norm(other, x), other(x))

@@ -29,7 +29,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from eagle_backbone.eagle3 import Eagle3Drafter, rotate
+from eagle_backbone.eagle3 import Eagle3Drafter
+from eagle_backbone.llama import rotate
 from eagle_backbone.io import atomic_path, atomic_write_json
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.target import TargetModel
