@@ -346,6 +346,17 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q (..., m, D) against keys k (..., L, D), a view of the cache: (..., m, L), times ``scaling``.
+
+    In bfloat16 the product runs as k @ qᵀ, transposed back: on a CPU, oneDNN reads the transposed view of the
+    cache that q @ kᵀ needs 1.7-3.5× slower than a copy would (the attention page's bf16 rows), while k as
+    stored is a plain row-major operand. The bits are the same (tests/test_batched.py)."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        return (torch.matmul(k, q.transpose(-1, -2)) * scaling).transpose(-1, -2).contiguous()
+    return torch.matmul(q, k.transpose(-1, -2)) * scaling
+
+
 def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None, base: int | None = None) -> torch.Tensor:
     """q (n, Hq, D) at positions start..start+n-1; k/v (Hkv, start+n, D), views of one slot -> (n, Hq*D).
 
@@ -365,7 +376,7 @@ def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None, base:
     else:
         # transformers' eager math; GQA by grouping the query heads instead of copying keys
         rep = Hq // Hkv
-        scores = torch.matmul(qh.reshape(Hkv, rep * n, D), k.transpose(1, 2)) * scaling
+        scores = _scores(qh.reshape(Hkv, rep * n, D), k, scaling)
         # every earlier key is visible to all of the new block (its bias there is 0): add only over the block
         if tree is not None:
             b = start if base is None else base
@@ -401,7 +412,7 @@ def _attend_block(q, kc, vc, batch: RaggedBatch, i: int, j: int, scaling: float,
                                                          enable_gqa=Hq != Hkv)
     else:
         rep = Hq // Hkv
-        scores = (torch.matmul(qb.reshape(R, Hkv, rep * T, D), k.transpose(2, 3)) * scaling).view(R, Hkv, rep, T, L)
+        scores = _scores(qb.reshape(R, Hkv, rep * T, D), k, scaling).view(R, Hkv, rep, T, L)
         probs = torch.softmax(scores + mask[:, :, None], dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs.view(R, Hkv, rep * T, L), v).view(R, Hq, T, D)
     return out.transpose(1, 2).reshape(R * T, Hq * D)

@@ -530,3 +530,18 @@ def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
                      "linear": [{"dtype": "float32", "rows": linear}],
                      "scaling": [{"set": "s", "mean_prompt_tokens": 6.3, "rows": scaling}]})
     assert page.startswith("# The engine at real prompt lengths\n")  # renders; its rows are the ones checked above
+
+
+def test_bf16_scores_read_the_cache_as_stored_with_the_same_bits():
+    """In bfloat16 attention scores run as k @ qᵀ over the cache's own layout (fast on a CPU); they equal
+    q @ kᵀ over the transposed view bit for bit, for a row (3-d) and a block of rows (4-d)."""
+    from eagle_backbone.llama import _scores
+
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(3, 2, 300, 16, generator=g).to(torch.bfloat16)  # (slots, Hkv, capacity, D)
+    for L, m in ((1, 1), (37, 4), (250, 9)):
+        k = cache[1, :, :L]
+        q = torch.randn(2, m, 16, generator=g).to(torch.bfloat16)
+        assert torch.equal(_scores(q, k, 0.25), torch.matmul(q, k.transpose(1, 2)) * 0.25)
+        kb, qb = cache[:, :, :L], torch.randn(3, 2, m, 16, generator=g).to(torch.bfloat16)
+        assert torch.equal(_scores(qb, kb, 0.25), torch.matmul(qb, kb.transpose(2, 3)) * 0.25)
