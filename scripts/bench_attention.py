@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
     from eagle_backbone.io import atomic_write_json, atomic_write_text
     from eagle_backbone.loading import load_target
     from eagle_backbone.runtime import resolve_dtype
-    from ldlp.bench.attention import attention_routes, engine_scaling, linear_kernels, markdown
+    from ldlp.bench.attention import attention_routes, elementwise_kernels, engine_scaling, linear_kernels, markdown
     from ldlp.bench.loaders import load_tokenizer_cached, machine_info, short_and_long_prompts
 
     from eagle_backbone.runtime import int_list_setting, int_setting
@@ -45,11 +45,12 @@ def main(cfg: DictConfig) -> None:
     if empty:
         raise ValueError(f"no prompts in the {', '.join(empty)} set(s) (prompts={cfg.prompts}, long_path="
                          f"{cfg.long_path}): give a data file with prompts the target's context holds")
-    routes, linear = [], []
+    routes, linear, elementwise = [], [], []
     for dtype in cfg.dtypes:
         target = load_target({**model, "dtype": dtype})
         lm = BatchedLlama(target.model, max(len(p) for ps in sets.values() for p in ps) + cfg.max_new_tokens + 2)
         linear.append({"dtype": dtype, "rows": linear_kernels(lm, reps=cfg.reps, seed=cfg.seed)})
+        elementwise.append({"dtype": dtype, **elementwise_kernels(lm, reps=cfg.reps, seed=cfg.seed, compile=cfg.compile)})
         for name, ps in sets.items():
             lengths = [len(p) + cfg.max_new_tokens // 2 for p in ps]  # mid-generation contexts
             log.info("routes: %s, %s", dtype, name)
@@ -64,7 +65,7 @@ def main(cfg: DictConfig) -> None:
     meta = {"model": cfg.model.name, "dtype": str(resolve_dtype(cfg.model.dtype, cfg.model.device)).replace("torch.", ""),
             "threads": threads, "max_new_tokens": cfg.max_new_tokens, "prompts": cfg.prompts, "machine": machine_info(),
             "command": "python scripts/bench_attention.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
-    result = {"meta": meta, "routes": routes, "linear": linear, "scaling": scaling}
+    result = {"meta": meta, "routes": routes, "linear": linear, "elementwise": elementwise, "scaling": scaling}
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "attention.json", result, indent=2)

@@ -514,7 +514,7 @@ def test_ragged_attention_and_greedy_identity_on_a_gpu(t32, draft_lm):
 def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
     """scripts/bench_attention.py's library on a tiny model: every route (flex where this build runs it), the
     linear kernels and the scaling rows, and the page written from them; no figure is checked (timings)."""
-    from ldlp.bench.attention import attention_routes, engine_scaling, linear_kernels, markdown
+    from ldlp.bench.attention import attention_routes, elementwise_kernels, engine_scaling, linear_kernels, markdown
 
     lm = BatchedLlama(t32.model, 64)
     routes = attention_routes(lm, [5, 20, 40], slots=(1, 3), reps=1)
@@ -523,11 +523,15 @@ def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
     linear = linear_kernels(lm, tokens=(1, 4), reps=1)
     assert all("F.linear" in r["ms"] and "engine_fused" in r["ms"] for r in linear)
     assert all(r["fused_same_bits"] for r in linear)  # fused q/k/v and gate/up: the bits of one call each
+    elementwise = elementwise_kernels(lm, tokens=(1, 4), reps=1, compile=False)  # compiling takes a minute
+    assert [r["tokens"] for r in elementwise["rows"]] == [1, 4]
+    assert all(r["same_bits"] == {"engine": True} for r in elementwise["rows"])  # fused norm, rotary in one pass
     scaling = engine_scaling(t32, prompts_of((6, 9, 4)), concurrency=(1, 2), max_new_tokens=4)
     assert [r["concurrency"] for r in scaling] == [1, 2] and all(0 <= r["prefill_share"] <= 1 for r in scaling)
     meta = {"model": "tiny", "threads": 1, "machine": {}, "command": "x", "dtype": "float32", "max_new_tokens": 4}
     page = markdown({"meta": meta, "routes": [{"dtype": "float32", "set": "s", "rows": routes}],
                      "linear": [{"dtype": "float32", "rows": linear}],
+                     "elementwise": [{"dtype": "float32", **elementwise}],
                      "scaling": [{"set": "s", "mean_prompt_tokens": 6.3, "rows": scaling}]})
     assert page.startswith("# The engine at real prompt lengths\n")  # renders; its rows are the ones checked above
 

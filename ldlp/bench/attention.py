@@ -17,7 +17,12 @@ prefill share (``scripts/bench_attention.py``, docs/batched.md).
    (``torch.ops.mkldnn._linear_pointwise``, the kind of kernel CPU serving engines call), with whether each
    gives a row the same bits alone (M = 1) and inside M rows.
 
-3. **Scaling** (:func:`engine_scaling`): batched AR on a prompt set at each C, with prefill in its own
+3. **Elementwise ops** (:func:`elementwise_kernels`): one layer's RMSNorm, rotary and SiLU-and-multiply at
+   M tokens as transformers writes them, as the engine runs them (torch's fused ``rms_norm``, q and k turned
+   in one pass), and through ``torch.compile`` (``dynamic=True``: one graph for every M), with its compile
+   seconds and whether each gives the eager bits.
+
+4. **Scaling** (:func:`engine_scaling`): batched AR on a prompt set at each C, with prefill in its own
    forward so that its seconds are separable: generated tokens per process CPU-second, the prefill's share
    of the run, and decode-only tokens per CPU-second (prefill seconds left out). Prefill costs the same
    per prompt token at any C (its matrices are already a batch), so a prompt set whose prompts are long
@@ -31,6 +36,7 @@ import statistics
 import time
 
 import torch
+from torch import nn
 
 from eagle_backbone.linear import Projection
 from eagle_backbone.llama import BatchedLlama, RaggedBatch, attend
@@ -153,6 +159,52 @@ def linear_kernels(lm: BatchedLlama, tokens=(1, 2, 3, 4, 8, 16, 80), reps: int =
     return out
 
 
+def elementwise_kernels(lm: BatchedLlama, tokens=(1, 16, 64, 256), reps: int = 10, seed: int = 0,
+                        compile: bool = True) -> dict:
+    """Median CPU ms of one layer's elementwise work at M tokens: both RMSNorms, rotary on q and k, and
+    SiLU-and-multiply; ``eager`` as transformers writes them, ``engine`` as :class:`DecoderLayer` runs them,
+    ``compiled`` the eager functions through ``torch.compile(dynamic=True)`` (``compile_s``: the first call's
+    seconds). ``same_bits``: each route's outputs equal the eager ones."""
+    from eagle_backbone.llama import rms_norm, rotate
+
+    g = torch.Generator().manual_seed(seed)
+    layer, rl = lm.layers[0], lm.run_layers[0]
+    norm, hd = layer.input_layernorm, rl.head_dim
+    nq, nk, _ = rl.qkv.sizes
+    d, ff = norm.weight.shape[0], layer.mlp.gate_proj.out_features
+
+    def eager(x, qk, cos, sin, gate, up):
+        q, k = qk[:, : nq // hd], qk[:, nq // hd:]
+        return (norm(x), layer.post_attention_layernorm(x), rotate(q, cos, sin), rotate(k, cos, sin),
+                nn.functional.silu(gate) * up)
+
+    def engine(x, qk, cos, sin, gate, up):
+        q, k = rotate(qk, cos, sin).split([nq // hd, nk // hd], 1)
+        return (rms_norm(norm, x), rms_norm(layer.post_attention_layernorm, x), q, k, nn.functional.silu(gate) * up)
+
+    routes = {"eager": eager, "engine": engine}
+    compile_s = None
+    if compile:
+        routes["compiled"] = torch.compile(eager, dynamic=True)
+    rows = []
+    with torch.inference_mode():
+        for M in tokens:
+            x = torch.randn(M, d, generator=g).to(lm.dtype)
+            qk = torch.randn(M, (nq + nk) // hd, hd, generator=g).to(lm.dtype)
+            cos, sin = (torch.randn(M, 1, hd, generator=g).to(lm.dtype) for _ in range(2))
+            gate, up = (torch.randn(M, ff, generator=g).to(lm.dtype) for _ in range(2))
+            args = (x, qk, cos, sin, gate, up)
+            if compile and compile_s is None:
+                t0 = time.perf_counter()
+                routes["compiled"](*args)
+                compile_s = time.perf_counter() - t0
+            ms = _timed({n: (lambda f=f: f(*args)) for n, f in routes.items()}, reps)
+            ref = eager(*args)
+            same = {n: all(torch.equal(a, b) for a, b in zip(f(*args), ref)) for n, f in routes.items() if n != "eager"}
+            rows.append({"tokens": M, "ms": ms, "same_bits": same})
+    return {"compile_s": compile_s, "rows": rows}
+
+
 @torch.inference_mode()
 def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_new_tokens: int = 48) -> list[dict]:
     """Batched AR over ``prompts`` at each C, prefill in its own forward: CPU-seconds split into prefill and
@@ -215,6 +267,23 @@ def markdown(result: dict) -> str:
             lines.append(f"| {x['dtype']} | {r['tokens']} | {base:.3f} | {times} | {speed} | "
                          f"{same.get('F.linear')}, {same.get('onednn', '–')}, {same.get('onednn_packed', '–')} | "
                          f"{r.get('fused_same_bits', '–')} |")
+    if result.get("elementwise"):
+        lines += ["", "## Elementwise ops (one layer's norms, rotary and SiLU-and-multiply at M tokens)", "",
+                  "Median process-CPU ms; `engine`: torch's fused rms_norm and q, k turned in one pass; `compiled`: "
+                  "the eager functions through torch.compile(dynamic=True); same bits: equal to eager's.", "",
+                  "| dtype | M | eager | engine | compiled | eager / engine | eager / compiled | same bits (engine, compiled) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for x in result["elementwise"]:
+            for r in x["rows"]:
+                ms, same = r["ms"], r["same_bits"]
+                comp = ms.get("compiled")
+                comp_ms, comp_x = ("–", "–") if comp is None else (f"{comp:.3f}", f"{ms['eager'] / comp:.2f}×")
+                lines.append(f"| {x['dtype']} | {r['tokens']} | {ms['eager']:.3f} | {ms['engine']:.3f} | {comp_ms} | "
+                             f"{ms['eager'] / ms['engine']:.2f}× | {comp_x} | "
+                             f"{same.get('engine')}, {same.get('compiled', '–')} |")
+        secs = [f"{x['dtype']} {x['compile_s']:.0f} s" for x in result["elementwise"] if x.get("compile_s") is not None]
+        if secs:
+            lines += ["", "torch.compile's first call (the compile): " + ", ".join(secs) + "."]
     lines += ["", f"## Batched AR against C ({m['dtype']}, {m['max_new_tokens']} new tokens a prompt)", "",
               "Generated tokens per process CPU-second (one thread: the compute spent), with the prefill's share "
               "of the engine's time (prefill in its own forward here) and the tokens per CPU-second of decoding "
