@@ -519,7 +519,7 @@ def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
     lm = BatchedLlama(t32.model, 64)
     routes = attention_routes(lm, [5, 20, 40], slots=(1, 3), reps=1)
     assert [r["slots"] for r in routes] == [1, 3]
-    assert all({"gather", "copy", "per_row", "dense"} <= set(r["ms"]) for r in routes)
+    assert all({"gather", "copy", "per_row_qkT", "per_row", "dense"} <= set(r["ms"]) for r in routes)
     linear = linear_kernels(lm, tokens=(1, 4), reps=1)
     assert all("F.linear" in r["ms"] and "engine_fused" in r["ms"] for r in linear)
     assert all(r["fused_same_bits"] for r in linear)  # fused q/k/v and gate/up: the bits of one call each

@@ -8,6 +8,8 @@ prefill share (``scripts/bench_attention.py``, docs/batched.md).
      of R × the longest context) and attend over the longest context with a mask;
    * ``copy``: the same when the rows are all slots in order (a contiguous copy instead of a gather);
    * ``per_row``: the engine's route: each row attends over views of its own slot (nothing copied);
+   * ``per_row_qkT``: the same with the scores as q @ kᵀ over the transposed view of the cache, the engine's
+     form before its bfloat16 one (k @ qᵀ; the same in float32);
    * ``dense``: the engine's dense block: one call on a view of consecutive slots, masked to the longest;
    * ``flex``: ``torch.nn.attention.flex_attention`` with a block mask from the rows' lengths (eager: this
      CPU build has no compiled kernel without ``torch.compile``), where it runs.
@@ -41,7 +43,23 @@ from torch import nn
 from eagle_backbone.linear import Projection
 from eagle_backbone.llama import BatchedLlama, RaggedBatch, attend
 
-ROUTES = ("gather", "copy", "per_row", "dense", "flex")
+ROUTES = ("gather", "copy", "per_row_qkT", "per_row", "dense", "flex")
+
+
+def _scores_qkT(q, k, scaling):
+    """The scores as the engine computed them before its bfloat16 form: q @ kᵀ over the transposed view."""
+    return torch.matmul(q, k.transpose(-1, -2)) * scaling
+
+
+def _with_scores(scores, fn):
+    """``fn()`` with the engine's score kernel swapped for ``scores`` (a retired form, timed beside today's)."""
+    from eagle_backbone import llama
+
+    engine_scores, llama._scores = llama._scores, scores
+    try:
+        return fn()
+    finally:
+        llama._scores = engine_scores
 
 
 def _timed(fns: dict, reps: int) -> dict[str, float]:
@@ -103,6 +121,8 @@ def attention_routes(lm: BatchedLlama, lengths: list[int], slots=(1, 16, 32), re
                                for i in range(nl)],
             "copy": lambda: [_padded_attention(qp, cache.k[i][:R, :, :L].contiguous(), cache.v[i][:R, :, :L].contiguous(),
                                                lens, a.scaling) for i in range(nl)],
+            "per_row_qkT": lambda: _with_scores(_scores_qkT, lambda: [attend(cache, i, q, kv, kv, per_row, a.scaling,
+                                                                               "eager") for i in range(nl)]),
             "per_row": lambda: [attend(cache, i, q, kv, kv, per_row, a.scaling, "eager") for i in range(nl)],
             "dense": lambda: [attend(cache, i, q, kv, kv, dense, a.scaling, "eager") for i in range(nl)],
             "flex": lambda: [_flex(qp, cache.k[i][:R, :, :L], cache.v[i][:R, :, :L], lens, a.scaling) for i in range(nl)],
@@ -237,7 +257,9 @@ def markdown(result: dict) -> str:
              "## Attention routes of one decoding step (all layers, one new token a row)", "",
              "Median process-CPU ms, interleaved; `gather`/`copy` are the retired route (every row's K/V prefix "
              "copied, attention over the longest context); `per_row` and `dense` are the engine's (views of the "
-             "cache). MB: the K/V the retired route copies a step.", ""]
+             "cache); `per_row_qkT` is `per_row` with its scores as q @ kᵀ over the cache's transposed view, the "
+             "engine's form before its bfloat16 one (the same code in float32). MB: the K/V the retired route "
+             "copies a step.", ""]
     routes = [r for r in ROUTES if any(r in row["ms"] for x in result["routes"] for row in x["rows"])]
     lines += ["| dtype | prompt set | R | mean / max context | " + " | ".join(routes) + " | MB copied | retired / per_row |",
               "|---|---|---:|---|" + "---:|" * (len(routes) + 2)]
