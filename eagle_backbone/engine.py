@@ -97,6 +97,14 @@ PREFILL_MODES = ("joined", "chunked", "separate")
 MAX_BATCHED_TOKENS = 512  # chunked prefill's token budget per target forward (docs/batched.md: how it was chosen)
 
 
+def check_prefill(prefill, max_batched_tokens) -> None:
+    """One-line errors for a prefill schedule the engine does not have."""
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+    if not isinstance(max_batched_tokens, int) or isinstance(max_batched_tokens, bool) or max_batched_tokens < 1:
+        raise ValueError(f"max_batched_tokens must be an integer >= 1, got {max_batched_tokens!r}")
+
+
 @dataclass
 class GenerationOutput:
     tokens: list[int]  # new tokens only, EOS included when generated
@@ -372,10 +380,7 @@ class BatchedSpeculativeEngine:
                  max_batched_tokens: int = MAX_BATCHED_TOKENS):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"batch size (slots) must be an integer >= 1, got {slots!r}")
-        if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
-        if not isinstance(max_batched_tokens, int) or isinstance(max_batched_tokens, bool) or max_batched_tokens < 1:
-            raise ValueError(f"max_batched_tokens must be an integer >= 1, got {max_batched_tokens!r}")
+        check_prefill(prefill, max_batched_tokens)
         self.max_batched_tokens = max_batched_tokens
         attn = attn or default_attn(target)
         if candidates is not None and not isinstance(candidates, CandidateGenerator):
