@@ -144,3 +144,25 @@ def test_bad_prefill_settings_are_refused_in_one_line(pairs, kw, message):
     with pytest.raises(ValueError, match=message) as e:
         BatchedSpeculativeEngine(pair.target, pair.candidates, slots=2, **kw)
     one_line(e)
+
+
+def test_bench_contenders_carry_engine_settings():
+    """scripts/bench_batch.py: a contender's prefill settings come out of its policy tokens, over the config's
+    engine defaults, and bad ones are refused in one line before any model loads."""
+    from eagle_backbone.errors import ConfigError
+    from ldlp.bench.load_sweep import engine_label, engine_settings
+
+    defaults = {"prefill": "joined", "max_batched_tokens": 512}
+    rest, own, settings = engine_settings("policy=static policy.gamma=3 prefill=chunked".split(), defaults)
+    assert rest == ["policy=static", "policy.gamma=3"] and own == {"prefill": "chunked"}
+    assert settings == {"prefill": "chunked", "max_batched_tokens": 512}
+    assert engine_label("static γ=3", own) == "static γ=3 prefill=chunked"
+    assert engine_settings([], defaults) == ([], {}, defaults)
+    for tokens, message in ((["max_batched_tokens=0"], "max_batched_tokens must be an integer >= 1, got 0"),
+                            (["prefill=lazy"], "prefill must be one of joined, chunked, separate, got 'lazy'")):
+        with pytest.raises(ConfigError, match=message) as e:
+            engine_settings(tokens, defaults)
+        one_line(e)
+    with pytest.raises(ConfigError, match="engine: max_batched_tokens") as e:
+        engine_settings([], {"prefill": "chunked", "max_batched_tokens": -1})
+    one_line(e)
