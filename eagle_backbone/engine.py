@@ -24,16 +24,18 @@ method with typed inputs and outputs:
    ``observe`` on the host. Rollback is setting lengths: the target keeps the accepted prefix, the
    generator what it needs. Finished slots are free for the next prompt.
 
-**Prefill scheduling** (``prefill``). "joined": a prompt admitted while other slots run is prefilled whole
-inside the step's target forward (more rows of the same ragged batch: projections and MLPs over all tokens at
-once). "chunked" (vLLM's default scheduling): a step's target forward scores at most ``max_batched_tokens``
-tokens, the running rows' last tokens and drafts first and then, in the room left, chunks of the prompts
-still being read, oldest admission first, each a ragged row starting where its slot's prefill stopped
-(``Slot.prefilled``); when nothing runs, a step is the prompts' chunks alone. A chunk that does not finish its
-prompt emits nothing and its slot is not running (the policy does not see it); the chunk that finishes it
-picks the first token. "separate": the new prompts' own forward, a step before the others'. In every mode the
-drafter's prefill needs the first token, so it is a forward of its own right after the target's, over the
-whole prompt (the target's features of earlier chunks read back from the engine's feature buffer).
+**Prefill scheduling** (``prefill``). "chunked" (the default, vLLM's default scheduling): a step's target
+forward scores at most ``max_batched_tokens`` tokens (2048 by default), the running rows' last tokens and
+drafts first and then, in the room left, chunks of the prompts still being read, oldest admission first,
+each a ragged row of the same batch (projections and MLPs over all tokens at once) starting where its slot's
+prefill stopped (``Slot.prefilled``); when nothing runs, a step is the prompts' chunks alone. A chunk that
+does not finish its prompt emits nothing and its slot is not running (the policy does not see it); the chunk
+that finishes it picks the first token. "joined": a prompt admitted while other slots run is prefilled whole
+inside the step's target forward. "separate": the new prompts' own forward, a step before the others'. In
+every mode the drafter's prefill needs the first token, so it is a forward of its own right after the
+target's, over the whole prompt (the target's features of earlier chunks read back from the engine's feature
+buffer). Each sequence draws from its own random stream (its seed and step), so the schedule changes when a
+prompt is read, not what a sampled sequence draws.
 
 Bookkeeping writes past a slot's length go to a trash position (the last of the buffers) that no real
 query can see. Greedy output equals each sequence's own greedy decoding by the target
@@ -94,7 +96,7 @@ from eagle_backbone.tree_draft import TreeSpec, grow_tree
 
 STEP_LOG = 100_000  # the most step records an engine keeps (the newest): a long-lived engine's log stays bounded
 PREFILL_MODES = ("joined", "chunked", "separate")
-MAX_BATCHED_TOKENS = 512  # chunked prefill's token budget per target forward (docs/batched.md: how it was chosen)
+MAX_BATCHED_TOKENS = 2048  # chunked prefill's token budget per target forward (docs/batched.md#chunked-prefill)
 
 
 def check_prefill(prefill, max_batched_tokens) -> None:
@@ -357,11 +359,11 @@ class BatchedSpeculativeEngine:
     ``policy``: a :class:`~eagle_backbone.policy.DraftPolicy` (one instance for every slot), a per-sequence
     :class:`~eagle_backbone.policy.DraftLengthPolicy` (copied per slot: the slow path) or a zero-argument
     factory of either; None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot
-    (default: the target's context). ``prefill``: "joined" (default: new prompts ride whole in the step's
-    target forward as more rows of its ragged batch, projections and MLPs over all tokens at once), "chunked"
-    (a step's forward scores at most ``max_batched_tokens`` tokens: the running rows' first, then chunks of
-    the prompts being read in the room left) or "separate" (their own target forward before the step); the
-    module docstring has the schedule. ``early_exit``: read a policy's stop codes after each draft
+    (default: the target's context). ``prefill``: "chunked" (default: a step's forward scores at most
+    ``max_batched_tokens`` tokens, default :data:`MAX_BATCHED_TOKENS`: the running rows' first, then chunks of
+    the prompts being read in the room left), "joined" (new prompts ride whole in the step's target forward as
+    more rows of its ragged batch) or "separate" (their own target forward before the step); the module
+    docstring has the schedule, docs/batched.md#chunked-prefill the measurement that chose it. ``early_exit``: read a policy's stop codes after each draft
     depth, so that rows that stopped draft and score nothing more (default: where a read is no
     synchronisation, a CPU); off, the codes stay on the device as masks, every row drafts to its cap and the
     target scores up to the caps (the step's only read is then the one after verification).
@@ -375,7 +377,7 @@ class BatchedSpeculativeEngine:
 
     def __init__(self, target: TargetModel, candidates=None, kind: str | None = None, slots: int = 8,
                  policy=None, sampling: SamplingConfig | None = None, capacity: int | None = None,
-                 attn: str | None = None, prefill: str = "joined", profile: bool = False, max_draft: int = 32,
+                 attn: str | None = None, prefill: str = "chunked", profile: bool = False, max_draft: int = 32,
                  early_exit: bool | None = None, cost_model=None, record_steps: bool = True,
                  max_batched_tokens: int = MAX_BATCHED_TOKENS):
         if not isinstance(slots, int) or slots < 1:
