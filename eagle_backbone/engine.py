@@ -363,10 +363,11 @@ class BatchedSpeculativeEngine:
     ``max_batched_tokens`` tokens, default :data:`MAX_BATCHED_TOKENS`: the running rows' first, then chunks of
     the prompts being read in the room left), "joined" (new prompts ride whole in the step's target forward as
     more rows of its ragged batch) or "separate" (their own target forward before the step); the module
-    docstring has the schedule, docs/batched.md#chunked-prefill the measurement that chose it. ``early_exit``: read a policy's stop codes after each draft
-    depth, so that rows that stopped draft and score nothing more (default: where a read is no
-    synchronisation, a CPU); off, the codes stay on the device as masks, every row drafts to its cap and the
-    target scores up to the caps (the step's only read is then the one after verification).
+    docstring has the schedule, docs/batched.md#chunked-prefill the measurement that chose it.
+    ``early_exit``: read a policy's stop codes after each draft depth, so that rows that stopped draft and
+    score nothing more (default: where a read is no synchronisation, a CPU); off, the codes stay on the
+    device as masks, every row drafts to its cap and the target scores up to the caps (the step's only read
+    is then the one after verification).
 
     ``cost_model``: an :class:`~eagle_backbone.step_cost.OnlineCostModel` that learns from this engine's timed
     steps (one may be shared by the engines of a run; a cost-driven policy that gets none makes its own from

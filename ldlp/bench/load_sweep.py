@@ -60,7 +60,7 @@ class Contender:
     gamma: int | None  # static γ; None when adaptive (and 0 for AR)
     make: Callable | None  # zero-argument policy factory (one instance per slot); None: AR
     runner: object | None = None  # a peer engine's runner (vLLM; ldlp/bench/peer_rows.py); None: this engine
-    engine: dict = field(default_factory=dict)  # this engine's settings for this contender (prefill, max_batched_tokens)
+    engine: dict = field(default_factory=dict)  # this engine's settings for it (prefill, max_batched_tokens)
 
 
 def near_tie(target, prompt, ref, got) -> dict:
