@@ -24,9 +24,18 @@ method with typed inputs and outputs:
    ``observe`` on the host. Rollback is setting lengths: the target keeps the accepted prefix, the
    generator what it needs. Finished slots are free for the next prompt.
 
-A prompt admitted while other slots run is prefilled inside the step's target forward (more rows of the
-same ragged batch: projections and MLPs over all tokens at once); the drafter's prefill needs the first
-token, so it is a forward of its own right after.
+**Prefill scheduling** (``prefill``). "chunked" (the default, vLLM's default scheduling): a step's target
+forward scores at most ``max_batched_tokens`` tokens (2048 by default), the running rows' last tokens and
+drafts first and then, in the room left, chunks of the prompts still being read, oldest admission first,
+each a ragged row of the same batch (projections and MLPs over all tokens at once) starting where its slot's
+prefill stopped (``Slot.prefilled``); when nothing runs, a step is the prompts' chunks alone. A chunk that
+does not finish its prompt emits nothing and its slot is not running (the policy does not see it); the chunk
+that finishes it picks the first token. "joined": a prompt admitted while other slots run is prefilled whole
+inside the step's target forward. "separate": the new prompts' own forward, a step before the others'. In
+every mode the drafter's prefill needs the first token, so it is a forward of its own right after the
+target's, over the whole prompt (the target's features of earlier chunks read back from the engine's feature
+buffer). Each sequence draws from its own random stream (its seed and step), so the schedule changes when a
+prompt is read, not what a sampled sequence draws.
 
 Bookkeeping writes past a slot's length go to a trash position (the last of the buffers) that no real
 query can see. Greedy output equals each sequence's own greedy decoding by the target
@@ -86,6 +95,16 @@ from eagle_backbone.tree_draft import TreeSpec, grow_tree
 
 
 STEP_LOG = 100_000  # the most step records an engine keeps (the newest): a long-lived engine's log stays bounded
+PREFILL_MODES = ("joined", "chunked", "separate")
+MAX_BATCHED_TOKENS = 2048  # chunked prefill's token budget per target forward (docs/batched.md#chunked-prefill)
+
+
+def check_prefill(prefill, max_batched_tokens) -> None:
+    """One-line errors for a prefill schedule the engine does not have."""
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+    if not isinstance(max_batched_tokens, int) or isinstance(max_batched_tokens, bool) or max_batched_tokens < 1:
+        raise ValueError(f"max_batched_tokens must be an integer >= 1, got {max_batched_tokens!r}")
 
 
 @dataclass
@@ -187,8 +206,8 @@ class Drafts:
 @dataclass
 class Verification:
     """The verify phase's output: the drafts as verified, the target's logits and hidden states at each
-    row's last token and drafts (R, T, ·), the rows' positions (device) and, when prompts joined the
-    forward, their tokens, batch and hidden states."""
+    row's last token and drafts (R, T, ·), the rows' positions (device) and, when prompt chunks joined the
+    forward, the chunks (slot, start, count), their tokens, batch, hidden states and features."""
 
     record: DraftRecord
     logits: torch.Tensor
@@ -248,6 +267,7 @@ class Slot:
     done: bool = False
     t_admit: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens the target has read (chunked prefill reads a prompt over several steps)
 
 
 class _Profile:
@@ -339,12 +359,15 @@ class BatchedSpeculativeEngine:
     ``policy``: a :class:`~eagle_backbone.policy.DraftPolicy` (one instance for every slot), a per-sequence
     :class:`~eagle_backbone.policy.DraftLengthPolicy` (copied per slot: the slow path) or a zero-argument
     factory of either; None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot
-    (default: the target's context). ``prefill``: "joined" (default: new prompts ride in the step's target
-    forward as more rows of its ragged batch, projections and MLPs over all tokens at once) or "separate"
-    (their own target forward before the step). ``early_exit``: read a policy's stop codes after each draft
-    depth, so that rows that stopped draft and score nothing more (default: where a read is no
-    synchronisation, a CPU); off, the codes stay on the device as masks, every row drafts to its cap and the
-    target scores up to the caps (the step's only read is then the one after verification).
+    (default: the target's context). ``prefill``: "chunked" (default: a step's forward scores at most
+    ``max_batched_tokens`` tokens, default :data:`MAX_BATCHED_TOKENS`: the running rows' first, then chunks of
+    the prompts being read in the room left), "joined" (new prompts ride whole in the step's target forward as
+    more rows of its ragged batch) or "separate" (their own target forward before the step); the module
+    docstring has the schedule, docs/batched.md#chunked-prefill the measurement that chose it.
+    ``early_exit``: read a policy's stop codes after each draft depth, so that rows that stopped draft and
+    score nothing more (default: where a read is no synchronisation, a CPU); off, the codes stay on the
+    device as masks, every row drafts to its cap and the target scores up to the caps (the step's only read
+    is then the one after verification).
 
     ``cost_model``: an :class:`~eagle_backbone.step_cost.OnlineCostModel` that learns from this engine's timed
     steps (one may be shared by the engines of a run; a cost-driven policy that gets none makes its own from
@@ -355,12 +378,13 @@ class BatchedSpeculativeEngine:
 
     def __init__(self, target: TargetModel, candidates=None, kind: str | None = None, slots: int = 8,
                  policy=None, sampling: SamplingConfig | None = None, capacity: int | None = None,
-                 attn: str | None = None, prefill: str = "joined", profile: bool = False, max_draft: int = 32,
-                 early_exit: bool | None = None, cost_model=None, record_steps: bool = True):
+                 attn: str | None = None, prefill: str = "chunked", profile: bool = False, max_draft: int = 32,
+                 early_exit: bool | None = None, cost_model=None, record_steps: bool = True,
+                 max_batched_tokens: int = MAX_BATCHED_TOKENS):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"batch size (slots) must be an integer >= 1, got {slots!r}")
-        if prefill not in ("separate", "joined"):
-            raise ValueError(f"prefill must be 'separate' or 'joined', got {prefill!r}")
+        check_prefill(prefill, max_batched_tokens)
+        self.max_batched_tokens = max_batched_tokens
         attn = attn or default_attn(target)
         if candidates is not None and not isinstance(candidates, CandidateGenerator):
             candidates = make_candidates(kind, candidates, target, attn)
@@ -399,7 +423,7 @@ class BatchedSpeculativeEngine:
         self._stage = (torch.empty(4 * slots, dtype=torch.long, pin_memory=True) if self.device.type == "cuda"
                        else None)
         self.state: list[Slot | None] = [None] * slots
-        self._admitted: list[int] = []
+        self._admitted: list[int] = []  # slots whose prompt the target has not read to its end, oldest first
         self.prof = _Profile(self.device, profile)
         self.steps = 0
 
@@ -408,7 +432,7 @@ class BatchedSpeculativeEngine:
         return [b for b, s in enumerate(self.state) if s is None or s.done]
 
     def admit(self, slot: int, prompt_ids, max_new_tokens: int, seed: int = 0, request=None) -> None:
-        """Put a new sequence into a free ``slot``; it is prefilled at the next :meth:`step`."""
+        """Put a new sequence into a free ``slot``; it is prefilled from the next :meth:`step` on."""
         ids = check_prompt(prompt_ids, self.target)
         if len(ids) >= self.limit:
             raise ValueError(f"prompt has {len(ids)} tokens but the cache holds {self.limit} positions per slot: "
@@ -466,16 +490,32 @@ class BatchedSpeculativeEngine:
         return sample_rows(probs, u), probs
 
     # ---- prefill --------------------------------------------------------------------------------
-    def _prefill_batch(self, slots: list[int]):
-        """The new prompts as ragged rows (nothing padded): their flat tokens (N,) and the batch."""
-        prompts = [self.state[b].prompt for b in slots]
-        tok = to_device([t for p in prompts for t in p], self.device)
-        return tok, RaggedBatch(slots, [0] * len(slots), [len(p) for p in prompts], self.device)
+    def _take_chunks(self, budget: int | None) -> list[tuple[int, int, int]]:
+        """The prompt chunks this forward reads, as (slot, start, count): the admitted prompts oldest first,
+        each from where its prefill stopped, within ``budget`` tokens (None: every prompt whole)."""
+        chunks = []
+        for b in self._admitted:
+            s = self.state[b]
+            n = len(s.prompt) - s.prefilled
+            if budget is not None:
+                n = min(n, budget)
+                budget -= n
+            if n <= 0:
+                break
+            chunks.append((b, s.prefilled, n))
+        return chunks
 
-    def _prefill(self, slots: list[int]) -> dict[str, torch.Tensor]:
-        """Target and drafter prefill of new prompts in their own forwards; returns what the host reads."""
-        tok, batch = self._prefill_batch(slots)
-        return self._prefill_finish(slots, tok, batch, *self._forward(tok, batch))
+    def _prefill_batch(self, chunks: list[tuple[int, int, int]]):
+        """The chunks as ragged rows (nothing padded): their flat tokens (N,) and the batch."""
+        tok = to_device([t for b, a, n in chunks for t in self.state[b].prompt[a: a + n]], self.device)
+        return tok, RaggedBatch([b for b, _, _ in chunks], [a for _, a, _ in chunks], [n for _, _, n in chunks],
+                                self.device)
+
+    def _prefill(self, chunks: list[tuple[int, int, int]]):
+        """A step of prompt chunks alone (the target's forward, then the drafter's for finished prompts):
+        the slots whose prompt finished and what the host reads."""
+        tok, batch = self._prefill_batch(chunks)
+        return self._prefill_finish(chunks, tok, batch, *self._forward(tok, batch))
 
     def _forward(self, tokens, batch: RaggedBatch):
         """The target forward: final-normed hidden states (N, d) and, when the generator reads
@@ -485,61 +525,79 @@ class BatchedSpeculativeEngine:
         h, aux = self.tm(tokens, batch, self.tcache, hidden_layers=self.feature_layers)
         return h, torch.cat(aux, -1)
 
-    def _prefill_finish(self, slots: list[int], tok, batch: RaggedBatch, h, f=None) -> dict[str, torch.Tensor]:
-        """After the target read the prompts (``h`` (N, d): their hidden states; ``f`` the generator's features
-        when not ``h``): first tokens, bookkeeping, and the drafter's own prefill (it needs the first token, so it
-        cannot ride in the target's forward). Returns the device tensors the host reads: the first tokens and a
-        planned-ahead γ."""
-        st = [self.state[b] for b in slots]
+    def _prefill_finish(self, chunks, tok, batch: RaggedBatch, h, f=None) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """After the target read the chunks (``h`` (N, d): their hidden states; ``f`` the generator's features
+        when not ``h``): bookkeeping, and for the prompts now read to their end the first tokens and the
+        drafter's own prefill (it needs the first token, so it cannot ride in the target's forward). Returns
+        those slots and the device tensors the host reads: their first tokens and a planned-ahead γ."""
         dev = self.device
-        last = h[batch.last()]
+        self.seq[batch.slot_of, batch.pos] = tok
+        keep_features = self.cand is not None and self.cand.needs_features
+        if keep_features:
+            self.feat[batch.slot_of, batch.pos] = h if f is None else f
+        ends = []  # the rows whose chunk finishes its prompt
+        for i, (b, a, n) in enumerate(chunks):
+            s = self.state[b]
+            s.prefilled = a + n
+            s.stats.target_forwards += 1
+            if s.prefilled == len(s.prompt):
+                ends.append(i)
+        if not ends:
+            return [], {}
+        slots = [chunks[i][0] for i in ends]
+        self._admitted = [b for b in self._admitted if b not in slots]
+        st = [self.state[b] for b in slots]
+        whole = len(ends) == len(chunks) and all(a == 0 for _, a, _ in chunks)  # the batch is the prompts
+        last = h[batch.last()] if len(ends) == len(chunks) else h[to_device([batch.ends[i] - 1 for i in ends], dev)]
         seeds = steps = None  # the first token's stream (sampling only: greedy draws nothing)
         if not self.sampling.greedy:
             seeds = to_device([s.seed for s in st], dev)
             steps = torch.zeros(len(slots), dtype=torch.long, device=dev)
         x, _ = self._pick(self.tm.logits(last), seeds, steps, FINAL, False)
         ridx = to_device(slots, dev)
-        self.seq[batch.slot_of, batch.pos] = tok
-        self.seq[ridx, to_device(batch.counts, dev)] = x
+        self.seq[ridx, to_device([len(s.prompt) for s in st], dev)] = x
         self.last_feat[ridx] = last
         if self.cand is not None:
-            f = h if f is None else f
-            if self.cand.needs_features:
-                self.feat[batch.slot_of, batch.pos] = f
-            self.cand.prefill(slots, tok, batch, x, f)
-        for s, k in zip(st, batch.counts):
-            s.tlen = k
-            s.stats.target_forwards += 1
+            if whole:
+                ptok, pbatch, pf = tok, batch, h if f is None else f
+            else:  # the whole prompts: earlier chunks' tokens and features as the engine stored them
+                pbatch = RaggedBatch(slots, [0] * len(slots), [len(s.prompt) for s in st], dev)
+                ptok = self.seq[pbatch.slot_of, pbatch.pos]
+                pf = self.feat[pbatch.slot_of, pbatch.pos] if keep_features else None
+            self.cand.prefill(slots, ptok, pbatch, x, pf)
+        for s in st:
+            s.tlen = len(s.prompt)
         reads = {"first_tokens": x}
         if self.policy.plans_ahead and self.kind is not None:
             ahead = self._plan_ahead(slots, st, x, last)
             if ahead is not None:
                 reads["gamma_first"] = ahead
-        return reads
+        return slots, reads
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[int]:
-        """One step: a speculative step for all running slots, with newly admitted prompts prefilled in its
-        target forward; or, when nothing runs yet (or prefill is "separate"), the prefill of the new prompts
-        alone. Returns the slots whose sequence finished."""
+        """One step: a speculative step for all running slots, with admitted prompts (or chunks of them)
+        prefilled in its target forward; or, when nothing runs yet (or prefill is "separate"), the prefill of
+        the admitted prompts alone. Returns the slots whose sequence finished."""
         finished: list[int] = []
         prof = self.prof
         prof.start()
         self._clock.start()
-        new = self._admitted
-        self._admitted = []
-        run = [b for b in self.running() if b not in new]
-        if new and (self.prefill == "separate" or not run):
+        run = self.running()
+        if self._admitted and (self.prefill == "separate" or not run):
             # a step of its own (with its one read): prompts admitted while nothing runs, or separate prefill
-            self._first_tokens(new, HostRead.read(self._prefill(new)), finished)
+            chunks = self._take_chunks(self.max_batched_tokens if self.prefill == "chunked" else None)
+            done, reads = self._prefill(chunks)
+            if done:
+                self._first_tokens(done, HostRead.read(reads), finished)
             prof.mark("prefill")
             prof.flush()
             return finished
         if not run:
             prof.flush()
             return finished
-        self._spec_step(run, new, finished)
+        self._spec_step(run, finished)
         prof.flush()
         self.steps += 1
         return finished
@@ -569,44 +627,48 @@ class BatchedSpeculativeEngine:
         return None
 
     # ---- one speculative step, in phases: plan -> draft -> verify -> accept -> commit ----------------
-    def _spec_step(self, run: list[int], joined: list[int], finished: list[int]):
+    def _spec_step(self, run: list[int], finished: list[int]):
         prof = self.prof
         plan = self._plan(run)
         prof.mark("policy")
         tree = self.tree is not None and plan.max_gamma and self.policy.tree_now()
         if tree:
-            drafts, ver, acc = self._tree_phases(plan, joined)
+            drafts, ver, acc = self._tree_phases(plan)
         else:
             drafts = self._draft(plan) if plan.max_gamma else Drafts.none(plan, self.device)
             prof.mark("draft")
-            ver = self._verify(plan, drafts, joined)
+            ver = self._verify(plan, drafts)
             acc = self._accept(plan, drafts, ver)
         self._commit_device(plan, ver, acc)
         reads = self._reads(plan, drafts, acc)
         prof.mark("verify")
-        if joined:
-            reads.update(self._prefill_finish(joined, *ver.prefill))
+        chunks, joined = [], []  # the prompt chunks in this forward; the slots whose prompt they finished
+        if ver.prefill is not None:
+            chunks = ver.prefill[0]
+            joined, first = self._prefill_finish(*ver.prefill)
+            reads.update(first)
             prof.mark("prefill")
         self._clock.before_read()
         host = HostRead.read(reads)  # the step's one host read
         prof.mark("read")
-        shape = self._shape(plan, drafts, host, joined, bool(tree))
+        shape = self._shape(plan, drafts, host, chunks, bool(tree))
         self._commit_host(plan, drafts, host, finished)
         if joined:
             self._first_tokens(joined, host, finished)
         prof.mark("host")
         self._record(shape, plan.max_gamma)
 
-    def _shape(self, plan: StepPlan, drafts: Drafts, host: HostRead, joined: list[int], tree: bool) -> StepShape:
+    def _shape(self, plan: StepPlan, drafts: Drafts, host: HostRead, chunks, tree: bool) -> StepShape:
         """What this step did, from host values (the step's cost-model features): rows, scored tokens and
-        attended keys, the drafter's rows by depth and the tokens it caught up on, the prompts joined."""
+        attended keys, the drafter's rows by depth and the tokens it caught up on, the prompt tokens joined
+        (the drafter's prefill is counted as the chunks' tokens: the whole prompt when it is read whole)."""
         drafted = host.get("drafted", drafts.drafted)
         counts = [d + 1 for d in drafted]
         depth_rows = tuple(drafts.depth_rows)
         fed = sum(self._unfed[b] for b in plan.run) if depth_rows else 0
-        prompts = [len(self.state[b].prompt) for b in joined]
+        starts, prompts = [a for _, a, _ in chunks], [n for _, _, n in chunks]
         return StepShape(len(plan.run), sum(counts), attended_keys(plan.tlens, counts), depth_rows, fed,
-                         sum(prompts), attended_keys([0] * len(prompts), prompts), tree, self.cand is not None)
+                         sum(prompts), attended_keys(starts, prompts), tree, self.cand is not None)
 
     def _record(self, shape: StepShape, gamma: int) -> None:
         """The step's wall time with its shape: into the cost model (its upkeep counts as the policy's own
@@ -722,7 +784,7 @@ class BatchedSpeculativeEngine:
         return logits, state
 
     # ---- the same phases for draft trees (a policy with a ``tree`` spec) ----------------------------
-    def _tree_phases(self, plan: StepPlan, joined: list[int]):
+    def _tree_phases(self, plan: StepPlan):
         """Grow a tree per row, let the policy select what the target scores, verify the selection as tree
         rows of the step's forward and accept the longest path (greedy) or walk it losslessly (sampling).
         Returns the chain phases' outputs, the hidden states reordered along the accepted path so that
@@ -750,7 +812,7 @@ class BatchedSpeculativeEngine:
         drafts = Drafts(tree.tokens, drafted, lengths=None if self.early_exit else counts)
         R = len(plan.run)  # the drafter read one token a row at depth 1, then a frontier of ``width`` a row
         drafts.depth_rows = [R] + [R * self.tree.width] * (plan.max_gamma - 1)
-        ver = self._verify_tree(plan, tree, drafted, joined)
+        ver = self._verify_tree(plan, tree, drafted)
         q = None  # sampling: the distribution each scored node was drawn from
         if grown.q is not None:
             q = grown.q.gather(1, index.clamp(min=0)[..., None].expand(*index.shape, grown.q.shape[-1]))
@@ -765,7 +827,7 @@ class BatchedSpeculativeEngine:
         self._move_path(plan, walk.path, acc.accepted)
         return drafts, Verification(ver.record, ver.logits, hidden, ver.tlens, ver.prefill, feats), acc
 
-    def _verify_tree(self, plan: StepPlan, tree: DraftTree, drafted: list[int], joined: list[int]) -> Verification:
+    def _verify_tree(self, plan: StepPlan, tree: DraftTree, drafted: list[int]) -> Verification:
         """One target forward: each row scores [last token, its W selected nodes] as span rows (the tree's
         mask, nodes rotated at their depth), prompts admitted this step after them."""
         tl = plan.tl
@@ -773,7 +835,7 @@ class BatchedSpeculativeEngine:
         span = Span(plan.tlens, tree.attention_mask(), tree.positions(tl))
         batch = RaggedBatch(plan.run, plan.tlens, [d + 1 for d in drafted], self.device, span=span)
         rec = DraftRecord(tree.tokens, tree.valid.sum(1), tree.parents)
-        return self._score(rec, tokens, batch, tl, joined)
+        return self._score(rec, tokens, batch, tl)
 
     def _accept_tree(self, plan: StepPlan, tree: DraftTree, ver: Verification, q: torch.Tensor | None):
         """The longest greedy path, or the lossless walk over sampled siblings (``q`` (R, W, V): the
@@ -802,7 +864,7 @@ class BatchedSpeculativeEngine:
         dst = torch.where(on, base + j, self.trash)
         self.tcache.move(plan.rows[:, None].expand(R, W).reshape(-1), src.reshape(-1), dst.reshape(-1))
 
-    def _verify(self, plan: StepPlan, drafts: Drafts, joined: list[int]) -> Verification:
+    def _verify(self, plan: StepPlan, drafts: Drafts) -> Verification:
         """One target forward: each slot scores its last token and its drafts (its own count: nothing
         padded); prompts admitted this step ride in the same forward (projections and MLPs over all tokens)."""
         dev, R = self.device, len(plan.run)
@@ -816,18 +878,20 @@ class BatchedSpeculativeEngine:
         # a chain: each draft's parent is the one before it, so the verification input is [last, drafts]
         tokens = torch.cat([self.seq[plan.rows, tl][:, None], rec.tokens], 1)
         batch = RaggedBatch(plan.run, plan.tlens, [d + 1 for d in drafts.drafted], dev)
-        return self._score(rec, tokens, batch, tl, joined)
+        return self._score(rec, tokens, batch, tl)
 
-    def _score(self, rec: DraftRecord, tokens: torch.Tensor, batch: RaggedBatch, tl, joined: list[int]) -> Verification:
-        """The target forward over ``tokens`` (R, T) laid out by ``batch``, with the prompts admitted this step
-        after them (projections and MLPs over all tokens at once)."""
+    def _score(self, rec: DraftRecord, tokens: torch.Tensor, batch: RaggedBatch, tl) -> Verification:
+        """The target forward over ``tokens`` (R, T) laid out by ``batch``, with the admitted prompts after them
+        (projections and MLPs over all tokens at once): whole ("joined"), or chunks in the room the running
+        rows leave of ``max_batched_tokens`` ("chunked")."""
         T = tokens.shape[1]
         flat, prefill = batch.flat(tokens), None
-        if joined:
-            ptok, pbatch = self._prefill_batch(joined)
+        chunks = self._take_chunks(self.max_batched_tokens - batch.n if self.prefill == "chunked" else None)
+        if chunks:
+            ptok, pbatch = self._prefill_batch(chunks)
             h_all, f_all = self._forward(torch.cat([flat, ptok]), batch.join(pbatch))
             h, f = h_all[: batch.n], None if f_all is None else f_all[: batch.n]
-            prefill = (ptok, pbatch, h_all[batch.n:], None if f_all is None else f_all[batch.n:])
+            prefill = (chunks, ptok, pbatch, h_all[batch.n:], None if f_all is None else f_all[batch.n:])
         else:
             h, f = self._forward(flat, batch)
         # the LM head scores only the real tokens; acceptance reads them padded (R, T)

@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("bench_batch")
 
@@ -24,7 +24,15 @@ def main(cfg: DictConfig) -> None:
     from eagle_backbone.candidates import make_candidates
     from eagle_backbone.errors import ConfigError, MissingCheckpoint
     from ldlp.bench.conversation import prompt_categories
-    from ldlp.bench.load_sweep import Contender, check_contenders, check_sweep_args, prompts_meta, sweep
+    from ldlp.bench.load_sweep import (
+        Contender,
+        check_contenders,
+        check_sweep_args,
+        engine_label,
+        engine_settings,
+        prompts_meta,
+        sweep,
+    )
     from ldlp.bench.loaders import (
         build_policy,
         check_turns_kept,
@@ -56,7 +64,9 @@ def main(cfg: DictConfig) -> None:
     check_turns_kept(cfg.data, prompt_set, "bench_batch")
     prompts = [ids for _, ids in prompt_set]
     categories = prompt_categories(cfg.data, [pid for pid, _ in prompt_set])  # None where the file has none
-    contenders = [Contender("ar", "ar", 0, None)]
+    # this engine's settings for every contender (conf/bench_batch.yaml's engine); a contender may give its own
+    engine = OmegaConf.to_container(cfg.engine, resolve=True) if cfg.get("engine") else {}
+    contenders = [Contender("ar", "ar", 0, None, engine=engine_settings([], engine)[2])]
     skipped = []  # contenders whose checkpoint this clone has not trained: in the JSON and on the page
     probes = {}
     for spec in cfg.contenders:
@@ -66,7 +76,11 @@ def main(cfg: DictConfig) -> None:
             contenders.append(make_contender(peer, cfg.model, prompts, int(cfg.generation.max_new_tokens), cfg.get("vllm"),
                                              cfg.paths.outputs, threads=threads, seed=int(cfg.seed), log=log.info))
             continue
-        name, pcfg = policy_config(cfg, str(spec).split())
+        tokens, own, settings = engine_settings(str(spec).split(), engine)
+        if not tokens:  # engine settings alone: batched AR with them, paired with the default's
+            contenders.append(Contender(engine_label("ar", own), "ar_engine", 0, None, engine=settings))
+            continue
+        name, pcfg = policy_config(cfg, tokens)
         try:
             missing_checkpoint(name, pcfg)
         except MissingCheckpoint as e:  # only a missing checkpoint skips; any other error stops the run
@@ -80,7 +94,8 @@ def main(cfg: DictConfig) -> None:
             label += " (hindsight costs)"
         elif pcfg.get("online_costs") is False:  # the same policy on the profiled table as it is
             label += " (profiled table)"
-        contenders.append(Contender(label, name, gamma, lambda pcfg=pcfg: build_policy(pcfg)))
+        contenders.append(Contender(engine_label(label, own), name, gamma, lambda pcfg=pcfg: build_policy(pcfg),
+                                    engine=settings))
         probes[label] = probe
     check_contenders(contenders, int(cfg.generation.max_new_tokens))
     pair = load_pair_cached(cfg.model)
@@ -88,7 +103,8 @@ def main(cfg: DictConfig) -> None:
     meta = {"model": cfg.model.name, "data": cfg.data.get("name"), "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
             "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
             **prompts_meta(prompt_set, cfg.concurrency, int(cfg.blocks)), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],
-            "threads": threads, "cpu": machine_info().get("cpu"), "profile_steps": bool(cfg.profile_steps)}
+            "threads": threads, "cpu": machine_info().get("cpu"), "profile_steps": bool(cfg.profile_steps),
+            "engine": engine}
     # the pair's candidate generator, its drafter on the benchmark's attention math (as the target's in the engine)
     candidates = pair.candidates
     if getattr(candidates, "attn", str(cfg.attn)) != str(cfg.attn):

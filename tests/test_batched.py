@@ -402,7 +402,7 @@ def test_vectorised_ldlp_matches_per_slot_policy(t32, draft_lm, ldlp_path):
         assert o.stats.draft_lengths == ref.stats.draft_lengths
 
 
-@pytest.mark.parametrize("prefill", ["joined", "separate"])
+@pytest.mark.parametrize("prefill", ["chunked", "joined", "separate"])
 def test_prefill_modes_and_profile(t32, eagle32, prefill):
     prompts = prompts_of((5, 9, 3, 11, 6))
     engine = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=2, policy=PromptGamma, prefill=prefill,

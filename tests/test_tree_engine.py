@@ -112,9 +112,10 @@ def test_greedy_identity(t32, drafters, reference, kind, spec):
                                               attn=attn)
             verify = engine._verify_tree
 
-            def watch(plan, tree, drafted, joined, _verify=verify):
-                joined_with_tree.append(bool(joined))
-                return _verify(plan, tree, drafted, joined)
+            def watch(plan, tree, drafted, _verify=verify):
+                ver = _verify(plan, tree, drafted)
+                joined_with_tree.append(ver.prefill is not None)
+                return ver
 
             engine._verify_tree = watch
             out = decode(engine)

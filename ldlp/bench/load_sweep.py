@@ -36,13 +36,14 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.engine import MAX_BATCHED_TOKENS, BatchedSpeculativeEngine, check_prefill
 from eagle_backbone.policy import as_draft_policy
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
@@ -59,6 +60,7 @@ class Contender:
     gamma: int | None  # static γ; None when adaptive (and 0 for AR)
     make: Callable | None  # zero-argument policy factory (one instance per slot); None: AR
     runner: object | None = None  # a peer engine's runner (vLLM; ldlp/bench/peer_rows.py); None: this engine
+    engine: dict = field(default_factory=dict)  # this engine's settings for it (prefill, max_batched_tokens)
 
 
 def near_tie(target, prompt, ref, got) -> dict:
@@ -154,6 +156,33 @@ def draft_cap(max_new_tokens: int) -> int:
     return max(0, min(int(max_draft), int(max_new_tokens) - 1))
 
 
+ENGINE_SETTINGS = ("prefill", "max_batched_tokens")  # contender tokens that set this engine, not the policy
+
+
+def engine_settings(tokens: list[str], defaults: dict) -> tuple[list[str], dict, dict]:
+    """A contender's tokens without its engine settings (``prefill=MODE``, ``max_batched_tokens=N``), the
+    settings it gives itself, and the engine's settings for it: ``defaults`` (the config's ``engine``) with
+    its own over them, checked before anything loads (one line)."""
+    rest, own = [], {}
+    for t in tokens:
+        key, eq, value = t.partition("=")
+        if eq and key in ENGINE_SETTINGS:
+            own[key] = int(value) if re.fullmatch(r"-?[0-9]+", value) else value
+        else:
+            rest.append(t)
+    out = {**{k: v for k, v in defaults.items() if v is not None}, **own}
+    try:
+        check_prefill(out.get("prefill", "joined"), out.get("max_batched_tokens", MAX_BATCHED_TOKENS))
+    except ValueError as e:
+        raise ConfigError(f"contender {' '.join(tokens)!r}: {e}" if own else f"engine: {e}") from None
+    return rest, own, out
+
+
+def engine_label(label: str, own: dict) -> str:
+    """A contender's label with the engine settings it gives itself (none: the label as it is)."""
+    return label + "".join(f" {k}={v}" for k, v in own.items())
+
+
 def check_contenders(contenders: list[Contender], max_new_tokens: int) -> None:
     """One ConfigError line for contenders that cannot be told apart (the same label twice) or a static γ the
     engine never drafts that far (above :func:`draft_cap`): such a row would be reported as measured."""
@@ -219,7 +248,7 @@ class _Run:
         for c in cs:  # warm up kernels and allocators once per contender (a peer warms up its own engine at each C)
             if c.runner is None:
                 e = BatchedSpeculativeEngine(self.target, self.candidates, slots=2, policy=c.make, sampling=samp,
-                                             capacity=self.capacity, attn=self.attn)
+                                             capacity=self.capacity, attn=self.attn, **c.engine)
                 run_workload(e, self.prompts[:2], 2, min(8, self.max_new_tokens), self.seeds[:2])
         return samp, cs, ref
 
@@ -271,7 +300,7 @@ class _Run:
         model = self.cost_models.setdefault(c.label, OnlineCostModel())
         age = model.seen
         eng = BatchedSpeculativeEngine(self.target, self.candidates, slots=C, policy=c.make, sampling=samp,
-                                       capacity=self.capacity, attn=self.attn, cost_model=model)
+                                       capacity=self.capacity, attn=self.attn, cost_model=model, **c.engine)
         res = run_workload(eng, [self.prompts[i] for i in idx], C, self.max_new_tokens, [self.seeds[i] for i in idx])
         summ = res.summary()
         summ["step_costs"] = run_step_costs(eng.step_log, age)
@@ -310,7 +339,7 @@ class _Run:
                                   "temperature": samp.temperature, **profile_pass(
                                       self.target, self.candidates, [self.prompts[i] for i in idx], c.make, C,
                                       self.max_new_tokens, samp, [self.seeds[i] for i in idx], self.capacity,
-                                      self.attn)})
+                                      self.attn, c.engine)})
             self.log(f"profiled T={samp.temperature:g} C={C:>2} {c.label:<14} " + ", ".join(
                 f"{k} {v:.2f}" for k, v in self.profiles[-1]["ms_per_step"].items()) + " ms/step")
 
@@ -391,12 +420,13 @@ def step_counters(outputs, engine_steps: int) -> dict:
 
 @torch.inference_mode()
 def profile_pass(target, candidates, prompts, make_policy, concurrency: int, max_new_tokens: int,
-                 sampling: SamplingConfig, seeds: list[int], capacity: int, attn: str = "eager") -> dict:
+                 sampling: SamplingConfig, seeds: list[int], capacity: int, attn: str = "eager",
+                 engine: dict | None = None) -> dict:
     """One untimed run of ``prompts`` in the engine's profiled mode (a clock reading, or on a GPU a CUDA event,
     at every phase; never in the timed runs): the seconds of each component (draft, policy, verify, prefill,
     read, host), the engine's steps, and the milliseconds per engine step of each component."""
     eng = BatchedSpeculativeEngine(target, candidates, slots=concurrency, policy=make_policy, sampling=sampling,
-                                   capacity=capacity, attn=attn, profile=True)
+                                   capacity=capacity, attn=attn, profile=True, **(engine or {}))
     res = run_workload(eng, prompts, concurrency, max_new_tokens, seeds)
     steps = eng.steps
     secs = dict(eng.prof.s)
