@@ -1,52 +1,32 @@
-"""Paired ratios of tokens per CPU-second (and wall) of every contender over a reference contender, pooled over
-several bench_batch.py folders: each (folder, round, block) where both ran is one pair.
+"""Paired ratios of every contender over a reference contender, pooled over several load-sweep folders
+(scripts/bench_batch.py out_dir=...): compose a config, call the library.
 
-    python scripts/pool_paired_ratios.py --reference ar results/embedded/chunked_prefill/*/
+    python scripts/pool_paired_ratios.py 'folders=[results/embedded/chunked_prefill/*]' reference=ar
+"""
 
-Prints, per concurrency and contender: the median ratio, its geometric mean, how many pairs are above 1, and
-the median wall-clock ratio (docs/batched.md#chunked-prefill reads its table from this)."""
+import glob
+import os
 
-import argparse
-import json
-import statistics
-import sys
-from pathlib import Path
+import hydra
+from omegaconf import DictConfig
 
-
-def pooled(folders: list[Path], reference: str) -> dict[tuple[int, str], list[tuple[float, float]]]:
-    """{(C, contender): [(CPU-second ratio, wall ratio) per pair]}."""
-    out: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    for folder in folders:
-        runs = json.loads((folder / "batch_bench_runs.json").read_text())["runs"]
-        ref = {(r["concurrency"], r["round"], r["block"]): r for r in runs if r["contender"] == reference}
-        for r in runs:
-            base = ref.get((r["concurrency"], r["round"], r["block"]))
-            if r["contender"] == reference or base is None:
-                continue
-            cpu = (r["new_tokens"] / r["cpu_s"]) / (base["new_tokens"] / base["cpu_s"])
-            wall = (r["new_tokens"] / r["wall_s"]) / (base["new_tokens"] / base["wall_s"])
-            out.setdefault((r["concurrency"], r["contender"]), []).append((cpu, wall))
-    return out
+from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from eagle_backbone.io import atomic_write_text
+from ldlp.bench.pool import pooled_batch_markdown, pooled_batch_ratios
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", default="ar", help="the contender every ratio is over (default: ar)")
-    ap.add_argument("folders", nargs="+", type=Path, help="bench_batch.py out_dir folders")
-    args = ap.parse_args()
-    missing = [str(f) for f in args.folders if not (f / "batch_bench_runs.json").is_file()]
-    if missing:
-        sys.exit(f"error: no batch_bench_runs.json in {', '.join(missing)}")
-    rows = pooled(args.folders, args.reference)
-    if not rows:
-        sys.exit(f"error: no contender shares a (round, block) with {args.reference!r} in these folders")
-    print(f"tokens per CPU-second over {args.reference!r}, paired by (folder, round, block)")
-    print("| C | contender | median | geometric mean | pairs above 1 | wall median |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for (C, label), pairs in sorted(rows.items()):
-        cpu, wall = [p[0] for p in pairs], [p[1] for p in pairs]
-        print(f"| {C} | {label} | {statistics.median(cpu):.3f} | {statistics.geometric_mean(cpu):.3f} | "
-              f"{sum(x > 1 for x in cpu)}/{len(cpu)} | {statistics.median(wall):.3f} |")
+@hydra.main(config_path="../conf", config_name="pool_paired_ratios", version_base="1.3")
+@one_line_errors
+def main(cfg: DictConfig) -> None:
+    start(cfg, loads_models=False)
+    # a glob's folders (a literal name is kept as given, so a missing one is named)
+    folders = sorted({f for pattern in cfg.folders
+                      for f in ([g for g in glob.glob(pattern) if os.path.isdir(g)] or [pattern])})
+    page = pooled_batch_markdown(pooled_batch_ratios(folders, str(cfg.reference)), str(cfg.reference))
+    print(page, end="")
+    if cfg.out:
+        atomic_write_text(cfg.out, page)
+        print(f"wrote {cfg.out}")
 
 
 if __name__ == "__main__":

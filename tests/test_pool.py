@@ -133,3 +133,23 @@ def test_pooling_refuses_runs_of_different_prompt_sets():
     assert "data_sha256" in one_line(e) and "run 2 and run 1" in str(e.value)
     runs[1]["data_sha256"] = "a" * 64
     assert pool(runs, bootstrap=10)["reference"]
+
+
+def test_load_sweep_folders_pool_into_paired_ratios_over_a_reference(tmp_path):
+    """scripts/pool_paired_ratios.py's library: one pair per (folder, round, block) where both ran; a folder
+    without runs is named in one line."""
+    from ldlp.bench.pool import pooled_batch_markdown, pooled_batch_ratios
+
+    def run(contender, rnd, tokens_per_cpu_s, C=16):
+        return {"contender": contender, "concurrency": C, "round": rnd, "block": 0, "new_tokens": 100,
+                "cpu_s": 100 / tokens_per_cpu_s, "wall_s": 200 / tokens_per_cpu_s}
+
+    for name, runs in {"a": [run("ar", 0, 10), run("x", 0, 12), run("x", 1, 99)],
+                       "b": [run("ar", 0, 20), run("x", 0, 18)]}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "batch_bench_runs.json").write_text(json.dumps({"runs": runs}))
+    rows = pooled_batch_ratios([tmp_path / "a", tmp_path / "b"], "ar")
+    assert rows == {(16, "x"): [(pytest.approx(1.2), pytest.approx(1.2)), (pytest.approx(0.9), pytest.approx(0.9))]}
+    assert "| 16 | x | 1.050 | 1.039 | 1/2 | 1.050 |" in pooled_batch_markdown(rows, "ar")
+    with pytest.raises(ValueError, match="no batch_bench_runs.json in"):
+        pooled_batch_ratios([tmp_path / "missing"], "ar")

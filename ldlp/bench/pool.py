@@ -166,3 +166,42 @@ def pool_folders(patterns: list[str], out_dir: str | Path, bootstrap: int = 2000
     atomic_write_json(out / "pooled.json", pooled)
     atomic_write_text(out / "pooled.md", md)
     return {**pooled, "files": [str(f) for f in files]}
+
+
+def pooled_batch_ratios(folders: list[Path], reference: str) -> dict[tuple[int, str], list[tuple[float, float]]]:
+    """Load-sweep runs (``bench_batch.py`` folders) pooled against one ``reference`` contender: {(C, contender):
+    [(tokens per CPU-second ratio, tokens/s ratio) per pair]}, a pair being each (folder, round, block) where
+    both ran."""
+    import json
+
+    missing = [str(f) for f in folders if not (Path(f) / "batch_bench_runs.json").is_file()]
+    if missing:
+        raise ValueError(f"no batch_bench_runs.json in {', '.join(missing)}")
+    out: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for folder in folders:
+        runs = json.loads((Path(folder) / "batch_bench_runs.json").read_text())["runs"]
+        ref = {(r["concurrency"], r["round"], r["block"]): r for r in runs if r["contender"] == reference}
+        for r in runs:
+            base = ref.get((r["concurrency"], r["round"], r["block"]))
+            if r["contender"] == reference or base is None:
+                continue
+            cpu = (r["new_tokens"] / r["cpu_s"]) / (base["new_tokens"] / base["cpu_s"])
+            wall = (r["new_tokens"] / r["wall_s"]) / (base["new_tokens"] / base["wall_s"])
+            out.setdefault((r["concurrency"], r["contender"]), []).append((cpu, wall))
+    if not out:
+        raise ValueError(f"no contender shares a (round, block) with {reference!r} in {', '.join(map(str, folders))}")
+    return out
+
+
+def pooled_batch_markdown(rows: dict[tuple[int, str], list[tuple[float, float]]], reference: str) -> str:
+    """The table of :func:`pooled_batch_ratios`: per C and contender, the median and geometric mean of the CPU
+    ratios, the pairs above 1, and the median wall-clock ratio."""
+    import statistics
+
+    lines = [f"tokens per CPU-second over {reference!r}, paired by (folder, round, block)",
+             "| C | contender | median | geometric mean | pairs above 1 | wall median |", "|---:|---|---:|---:|---:|---:|"]
+    for (C, label), pairs in sorted(rows.items()):
+        cpu, wall = [p[0] for p in pairs], [p[1] for p in pairs]
+        lines.append(f"| {C} | {label} | {statistics.median(cpu):.3f} | {statistics.geometric_mean(cpu):.3f} | "
+                     f"{sum(x > 1 for x in cpu)}/{len(cpu)} | {statistics.median(wall):.3f} |")
+    return "\n".join(lines) + "\n"
