@@ -12,11 +12,10 @@ the attention page): in bfloat16 the packed matmul is faster at every token coun
 3 tokens on (1.2-2.6×; at 1 token it is 0.5-0.75×, so a batch-1 decoding step keeps ``F.linear``). A fixed table rather than a measurement at start-up, so the
 same command computes the same numbers twice. ``linear="plain"`` turns it off; a GPU never uses it.
 
-On a CPU, projections that read the same input are fused into one matmul (a decoder layer's q/k/v, and its
-gate/up):
-one call instead of three or two, 1.1-1.4× faster over those five projections on the embedded shapes
-(``fused_projections`` of the attention page), and bit for bit the same outputs, since each output column is
-the same dot product.
+On oneDNN's route, projections that read the same input are fused into one matmul (a decoder layer's q/k/v,
+and its gate/up): one call instead of three or two, 1.1-1.4× faster over those five projections on the
+embedded shapes (in-process, 400 interleaved repeats), with the same outputs bit for bit, since each output
+column is the same dot product (the attention page's linear table checks it).
 """
 
 from __future__ import annotations
@@ -60,10 +59,13 @@ class Projection:
         self.min_tokens = onednn_from(self.parts[0][0], mode)
         self._stacked: tuple | None = None
 
-    @property
-    def fused(self) -> bool:
-        """Several linears run as one matmul (on a CPU; see :meth:`split`)."""
-        return len(self.parts) > 1 and self.parts[0][0].device.type == "cpu"
+    def packs(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x`` takes oneDNN's packed route."""
+        return self.min_tokens is not None and x.dim() == 2 and x.shape[0] >= self.min_tokens
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether several linears run on ``x`` as one matmul: on the packed route (see :meth:`split`)."""
+        return len(self.parts) > 1 and self.packs(x)
 
     def _versions(self) -> tuple:
         return tuple(w._version for w, _ in self.parts) + tuple(b._version for _, b in self.parts if b is not None)
@@ -93,14 +95,14 @@ class Projection:
         return got[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.stacked()
-        if self.min_tokens is not None and x.dim() == 2 and x.shape[0] >= self.min_tokens:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed(), bias, "none", [], "")
-        return F.linear(x, weight, bias)
+        if self.packs(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed(), self.stacked()[1], "none", [], "")
+        return F.linear(x, *self.stacked())
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The outputs of each linear: one fused matmul split into views on a CPU; elsewhere one call each, so a
-        GPU holds no stacked copy of the weights (a 7B target's q/k/v and gate/up are 9 GB in bfloat16)."""
-        if len(self.parts) == 1 or self.fused:
+        """The outputs of each linear: on the packed route one fused matmul split into views; otherwise one
+        ``F.linear`` each, as fast there (float32 at one or two tokens) and no stacked copy of the weights held
+        (a GPU: a 7B target's q/k/v and gate/up are 9 GB in bfloat16)."""
+        if len(self.parts) == 1 or self.fuses(x):
             return self(x).split(self.sizes, -1)
         return tuple(F.linear(x, w, b) for w, b in self.parts)

@@ -455,9 +455,9 @@ class DecoderLayer:
 
     def attention_inputs(self, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q and k turned by the rotary embedding, and v, of the flat tokens h (N, ·): (N, heads, head_dim)
-        each. On a CPU q, k and v are one fused matmul's output, and q and k turn in one pass."""
+        each. On oneDNN's route q, k and v are one fused matmul's output, and q and k turn in one pass."""
         N, hd = h.shape[0], self.head_dim
-        if not self.qkv.fused:
+        if not self.qkv.fuses(h):
             q, k, v = (t.view(N, -1, hd) for t in self.qkv.split(h))
             return rotate(q, cos, sin), rotate(k, cos, sin), v
         out = self.qkv(h)
