@@ -31,6 +31,7 @@ def main(cfg: DictConfig) -> None:
     threads = start(cfg)
     where = "conf/bench_attention.yaml"  # every setting before a model loads: one line naming the key
     int_setting("reps", cfg.reps, 1, where)
+    int_setting("kernel_reps", cfg.kernel_reps, 1, where)
     int_setting("max_new_tokens", cfg.max_new_tokens, 1, where)
     int_setting("prompts", cfg.prompts, 1, where)
     int_list_setting("slots", cfg.slots, 1, where)
@@ -49,8 +50,9 @@ def main(cfg: DictConfig) -> None:
     for dtype in cfg.dtypes:
         target = load_target({**model, "dtype": dtype})
         lm = BatchedLlama(target.model, max(len(p) for ps in sets.values() for p in ps) + cfg.max_new_tokens + 2)
-        linear.append({"dtype": dtype, "rows": linear_kernels(lm, reps=cfg.reps, seed=cfg.seed)})
-        elementwise.append({"dtype": dtype, **elementwise_kernels(lm, reps=cfg.reps, seed=cfg.seed, compile=cfg.compile)})
+        linear.append({"dtype": dtype, "rows": linear_kernels(lm, reps=cfg.kernel_reps, seed=cfg.seed)})
+        elementwise.append({"dtype": dtype, **elementwise_kernels(lm, reps=cfg.kernel_reps, seed=cfg.seed,
+                                                                  compile=cfg.compile)})
         for name, ps in sets.items():
             lengths = [len(p) + cfg.max_new_tokens // 2 for p in ps]  # mid-generation contexts
             log.info("routes: %s, %s", dtype, name)
