@@ -58,6 +58,8 @@ class Projection:
         self.sizes = [w.shape[0] for w, _ in self.parts]
         self.min_tokens = onednn_from(self.parts[0][0], mode)
         self._stacked: tuple | None = None
+        self._key = tuple(id(w) for w, _ in self.parts)  # the packed copy's key (ids: a call pays no hashing)
+        self._tensors = [w for w, _ in self.parts] + [b for _, b in self.parts if b is not None]
 
     def packs(self, x: torch.Tensor) -> bool:
         """Whether a call on ``x`` takes oneDNN's packed route."""
@@ -68,7 +70,7 @@ class Projection:
         return len(self.parts) > 1 and self.packs(x)
 
     def _versions(self) -> tuple:
-        return tuple(w._version for w, _ in self.parts) + tuple(b._version for _, b in self.parts if b is not None)
+        return tuple([t._version for t in self._tensors])
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias): the module's own for one linear; for fused ones, their concatenation, made again
@@ -86,7 +88,7 @@ class Projection:
     def packed(self) -> torch.Tensor:
         """The packed copy, made once per weight (or fused group) per process and again after a weight changes
         in place (training between two engines)."""
-        key, version = tuple(id(w) for w, _ in self.parts), self._versions()
+        key, version = self._key, self._versions()
         got = _PACKED.get(key)
         if got is None or got[0] != version:
             if got is None:
