@@ -13,9 +13,10 @@ the attention page): in bfloat16 the packed matmul is faster at every token coun
 same command computes the same numbers twice. ``linear="plain"`` turns it off; a GPU never uses it.
 
 On oneDNN's route, projections that read the same input are fused into one matmul (a decoder layer's q/k/v,
-and its gate/up): one call instead of three or two, 1.1-1.4× faster over those five projections on the
-embedded shapes (in-process, 400 interleaved repeats), with the same outputs bit for bit, since each output
-column is the same dot product (the attention page's linear table checks it).
+and its gate/up): one call instead of three or two, with the same outputs bit for bit, since each output
+column is the same dot product. It saves little once the weights are packed (1.00-1.04× over the packed
+matmuls one a projection: the attention page's linear table, which also checks the bits); q and k then turn
+by the rotary embedding in one pass over the fused output.
 """
 
 from __future__ import annotations
