@@ -9,8 +9,9 @@ and routes each call by its token count.
 The route (``ROUTES``: the fewest tokens from which the packed matmul is used, per dtype) was chosen by
 measurement on the embedded pair's shapes, one thread (``linear_kernels`` of ``python scripts/bench_attention.py``,
 the attention page): in bfloat16 the packed matmul is faster at every token count (1.4-1.8×), in float32 from
-3 tokens on (1.2-2.6×; at 1 token it is 0.5-0.75×, so a batch-1 decoding step keeps ``F.linear``). A fixed table rather than a measurement at start-up, so the
-same command computes the same numbers twice. ``linear="plain"`` turns it off; a GPU never uses it.
+3 tokens on (1.2-2.6×; at 1 token it is 0.5-0.75×, so a batch-1 decoding step keeps ``F.linear``). A fixed
+table rather than a measurement at start-up, so the same command computes the same numbers twice.
+``linear="plain"`` turns it off; a GPU never uses it.
 
 On oneDNN's route, projections that read the same input are fused into one matmul (a decoder layer's q/k/v,
 and its gate/up): one call instead of three or two, with the same outputs bit for bit, since each output
@@ -29,7 +30,7 @@ from torch import nn
 
 ROUTES = {torch.float32: 3, torch.bfloat16: 1}  # dtype -> the fewest tokens a call routes to oneDNN from
 LINEAR_MODES = ("auto", "plain")
-_PACKED: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # ids of the weights -> (their versions when packed, the packed copy)
+_PACKED: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # weight ids -> (their versions when packed, the packed copy)
 
 
 def check_linear(mode: str) -> str:
@@ -94,12 +95,16 @@ class Projection:
         if got is None or got[0] != version:
             if got is None:
                 weakref.finalize(self.parts[0][0], _PACKED.pop, key, None)
-            got = _PACKED[key] = (version, torch.ops.mkldnn._reorder_linear_weight(self.stacked()[0].detach(), 16))
+            weights = [w.detach() for w, _ in self.parts]
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+            got = _PACKED[key] = (version, torch.ops.mkldnn._reorder_linear_weight(weight, 16))
         return got[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packs(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed(), self.stacked()[1], "none", [], "")
+            # the packed route needs the bias alone: no stacked weight is made for it (a Llama has no bias)
+            bias = None if self.parts[0][1] is None else self.stacked()[1]
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed(), bias, "none", [], "")
         return F.linear(x, *self.stacked())
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
