@@ -14,7 +14,7 @@ for the longest slot's context. Two ways to run it, chosen per forward from host
 * **dense block**: rows that sit in consecutive slots with the same token count run as one batched call on
   a view ``k[a : a + m, :, :L]`` with a mask (L the block's longest context). Chosen when the padding it
   reads, ``m·L − Σ lengths``, is under ``dense_slack`` keys a row (short, similar contexts, where the
-  per-row overhead would dominate), and always on a GPU (one kernel instead of one a row; a varlen kernel
+  per-row overhead would dominate; a rule per dtype, :data:`DENSE_SLACK`), and always on a GPU (one kernel instead of one a row; a varlen kernel
   is the next step there).
 
 Why a forward of our own and not transformers' ``LlamaModel.forward`` with a custom cache: that forward
@@ -60,7 +60,15 @@ from eagle_backbone.linear import Projection
 from eagle_backbone.runtime import to_device
 from eagle_backbone.tree import ancestor_matrix
 
-DENSE_SLACK = 64  # padded keys a row may read in a dense block (~ the per-row overhead, in keys, on a CPU)
+# padded keys a row may read in a dense block: about the per-row route's fixed cost, in keys, on a CPU. That
+# cost is larger in bfloat16 (each per-row call's scores and softmax pay oneDNN's bf16 setup), so a dense block
+# pays over longer padding there (the attention page of scripts/bench_attention.py measures both routes)
+DENSE_SLACK = {torch.float32: 64, torch.bfloat16: 256}
+
+
+def dense_slack(dtype: torch.dtype) -> int:
+    """The padding rule's keys a row for activations in ``dtype`` (float32's for a dtype not measured)."""
+    return DENSE_SLACK.get(dtype, DENSE_SLACK[torch.float32])
 
 
 class SlotCache:
@@ -127,7 +135,7 @@ class RaggedBatch:
     ``span`` (a :class:`Span`, instead of ``parents``): every row's visibility and rotary positions given as
     device data; ``parents`` is then :data:`SPAN` for every row."""
 
-    def __init__(self, slots, starts, counts, device, dense_slack: int = DENSE_SLACK, parents=None,
+    def __init__(self, slots, starts, counts, device, dense_slack: int | None = None, parents=None,
                  span: Span | None = None):
         self.slots, self.starts, self.counts = list(slots), list(starts), list(counts)
         if any(n < 1 for n in self.counts):
@@ -155,7 +163,8 @@ class RaggedBatch:
             every = to_device(pos + slot_of + rope, device)
             self.pos, self.slot_of, self.rope_pos = every[: self.n], every[self.n: 2 * self.n], every[2 * self.n:]
         self.device = torch.device(device)
-        self.blocks = self._plan(dense_slack)
+        self._slack = dense_slack  # None: the rule of the forward's dtype (:func:`dense_slack`)
+        self._plans: dict[int, list[tuple[int, int]]] = {}  # slack -> row ranges
         self._pidx: dict[int, torch.Tensor] = {}
         if span is not None and torch.is_tensor(span.rope) and span.rope.dim() == 2:
             self.rope_pos = self.flat(span.rope)  # (R, n) padded rows
@@ -184,9 +193,21 @@ class RaggedBatch:
         else:
             out.parents = (self.parents or [None] * len(self)) + (other.parents or [None] * len(other))
             out.rope_pos = torch.cat([self.rope_pos, other.rope_pos])
-        out.blocks = self.blocks + [(len(self) + i, len(self) + j) for i, j in other.blocks]
-        out._pidx, out._anc, out._bases, out._masks = {}, None, None, {}
+        out._plans, out._pidx, out._anc, out._bases, out._masks = {}, {}, None, None, {}
         return out
+
+    @property
+    def blocks(self) -> list[tuple[int, int]]:
+        """Row ranges [i, j) at the batch's own slack (float32's rule if it was given none)."""
+        return self.blocks_for(torch.float32)
+
+    def blocks_for(self, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """Row ranges [i, j) for a forward in ``dtype``: a range of length > 1 runs as one dense block, a range
+        of one row on its own (planned once per slack from host ints)."""
+        slack = self._slack if self._slack is not None else dense_slack(dtype)
+        if slack not in self._plans:
+            self._plans[slack] = self._plan(slack)
+        return self._plans[slack]
 
     def is_tree(self, i: int) -> bool:
         return self.parents is not None and self.parents[i] is not None
@@ -426,7 +447,7 @@ def attend(cache: SlotCache, layer: int, q, k, v, batch: RaggedBatch, scaling: f
     kc[batch.slot_of, :, batch.pos] = k  # advanced indices on dims 0 and 2: the indexed shape is (N, H, D)
     vc[batch.slot_of, :, batch.pos] = v
     outs = []
-    for i, j in batch.blocks:
+    for i, j in batch.blocks_for(q.dtype):
         if j - i > 1:
             outs.append(_attend_block(q, kc, vc, batch, i, j, scaling, impl))
         else:

@@ -549,3 +549,30 @@ def test_bf16_scores_read_the_cache_as_stored_with_the_same_bits():
         assert torch.equal(_scores(q, k, 0.25), torch.matmul(q, k.transpose(1, 2)) * 0.25)
         kb, qb = cache[:, :, :L], torch.randn(3, 2, m, 16, generator=g).to(torch.bfloat16)
         assert torch.equal(_scores(qb, kb, 0.25), torch.matmul(qb, kb.transpose(2, 3)) * 0.25)
+
+
+def test_the_dense_block_rule_is_per_dtype_and_keeps_each_rows_logits(t32):
+    """Rows with about 130 keys of padding a row run alone in float32 and as one dense block in bfloat16
+    (the per-row route's fixed cost is larger there: DENSE_SLACK); an explicit slack overrides both. In
+    bfloat16 the dense block's logits are the per-row route's to bf16 rounding, with the same greedy tokens."""
+    from eagle_backbone.llama import DENSE_SLACK, dense_slack
+
+    assert dense_slack(torch.float32) < 133 < dense_slack(torch.bfloat16) and dense_slack(torch.float16) == 64
+    assert set(DENSE_SLACK) == {torch.float32, torch.bfloat16}
+    lens = [20, 220, 20]  # padded to 220: 400 keys over 3 rows (133 a row); rows 1-2 alone: 100 a row
+    batch = RaggedBatch([0, 1, 2], [n - 1 for n in lens], [1] * 3, "cpu")
+    assert batch.blocks_for(torch.float32) == [(0, 1), (1, 2), (2, 3)] == batch.blocks
+    assert batch.blocks_for(torch.bfloat16) == [(0, 3)]
+    assert RaggedBatch([0, 1, 2], [n - 1 for n in lens], [1] * 3, "cpu", dense_slack=0).blocks_for(torch.bfloat16) \
+        == [(0, 1), (1, 2), (2, 3)]
+    m = BatchedLlama(copy.deepcopy(t32.model).to(torch.bfloat16), 256)
+    seqs = prompts_of(lens, seed=11)
+    got = {}
+    for slack in (None, 0):
+        cache = m.new_cache(3)
+        m(torch.tensor([x for s in seqs for x in s[:-1]]), RaggedBatch(range(3), [0] * 3, [n - 1 for n in lens], "cpu"),
+          cache)
+        step = RaggedBatch(range(3), [n - 1 for n in lens], [1] * 3, "cpu", dense_slack=slack)
+        got[slack] = m.logits(m(torch.tensor([s[-1] for s in seqs]), step, cache)).float()
+    torch.testing.assert_close(got[None], got[0], rtol=2e-2, atol=2e-2)
+    assert torch.equal(got[None].argmax(-1), got[0].argmax(-1))
