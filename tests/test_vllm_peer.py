@@ -240,6 +240,7 @@ def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
     from ldlp.bench.load_aggregate import throughput_table
     from ldlp.bench.load_sweep import Contender, sweep
     from ldlp.bench.peer_rows import peer_table
+    from ldlp.report.load_sweep import markdown
     from eagle_backbone.candidates import EagleCandidateGenerator
     from eagle_backbone.policy import StaticPolicy
 
@@ -266,3 +267,23 @@ def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
     assert at2["peer_best"]["gamma"] == 2 and at2["lossless"] is False
     assert at2["ar"]["contender"] == "ar" and at2["best_static"]["contender"] == "static γ=2"
     assert at2["ratio_ar"]["pairs"] == 2 and at2["ratio_speculative"]["pairs"] == 2
+    # where the peer leaves the target: its EAGLE row's first token differs on each block's first prompt, and
+    # its AR (identical) does not, so the EAGLE row does not leave where its own AR does
+    d = at2["differences"]
+    assert d["differing"] == 2 and d["as_ar"] is False and 0 <= d["near_ties"] <= 2
+    assert "2 differ" in markdown(result) and "not as vLLM AR's" in markdown(result)
+
+
+def test_peer_differences_follow_the_peers_own_ar():
+    """A peer whose EAGLE row leaves the target exactly where its own AR does (a near-tie its kernels round the
+    other way) reads "as vLLM AR's"; a row that leaves elsewhere does not; no difference at C: None."""
+    from ldlp.bench.peer_rows import peer_differences
+
+    ar, k2 = {"contender": "vllm ar"}, {"contender": "vllm eagle k=2"}
+    first = {"concurrency": 4, "prompt": 3, "position": 7, "got_token": 11, "near_tie": True}
+    diffs = [{**first, "contender": "vllm ar"}, {**first, "contender": "vllm eagle k=2"}]
+    assert peer_differences(diffs, ar, [k2], 4) == {"differing": 2, "near_ties": 2, "as_ar": True}
+    moved = diffs[:1] + [{**first, "contender": "vllm eagle k=2", "position": 9}]
+    assert peer_differences(moved, ar, [k2], 4)["as_ar"] is False
+    assert peer_differences(diffs, ar, [k2], 16) is None
+    assert peer_differences(diffs, None, [k2], 4)["as_ar"] is None

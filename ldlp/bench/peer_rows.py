@@ -58,8 +58,27 @@ def peer_table(result: dict, rows: list[dict]) -> list[dict]:
                     "ratio_ar": _ratio(runs, o_ar["contender"], v_ar["contender"], C, T) if o_ar and v_ar else None,
                     "ratio_speculative": (_ratio(runs, o_best["contender"], v_best["contender"], C, T)
                                           if o_best and v_best else None),
-                    "lossless": None if None in lossless else all(lossless)})
+                    "lossless": None if None in lossless else all(lossless),
+                    "differences": peer_differences(result.get("differences", []), v_ar, v_spec, C)})
     return out
+
+
+def peer_differences(differences: list[dict], peer_ar: dict | None, peer_spec: list[dict], C: int) -> dict | None:
+    """Where the peer's greedy outputs leave the target's at C (``differences``: the sweep's first difference per
+    (contender, C, prompt), with its near-tie check; None when none does): the differing sequences, how many are
+    near-ties, and whether every speculative row leaves at the same prompts, positions and tokens as the peer's
+    own AR (``as_ar``; None without an AR row). In bfloat16 two engines' kernels round differently, so the peer's
+    AR may take the other side of a near-tie; its speculative decoding is lossless when it follows its own AR."""
+    labels = {r["contender"] for r in ([peer_ar] if peer_ar else []) + peer_spec}
+    here = [d for d in differences if d["concurrency"] == C and d["contender"] in labels]
+    if not here:
+        return None
+
+    def firsts(label):
+        return {(d["prompt"], d.get("position"), d.get("got_token")) for d in here if d["contender"] == label}
+
+    as_ar = None if peer_ar is None else all(firsts(r["contender"]) == firsts(peer_ar["contender"]) for r in peer_spec)
+    return {"differing": len(here), "near_ties": sum(bool(d.get("near_tie")) for d in here), "as_ar": as_ar}
 
 
 def versus_static(result: dict, rows: list[dict], label: str, statics: list[str]) -> dict | None:

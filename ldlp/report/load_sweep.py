@@ -191,12 +191,19 @@ def _peer_lines(result: dict, rows: list[dict]) -> list[str]:
 
     lines = ["", ("Peer engine (vLLM, same prompts, budget, stops and rounds, run in turns): tokens/s and τ; the "
                   "ratios are this engine's tokens/s over vLLM's, paired over the (round, block) workloads both "
-                  "ran, with the bootstrap 95% interval (> 1: this engine is faster)."), "",
+                  "ran, with the bootstrap 95% interval (> 1: this engine is faster). Lossless: every vLLM output is the "
+                  "target's own greedy output; where not, the differing sequences (first difference per contender, "
+                  "C and prompt), the near-ties among them, and whether vLLM's EAGLE rows leave where vLLM's AR "
+                  "does (vLLM's kernels may round a near-tie the other way in bfloat16)."), "",
              "| C | vLLM AR | vLLM EAGLE, best k | this engine, AR | this engine, best static γ | "
              "ours / vLLM, AR | ours / vLLM, speculative | lossless (vLLM rows) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in table:
         ok = "–" if p["lossless"] is None else ("yes" if p["lossless"] else "**no**")
+        d = p.get("differences")
+        if d and not p["lossless"]:  # where the peer's outputs leave the target's: near-ties, and its own AR's?
+            ok += (f": {d['differing']} differ, {d['near_ties']} near-ties"
+                   + ("" if d["as_ar"] is None else ", as vLLM AR's" if d["as_ar"] else ", **not as vLLM AR's**"))
         k = f" {p['peer_best']['contender'].removeprefix('vllm ')}" if p["peer_best"] else ""  # e.g. "eagle3 k=3"
         g = f" γ={p['best_static']['gamma']}" if p["best_static"] else ""
         lines.append(f"| {p['concurrency']} | {fmt(p['peer_ar'])} | {fmt(p['peer_best'], k)} | {fmt(p['ar'])} | "
