@@ -367,16 +367,39 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
+SCORES_KQ_ROWS = 32  # bfloat16 scores run as k @ qᵀ up to this many query rows (a head group's tokens)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     """q (..., m, D) against keys k (..., L, D), a view of the cache: (..., m, L), times ``scaling``.
 
     In bfloat16 the product runs as k @ qᵀ, transposed back: on a CPU, oneDNN reads the transposed view of the
     cache that q @ kᵀ needs slowly, while k as stored is a plain row-major operand; a decoding step's per-row
-    attention is 1.3-1.6× faster so (the attention page's ``per_row_qkT`` column against ``per_row``). The
-    bits are the same (tests/test_batched.py)."""
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+    attention is 1.3-1.6× faster so (the attention page's ``per_row_qkT`` column against ``per_row``). With
+    many query rows (a prefill) the copy back to (m, L) costs more than the slow read: q @ kᵀ from
+    ``SCORES_KQ_ROWS`` rows on. The bits are the same (tests/test_batched.py)."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-2] <= SCORES_KQ_ROWS:
         return (torch.matmul(k, q.transpose(-1, -2)) * scaling).transpose(-1, -2).contiguous()
     return torch.matmul(q, k.transpose(-1, -2)) * scaling
+
+
+SOFTMAX_ROWS = 32  # query rows a half-precision softmax runs at a time (its float32 rows then stay in cache)
+
+
+def _probs(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Attention probabilities as transformers' eager math computes them: softmax over the last dim in float32,
+    cast to ``dtype``. A half-precision prefill's scores (rows × keys) run ``SOFTMAX_ROWS`` rows at a time
+    into the output: the whole float32 intermediate of a long prompt would leave the cache, and the row-wise
+    softmax then costs several times as much (bfloat16, 700 tokens: 15 ms a layer against 2.6 on this CPU).
+    Each row is the same computation either way, so the bits are the same (tests/test_batched.py)."""
+    rows = scores.shape[-2] if scores.dim() > 1 else 1
+    if scores.dtype == torch.float32 or rows <= SOFTMAX_ROWS or scores.device.type != "cpu":
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    out = torch.empty(scores.shape, dtype=dtype, device=scores.device)
+    for i in range(0, rows, SOFTMAX_ROWS):
+        out[..., i: i + SOFTMAX_ROWS, :] = torch.softmax(scores[..., i: i + SOFTMAX_ROWS, :], dim=-1,
+                                                         dtype=torch.float32)
+    return out
 
 
 def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None, base: int | None = None) -> torch.Tensor:
@@ -405,7 +428,7 @@ def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None, base:
             scores.view(Hkv, rep, n, L)[..., b:] += tree[0, 0, :, b:]
         elif n > 1:  # a chain's block is causal
             scores.view(Hkv, rep, n, L)[..., start:] += _causal_bias(n, scores.dtype, scores.device)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = _probs(scores, q.dtype)
         out = torch.matmul(probs, v).view(Hq, n, D)
     return out.transpose(0, 1).reshape(n, Hq * D)
 
@@ -435,7 +458,7 @@ def _attend_block(q, kc, vc, batch: RaggedBatch, i: int, j: int, scaling: float,
     else:
         rep = Hq // Hkv
         scores = _scores(qb.reshape(R, Hkv, rep * T, D), k, scaling).view(R, Hkv, rep, T, L)
-        probs = torch.softmax(scores + mask[:, :, None], dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = _probs(scores + mask[:, :, None], q.dtype)
         out = torch.matmul(probs.view(R, Hkv, rep * T, L), v).view(R, Hq, T, D)
     return out.transpose(1, 2).reshape(R * T, Hq * D)
 

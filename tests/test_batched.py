@@ -543,7 +543,7 @@ def test_bf16_scores_read_the_cache_as_stored_with_the_same_bits():
 
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(3, 2, 300, 16, generator=g).to(torch.bfloat16)  # (slots, Hkv, capacity, D)
-    for L, m in ((1, 1), (37, 4), (250, 9)):
+    for L, m in ((1, 1), (37, 4), (250, 9), (300, 40)):  # 40 rows: q @ kᵀ itself (SCORES_KQ_ROWS)
         k = cache[1, :, :L]
         q = torch.randn(2, m, 16, generator=g).to(torch.bfloat16)
         assert torch.equal(_scores(q, k, 0.25), torch.matmul(q, k.transpose(1, 2)) * 0.25)
@@ -576,3 +576,17 @@ def test_the_dense_block_rule_is_per_dtype_and_keeps_each_rows_logits(t32):
         got[slack] = m.logits(m(torch.tensor([s[-1] for s in seqs]), step, cache)).float()
     torch.testing.assert_close(got[None], got[0], rtol=2e-2, atol=2e-2)
     assert torch.equal(got[None].argmax(-1), got[0].argmax(-1))
+
+
+def test_half_precision_softmax_by_row_chunks_has_the_same_bits():
+    """A long bfloat16 prefill's softmax runs a few query rows at a time (cache-sized float32 rows): the same
+    bits as one float32 softmax over the whole tensor cast back, for a row's and a dense block's shapes."""
+    from eagle_backbone.llama import SOFTMAX_ROWS, _probs
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((2, 3 * SOFTMAX_ROWS + 5, 90), (3, 2, 1, SOFTMAX_ROWS + 1, 40), (2, SOFTMAX_ROWS, 33)):
+        s = (4 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+        s[..., -3:] = torch.finfo(torch.bfloat16).min  # masked keys, as the causal bias leaves them
+        assert torch.equal(_probs(s, torch.bfloat16), torch.softmax(s, dim=-1, dtype=torch.float32).to(torch.bfloat16))
+        f = s.float()
+        assert torch.equal(_probs(f, torch.float32), torch.softmax(f, dim=-1, dtype=torch.float32))
