@@ -14,8 +14,8 @@ for the longest slot's context. Two ways to run it, chosen per forward from host
 * **dense block**: rows that sit in consecutive slots with the same token count run as one batched call on
   a view ``k[a : a + m, :, :L]`` with a mask (L the block's longest context). Chosen when the padding it
   reads, ``m·L − Σ lengths``, is under ``dense_slack`` keys a row (short, similar contexts, where the
-  per-row overhead would dominate; a rule per dtype, :data:`DENSE_SLACK`), and always on a GPU (one kernel instead of one a row; a varlen kernel
-  is the next step there).
+  per-row overhead would dominate; a rule per dtype, :data:`DENSE_SLACK`), and always on a GPU (one kernel
+  instead of one a row; a varlen kernel is the next step there).
 
 Why a forward of our own and not transformers' ``LlamaModel.forward`` with a custom cache: that forward
 pays a fixed Python overhead per call (output capturing, kwargs checks, mask preparation) on top of the same
@@ -390,9 +390,9 @@ def _probs(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Attention probabilities as transformers' eager math computes them: softmax over the last dim in float32,
     cast to ``dtype``. A half-precision prefill's scores (rows × keys) run ``SOFTMAX_ROWS`` rows at a time
     into the output: the whole float32 intermediate of a long prompt would leave the cache, and the row-wise
-    softmax then costs several times as much (bfloat16, 700 tokens: 15 ms a layer against 2.6 on this CPU).
-    Each row is the same computation either way, so the bits are the same (tests/test_batched.py)."""
-    rows = scores.shape[-2] if scores.dim() > 1 else 1
+    softmax then costs several times as much (docs/batched.md). Each row is the same computation either way,
+    so the bits are the same (tests/test_batched.py)."""
+    rows = scores.shape[-2]
     if scores.dtype == torch.float32 or rows <= SOFTMAX_ROWS or scores.device.type != "cpu":
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
     out = torch.empty(scores.shape, dtype=dtype, device=scores.device)
