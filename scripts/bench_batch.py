@@ -21,8 +21,19 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
+    from eagle_backbone.errors import ConfigError
+    from ldlp.pipeline.processes import out_dir_lock
+
+    if cfg.render_only and not cfg.out_dir:
+        raise ConfigError("render_only=true needs out_dir=DIR (a load sweep's results folder)")
+    out = cfg.out_dir or HydraConfig.get().runtime.output_dir
+    with out_dir_lock(out):  # one run at a time writes the folder: the page it prints is its own
+        bench(cfg, out)
+
+
+def bench(cfg: DictConfig, out: str) -> None:
     from eagle_backbone.candidates import make_candidates
-    from eagle_backbone.errors import ConfigError, MissingCheckpoint
+    from eagle_backbone.errors import MissingCheckpoint
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.load_sweep import (
         Contender,
@@ -50,9 +61,7 @@ def main(cfg: DictConfig) -> None:
     from ldlp.report.load_sweep import render, write, written
 
     if cfg.render_only:  # the page and plots again from out_dir's JSON: nothing loads, nothing runs
-        if not cfg.out_dir:
-            raise ConfigError("render_only=true needs out_dir=DIR (a load sweep's results folder)")
-        out = render(cfg.out_dir)
+        render(out)
         print(f"wrote {out}/" + ", ".join(written(out)))
         return
     threads = start(cfg)
@@ -99,7 +108,6 @@ def main(cfg: DictConfig) -> None:
         probes[label] = probe
     check_contenders(contenders, int(cfg.generation.max_new_tokens))
     pair = load_pair_cached(cfg.model)
-    out = cfg.out_dir or HydraConfig.get().runtime.output_dir
     meta = {"model": cfg.model.name, "data": cfg.data.get("name"), "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
             "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
             **prompts_meta(prompt_set, cfg.concurrency, int(cfg.blocks)), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],

@@ -12,18 +12,19 @@ from omegaconf import DictConfig
 
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from ldlp.bench.drafters import bench_drafters, drafters_markdown
+from ldlp.pipeline.processes import out_dir_lock
 
 
 @hydra.main(config_path="../conf", config_name="bench_drafters", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
-    result = bench_drafters(cfg)
     out = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    md = drafters_markdown(result)
-    atomic_write_json(out / "drafters.json", result, default=str)
-    atomic_write_text(out / "drafters.md", md)
+    with out_dir_lock(out):  # one run at a time writes the folder
+        result = bench_drafters(cfg)
+        md = drafters_markdown(result)
+        atomic_write_json(out / "drafters.json", result, default=str)
+        atomic_write_text(out / "drafters.md", md)
     print(md)
     print(f"wrote {out / 'drafters.md'}")
 

@@ -17,19 +17,20 @@ from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
 from ldlp.bench.loaders import policy_config
+from ldlp.pipeline.processes import out_dir_lock
 
 
 @hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
-    contenders = [policy_config(cfg, str(c).split()) for c in _contenders(cfg)]
-    result = head_to_head(cfg, contenders, int(cfg.rounds), int(cfg.bootstrap))
     out = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    md = head_to_head_markdown(result)
-    atomic_write_json(out / "head_to_head.json", result, default=str)
-    atomic_write_text(out / "head_to_head.md", md)
+    with out_dir_lock(out):  # one run at a time writes the folder
+        contenders = [policy_config(cfg, str(c).split()) for c in _contenders(cfg)]
+        result = head_to_head(cfg, contenders, int(cfg.rounds), int(cfg.bootstrap))
+        md = head_to_head_markdown(result)
+        atomic_write_json(out / "head_to_head.json", result, default=str)
+        atomic_write_text(out / "head_to_head.md", md)
     print(md)
     print(f"wrote {out / 'head_to_head.md'}")
 

@@ -9,12 +9,13 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from ldlp.pipeline.stage import Stage
+from ldlp.pipeline.stage import RUN_LOCK, Stage
 
 LOCK = ".pipeline.lock"  # in paths.data_dir and paths.outputs: one main command at a time on those folders
 
@@ -112,10 +113,12 @@ class FolderLock:
     command) and of the stage processes it runs. A record whose holder and stages are gone is stale: it is taken
     over with one line saying so; a live holder (or a stage a killed holder left running) refuses."""
 
-    def __init__(self, folders):
+    def __init__(self, folders, name: str = LOCK, who: str = "main command",
+                 instead: str = "give this one other folders (paths.data_dir=..., paths.outputs=...)"):
         self.folders = [Path(f) for f in dict.fromkeys(str(f) for f in folders)]
+        self.name, self.who, self.instead = name, who, instead  # the lock file; who holds it; what else to do
         self.files: list = []
-        self.record = {"pid": os.getpid(), "start": start_time(os.getpid()),
+        self.record = {"pid": os.getpid(), "host": socket.gethostname(), "start": start_time(os.getpid()),
                        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "stages": []}
 
     @staticmethod
@@ -132,12 +135,13 @@ class FolderLock:
     def _holder(held: dict | None) -> str:
         if not held:
             return "another process"
-        return f"pid {held.get('pid')}, started {held.get('started')}: {held.get('command')}"
+        host = f" on {held['host']}" if held.get("host") else ""
+        return f"pid {held.get('pid')}{host}, started {held.get('started')}: {held.get('command')}"
 
     def __enter__(self):
         for folder in self.folders:
             folder.mkdir(parents=True, exist_ok=True)
-            path = folder / LOCK
+            path = folder / self.name
             f = open(path, "a+")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -145,9 +149,14 @@ class FolderLock:
                 holder = self._holder(self._read(f))
                 f.close()
                 self.__exit__()
-                raise ValueError(f"{folder} is in use by another main command ({holder}); wait for it to finish, "
-                                 "or give this one other folders (paths.data_dir=..., paths.outputs=...)") from None
+                raise ValueError(f"{folder} is in use by another {self.who} ({holder}); wait for it to finish, "
+                                 f"or {self.instead}") from None
             held = self._read(f)
+            if held and held.get("host") not in (None, self.record["host"]):  # its pid means nothing here
+                f.close()
+                self.__exit__()
+                raise ValueError(f"the lock at {path} is held by {self._holder(held)}; if that run is gone, "
+                                 f"remove {path}, or {self.instead}")
             if held and held.get("pid") != os.getpid():
                 live = [s for s in held.get("stages") or [] if _running(s.get("pid"), s.get("start"))]
                 if _running(held.get("pid"), held.get("start")) or live:
@@ -196,4 +205,11 @@ def lock_folders(cfg, stages: list[Stage]) -> list[Path]:
         if not any(r == o or r in o.parents for r in roots):
             out.append(o.parent)
     return list(dict.fromkeys(out))
+
+
+def out_dir_lock(out_dir) -> FolderLock:
+    """The lock of a benchmark's results folder (``RUN_LOCK`` in it), for the whole run: a second run into the
+    same folder is refused in one line naming the folder and the holder, so the folder and the page a run prints
+    are its own; a lock left by a run that died is taken over, saying so."""
+    return FolderLock([out_dir], name=RUN_LOCK, who="run", instead="give this one another out_dir=...")
 

@@ -19,7 +19,8 @@ from eagle_backbone.io import atomic_write_json, tmp_owner
 from eagle_backbone.paths import CONF_DIR, REPO_ROOT
 
 FINGERPRINT = "stage.json"  # next to every stage's output: the fingerprint of its inputs, and whether it finished
-SKIP_IN_OUTPUTS = {FINGERPRINT, "logs", ".hydra"}  # not part of a stage's output for its downstream stages
+RUN_LOCK = ".run.lock"  # in a benchmark's out_dir: one run at a time writes it (ldlp/pipeline/processes.py)
+SKIP_IN_OUTPUTS = {FINGERPRINT, RUN_LOCK, "logs", ".hydra"}  # not part of a stage's output for its downstream stages
 COMMON_CONFIGS = ("paths/*.yaml", "model/*.yaml", "hydra/help/*.yaml")
 CONTENT_HASH_LIMIT = 64 << 20  # upstream output files up to this size are hashed by content, larger ones by size and mtime
 
