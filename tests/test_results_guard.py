@@ -73,3 +73,66 @@ def test_the_run_lock_is_no_stage_output():
     from ldlp.pipeline.stage import RUN_LOCK, SKIP_IN_OUTPUTS
 
     assert RUN_LOCK in SKIP_IN_OUTPUTS  # a rerun's lock record does not make the stages downstream run again
+
+
+# ---- no page from nothing ----------------------------------------------------------------------------------
+
+
+def _script(script, *args, tmp_path):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / script), *args,
+                           f"model.target={tmp_path / 'absent'}", f"model.drafter={tmp_path / 'absent'}",
+                           f"model.tokenizer={tmp_path / 'absent'}"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+
+
+def test_a_head_to_head_of_no_tokens_is_one_line_and_no_page(tmp_path):
+    out = _script("compare.py", "generation.max_new_tokens=0", f"out_dir={tmp_path / 'h2h'}", tmp_path=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == "error: generation.max_new_tokens must be an integer >= 1, got 0"
+    assert not list((tmp_path / "h2h").glob("*.md")) and not list((tmp_path / "h2h").glob("*.json"))
+
+
+def test_the_drafters_bench_of_no_tokens_is_refused_before_anything_loads(tmp_path):
+    from omegaconf import OmegaConf
+
+    from ldlp.bench.drafters import bench_drafters
+
+    cfg = OmegaConf.create({"drafters": {"a": {}, "b": {}}, "gammas": [1], "tau_gamma": 1,
+                            "generation": {"max_new_tokens": 0}, "data": {"path": str(tmp_path / "absent")}})
+    with pytest.raises(ValueError, match="^generation.max_new_tokens must be an integer >= 1, got 0$"):
+        bench_drafters(cfg)
+
+
+def test_the_main_command_refuses_a_run_of_no_tokens_and_a_bad_contender_in_its_plan(tmp_path):
+    from eagle_backbone.errors import ConfigError
+    from ldlp.pipeline import plan
+    from test_pipeline import _compose_pipeline
+
+    for override, why in [
+        ("generation.max_new_tokens=0", "generation.max_new_tokens must be an integer >= 1, got 0"),
+        ("head_to_head.overrides=['generation.max_new_tokens=0']",
+         "head_to_head.overrides holds 'generation.max_new_tokens=0': generation.max_new_tokens must be"),
+        ('bench_batch.contenders=["policy=static policy.gamma=-1"]',
+         "bench_batch.contenders holds 'policy=static policy.gamma=-1': static policy: gamma must be an integer "
+         ">= 0, got -1"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            plan(_compose_pipeline([f"paths.outputs={tmp_path}", override]))
+        assert why in str(e.value) and "\n" not in str(e.value), override
+
+
+def test_publishing_a_page_with_a_nan_cell_is_refused_naming_the_file(tmp_path):
+    from eagle_backbone.errors import ConfigError
+    from ldlp.report.publish import check_publishable, nan_cell
+    from test_publish import _a_run
+
+    run = _a_run(tmp_path / "run")
+    assert check_publishable(run, "m")
+    (run / "results.md").write_text("| policy | tokens/s | speedup |\n|---|---:|---:|\n| static γ=2 | nan | nanx |\n")
+    with pytest.raises(ConfigError, match=f"^{run / 'results.md'}: a NaN cell \\(line 3: "):
+        check_publishable(run, "m")
+    (run / "results.md").write_text("| policy | note |\n|---|---|\n| static | nanoseconds |\n")
+    assert nan_cell(run / "results.md") is None
+    (run / "results.csv").write_text("model,policy,tokens_per_s\nm,static,NaN\n")
+    with pytest.raises(ConfigError, match="results.csv: a NaN cell"):
+        check_publishable(run, "m")

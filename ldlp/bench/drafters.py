@@ -28,7 +28,7 @@ from eagle_backbone.candidates import make_candidates
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.loading import load_drafter, load_target, tie_drafter_embedding
 from eagle_backbone.policy import StaticPolicy
-from eagle_backbone.runtime import resolve_dtype
+from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
@@ -52,6 +52,7 @@ def bench_drafters(cfg) -> dict:
         raise ValueError(f"drafters: give at least two (the first is the reference), got {names}")
     gammas = [int(g) for g in cfg.gammas]
     tau_gamma = int(cfg.tau_gamma)
+    int_setting("generation.max_new_tokens", cfg.generation.max_new_tokens, 1)  # no page of NaN from no tokens
     prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
     prompts = [ids for _, ids in prompt_set]
     target = load_target(cfg.model)

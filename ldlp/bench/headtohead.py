@@ -24,7 +24,7 @@ import numpy as np
 
 from eagle_backbone.cost import table_record
 from eagle_backbone.engine import SpeculativeDecoder
-from eagle_backbone.runtime import resolve_dtype
+from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import (
     apply_tuned,
@@ -55,6 +55,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         raise ValueError("head to head compares greedy runs (their outputs coincide): set generation.temperature=0")
     if rounds < 1 or len(contenders) < 2:
         raise ValueError(f"head to head needs at least 2 contenders and 1 round, got {len(contenders)} and {rounds}")
+    int_setting("generation.max_new_tokens", cfg.generation.max_new_tokens, 1)  # no page of NaN from no tokens
     from ldlp.bench.loaders import load_tokenizer_cached
 
     prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))  # the prompt file before the weights

@@ -95,8 +95,41 @@ def validate(cfg) -> None:
             if len(names) != 1 or not _known_policy(names[0]):
                 raise ConfigError(f"pipeline: bench_batch.contenders holds {spec!r}: a contender is one "
                                   "'policy=NAME [policy.key=value ...]' of conf/policy/NAME.yaml")
+            _check_contender(cfg, names[0], spec)
     if not (_setting(cfg, "sweep.static_gammas") or _setting(cfg, "sweep.adaptive")):
         raise ConfigError("pipeline: sweep.static_gammas and sweep.adaptive are both empty: nothing to sweep")
+    # a run that decodes nothing makes a page of NaN: refused here, for the main command and every stage's own value
+    _int_setting(cfg, "generation.max_new_tokens", 1, default=1)
+    for group in ("sweep", "head_to_head", "bench_batch", "peer"):
+        for o in _setting(cfg, f"{group}.overrides") or []:
+            if override_key(str(o)) == "generation.max_new_tokens":
+                value = str(o).split("=", 1)[1]
+                if not value.isdigit() or int(value) < 1:
+                    raise ConfigError(f"pipeline: {group}.overrides holds {o!r}: generation.max_new_tokens must "
+                                      "be an integer >= 1 (conf/pipeline.yaml)")
+
+
+def _check_contender(cfg, name: str, spec: str) -> None:
+    """A load-sweep contender that sets policy keys, built as scripts/bench_batch.py builds it, so that the dry run
+    refuses what the real run would (a policy whose checkpoint is not trained yet is left to the run)."""
+    from hydra.errors import HydraException
+
+    from eagle_backbone.errors import MissingCheckpoint
+    from ldlp.bench.load_sweep import engine_settings
+    from ldlp.bench.loaders import build_policy, missing_checkpoint
+
+    tokens, _, _ = engine_settings(spec.split(), {})
+    if not any(t.startswith("policy.") for t in tokens):  # the policy's own file as it is
+        return
+    try:
+        pcfg = compose("evaluate", tokens + checkpoint_args(cfg)).policy
+        missing_checkpoint(name, pcfg)
+        build_policy(pcfg)
+    except MissingCheckpoint:
+        return
+    except (HydraException, ValueError) as e:  # a bad override or the policy's own error, in one line
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"pipeline: bench_batch.contenders holds {spec!r}: {why}") from None
 
 
 

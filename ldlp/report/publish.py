@@ -18,6 +18,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -103,7 +104,27 @@ def check_publishable(results: str | Path, name: str, run: dict | None = None) -
         if any(isinstance(r, dict) and r.get("complete") is False for r in rows):
             raise ConfigError(f"{sweep}: an unfinished load sweep (a checkpoint: complete=false); rerun it to the "
                               "end before publishing")
+    for f in files:
+        cell = nan_cell(results / f)
+        if cell is not None:
+            raise ConfigError(f"{results / f}: a NaN cell ({cell}): the run measured nothing there "
+                              "(generation.max_new_tokens=0, no prompts?); fix and rerun it before publishing")
     return files
+
+
+_NAN = re.compile(r"(?<![A-Za-z])nan(?![a-wyzA-Z])", re.IGNORECASE)  # nan, -nan, nan%, nanx; not "nano"
+
+
+def nan_cell(path: Path) -> str | None:
+    """The first table row of a page (``.md``) or CSV line of ``path`` with a NaN cell (where it is), or None."""
+    if path.suffix not in (".md", ".csv"):
+        return None
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        cells = line.strip("|").split("|") if path.suffix == ".md" and line.startswith("|") else \
+            line.split(",") if path.suffix == ".csv" else []
+        if any(_NAN.search(c) for c in cells):
+            return f"line {i}: {line.strip()[:80]}"
+    return None
 
 
 def prune_published(published: str | Path, files: list[str]) -> list[str]:
