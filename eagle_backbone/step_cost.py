@@ -283,12 +283,24 @@ class OnlineCostModel:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a readable step cost model ({type(e).__name__}: {e})") from None
-        if raw.get("features") != list(FEATURES) or len(raw.get("theta", [])) != len(FEATURES):
-            raise ValueError(f"{path}: a step cost model needs features {list(FEATURES)} and one cost each; "
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a step cost model is a JSON object (features, theta, stretch), got a "
+                             f"{type(raw).__name__}")
+        theta = raw.get("theta")
+        if raw.get("features") != list(FEATURES) or not isinstance(theta, list) or len(theta) != len(FEATURES):
+            raise ValueError(f"{path}: a step cost model needs features {list(FEATURES)} and one cost each (theta); "
                              f"got {raw.get('features')}")
-        m = cls(frozen=True, context=float(raw.get("context", 128.0)))
-        m.theta = np.maximum(np.array(raw["theta"], dtype=float), 0.0)
-        m.log_stretch = math.log(float(raw.get("stretch", 1.0)))
+
+        def number(key, value, low_ok):  # finite, and >= 0 (costs) or > 0 (the stretch, the context)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < 0 or (value == 0 and not low_ok):
+                raise ValueError(f"{path}: {key} must be a finite number {'>= 0' if low_ok else '> 0'}, got {value!r}")
+            return float(value)
+
+        costs = [number(f"theta[{i}] ({name})", v, True) for i, (name, v) in enumerate(zip(FEATURES, theta))]
+        m = cls(frozen=True, context=number("context", raw.get("context", 128.0), False))
+        m.theta = np.array(costs, dtype=float)
+        m.log_stretch = math.log(number("stretch", raw.get("stretch", 1.0), False))
         m.seen, m.prior_meta, m.version = int(raw.get("records", 0)), {"path": str(path)}, 1
         return m
 

@@ -136,3 +136,80 @@ def test_publishing_a_page_with_a_nan_cell_is_refused_naming_the_file(tmp_path):
     (run / "results.csv").write_text("model,policy,tokens_per_s\nm,static,NaN\n")
     with pytest.raises(ConfigError, match="results.csv: a NaN cell"):
         check_publishable(run, "m")
+
+
+# ---- settings do what their label says ---------------------------------------------------------------------
+
+
+def test_settings_that_would_run_as_something_else_are_refused_in_one_line(tmp_path):
+    from eagle_backbone.data.conversations import build_prompts
+    from ldlp.policies.pricing import StepPricing
+    from ldlp.policies.threshold import HeuristicPolicy
+
+    with pytest.raises(ValueError, match="^load_aware policy: online_costs must be true or false, got 'maybe'$"):
+        StepPricing("load_aware", str(tmp_path), "tiny", online="maybe")
+    with pytest.raises(ValueError, match="^heuristic policy: initial_gamma=10 is above max_gamma=2"):
+        HeuristicPolicy(initial_gamma=10, max_gamma=2)
+    assert HeuristicPolicy(initial_gamma=2, max_gamma=2).initial_gamma == 2
+    with pytest.raises(ValueError, match="^data.min_prompt_tokens must be an integer >= 0, got -5$"):
+        build_prompts(None, [], None, min_prompt_tokens=-5)
+
+
+def test_the_dry_run_builds_a_contender_as_the_load_sweep_would(tmp_path):
+    from eagle_backbone.errors import ConfigError
+    from ldlp.pipeline import plan
+    from test_pipeline import _compose_pipeline
+
+    cfg = _compose_pipeline([f"paths.outputs={tmp_path}",
+                             'bench_batch.contenders=["policy=load_aware policy.online_costs=maybe"]'])
+    with pytest.raises(ConfigError, match="online_costs must be true or false, got 'maybe'"):
+        plan(cfg)
+
+
+# ---- a step-cost model file: its values checked ------------------------------------------------------------
+
+
+def test_a_cost_model_file_with_bad_values_is_refused_naming_the_file_and_key(tmp_path):
+    from eagle_backbone.step_cost import FEATURES, OnlineCostModel
+    from ldlp.policies.pricing import StepPricing
+
+    good = OnlineCostModel().to_dict() | {"theta": [1.0] * len(FEATURES)}
+    path = tmp_path / "step_costs.json"
+    bad = {
+        "a list": ([good], "a step cost model is a JSON object"),
+        "a NaN cost": (good | {"theta": [float("nan")] + [1.0] * (len(FEATURES) - 1)},
+                       "theta\\[0\\] \\(fixed\\) must be a finite number >= 0, got nan"),
+        "a negative cost": (good | {"theta": [1.0, -2.0] + [1.0] * (len(FEATURES) - 2)},
+                            "theta\\[1\\] \\(per_row\\) must be a finite number >= 0, got -2.0"),
+        "a negative stretch": (good | {"stretch": -1.0}, "stretch must be a finite number > 0, got -1.0"),
+        "a string cost": (good | {"theta": ["1"] * len(FEATURES)}, "theta\\[0\\] \\(fixed\\)"),
+    }
+    for case, (raw, why) in bad.items():
+        path.write_text(json.dumps(raw))
+        with pytest.raises(ValueError, match=f"^load_aware policy: cost_model={path}: {why}") as e:
+            StepPricing("load_aware", str(tmp_path), "tiny", cost_model=str(path))
+        assert "\n" not in str(e.value), case
+    path.write_text(json.dumps(good))
+    StepPricing("load_aware", str(tmp_path), "tiny", cost_model=str(path))
+    assert OnlineCostModel.load(path).stretch == pytest.approx(1.0)
+
+
+# ---- the remaining raw errors ------------------------------------------------------------------------------
+
+
+def test_files_and_keys_that_raised_raw_errors_are_named_in_one_line(tmp_path):
+    from eagle_backbone.data.conversations import DataError, load_conversations
+    from ldlp.bench.vllm_schedule import load_schedule
+    from ldlp.policies.trees import StaticTreePolicy
+
+    latin = tmp_path / "prompts.txt"
+    latin.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(DataError, match=f"^{latin}: not UTF-8 \\(byte 3"):
+        load_conversations(latin)
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text("num_speculative_tokens: four\nnum_speculative_tokens_per_batch_size: [[1, 4, 3]]\n")
+    with pytest.raises(ValueError, match=f"^schedule {schedule}: num_speculative_tokens must be an integer >= 1, "
+                                         "got 'four'$"):
+        load_schedule(schedule)
+    with pytest.raises(ValueError, match="^static_tree policy: paths is empty; give a shape"):
+        StaticTreePolicy(paths=[])

@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 from eagle_backbone.errors import MissingInput
+from eagle_backbone.runtime import int_setting
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,11 @@ def _json_array_records(text: str, path: Path):
 
 def _raw_records(path: Path, fmt: str):
     """(where, default_id, record-or-DataError) for every record of the file."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 (byte {e.start}: {e.reason}); convert it, e.g. iconv -f latin1 -t utf-8")\
+            from None
     if not text.strip():
         raise DataError(f"{path}: the file is empty (no conversations)")
     stem = path.stem
@@ -358,6 +363,9 @@ def build_prompts(tokenizer, conversations: list[dict], max_prompt_tokens: int |
     """
     if turns not in ("first", "all"):
         raise ValueError(f"data.turns must be 'first' or 'all', got {turns!r}")
+    for key, value in (("max_prompt_tokens", max_prompt_tokens), ("min_prompt_tokens", min_prompt_tokens)):
+        if value is not None:  # null: no bound
+            int_setting(f"data.{key}", value, 0)
     template = resolve_chat_template(tokenizer, chat_template)
     prompts, too_long, dropped, too_short = [], 0, [], 0
     for conv in conversations:

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle_backbone.runtime import int_setting
+
 KEY = "num_speculative_tokens_per_batch_size"
 MAX_K = 32  # the most drafted tokens a schedule may ask for here (the engine's own draft cap)
 
@@ -58,6 +60,8 @@ def _ranges_from(obj, where: str) -> tuple[list, int | None]:
         if KEY not in obj:
             raise ValueError(f"{where}: no {KEY} (a list of [first batch size, last batch size, K] ranges)")
         k_max = obj.get("num_speculative_tokens")
+        if k_max is not None:
+            int_setting(f"{where}: num_speculative_tokens", k_max, 1)
         obj = obj[KEY]
     if not isinstance(obj, list) or not obj:
         raise ValueError(f"{where}: {KEY} must be a non-empty list of [first batch size, last batch size, K] ranges")

@@ -75,6 +75,13 @@ class StepPricing:
         if cost_model is not None and not Path(cost_model).is_file():
             raise ValueError(f"{policy} policy: cost_model={cost_model} does not exist (a step cost model fitted "
                              "by scripts/bench_batch.py: step_costs.json)")
+        if cost_model is not None:  # its values checked now, before anything loads: one line naming file and key
+            try:
+                OnlineCostModel.load(cost_model)
+            except ValueError as e:
+                raise ValueError(f"{policy} policy: cost_model={e}") from None
+        if not isinstance(online, bool):  # a YAML 'maybe' is a string: not true
+            raise ValueError(f"{policy} policy: online_costs must be true or false, got {online!r}")
         self.cost_dir, self.model_name, self.cost_table_path = str(cost_dir), str(model), cost_table
         self.profile_if_missing, self.online, self.cost_model_path = bool(profile_if_missing), bool(online), cost_model
         self.model_options = dict(model_options or {})

@@ -257,6 +257,9 @@ class HeuristicPolicy(DraftLengthPolicy):
     def __init__(self, initial_gamma: int = 5, max_gamma: int | None = None):
         self.initial_gamma = int_at_least(self.name, "initial_gamma", initial_gamma, 1)
         self.max_gamma = None if max_gamma is None else int_at_least(self.name, "max_gamma", max_gamma, 1)
+        if self.max_gamma is not None and self.initial_gamma > self.max_gamma:  # it would draft past max_gamma
+            raise ValueError(f"{self.name} policy: initial_gamma={self.initial_gamma} is above "
+                             f"max_gamma={self.max_gamma}; lower it or raise max_gamma")
         self._gamma = self.initial_gamma
 
     def begin(self, prompt_ids) -> None:

@@ -43,6 +43,9 @@ class StaticTreePolicy(DraftPolicy):
             if paths not in SHAPES:
                 raise ValueError(f"static_tree policy: unknown shape {paths!r}; known: {sorted(SHAPES)} or a list of paths")
             paths = SHAPES[paths]
+        if not paths:
+            raise ValueError(f"static_tree policy: paths is empty; give a shape ({', '.join(sorted(SHAPES))}) or "
+                             "a list of paths from the root, e.g. [[0], [1], [0, 0]]")
         try:
             self.tree = TreeSpec.static([list(p) for p in paths])
         except (TypeError, ValueError) as e:
