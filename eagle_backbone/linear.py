@@ -1,23 +1,33 @@
-"""The engine's linear layers on a CPU: oneDNN's packed-weight matmul where it is faster than ``F.linear``.
+"""The engine's linear layers: one kernel per layer at every token count, so that a row's outputs are the same bits
+whatever else shares the call (batch invariance by construction).
 
-PyTorch's own freezing pass (``torch.jit.freeze`` / inductor's CPU path) runs a frozen ``nn.Linear`` as
-``mkldnn._linear_pointwise`` on a weight reordered once into oneDNN's blocked layout. The engine does the same
-by hand, because its shapes are ragged (a different token count every step) and a compiled graph would
-recompile or pad: :class:`Projection` keeps the module's weight and a packed copy (one per weight per process),
-and routes each call by its token count.
+Greedy speculative decoding is lossless only if a token's logits are the same bits when the target verifies it
+among γ + 1 tokens, in a tree, in a batch of 32 rows, or decodes it alone. CPU matmul kernels do not promise
+that: each kernel has a few *small-M* code paths whose reduction order differs from its general one. Measured
+on the embedded target's own activations (``python scripts/bench_attention.py``: the ``invariant rows`` table of
+the attention page, in both dtypes, with and without AVX-512):
 
-The route (``ROUTES``: the fewest tokens from which the packed matmul is used, per dtype) was chosen by
-measurement on the embedded pair's shapes, one thread (``linear_kernels`` of ``python scripts/bench_attention.py``,
-the attention page): in bfloat16 the packed matmul is faster at every token count (1.4-1.8×), in float32 from
-3 tokens on (1.2-2.6×; at 1 token it is 0.5-0.75×, so a batch-1 decoding step keeps ``F.linear``). A fixed
-table rather than a measurement at start-up, so the same command computes the same numbers twice.
-``linear="plain"`` turns it off; a GPU never uses it.
+* oneDNN's matmul on a packed weight (``packed``): one row differs from the same row among 2 or more; from
+  2 rows on every row has the same bits, float32 and bfloat16, AVX2 and AVX-512;
+* ``F.linear`` in float32 or float64 (MKL): rows 1-3 differ; from 4 rows on the same;
+* ``F.linear`` in bfloat16 or float16: the same bits at every row count.
 
-On oneDNN's route, projections that read the same input are fused into one matmul (a decoder layer's q/k/v,
+:class:`Projection` therefore runs every call of a layer on **one** kernel (never one kernel for one token
+and another for many, which gave different bits) and pads a call with fewer rows than that kernel's
+:data:`INVARIANT_ROWS` with zero rows. A decoding step then costs a two-row packed matmul instead of a
+one-row one: the same weight traffic, measured in docs/embedded.md's "Batch invariance" section.
+
+The kernel is chosen by what the CPU supports (:func:`eagle_backbone.runtime.packed_matmul`, probed once per
+dtype): oneDNN's packed matmul where it runs the dtype (float32 on every x86 CPU, bfloat16 where oneDNN has
+AVX-512 or AVX-NE-CONVERT), faster than ``F.linear`` from 2 rows on (1.2-2.6× in float32, 1.4-1.8× in
+bfloat16, the attention page's linear table); ``F.linear`` elsewhere (bfloat16 on an AVX2-only CPU: emulated,
+several times slower than float32; ``eagle_backbone.runtime.resolve_dtype`` says so in one line).
+``linear="plain"`` forces ``F.linear`` (still padded); a GPU always uses it, unpadded (batch invariance is not
+constructed there).
+
+On the packed route, projections that read the same input are fused into one matmul (a decoder layer's q/k/v,
 and its gate/up): one call instead of three or two, with the same outputs bit for bit, since each output
-column is the same dot product. It saves little once the weights are packed (1.00-1.04× over the packed
-matmuls one a projection: the attention page's linear table, which also checks the bits); q and k then turn
-by the rotary embedding in one pass over the fused output.
+column is the same dot product; q and k then turn by the rotary embedding in one pass over the fused output.
 """
 
 from __future__ import annotations
@@ -28,8 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROUTES = {torch.float32: 3, torch.bfloat16: 1}  # dtype -> the fewest tokens a call routes to oneDNN from
+from eagle_backbone import runtime
+
 LINEAR_MODES = ("auto", "plain")
+# (kernel, dtype) -> the fewest rows from which each row's output has the same bits whatever rows share the
+# call (module docstring); a call with fewer rows is padded to this many. Unlisted dtypes pad to 4 (MKL's)
+INVARIANT_ROWS = {("packed", torch.float32): 2, ("packed", torch.bfloat16): 2,
+                  ("plain", torch.float32): 4, ("plain", torch.float64): 4,
+                  ("plain", torch.bfloat16): 1, ("plain", torch.float16): 1}
 _PACKED: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # weight ids -> (their versions when packed, the packed copy)
 
 
@@ -39,18 +55,27 @@ def check_linear(mode: str) -> str:
     return mode
 
 
-def onednn_from(weight: torch.Tensor, mode: str) -> int | None:
-    """The fewest tokens a call of this weight routes to oneDNN from, or None (always ``F.linear``)."""
-    if check_linear(mode) == "plain" or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    return ROUTES.get(weight.dtype)
+def linear_route(weight: torch.Tensor, mode: str = "auto") -> str:
+    """The kernel every call of this weight runs on: ``packed`` (oneDNN on a packed copy, where this CPU runs the
+    weight's dtype so) or ``plain`` (``F.linear``)."""
+    if check_linear(mode) == "plain" or weight.device.type != "cpu":
+        return "plain"
+    return "packed" if runtime.packed_matmul(weight.dtype) else "plain"
+
+
+def invariant_rows(route: str, weight: torch.Tensor) -> int:
+    """The rows a call of ``route`` is padded to (1, no padding, off a CPU)."""
+    if weight.device.type != "cpu":
+        return 1
+    return INVARIANT_ROWS.get((route, weight.dtype), 4)
 
 
 class Projection:
     """One ``nn.Linear``, or several that read the same input fused into one (their weights stacked: the output
-    is their outputs side by side, split with :attr:`sizes`), as the engine calls it: ``F.linear``, or oneDNN's
-    matmul on a packed copy for calls of at least ``min_tokens`` rows (:data:`ROUTES`). The modules stay as
-    they are (the reference decoding and training read them)."""
+    is their outputs side by side, split with :attr:`sizes`), as the engine calls it: every call on one kernel
+    (:attr:`route`: oneDNN's matmul on a packed copy, or ``F.linear``), padded to :attr:`min_rows` rows so that
+    a row's bits do not depend on the call's other rows. The modules stay as they are (the reference decoding
+    and training read them)."""
 
     def __init__(self, linears: nn.Linear | list[nn.Linear], mode: str = "auto"):
         linears = [linears] if isinstance(linears, nn.Module) else list(linears)
@@ -58,18 +83,20 @@ class Projection:
         if len({b is None for _, b in self.parts}) > 1:
             raise ValueError("fused projections must all have a bias or all have none")
         self.sizes = [w.shape[0] for w, _ in self.parts]
-        self.min_tokens = onednn_from(self.parts[0][0], mode)
+        weight = self.parts[0][0]
+        self.route = linear_route(weight, mode)
+        self.min_rows = invariant_rows(self.route, weight)
         self._stacked: tuple | None = None
         self._key = tuple(id(w) for w, _ in self.parts)  # the packed copy's key (ids: a call pays no hashing)
         self._tensors = [w for w, _ in self.parts] + [b for _, b in self.parts if b is not None]
 
     def packs(self, x: torch.Tensor) -> bool:
-        """Whether a call on ``x`` takes oneDNN's packed route."""
-        return self.min_tokens is not None and x.dim() == 2 and x.shape[0] >= self.min_tokens
+        """Whether a call on ``x`` takes oneDNN's packed route (every call of a packed projection does)."""
+        return self.route == "packed"
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether several linears run on ``x`` as one matmul: on the packed route (see :meth:`split`)."""
-        return len(self.parts) > 1 and self.packs(x)
+        return len(self.parts) > 1 and self.route == "packed"
 
     def _versions(self) -> tuple:
         return tuple([t._version for t in self._tensors])
@@ -100,17 +127,32 @@ class Projection:
             got = _PACKED[key] = (version, torch.ops.mkldnn._reorder_linear_weight(weight, 16))
         return got[1]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packs(x):
+    def _padded(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """``fn`` on ``x`` as rows (N, in): a call of fewer than :attr:`min_rows` rows runs with zero rows added,
+        and only its own rows are returned."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        n = rows.shape[0]
+        if n < self.min_rows:
+            out = fn(torch.cat([rows, rows.new_zeros(self.min_rows - n, shape[-1])]))[:n]
+        else:
+            out = fn(rows)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.route == "packed":
             # the packed route needs the bias alone: no stacked weight is made for it (a Llama has no bias)
             bias = None if self.parts[0][1] is None else self.stacked()[1]
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed(), bias, "none", [], "")
-        return F.linear(x, *self.stacked())
+            return torch.ops.mkldnn._linear_pointwise(rows, self.packed(), bias, "none", [], "")
+        return F.linear(rows, *self.stacked())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._padded(self._matmul, x)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The outputs of each linear: on the packed route one fused matmul split into views; otherwise one
-        ``F.linear`` each, as fast there (float32 at one or two tokens) and no stacked copy of the weights held
-        (a GPU: a 7B target's q/k/v and gate/up are 9 GB in bfloat16)."""
+        ``F.linear`` each (no stacked copy of the weights held: on a GPU a 7B target's q/k/v and gate/up are
+        9 GB in bfloat16)."""
         if len(self.parts) == 1 or self.fuses(x):
             return self(x).split(self.sizes, -1)
-        return tuple(F.linear(x, w, b) for w, b in self.parts)
+        return tuple(self._padded(lambda rows, w=w, b=b: F.linear(rows, w, b), x) for w, b in self.parts)

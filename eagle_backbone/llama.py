@@ -368,6 +368,45 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 SCORES_KQ_ROWS = 32  # bfloat16 scores run as k @ qᵀ up to this many query rows (a head group's tokens)
+# float32 (and float64) attention on a CPU runs on MKL's matmul, whose one- to three-row paths sum in another
+# order than its general one, and whose sum over the keys changes order with their count: its products then pad
+# the query rows to INVARIANT_ROWS and run probs @ v over fixed chunks of KEY_CHUNK keys at absolute positions,
+# added in order, so that a query's output has the same bits whatever other queries or masked keys share the
+# call (a token verified among γ + 1, in a tree or a dense block, or decoded alone; eagle_backbone/linear.py).
+# bfloat16 and float16 products have the same bits at every shape (measured; tests/test_batched.py)
+INVARIANT_ROWS = 4
+KEY_CHUNK = 128
+
+
+def _invariant_products(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+
+
+def _matmul_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with ``a``'s rows (dim -2) padded with zeros to :data:`INVARIANT_ROWS` (contiguous)."""
+    m = a.shape[-2]
+    if m >= INVARIANT_ROWS:
+        return torch.matmul(a, b)
+    a = torch.cat([a, a.new_zeros(*a.shape[:-2], INVARIANT_ROWS - m, a.shape[-1])], -2)
+    return torch.matmul(a, b)[..., :m, :].contiguous()
+
+
+def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """probs (..., m, L) @ v (..., L, D). Where products must be batch-invariant (:data:`KEY_CHUNK`): chunk by
+    chunk of keys, the last one padded with zero keys, the chunks' products added in order; a masked key's
+    probability is exactly 0, so keys past a query's own add nothing."""
+    if not _invariant_products(probs):
+        return torch.matmul(probs, v)
+    L, out = probs.shape[-1], None
+    for c in range(0, L, KEY_CHUNK):
+        p, vc = probs[..., c: c + KEY_CHUNK], v[..., c: c + KEY_CHUNK, :]
+        if p.shape[-1] < KEY_CHUNK:
+            short = KEY_CHUNK - p.shape[-1]
+            p = torch.cat([p, p.new_zeros(*p.shape[:-1], short)], -1)
+            vc = torch.cat([vc, vc.new_zeros(*vc.shape[:-2], short, vc.shape[-1])], -2)
+        part = _matmul_rows(p, vc)
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -377,9 +416,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     cache that q @ kᵀ needs slowly, while k as stored is a plain row-major operand; a decoding step's per-row
     attention is 1.3-1.6× faster so (the attention page's ``per_row_qkT`` column against ``per_row``). With
     many query rows (a prefill) the copy back to (m, L) costs more than the slow read: q @ kᵀ from
-    ``SCORES_KQ_ROWS`` rows on. The bits are the same (tests/test_batched.py)."""
+    ``SCORES_KQ_ROWS`` rows on. The bits are the same (tests/test_batched.py). In float32 on a CPU the query
+    rows are padded (:data:`INVARIANT_ROWS`)."""
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-2] <= SCORES_KQ_ROWS:
         return (torch.matmul(k, q.transpose(-1, -2)) * scaling).transpose(-1, -2).contiguous()
+    if _invariant_products(q):
+        return _matmul_rows(q, k.transpose(-1, -2)) * scaling
     return torch.matmul(q, k.transpose(-1, -2)) * scaling
 
 
@@ -429,7 +471,7 @@ def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None, base:
         elif n > 1:  # a chain's block is causal
             scores.view(Hkv, rep, n, L)[..., start:] += _causal_bias(n, scores.dtype, scores.device)
         probs = _probs(scores, q.dtype)
-        out = torch.matmul(probs, v).view(Hq, n, D)
+        out = _weighted_values(probs, v).view(Hq, n, D)
     return out.transpose(0, 1).reshape(n, Hq * D)
 
 
@@ -459,7 +501,7 @@ def _attend_block(q, kc, vc, batch: RaggedBatch, i: int, j: int, scaling: float,
         rep = Hq // Hkv
         scores = _scores(qb.reshape(R, Hkv, rep * T, D), k, scaling).view(R, Hkv, rep, T, L)
         probs = _probs(scores + mask[:, :, None], q.dtype)
-        out = torch.matmul(probs.view(R, Hkv, rep * T, L), v).view(R, Hq, T, D)
+        out = _weighted_values(probs.view(R, Hkv, rep * T, L), v).view(R, Hq, T, D)
     return out.transpose(1, 2).reshape(R * T, Hq * D)
 
 

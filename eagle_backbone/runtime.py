@@ -7,9 +7,13 @@ an order of magnitude; every script therefore calls :func:`set_threads` before a
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def set_threads(threads: int | None) -> int:
@@ -73,16 +77,39 @@ def cpu_flags() -> set[str] | None:
     return set()
 
 
+@functools.lru_cache(maxsize=None)
+def packed_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs oneDNN's packed-weight matmul in ``dtype``: probed once per process by packing a
+    tiny weight (oneDNN refuses bfloat16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and honours
+    ``ONEDNN_MAX_CPU_ISA``, so the probe sees what oneDNN will actually run)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 16)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def cpu_isa() -> str:
+    """The vector ISA torch's CPU kernels run with here (``AVX512``, ``AVX2``, ``DEFAULT``...;
+    ``ATEN_CPU_CAPABILITY`` lowers it)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except AttributeError:  # torch before 2.1
+        return "unknown"
+
+
 def bf16_matmuls(device: str = "cpu", flags: set[str] | None = None) -> bool:
     """Whether ``device`` runs bfloat16 matmuls in hardware: a CUDA GPU that supports bf16, or a CPU with
-    AVX-512 BF16 or AMX (``flags``: the CPU's flags, read from /proc/cpuinfo when None). Elsewhere bf16 is
-    emulated, several times slower than float32."""
+    AVX-512 BF16 or AMX (``flags``: the CPU's flags, read from /proc/cpuinfo when None) whose oneDNN runs
+    bfloat16 (:func:`packed_matmul`). Elsewhere bf16 is emulated, several times slower than float32."""
     kind = torch.device(device).type
     if kind == "cuda":
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if kind == "cpu":
         flags = cpu_flags() if flags is None else flags
-        return bool(flags and flags & BF16_CPU_FLAGS)
+        return bool(flags and flags & BF16_CPU_FLAGS) and packed_matmul(torch.bfloat16)
     return False
 
 
@@ -104,9 +131,17 @@ def resolve_dtype(dtype: str | None, device: str = "cpu", flags: set[str] | None
     value = "auto" if dtype is None else str(dtype).replace("torch.", "")
     if value not in DTYPES:
         raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if value != "auto":
-        return value
-    return "bfloat16" if bf16_matmuls(device or "cpu", flags) else "float32"
+    if value == "auto":
+        return "bfloat16" if bf16_matmuls(device or "cpu", flags) else "float32"
+    if value == "bfloat16" and torch.device(device or "cpu").type == "cpu" and not packed_matmul(torch.bfloat16):
+        _say_once(f"model.dtype=bfloat16 on a CPU without bf16 matmuls in oneDNN (vector ISA {cpu_isa()}): it runs "
+                  "on F.linear, emulated and several times slower than float32 (model.dtype=auto picks float32)")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _say_once(message: str) -> None:
+    log.warning(message)
 
 
 def resolve_model_dtype(model_cfg) -> str | None:
