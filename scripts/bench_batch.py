@@ -21,19 +21,8 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from eagle_backbone.errors import ConfigError
-    from ldlp.pipeline.processes import out_dir_lock
-
-    if cfg.render_only and not cfg.out_dir:
-        raise ConfigError("render_only=true needs out_dir=DIR (a load sweep's results folder)")
-    out = cfg.out_dir or HydraConfig.get().runtime.output_dir
-    with out_dir_lock(out):  # one run at a time writes the folder: the page it prints is its own
-        bench(cfg, out)
-
-
-def bench(cfg: DictConfig, out: str) -> None:
     from eagle_backbone.candidates import make_candidates
-    from eagle_backbone.errors import MissingCheckpoint
+    from eagle_backbone.errors import ConfigError, MissingCheckpoint
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.load_sweep import (
         Contender,
@@ -58,10 +47,14 @@ def bench(cfg: DictConfig, out: str) -> None:
     )
     from ldlp.bench.peer import is_peer
     from ldlp.bench.vllm_peer import make_contender, parse_contender
+    from ldlp.pipeline.processes import out_dir_lock
     from ldlp.report.load_sweep import render, write, written
 
     if cfg.render_only:  # the page and plots again from out_dir's JSON: nothing loads, nothing runs
-        render(out)
+        if not cfg.out_dir:
+            raise ConfigError("render_only=true needs out_dir=DIR (a load sweep's results folder)")
+        with out_dir_lock(cfg.out_dir):  # no run is writing the folder meanwhile
+            out = render(cfg.out_dir)
         print(f"wrote {out}/" + ", ".join(written(out)))
         return
     threads = start(cfg)
@@ -107,30 +100,34 @@ def bench(cfg: DictConfig, out: str) -> None:
                                     engine=settings))
         probes[label] = probe
     check_contenders(contenders, int(cfg.generation.max_new_tokens))
-    pair = load_pair_cached(cfg.model)
-    meta = {"model": cfg.model.name, "data": cfg.data.get("name"), "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
-            "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
-            **prompts_meta(prompt_set, cfg.concurrency, int(cfg.blocks)), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],
-            "threads": threads, "cpu": machine_info().get("cpu"), "profile_steps": bool(cfg.profile_steps),
-            "engine": engine}
-    # the pair's candidate generator, its drafter on the benchmark's attention math (as the target's in the engine)
-    candidates = pair.candidates
-    if getattr(candidates, "attn", str(cfg.attn)) != str(cfg.attn):
-        candidates = make_candidates(candidates.kind, pair.drafter, pair.target, str(cfg.attn))
-    prepare_cost_tables(probes.values(), pair.target, candidates, str(cfg.attn), max(cfg.concurrency))
-    meta["load_average"] = round(os.getloadavg()[0], 2)  # the machine's state: one minute's load at the start
-    result = sweep(pair.target, candidates, prompts, contenders,
-                   [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens), sampling_config(cfg.generation),
-                   rounds=int(cfg.rounds), seed=int(cfg.seed), attn=str(cfg.attn),
-                   checkpoint=lambda r: write({**r, "skipped": skipped + r["skipped"]}, out, meta, with_plot=False),
-                   log=log.info,
-                   categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
-                   bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
-    result["skipped"] = skipped + result["skipped"]
-    meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]  # at the start and the end
-    write(result, out, meta)
-    print(Path(out, "batch_bench.md").read_text())
-    print(f"wrote {out}/" + ", ".join(written(out)))
+    out = cfg.out_dir or HydraConfig.get().runtime.output_dir
+    # one run at a time writes the folder (the page it prints is its own): taken once the settings and the
+    # prompts are checked, before anything loads
+    with out_dir_lock(out):
+        pair = load_pair_cached(cfg.model)
+        meta = {"model": cfg.model.name, "data": cfg.data.get("name"), "dtype": cfg.model.dtype, "attn": cfg.attn, "drafter": cfg.model.drafter_kind,
+                "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens), "rounds": int(cfg.rounds),
+                **prompts_meta(prompt_set, cfg.concurrency, int(cfg.blocks)), "temperatures": temperatures or [float(cfg.generation.get("temperature", 0.0))],
+                "threads": threads, "cpu": machine_info().get("cpu"), "profile_steps": bool(cfg.profile_steps),
+                "engine": engine}
+        # the pair's candidate generator, its drafter on the benchmark's attention math (as the target's in the engine)
+        candidates = pair.candidates
+        if getattr(candidates, "attn", str(cfg.attn)) != str(cfg.attn):
+            candidates = make_candidates(candidates.kind, pair.drafter, pair.target, str(cfg.attn))
+        prepare_cost_tables(probes.values(), pair.target, candidates, str(cfg.attn), max(cfg.concurrency))
+        meta["load_average"] = round(os.getloadavg()[0], 2)  # the machine's state: one minute's load at the start
+        result = sweep(pair.target, candidates, prompts, contenders,
+                       [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens), sampling_config(cfg.generation),
+                       rounds=int(cfg.rounds), seed=int(cfg.seed), attn=str(cfg.attn),
+                       checkpoint=lambda r: write({**r, "skipped": skipped + r["skipped"]}, out, meta, with_plot=False),
+                       log=log.info,
+                       categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
+                       bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
+        result["skipped"] = skipped + result["skipped"]
+        meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]  # at the start and the end
+        write(result, out, meta)
+        print(Path(out, "batch_bench.md").read_text())
+        print(f"wrote {out}/" + ", ".join(written(out)))
 
 
 if __name__ == "__main__":
