@@ -375,38 +375,43 @@ SCORES_KQ_ROWS = 32  # bfloat16 scores run as k @ qᵀ up to this many query row
 # call (a token verified among γ + 1, in a tree or a dense block, or decoded alone; eagle_backbone/linear.py).
 # bfloat16 and float16 products have the same bits at every shape (measured; tests/test_batched.py)
 INVARIANT_ROWS = 4
-KEY_CHUNK = 128
+KEY_CHUNK = 128  # MKL sums up to 192 keys in order here (tests/test_batched.py checks it on every CPU)
 
 
 def _invariant_products(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
 
 
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., m, K) with zero rows added to :data:`INVARIANT_ROWS` where its products must be
+    batch-invariant (:func:`_invariant_products`) and it has fewer; otherwise ``x`` itself."""
+    m = x.shape[-2]
+    if m >= INVARIANT_ROWS or not _invariant_products(x):
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], INVARIANT_ROWS - m, x.shape[-1])], -2)
+
+
 def _matmul_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with ``a``'s rows (dim -2) padded with zeros to :data:`INVARIANT_ROWS` (contiguous)."""
+    """``a @ b`` with ``a``'s rows padded (:func:`_pad_rows`), then only ``a``'s own rows."""
     m = a.shape[-2]
-    if m >= INVARIANT_ROWS:
-        return torch.matmul(a, b)
-    a = torch.cat([a, a.new_zeros(*a.shape[:-2], INVARIANT_ROWS - m, a.shape[-1])], -2)
-    return torch.matmul(a, b)[..., :m, :].contiguous()
+    out = torch.matmul(_pad_rows(a), b)
+    return out if out.shape[-2] == m else out[..., :m, :]
 
 
 def _weighted_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """probs (..., m, L) @ v (..., L, D). Where products must be batch-invariant (:data:`KEY_CHUNK`): chunk by
-    chunk of keys, the last one padded with zero keys, the chunks' products added in order; a masked key's
-    probability is exactly 0, so keys past a query's own add nothing."""
-    if not _invariant_products(probs):
+    """probs (..., m, L) @ v (..., L, D). Where products must be batch-invariant: the rows padded
+    (:func:`_pad_rows`) and the keys taken in chunks of :data:`KEY_CHUNK` at absolute positions, their products
+    added in order. Within a chunk MKL sums the keys in order, so a masked key (probability exactly 0), a
+    key past a query's own, or a shorter last chunk adds nothing to a query's sum."""
+    L = probs.shape[-1]
+    if not _invariant_products(probs) or (L <= KEY_CHUNK and probs.shape[-2] >= INVARIANT_ROWS):
         return torch.matmul(probs, v)
-    L, out = probs.shape[-1], None
+    m = probs.shape[-2]
+    probs, out = _pad_rows(probs), None
     for c in range(0, L, KEY_CHUNK):
-        p, vc = probs[..., c: c + KEY_CHUNK], v[..., c: c + KEY_CHUNK, :]
-        if p.shape[-1] < KEY_CHUNK:
-            short = KEY_CHUNK - p.shape[-1]
-            p = torch.cat([p, p.new_zeros(*p.shape[:-1], short)], -1)
-            vc = torch.cat([vc, vc.new_zeros(*vc.shape[:-2], short, vc.shape[-1])], -2)
-        part = _matmul_rows(p, vc)
+        part = torch.matmul(probs[..., c: c + KEY_CHUNK], v[..., c: c + KEY_CHUNK, :])
         out = part if out is None else out.add_(part)
-    return out
+    return out if out.shape[-2] == m else out[..., :m, :]
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -463,15 +468,17 @@ def _attend_row(q, k, v, start: int, scaling: float, impl: str, tree=None, base:
     else:
         # transformers' eager math; GQA by grouping the query heads instead of copying keys
         rep = Hq // Hkv
-        scores = _scores(qh.reshape(Hkv, rep * n, D), k, scaling)
+        # padded once for both products where they must be batch-invariant (a padded row's output is dropped)
+        scores = _scores(_pad_rows(qh.reshape(Hkv, rep * n, D)), k, scaling)
+        own = scores[:, : rep * n].view(Hkv, rep, n, L)
         # every earlier key is visible to all of the new block (its bias there is 0): add only over the block
         if tree is not None:
             b = start if base is None else base
-            scores.view(Hkv, rep, n, L)[..., b:] += tree[0, 0, :, b:]
+            own[..., b:] += tree[0, 0, :, b:]
         elif n > 1:  # a chain's block is causal
-            scores.view(Hkv, rep, n, L)[..., start:] += _causal_bias(n, scores.dtype, scores.device)
+            own[..., start:] += _causal_bias(n, scores.dtype, scores.device)
         probs = _probs(scores, q.dtype)
-        out = _weighted_values(probs, v).view(Hq, n, D)
+        out = _weighted_values(probs, v)[:, : rep * n].reshape(Hq, n, D)
     return out.transpose(0, 1).reshape(n, Hq * D)
 
 
