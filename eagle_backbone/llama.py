@@ -370,11 +370,12 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 SCORES_KQ_ROWS = 32  # bfloat16 scores run as k @ qᵀ up to this many query rows (a head group's tokens)
 # float32 (and float64) attention on a CPU runs on MKL's matmul, whose one- to three-row paths sum in another
 # order than its general one, and whose sum over the keys changes order with their count: its products then pad
-# the query rows to INVARIANT_ROWS and run probs @ v over fixed chunks of KEY_CHUNK keys at absolute positions,
+# the query rows to INVARIANT_ROWS (and the keys of a score to INVARIANT_KEYS) and run probs @ v over fixed chunks of KEY_CHUNK keys at absolute positions,
 # added in order, so that a query's output has the same bits whatever other queries or masked keys share the
 # call (a token verified among γ + 1, in a tree or a dense block, or decoded alone; eagle_backbone/linear.py).
 # bfloat16 and float16 products have the same bits at every shape (measured; tests/test_batched.py)
 INVARIANT_ROWS = 4
+INVARIANT_KEYS = 16  # and scores against fewer than 12 keys differ from the same keys among more
 KEY_CHUNK = 128  # MKL sums up to 192 keys in order here (tests/test_batched.py checks it on every CPU)
 
 
@@ -426,10 +427,17 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-2] <= SCORES_KQ_ROWS:
         return (torch.matmul(k, q.transpose(-1, -2)) * scaling).transpose(-1, -2).contiguous()
     if _invariant_products(q):
-        return _matmul_rows(q, k.transpose(-1, -2)) * scaling
+        L = k.shape[-2]
+        if L < INVARIANT_KEYS:  # MKL's few-column paths: zero keys added, their scores dropped
+            k = torch.cat([k, k.new_zeros(*k.shape[:-2], INVARIANT_KEYS - L, k.shape[-1])], -2)
+        out = _matmul_rows(q, k.transpose(-1, -2)) * scaling
+        return out if out.shape[-1] == L else out[..., :L].contiguous()
     return torch.matmul(q, k.transpose(-1, -2)) * scaling
 
 
+# a softmax over fewer keys than one or two vector widths sums them in another order than over more: float32
+# rows shorter than this get masked keys added (tests/test_batched.py)
+SOFTMAX_KEYS = 32
 SOFTMAX_ROWS = 32  # query rows a half-precision softmax runs at a time (its float32 rows then stay in cache)
 
 
@@ -439,7 +447,10 @@ def _probs(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     into the output: the whole float32 intermediate of a long prompt would leave the cache, and the row-wise
     softmax then costs several times as much (docs/batched.md). Each row is the same computation either way,
     so the bits are the same (tests/test_batched.py)."""
-    rows = scores.shape[-2]
+    rows, L = scores.shape[-2:]
+    if L < SOFTMAX_KEYS and _invariant_products(scores):  # masked keys added, their (zero) probabilities dropped
+        wide = torch.cat([scores, scores.new_full((*scores.shape[:-1], SOFTMAX_KEYS - L), torch.finfo(scores.dtype).min)], -1)
+        return torch.softmax(wide, dim=-1, dtype=torch.float32)[..., :L].to(dtype)
     if scores.dtype == torch.float32 or rows <= SOFTMAX_ROWS or scores.device.type != "cpu":
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
     out = torch.empty(scores.shape, dtype=dtype, device=scores.device)

@@ -574,8 +574,32 @@ def test_the_dense_block_rule_is_per_dtype_and_keeps_each_rows_logits(t32):
           cache)
         step = RaggedBatch(range(3), [n - 1 for n in lens], [1] * 3, "cpu", dense_slack=slack)
         got[slack] = m.logits(m(torch.tensor([s[-1] for s in seqs]), step, cache)).float()
-    torch.testing.assert_close(got[None], got[0], rtol=2e-2, atol=2e-2)
-    assert torch.equal(got[None].argmax(-1), got[0].argmax(-1))
+    assert torch.equal(got[None], got[0])  # batch-invariant: a dense block's rows have the per-row route's bits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_products_keep_a_querys_bits_whatever_shares_the_call(dtype):
+    """The kernel facts the engine's batch invariance rests on, checked on this CPU: a query row's scores and
+    weighted values are the same bits alone or among more rows, and with masked keys (probability 0) after its
+    own, up to the chunk the float32 route splits keys into (eagle_backbone/llama.py: INVARIANT_ROWS, KEY_CHUNK)."""
+    from eagle_backbone.llama import KEY_CHUNK, _probs, _scores, _weighted_values
+
+    g = torch.Generator().manual_seed(0)
+    H, D = 3, 64
+    for L in (5, 77, KEY_CHUNK, KEY_CHUNK + 61, 3 * KEY_CHUNK + 7):
+        q = torch.randn(H, 9, D, generator=g).to(dtype)
+        k, v = (torch.randn(H, L + 9, D, generator=g).to(dtype) for _ in range(2))
+        probs = torch.softmax(torch.randn(H, 9, L, generator=g), -1).to(dtype)
+        one_s, one_v = _scores(q[:, :1], k[:, :L], 0.125), _weighted_values(probs[:, :1], v[:, :L])
+        for rows in (2, 3, 4, 9):
+            assert torch.equal(_scores(q[:, :rows], k[:, :L], 0.125)[:, 0], one_s[:, 0])
+            assert torch.equal(_scores(q[:, :rows], k, 0.125)[:, 0, :L], one_s[:, 0])  # more keys after
+            padded = torch.cat([probs[:, :rows], probs.new_zeros(H, rows, 9)], -1)  # masked keys after its own
+            assert torch.equal(_weighted_values(padded, v)[:, 0], one_v[:, 0])
+        if dtype == torch.float32:  # the float32 softmax, over as few keys as a context's first tokens
+            scores = 3 * torch.randn(H, 2, min(L, 40), generator=g)
+            masked = torch.cat([scores, torch.full((H, 2, 9), torch.finfo(dtype).min)], -1)
+            assert torch.equal(_probs(masked, dtype)[..., : scores.shape[-1]], _probs(scores, dtype))
 
 
 def test_half_precision_softmax_by_row_chunks_has_the_same_bits():

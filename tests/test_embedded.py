@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from eagle_backbone.data.corpus import CorpusConfig, build_corpus, corpus_hash, write_corpus
 from eagle_backbone.paths import EMBEDDED_DIR, REPO_ROOT
@@ -94,18 +95,30 @@ def _shipped_model_config() -> dict:
 
 
 @pytest.mark.skipif(not SHIPPED, reason="the embedded models are not in data/embedded yet")
-def test_shipped_target_verification_logits_equal_decoding_logits_bitwise():
-    """conf/model/embedded.yaml runs the target in bfloat16 with eager attention because then a token's
-    logits are the same bits whether it is verified among γ+1 tokens or decoded alone: greedy output
-    cannot differ from plain decoding even at a near-tie."""
-    from ldlp.bench.target import batch_invariance
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("packed", [True, False], ids=["cpu_routes", "no_packed_matmul"])
+def test_the_engines_target_is_batch_invariant_on_this_cpu(dtype, packed, monkeypatch):
+    """A token's logits are the same bits whether the engine verifies it among γ + 1 tokens, in a draft tree, in
+    a batch of 16 rows (dense blocks or rows alone), after a chunked prefill, or decodes it alone: greedy
+    speculative decoding cannot differ from plain decoding even at a near-tie. Both dtypes on every CPU (bfloat16
+    is emulated, slowly, where the CPU lacks it), on the routes this CPU takes and with oneDNN's packed matmul
+    forced off (an AVX2-only CPU's bfloat16 route)."""
+    from eagle_backbone import runtime
+    from eagle_backbone.llama import BatchedLlama
     from eagle_backbone.loading import load_target
+    from ldlp.bench.target import engine_batch_invariance
 
-    cfg = _shipped_model_config()
-    res = batch_invariance(load_target(cfg), trials=3, tokens=8)
-    assert res["bitwise_equal"] == res["positions"] == 24, (
-        f"on this CPU the {cfg['dtype']}/{cfg['attn_implementation']} kernels are not batch-invariant ({res}); "
-        "greedy output may then differ from plain decoding at near-ties: set model.dtype=float32")
+    if not packed:
+        monkeypatch.setattr(runtime, "packed_matmul", lambda dtype: False)
+    target = load_target({**_shipped_model_config(), "dtype": dtype})
+    lm = BatchedLlama(target.model, 512)
+    assert {p.route for layer in lm.run_layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)} == \
+        {"packed" if packed and runtime.packed_matmul(getattr(torch, dtype)) else "plain"}
+    res = engine_batch_invariance(lm, contexts=(3, 40, 251), tokens=6, others=15)
+    bad = {case: r for case, r in res.items() if r["bitwise_equal"] != r["positions"]}
+    assert not bad, (f"on this CPU ({runtime.cpu_isa()}, {dtype}) the engine is not batch-invariant: {bad}; greedy "
+                     "output may then differ from plain decoding at near-ties (eagle_backbone/linear.py)")
+    assert all(r["positions"] > 0 for r in res.values())
 
 
 @pytest.mark.skipif(not SHIPPED, reason="the embedded models are not in data/embedded yet")

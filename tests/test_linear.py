@@ -1,5 +1,5 @@
-"""The engine's CPU linear layers (eagle_backbone/linear.py): the route by token count, the packed copy kept
-current, the same outputs as F.linear, fused projections with the bits of one call each, and the fused RMSNorm
+"""The engine's CPU linear layers (eagle_backbone/linear.py): one route by CPU capability, padded to its
+invariant rows, the packed copy kept current, the same outputs as F.linear, fused projections with the bits of one call each, and the fused RMSNorm
 with the module's bits."""
 
 import pytest
@@ -12,26 +12,46 @@ from eagle_backbone.linear import Projection, check_linear
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
 
-@needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_projection_routes_by_token_count_and_matches_f_linear(dtype):
+@pytest.mark.parametrize("packed", [True, False], ids=["cpu_routes", "no_packed_matmul"])
+def test_every_call_of_a_projection_runs_one_kernel_padded_to_its_invariant_rows(dtype, packed, monkeypatch):
+    """The route is what this CPU runs (oneDNN's packed matmul where it has the dtype, F.linear otherwise: an
+    AVX2-only CPU's bfloat16, forced here on any machine), the same at every token count; a call with fewer rows
+    than the kernel's invariant count runs padded with zero rows, and its outputs are those rows' outputs."""
+    from eagle_backbone import runtime
+
+    if not packed:
+        monkeypatch.setattr(runtime, "packed_matmul", lambda dtype: False)
     torch.manual_seed(0)
     m = nn.Linear(48, 96, bias=True).to(dtype)
     p = Projection(m)
-    assert p.min_tokens == lin.ROUTES[dtype]
-    calls = []
-    real = torch.ops.mkldnn._linear_pointwise
+    route = "packed" if packed and runtime.packed_matmul(dtype) else "plain"
+    assert p.route == route and p.min_rows == lin.INVARIANT_ROWS[(route, dtype)]
+    seen = []
+    real = {"packed": torch.ops.mkldnn._linear_pointwise, "plain": nn.functional.linear}
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(("packed", x.shape[0])) or real["packed"](x, *a))
+    monkeypatch.setattr(lin.F, "linear", lambda x, *a: seen.append(("plain", x.shape[0])) or real["plain"](x, *a))
+    x = torch.randn(17, 48).to(dtype)
+    whole = p(x)
     for n in (1, 2, 3, 17):
-        x = torch.randn(n, 48).to(dtype)
-        routed = n >= p.min_tokens
-        out = p(x)
-        calls.append(routed)
-        ref = nn.functional.linear(x, m.weight, m.bias)
+        out = p(x[:n])
+        assert out.shape == (n, 96) and torch.equal(out, p(x[:n]))
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-        if routed:  # the packed route: the same numbers as oneDNN on the plain weight
-            torch.testing.assert_close(out, real(x, m.weight, m.bias, "none", [], ""), atol=tol, rtol=tol)
-    assert any(calls) and (dtype == torch.bfloat16 or not all(calls))  # float32: one token stays on F.linear
+        torch.testing.assert_close(out, real["plain"](x[:n], m.weight, m.bias), atol=tol, rtol=tol)
+        assert torch.equal(out[0], whole[0])  # row 0's bits, whatever rows share the call
+    assert {k for k, _ in seen} == {route}  # one kernel at every token count
+    assert min(rows for _, rows in seen) == p.min_rows  # the short calls ran padded
+
+
+def test_the_capability_probe_sees_what_onednn_runs():
+    """float32 packs wherever oneDNN is built in; bfloat16 where oneDNN runs it (not on an AVX2-only CPU)."""
+    from eagle_backbone import runtime
+
+    assert runtime.packed_matmul(torch.float32) == torch.backends.mkldnn.is_available()
+    if torch.backends.mkldnn.is_available():
+        assert runtime.packed_matmul(torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert Projection(nn.Linear(8, 8, device="meta")).route == "plain"  # off a CPU: F.linear, unpadded
+    assert Projection(nn.Linear(8, 8, device="meta")).min_rows == 1
 
 
 @needs_onednn
@@ -48,7 +68,7 @@ def test_the_packed_copy_follows_in_place_updates():
 
 def test_plain_mode_and_bad_modes():
     m = nn.Linear(8, 8)
-    assert Projection(m, "plain").min_tokens is None
+    assert Projection(m, "plain").route == "plain" and Projection(m, "plain").min_rows == 4  # float32: MKL's
     with pytest.raises(ValueError, match="linear must be one of"):
         check_linear("fast")
 
