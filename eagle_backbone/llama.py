@@ -519,7 +519,7 @@ def _attend_block(q, kc, vc, batch: RaggedBatch, i: int, j: int, scaling: float,
         rep = Hq // Hkv
         scores = _scores(qb.reshape(R, Hkv, rep * T, D), k, scaling).view(R, Hkv, rep, T, L)
         probs = _probs(scores + mask[:, :, None], q.dtype)
-        out = _weighted_values(probs.view(R, Hkv, rep * T, L), v).view(R, Hq, T, D)
+        out = _weighted_values(probs.view(R, Hkv, rep * T, L), v).reshape(R, Hq, T, D)
     return out.transpose(1, 2).reshape(R * T, Hq * D)
 
 
