@@ -59,16 +59,20 @@ def processor_name(device) -> str:
 
 
 def processor_caps(device) -> dict:
-    """What of the processor changes a step's cost besides its name: on a CPU its vendor family and model numbers
-    and whether it has bf16 matmuls (AVX-512 BF16 or AMX) and AVX-512 (two machines sold under one name can
-    differ in both); on CUDA the compute capability."""
+    """What of the processor changes a step's cost besides its name: on a CPU its vendor family and model numbers,
+    whether it has bf16 matmuls (AVX-512 BF16 or AMX) and AVX-512 (two machines sold under one name can differ in
+    both), and the routes this process takes (torch's vector ISA, oneDNN's packed bfloat16); on CUDA the compute
+    capability."""
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
         return {"capability": ".".join(str(x) for x in torch.cuda.get_device_capability(dev))}
-    from eagle_backbone.runtime import BF16_CPU_FLAGS, cpu_flags
+    from eagle_backbone.runtime import BF16_CPU_FLAGS, cpu_flags, cpu_isa, packed_matmul
 
     flags = cpu_flags() or set()
-    caps = {"bf16": bool(flags & BF16_CPU_FLAGS), "avx512": "avx512f" in flags}
+    # the flags, and what this process's kernels run: the vector ISA of torch's kernels and whether oneDNN packs
+    # bfloat16 (the linear route, eagle_backbone/linear.py); ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA change both
+    caps = {"bf16": bool(flags & BF16_CPU_FLAGS), "avx512": "avx512f" in flags, "isa": cpu_isa(),
+            "packed_bf16": packed_matmul(torch.bfloat16)}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             name, sep, value = line.partition(":")

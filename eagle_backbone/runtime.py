@@ -102,13 +102,16 @@ def cpu_isa() -> str:
 
 def bf16_matmuls(device: str = "cpu", flags: set[str] | None = None) -> bool:
     """Whether ``device`` runs bfloat16 matmuls in hardware: a CUDA GPU that supports bf16, or a CPU with
-    AVX-512 BF16 or AMX (``flags``: the CPU's flags, read from /proc/cpuinfo when None) whose oneDNN runs
-    bfloat16 (:func:`packed_matmul`). Elsewhere bf16 is emulated, several times slower than float32."""
+    AVX-512 BF16 or AMX. ``flags``: a CPU's flags to judge by; None: this machine's (/proc/cpuinfo), and then
+    also whether this process's oneDNN runs bfloat16 (:func:`packed_matmul`; ``ONEDNN_MAX_CPU_ISA`` can turn it
+    off). Elsewhere bf16 is emulated, several times slower than float32."""
     kind = torch.device(device).type
     if kind == "cuda":
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if kind == "cpu":
-        flags = cpu_flags() if flags is None else flags
+        if flags is not None:
+            return bool(flags & BF16_CPU_FLAGS)
+        flags = cpu_flags()
         return bool(flags and flags & BF16_CPU_FLAGS) and packed_matmul(torch.bfloat16)
     return False
 
