@@ -70,6 +70,20 @@ def invariant_rows(route: str, weight: torch.Tensor) -> int:
     return INVARIANT_ROWS.get((route, weight.dtype), 4)
 
 
+_PAD: dict[tuple, torch.Tensor] = {}  # (rows, width, dtype, device) -> a buffer short calls are copied into
+
+
+def _pad_buffer(rows: int, x: torch.Tensor) -> torch.Tensor:
+    """A (rows, width) buffer of zeros for calls like ``x`` (one per shape and dtype: the engine runs one call at a
+    time), so that padding a short call is one copy, not a new tensor."""
+    key = (rows, x.shape[-1], x.dtype, x.device)
+    buf = _PAD.get(key)
+    if buf is None:
+        with torch.inference_mode(False):  # a plain tensor, written in and out of inference mode
+            buf = _PAD[key] = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)
+    return buf
+
+
 class Projection:
     """One ``nn.Linear``, or several that read the same input fused into one (their weights stacked: the output
     is their outputs side by side, split with :attr:`sizes`), as the engine calls it: every call on one kernel
@@ -134,7 +148,10 @@ class Projection:
         rows = x.reshape(-1, shape[-1])
         n = rows.shape[0]
         if n < self.min_rows:
-            out = fn(torch.cat([rows, rows.new_zeros(self.min_rows - n, shape[-1])]))[:n]
+            buf = _pad_buffer(self.min_rows, rows)
+            buf[:n].copy_(rows)
+            out = fn(buf)[:n]
+            buf[:n].zero_()  # the next short call's padding rows are zeros again
         else:
             out = fn(rows)
         return out.view(*shape[:-1], out.shape[-1])
