@@ -143,7 +143,7 @@ def attention_routes(lm: BatchedLlama, lengths: list[int], slots=(1, 16, 32), re
 def linear_kernels(lm: BatchedLlama, tokens=(1, 2, 3, 4, 8, 16, 80), reps: int = 10, seed: int = 0) -> list[dict]:
     """Median CPU ms of one layer's q/k/v/o and MLP projections at M tokens: torch's F.linear, oneDNN's linear on
     the weight as stored, and on a copy packed once (``onednn_packed``, what the engine's
-    :class:`~eagle_backbone.linear.Projection` calls from ``ROUTES``' token count on); ``same_bits_alone``: each
+    :class:`~eagle_backbone.linear.Projection` calls where the CPU runs the dtype, padded to 2 rows); ``same_bits_alone``: each
     kernel gives the first row the same bits at M = 1 as inside M rows."""
     g = torch.Generator().manual_seed(seed)
     layer = lm.layers[0]
@@ -158,7 +158,7 @@ def linear_kernels(lm: BatchedLlama, tokens=(1, 2, 3, 4, 8, 16, 80), reps: int =
             kernels["onednn_packed"] = lambda m, x: onednn(x, packed[m], m.bias, "none", [], "")
         except RuntimeError:  # no packed layout for this dtype here: the two others only
             pass
-    # the engine's calls (DecoderLayer): q/k/v fused into one matmul, gate/up into another, each routed by M
+    # the engine's calls (DecoderLayer): q/k/v fused into one matmul, gate/up into another, each on the route the CPU takes
     fused = [Projection(group) for group in (mods[:3], mods[3:4], mods[4:6], mods[6:])]
     out = []
     for M in tokens:
@@ -276,7 +276,7 @@ def markdown(result: dict) -> str:
     lines += ["", "## Linear kernels (one layer's projections at M tokens)", "",
               "Median process-CPU ms; same bits alone: a row scored alone (M = 1) gets the bits it gets inside M rows.", "",
               "`engine (fused)`: the engine's calls, q/k/v fused into one matmul and gate/up into another, each routed "
-              "by M as `Projection` routes it; fused = same bits: its outputs equal one call a projection's.", "",
+              "on the route `Projection` takes (one kernel at every M, padded to its invariant rows); fused = same bits: its outputs equal one call a projection's.", "",
               "| dtype | M | F.linear | oneDNN | oneDNN packed | engine (fused) | F.linear / oneDNN | F.linear / packed "
               "| F.linear / engine | same bits alone (F.linear, oneDNN, packed) | fused = same bits |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
