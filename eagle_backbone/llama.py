@@ -370,8 +370,8 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 SCORES_KQ_ROWS = 32  # bfloat16 scores run as k @ qᵀ up to this many query rows (a head group's tokens)
 # float32 (and float64) attention on a CPU runs on MKL's matmul, whose one- to three-row paths sum in another
 # order than its general one, and whose sum over the keys changes order with their count: its products then pad
-# the query rows to INVARIANT_ROWS (and the keys of a score to INVARIANT_KEYS) and run probs @ v over fixed chunks of KEY_CHUNK keys at absolute positions,
-# added in order, so that a query's output has the same bits whatever other queries or masked keys share the
+# the query rows to INVARIANT_ROWS (and the keys of a score to INVARIANT_KEYS) and run probs @ v over fixed
+# chunks of KEY_CHUNK keys at absolute positions, added in order, so that a query's output has the same bits whatever other queries or masked keys share the
 # call (a token verified among γ + 1, in a tree or a dense block, or decoded alone; eagle_backbone/linear.py).
 # bfloat16 and float16 products have the same bits at every shape (measured; tests/test_batched.py)
 INVARIANT_ROWS = 4
