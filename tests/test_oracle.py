@@ -234,8 +234,9 @@ def test_collection_files_report_and_manifest(pair_dirs, full_run):
     assert "c0@turn1" in seqs["conversation_id"]
     assert len(rows) == sum(seqs["positions"]) == report["positions"] > 0
     assert rows.column_names == ["seq_id", "conversation_id", "split", "index", "last_token", "label", "remaining",
-                                 "draft_top1_prob", "draft_entropy", "target_prob", "feature", "draft_state"]
-    assert len(rows[0]["feature"]) == 32 and len(rows[0]["target_prob"]) == 4
+                                 "draft_top1_prob", "draft_entropy", "target_prob", "target_stats", "feature",
+                                 "draft_state"]
+    assert len(rows[0]["feature"]) == 32 and len(rows[0]["target_prob"]) == 4 and len(rows[0]["target_stats"]) == 3
     # every row is the vectorised label of its sequence
     from eagle_backbone.loading import load_pair
 

@@ -79,21 +79,22 @@ def _part_columns(results: list[tuple[WorkItem, list[int], dict]], k_max: int, s
                   eos: set[int], store_draft_states: bool = False) -> tuple[dict, dict]:
     rows, seqs = part_columns(results, eos)
     rows.update({k: [] for k in ("index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy",
-                                 "target_prob", "feature", "draft_state")})
+                                 "target_prob", "target_stats", "feature", "draft_state")})
     for _, _, lab in results:
         r = len(lab["index"])
         for k in ("index", "last_token", "label", "remaining"):
             rows[k].append(lab[k].numpy())
         for k in ("draft_top1_prob", "draft_entropy", "target_prob"):
             rows[k].append(lab[k].float().numpy().reshape(r, k_max))
+        rows["target_stats"].append(lab["target_stats"].float().numpy().reshape(r, 3))
         if store_features:
             rows["feature"].append(lab["feature"].float().numpy().reshape(r, d))
         if store_draft_states:  # (r, k_max, d) stored row-major as one list of k_max * d values
             rows["draft_state"].append(lab["draft_state"].float().numpy().reshape(r, k_max * d))
     for k in ("index", "last_token", "label", "remaining"):
         rows[k] = np.concatenate(rows[k]) if rows[k] else np.zeros(0, np.int64)
-    for k, width in (("draft_top1_prob", k_max), ("draft_entropy", k_max), ("target_prob", k_max), ("feature", d),
-                     ("draft_state", k_max * d)):
+    for k, width in (("draft_top1_prob", k_max), ("draft_entropy", k_max), ("target_prob", k_max), ("target_stats", 3),
+                     ("feature", d), ("draft_state", k_max * d)):
         rows[k] = np.concatenate(rows[k]) if rows[k] else np.zeros((0, width), np.float32)
     return rows, seqs
 
@@ -116,6 +117,7 @@ class Collector:
     count_keys: tuple[str, ...] = ("sequences", "positions")
     k_max_limit, k_max_why = 127, ""  # k_max in 1..k_max_limit; why the limit, for the error
     dtype_keys: tuple[str, ...] = ()  # settings that are float16 or float32
+    rows_format: int | None = None  # the rows table's version: a collection of another one is not continued
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -179,6 +181,8 @@ class Collector:
 
         cfg = self.cfg
         ident = {k: cfg[k] for k in self.identity_keys}
+        if self.rows_format is not None:
+            ident["rows_format"] = self.rows_format
         ident["data"] = OmegaConf.to_container(cfg.data, resolve=True)
         ident["model"] = {"dtype": resolve_dtype(cfg.model.dtype, str(cfg.model.get("device") or "cpu")), "drafter_kind": cfg.model.drafter_kind,
                           "attn_implementation": cfg.model.get("attn_implementation") or "sdpa",
@@ -283,6 +287,7 @@ class OracleCollector(Collector):
     count_keys = ("sequences", "positions", "splits")
     k_max_why = " (labels are stored as int8)"
     dtype_keys = ("feature_dtype", "stat_dtype")
+    rows_format = 2  # 2: target_stats (ldlp.models.features.confidence of the distribution behind last_token)
 
     def manifest_fields(self, target) -> dict:
         cfg = self.cfg

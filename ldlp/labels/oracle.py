@@ -34,10 +34,11 @@ from eagle_backbone.llama import RaggedBatch, SlotCache
 from eagle_backbone.eagle3 import Eagle3Drafter
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
+from ldlp.models.features import confidence
 
 GREEDY = SamplingConfig()
 ROW_FIELDS = ("index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy", "target_prob",
-              "feature", "draft_tokens", "draft_state")
+              "target_stats", "feature", "draft_tokens", "draft_state")
 
 
 def _check(input_ids, prompt_len: int, k_max: int) -> list[int]:
@@ -53,7 +54,7 @@ def _empty(k_max: int, d: int, dtype: torch.dtype, state_dtype: torch.dtype) -> 
     z = torch.zeros(0, dtype=torch.long)
     nan = torch.zeros(0, k_max)
     return {"index": z, "last_token": z, "label": z, "remaining": z, "draft_top1_prob": nan,
-            "draft_entropy": nan.clone(), "target_prob": nan.clone(), "feature": torch.zeros(0, d, dtype=dtype),
+            "draft_entropy": nan.clone(), "target_prob": nan.clone(), "target_stats": torch.zeros(0, 3), "feature": torch.zeros(0, d, dtype=dtype),
             "draft_tokens": torch.zeros(0, k_max, dtype=torch.long),
             "draft_state": torch.zeros(0, k_max, d, dtype=state_dtype)}
 
@@ -248,6 +249,7 @@ def oracle_labels_sequential(target: TargetModel, drafter, input_ids, prompt_len
         rows["draft_top1_prob"].append(dist.max(-1).values)
         rows["draft_entropy"].append(-(dist * torch.log(dist.clamp_min(1e-30))).sum(-1))
         rows["target_prob"].append(tp)
+        rows["target_stats"].append(confidence(lm_head(feats[0, i - 1])).cpu())
         rows["feature"].append(feats[0, i - 1].cpu())
         rows["draft_tokens"].append(torch.tensor(draft))
         rows["draft_state"].append(states)
@@ -416,4 +418,5 @@ def _label_rows(target, tcache, seq, index, n: int, L: int, logits, log_norm, fe
                                    max_tokens=rows_per_pass * (k_max - 1))
     return {"index": index, "last_token": seq[n: L - 1].clone(), "label": label, "remaining": (L - 1) - index,
             "draft_top1_prob": top1, "draft_entropy": entropy, "target_prob": target_prob,
+            "target_stats": confidence(logits[n - 1: L - 2]).cpu(),  # the distribution that produced last_token
             "feature": feats[n - 1: L - 2].cpu(), "draft_tokens": draft, "draft_state": states}

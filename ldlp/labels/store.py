@@ -36,6 +36,9 @@ def rows_features(k_max: int, feature_dim: int | None, stat_dtype: str = "float1
         "index": Value("int32"), "last_token": Value("int32"), "label": Value("int8"), "remaining": Value("int32"),
         "draft_top1_prob": List(Value(stat_dtype), length=k_max), "draft_entropy": List(Value(stat_dtype), length=k_max),
         "target_prob": List(Value(stat_dtype), length=k_max),
+        # top-1 probability, top-1 - top-2 margin and entropy of the target's distribution that produced
+        # last_token (ldlp.models.features.confidence), float32: the policies compute them from the engine's
+        "target_stats": List(Value("float32"), length=3),
     }
     if feature_dim:
         cols["feature"] = List(Value(feature_dtype), length=feature_dim)
