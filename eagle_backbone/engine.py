@@ -613,7 +613,7 @@ class BatchedSpeculativeEngine:
     def _rows(self, run: list[int], st: list[Slot], caps, last_tokens: torch.Tensor, features: torch.Tensor) -> Rows:
         return Rows(run, caps, [len(s.new) for s in st], last_tokens, features,
                     [s.stats.accept_lengths for s in st], [s.stats.draft_lengths for s in st], self.target.embed,
-                    [s.new[-1] for s in st] if caps is not None else None)
+                    [s.new[-1] for s in st] if caps is not None else None, self.target.lm_head)
 
     def _plan_ahead(self, run: list[int], st: list[Slot], last_tokens, features) -> torch.Tensor | None:
         """A ``plans_ahead`` policy's γ for the next step, from the new last tokens and features: a device

@@ -51,6 +51,7 @@ from typing import Callable
 import torch
 
 from eagle_backbone.runtime import to_device
+from eagle_backbone.sampling import confidence
 from eagle_backbone.tree import on_path
 
 DROP, STOP, GO = 0, 1, 2  # stop()'s codes per row
@@ -74,6 +75,8 @@ class Rows:
     drafted: list[list[int]] = field(default_factory=list)  # per row, drafted tokens of past steps (host)
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None
     last_ids: list[int] | None = None  # the last tokens on the host, where the engine has them without a read
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # the target's: features -> logits
+    given_target_stats: torch.Tensor | None = None  # (R, 3) where known without the LM head (replay: the stored)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -82,6 +85,15 @@ class Rows:
     def embeddings(self) -> torch.Tensor:
         """(R, d) the target's input embeddings of the last tokens (computed on first use)."""
         return self.embed(self.last_tokens)
+
+    @cached_property
+    def target_stats(self) -> torch.Tensor:
+        """(R, 3) :func:`~eagle_backbone.sampling.confidence` of the target's distribution that produced each
+        last token: ``lm_head(features)``, the verify logits again (the same bits on a CPU, where the engine is
+        batch-invariant; computed on first use, a policy that reads none pays nothing)."""
+        if self.given_target_stats is not None:
+            return self.given_target_stats
+        return confidence(self.lm_head(self.features))
 
 
 @dataclass
@@ -223,6 +235,14 @@ class DraftContext:
     draft_state: torch.Tensor | None = None  # (d,) during keep_drafting: the drafter state behind ``probs``
     _embed: Callable[[torch.Tensor], torch.Tensor] | None = None
     _embedding: torch.Tensor | None = None
+    _target_stats: Callable[[], torch.Tensor] | torch.Tensor | None = None
+
+    @property
+    def target_stats(self) -> torch.Tensor:
+        """(3,) :attr:`Rows.target_stats` of this sequence (computed on first use)."""
+        if callable(self._target_stats):
+            self._target_stats = self._target_stats()
+        return self._target_stats
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -297,7 +317,7 @@ class PerSlot(DraftPolicy):
         return DraftContext(step=len(rows.accepted[i]) if rows.accepted else 0, last_token=last,
                             feature=rows.features[i].clone(), accepted_history=rows.accepted[i] if rows.accepted else [],
                             drafted_history=rows.drafted[i] if rows.drafted else [], position=rows.positions[i],
-                            max_gamma=cap, _embed=rows.embed)
+                            max_gamma=cap, _embed=rows.embed, _target_stats=lambda: rows.target_stats[i])
 
     def plan(self, rows: Rows) -> list[int]:
         out = []
@@ -354,8 +374,10 @@ class OneRow:
 
     def _rows_of(self, ctx: DraftContext, caps) -> Rows:
         dev = ctx.feature.device
+        given = ctx._target_stats
         return Rows([self.slot], caps, [ctx.position], to_device([ctx.last_token], dev), ctx.feature[None],
-                    [list(ctx.accepted_history)], [list(ctx.drafted_history)], ctx._embed, [ctx.last_token])
+                    [list(ctx.accepted_history)], [list(ctx.drafted_history)], ctx._embed, [ctx.last_token],
+                    given_target_stats=None if given is None or callable(given) else given[None])
 
     def gamma(self, ctx: DraftContext) -> int:
         self._logp = 0.0

@@ -64,6 +64,17 @@ _C1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _C2 = -7723592293110705685  # 0x94D049BB133111EB
 
 
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> (..., 3) float32: top-1 probability, top-1 minus top-2 probability and entropy (nats) of
+    ``softmax(logits)`` at temperature 1. The one definition of a distribution's confidence that the oracle
+    collector stores and the draft-length policies read (the target's at the last verified position:
+    :attr:`~eagle_backbone.policy.Rows.target_stats`)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, 2, dim=-1).values
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    return torch.stack([top[..., 0], top[..., 0] - top[..., 1], entropy], dim=-1)
+
+
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
     return (x >> s) & ((1 << (64 - s)) - 1)

@@ -108,13 +108,14 @@ class OracleRows:
     when stored."""
 
     COLUMNS = ("seq_id", "index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy")
+    OPTIONAL = ("feature", "draft_state", "target_stats")
 
     def __init__(self, columns: dict, max_new_tokens: int | None = None):
         self.max_new_tokens = max_new_tokens  # the responses' budget: the engine caps γ by it, not by EOS
         missing = [c for c in self.COLUMNS if c not in columns]
         if missing:
             raise ValueError(f"oracle rows lack the columns {missing}")
-        cols = {c: np.asarray(v) for c, v in columns.items() if c in self.COLUMNS + ("feature", "draft_state")}
+        cols = {c: np.asarray(v) for c, v in columns.items() if c in self.COLUMNS + self.OPTIONAL}
         if len(cols["label"]) == 0:
             raise ValueError("no oracle rows to replay")
         self.k_max = int(cols["draft_top1_prob"].shape[1])
@@ -134,7 +135,7 @@ class OracleRows:
         from ldlp.labels.store import read_rows
 
         data, manifest = read_rows(oracle_dir, cls.COLUMNS, split,
-                                   optional=("feature", "draft_state") if with_features else ())
+                                   optional=cls.OPTIONAL if with_features else ("target_stats",))
         return cls(data, manifest.get("max_new_tokens"))
 
     @classmethod
@@ -144,7 +145,7 @@ class OracleRows:
         for seq_id, rows in enumerate(rows_per_sequence):
             n = len(rows["label"])
             cols.setdefault("seq_id", []).append(np.full(n, seq_id))
-            for c in cls.COLUMNS[1:] + ("feature", "draft_state"):
+            for c in cls.COLUMNS[1:] + cls.OPTIONAL:
                 if c in rows:
                     cols.setdefault(c, []).append(rows[c].float().numpy() if rows[c].is_floating_point()
                                                   else rows[c].numpy())
@@ -155,12 +156,15 @@ class OracleRows:
 
 
 def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, costs: CostTable, embed=None, vocab_size: int = 2 ** 15,
-           oracle_cap: int = 8) -> ReplayResult:
+           oracle_cap: int = 8, on_step=None) -> ReplayResult:
     """Walk every sequence as the engine would under ``policy`` (or ``"oracle"``: draft exactly what the
     target accepts, at most ``oracle_cap``). ``embed`` maps token ids to target embeddings (the LDLP
-    reads them); the row's stored feature is the context's feature and its stored drafter states are
-    ``ctx.draft_state`` (acceptance heads read them)."""
+    reads them); the row's stored feature is the context's feature, its stored target_stats the context's
+    ``target_stats``, and its stored drafter states are ``ctx.draft_state`` (acceptance heads read them).
+    As in the engine, a policy that reads drafts sees every drafted depth, the last one too.
+    ``on_step(row, drafted, accepted)``, when given, is called after each step with the row it started at."""
     c, res = rows.cols, ReplayResult()
+    stats = c.get("target_stats")
     states = c.get("draft_state")
     if isinstance(policy, (DraftPolicy, DraftLengthPolicy)) and rows.has_features and states is not None:
         # a predictor or head of other sizes than the stored rows fails here, not at the first step
@@ -194,17 +198,16 @@ def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, cost
                     else torch.zeros(1)
                 ctx = DraftContext(step=step, last_token=int(c["last_token"][r]), feature=feature,
                                    accepted_history=accepted_hist, drafted_history=drafted_hist,
-                                   position=position, max_gamma=max_gamma, _embed=embed)
+                                   position=position, max_gamma=max_gamma, _embed=embed,
+                                   _target_stats=None if stats is None else torch.from_numpy(np.asarray(stats[r])))
                 gamma = min(int(policy.gamma(ctx)), max_gamma)
                 k = 0
                 for i in range(1, gamma + 1):
                     k = i
-                    if i == gamma:
-                        break
                     probs = stand_in_probs(c["draft_top1_prob"][r][i - 1], c["draft_entropy"][r][i - 1], vocab_size)
                     if states is not None:
                         ctx.draft_state = torch.from_numpy(states[r, i - 1])
-                    if not policy.keep_drafting(ctx, i, 0, probs):
+                    if not policy.keep_drafting(ctx, i, 0, probs) or i == gamma:  # the last depth is kept either way
                         break
             a = min(label, k)
             res.steps += 1
@@ -216,6 +219,8 @@ def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, cost
                 accepted_hist.append(a)
                 drafted_hist.append(k)
                 policy.observe(ctx, k, a)
+            if on_step is not None:
+                on_step(r, k, a)
             pos += a + 1
             step += 1
     return res

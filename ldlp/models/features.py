@@ -13,21 +13,12 @@ from __future__ import annotations
 
 import math
 
-import torch
+from eagle_backbone.sampling import confidence  # noqa: F401  (re-exported: the collector's and policies' one definition)
 
 CONFIDENCE_NAMES = ("top1", "margin", "entropy")
 HISTORY_STEPS = 3  # the last accepted lengths a feature vector holds
 EMA_DECAY = 0.7  # weight of the past in the accepted-length EMA (a step's weight halves in about 2 steps)
 HISTORY_NAMES = tuple(f"accepted_{j}" for j in range(1, HISTORY_STEPS + 1)) + ("accepted_ema", "last_full", "steps")
-
-
-def confidence(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) logits -> (..., 3) float32: top-1 probability, top-1 minus top-2 probability, entropy (nats)
-    of ``softmax(logits)`` at temperature 1. The target's at the last verified position reads ``lm_head(f)``."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = torch.topk(probs, 2, dim=-1).values
-    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-    return torch.stack([top[..., 0], top[..., 0] - top[..., 1], entropy], dim=-1)
 
 
 def history(accepted: list[int], drafted: list[int]) -> list[float]:
