@@ -14,37 +14,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.cost import CostTable
-from eagle_backbone.errors import ConfigError
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.bench.loaders import build_policy, cost_engine_factory, load_cost_table, load_pair_cached, load_prompts, \
-    policy_config
+from ldlp.bench.loaders import build_policy, cost_engine_factory, load_pair_cached, load_prompts, policy_config, \
+    replay_costs
 from ldlp.bench.replay import OracleRows, best_per_policy, costs_record, grid, tune, tuning_markdown
 
 
 def _builder(cfg: DictConfig, name: str):
     _, base = policy_config(cfg, [f"policy={name}"])
     return lambda params: build_policy(OmegaConf.merge(base, params))
-
-
-def _costs(cfg: DictConfig, pair):
-    """What prices the replayed steps: a synthetic linear table (costs.linear), a step-cost model fitted in
-    hindsight (costs.model), else the step-cost model as an engine starts it, warm-started from this setup's
-    measured table (costs.table, or paths.cost, profiled at one slot when missing)."""
-    from eagle_backbone.step_cost import OnlineCostModel
-
-    c = cfg.costs
-    if c.get("model"):
-        return OnlineCostModel.load(c.model)
-    lin = c.get("linear") or {}
-    if lin.get("step_ms") is not None or lin.get("draft_ms") is not None:
-        if lin.get("step_ms") is None or lin.get("draft_ms") is None:
-            raise ConfigError("tune_policies: a linear price needs both costs.linear.step_ms and costs.linear.draft_ms")
-        return CostTable.linear(lin.step_ms, lin.draft_ms, lin.get("accepted_ms") or 0.0)
-    if pair.candidates is None:
-        raise ConfigError("tune_policies: the model has no drafter, so there is no cost table to price drafts by; "
-                          "give a linear price (costs.linear.step_ms=... costs.linear.draft_ms=...)")
-    return OnlineCostModel(load_cost_table(c.cost_dir, cfg.model.name, pair.target, pair.candidates,
-                                           path=c.get("table"), profile_if_missing=bool(c.profile_if_missing)))
 
 
 def _check(cfg: DictConfig, pair, costs: CostTable) -> list[dict]:
@@ -63,7 +41,7 @@ def _check(cfg: DictConfig, pair, costs: CostTable) -> list[dict]:
 def main(cfg: DictConfig) -> None:
     start(cfg)
     pair = load_pair_cached(cfg.model)
-    costs = _costs(cfg, pair)
+    costs = replay_costs(cfg.costs, cfg.model.name, pair, "tune_policies")
     check = _check(cfg, pair, costs) if cfg.costs.check.enabled and pair.candidates is not None else None
     rows = OracleRows.load(cfg.oracle_dir, cfg.split)
     policies = {name: (_builder(cfg, name), grid(OmegaConf.to_container(params))) for name, params in cfg.grid.items()}

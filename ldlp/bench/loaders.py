@@ -213,6 +213,29 @@ def load_cost_table(cost_dir, model_name: str, target, candidates, attn: str | N
     return load_or_profile(cost_dir, key, factory, profile_if_missing, log=log.info, slots=list(slots))
 
 
+def replay_costs(c, model_name: str, pair, who: str):
+    """What prices replayed steps (config ``c``, a script's ``costs`` group): a step-cost model fitted in hindsight
+    (``c.model``), a synthetic linear table (``c.linear``), else the step-cost model as an engine starts it,
+    warm-started from this setup's measured table (``c.table``, or the one under ``c.cost_dir``, profiled at one
+    slot when missing). ``who`` names the script in errors."""
+    from eagle_backbone.cost import CostTable
+    from eagle_backbone.errors import ConfigError
+    from eagle_backbone.step_cost import OnlineCostModel
+
+    if c.get("model"):
+        return OnlineCostModel.load(c.model)
+    lin = c.get("linear") or {}
+    if lin.get("step_ms") is not None or lin.get("draft_ms") is not None:
+        if lin.get("step_ms") is None or lin.get("draft_ms") is None:
+            raise ConfigError(f"{who}: a linear price needs both costs.linear.step_ms and costs.linear.draft_ms")
+        return CostTable.linear(lin.step_ms, lin.draft_ms, lin.get("accepted_ms") or 0.0)
+    if pair.candidates is None:
+        raise ConfigError(f"{who}: the model has no drafter, so there is no cost table to price drafts by; "
+                          "give a linear price (costs.linear.step_ms=... costs.linear.draft_ms=...)")
+    return OnlineCostModel(load_cost_table(c.cost_dir, model_name, pair.target, pair.candidates,
+                                           path=c.get("table"), profile_if_missing=bool(c.profile_if_missing)))
+
+
 def prepare_cost_tables(policies, target, candidates, attn: str | None, concurrency: int) -> None:
     """The cost table of every load-aware contender, before any clock starts: a table given (cost_table=) checked
     against this setup (drafter kind and weights, attention, processor...), else its setup's table loaded, or

@@ -1,0 +1,385 @@
+"""The predictor study (``python scripts/study_predictors.py``): which features and models predict how many
+drafts the target keeps, how that grows with labels, and what it is worth once a decision rule turns it into γ.
+
+Examples are *recorded by replay*: a behaviour policy (a static γ) walks every oracle sequence as the engine
+would (:func:`ldlp.bench.replay.replay`), and :class:`~ldlp.policies.learned.StepFeatures`, the object the
+deployed policy uses, records the features at every step it visits; the label of a step is the oracle label of
+its row (the agreement length of the drafter's chain there). Several behaviour γ give several histories.
+
+A model estimates the survival curve S_m = P(label >= m), m = 1..K. It is scored on the validation split by
+
+* MAE: its median length (the largest m with S_m >= 0.5) against the label;
+* AUC of S_m for the event label >= m, at m = 1 and averaged over m = 1..K (where both outcomes occur);
+* modelled speed: :class:`~ldlp.policies.learned.CostRulePolicy` (the model and :func:`gamma_by_cost`) replayed
+  on the validation sequences and priced by the cost table, as a ratio to the best static γ and as the share of
+  the oracle's headroom it captures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from ldlp.bench.replay import OracleRows, replay
+from ldlp.bench.stats import headroom_captured
+from ldlp.policies.learned import CostRulePolicy, StepFeatures, step_seconds_table
+
+log = logging.getLogger(__name__)
+
+
+# ---- examples ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Examples:
+    x: np.ndarray  # (n, F) features in StepFeatures order
+    label: np.ndarray  # (n,) the oracle label of the step's row
+    seq: np.ndarray  # (n,) sequence id (for subsets by sequence)
+    behaviour: np.ndarray  # (n,) the static γ that walked there
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+    def take(self, idx) -> "Examples":
+        return Examples(self.x[idx], self.label[idx], self.seq[idx], self.behaviour[idx])
+
+
+def record_examples(rows: OracleRows, behaviours, groups, costs, embed=None, vocab_size: int = 2 ** 15) -> Examples:
+    """Walk ``rows`` under each static γ in ``behaviours`` and record every step's features and label."""
+    xs, labels, seqs, beh = [], [], [], []
+    seconds = step_seconds_table(costs, rows.k_max)
+    for g in behaviours:
+        rec, at = [], []
+        policy = CostRulePolicy(None, seconds, 1.0, groups, record=rec, fixed=int(g))
+        replay(rows, policy, costs, embed, vocab_size, on_step=lambda r, k, a: at.append(r))
+        at = np.asarray(at)
+        xs.append(np.stack(rec))
+        labels.append(rows.cols["label"][at])
+        seqs.append(rows.cols["seq_id"][at])
+        beh.append(np.full(len(at), g))
+    return Examples(np.concatenate(xs), np.concatenate(labels).astype(np.int64), np.concatenate(seqs),
+                    np.concatenate(beh))
+
+
+def column_slices(groups, d: int) -> dict[str, slice]:
+    """Where each group's columns sit in a feature vector of ``groups``."""
+    out, at = {}, 0
+    for g in groups:
+        width = len(StepFeatures.names([g], d))
+        out[g] = slice(at, at + width)
+        at += width
+    return out
+
+
+# ---- models: survival curves ----------------------------------------------------------------------------
+
+
+class SurvivalModel:
+    """A classifier over the clipped label 0..K whose class probabilities give S_m = P(label >= m)."""
+
+    KINDS = ("constant", "logistic", "gbt", "mlp")
+
+    def __init__(self, kind: str, K: int, seed: int = 0, ef: slice | None = None, ef_components: int = 32):
+        self.kind, self.K, self.seed, self.ef, self.ef_components = kind, K, seed, ef, ef_components
+
+    def _pipeline(self):
+        from sklearn.decomposition import PCA
+        from sklearn.ensemble import HistGradientBoostingClassifier
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.neural_network import MLPClassifier
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
+
+        if self.kind == "gbt":
+            # [e; f] through a PCA (fitted on the training rows): trees on 768 raw columns are slow and no better
+            steps = [HistGradientBoostingClassifier(max_iter=300, learning_rate=0.1, max_leaf_nodes=31,
+                                                    early_stopping=True, validation_fraction=0.1,
+                                                    n_iter_no_change=20, random_state=self.seed)]
+            if self.ef is not None:
+                from sklearn.compose import ColumnTransformer
+
+                cols = list(range(self.ef.start, self.ef.stop))
+                steps.insert(0, ColumnTransformer([("ef", PCA(self.ef_components, random_state=self.seed), cols)],
+                                                  remainder="passthrough"))
+            return make_pipeline(*steps)
+        if self.kind == "logistic":
+            return make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=500))
+        if self.kind == "mlp":  # the LDLP's shape: an MLP on the standardised inputs
+            return make_pipeline(StandardScaler(), MLPClassifier((256, 256), early_stopping=True, max_iter=200,
+                                                                 random_state=self.seed))
+        raise ValueError(f"unknown model kind {self.kind!r}")
+
+    def fit(self, x: np.ndarray, label: np.ndarray) -> "SurvivalModel":
+        y = np.minimum(label, self.K)
+        if self.kind == "constant":
+            counts = np.bincount(y, minlength=self.K + 1).astype(float)
+            self._const = counts / counts.sum()
+            return self
+        self.pipe = self._pipeline().fit(x, y)
+        return self
+
+    def survival(self, x: np.ndarray) -> np.ndarray:
+        if self.kind == "constant":
+            p = np.broadcast_to(self._const, (len(x), self.K + 1))
+        else:
+            proba = self.pipe.predict_proba(x)
+            p = np.zeros((len(x), self.K + 1))
+            p[:, self.pipe.classes_] = proba
+        # S_m = P(y >= m), m = 1..K
+        return p[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
+
+
+# ---- scores --------------------------------------------------------------------------------------------
+
+
+def median_length(S: np.ndarray) -> np.ndarray:
+    return (S >= 0.5).sum(1)
+
+
+def scores(S: np.ndarray, label: np.ndarray) -> dict:
+    from sklearn.metrics import roc_auc_score
+
+    K = S.shape[1]
+    aucs = []
+    for m in range(1, K + 1):
+        y = label >= m
+        aucs.append(float(roc_auc_score(y, S[:, m - 1])) if 0 < y.sum() < len(y) else float("nan"))
+    return {"mae": float(np.abs(median_length(S) - np.minimum(label, K)).mean()), "auc_1": aucs[0],
+            "auc_mean": float(np.nanmean(aucs)), "auc": aucs}
+
+
+# ---- modelled speed ------------------------------------------------------------------------------------
+
+
+def static_and_oracle(rows: OracleRows, costs, gammas, oracle_cap: int) -> dict:
+    """Replayed tokens/s of each static γ and of the oracle."""
+    from eagle_backbone.policy import StaticPolicy
+
+    out = {f"static {g}": replay(rows, StaticPolicy(g), costs).tokens_per_s for g in gammas}
+    out["oracle"] = replay(rows, "oracle", costs, oracle_cap=oracle_cap).tokens_per_s
+    return out
+
+
+def token_seconds(rows: OracleRows, model, groups, costs, embed, vocab_size: int, start: float, iterations: int = 2,
+                  max_gamma: int | None = None) -> float:
+    """The fixed point of "seconds a token is worth" = the policy's own seconds per emitted token (Dinkelbach's
+    iteration for the best ratio of tokens to seconds), from ``start``, on ``rows``."""
+    seconds, token_s = step_seconds_table(costs, rows.k_max), start
+    for _ in range(iterations):
+        r = replay(rows, CostRulePolicy(model, seconds, token_s, groups, max_gamma), costs, embed, vocab_size)
+        token_s = r.seconds / r.new_tokens
+    return token_s
+
+
+def modelled(rows: OracleRows, model, groups, costs, token_s: float, embed, vocab_size: int, reference: dict,
+             max_gamma: int | None = None, rule: str = "cost") -> dict:
+    """Replay the cost rule (or ``rule``) with ``model`` on ``rows``: tokens/s, τ, the ratio to the best static γ
+    and the headroom captured (``reference``: :func:`static_and_oracle` of the same rows)."""
+    r = replay(rows, CostRulePolicy(model, step_seconds_table(costs, rows.k_max), token_s, groups, max_gamma,
+                                    rule=rule), costs, embed, vocab_size)
+    best = max(v for k, v in reference.items() if k.startswith("static"))
+    return {"tokens_per_s": r.tokens_per_s, "tau": r.tau, "drafted": r.drafted, "wasted": r.wasted,
+            "vs_best_static": r.tokens_per_s / best,
+            "headroom": headroom_captured(r.tokens_per_s, best, reference["oracle"])}
+
+
+# ---- the study -----------------------------------------------------------------------------------------
+
+
+def sequence_subset(ex: Examples, size: int, seed: int) -> np.ndarray:
+    """Indices of the examples of whole sequences, drawn in a seeded order until at least ``size`` examples."""
+    seqs = np.unique(ex.seq)
+    order = np.random.default_rng(seed).permutation(seqs)
+    counts = np.bincount(np.searchsorted(seqs, ex.seq), minlength=len(seqs))[np.searchsorted(seqs, order)]
+    take = order[: int(np.searchsorted(np.cumsum(counts), size)) + 1]
+    return np.flatnonzero(np.isin(ex.seq, take))
+
+
+def decision_us(model, x: np.ndarray, seconds: np.ndarray, token_s: float, calls: int = 200) -> float:
+    """Median microseconds of one decision (one row's survival curve and the cost rule), as the policy makes it."""
+    import time
+
+    from ldlp.policies.learned import gamma_by_cost
+
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        gamma_by_cost(model.survival(x[i % len(x)][None])[0], seconds, token_s)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
+class Study:
+    """The study's runs over one pair of train and validation examples; every result is kept in ``done`` (keyed
+    by section and name) and saved after each by ``save``, so a killed study resumes where it stopped."""
+
+    def __init__(self, train: OracleRows, val: OracleRows, costs, embed, vocab_size: int, groups, behaviours,
+                 K: int, seed: int, d: int, done: dict, save, max_gamma: int | None = None, calibration_rows=None):
+        self.train_rows, self.val_rows, self.costs, self.embed, self.vocab = train, val, costs, embed, vocab_size
+        self.groups, self.K, self.seed, self.d, self.max_gamma = tuple(groups), K, seed, d, max_gamma
+        self.done, self.save = done, save
+        self.slices = column_slices(self.groups, d)
+        self.tr = record_examples(train, behaviours, self.groups, costs, embed, vocab_size)
+        self.va = record_examples(val, behaviours, self.groups, costs, embed, vocab_size)
+        self.reference = done.setdefault("reference", static_and_oracle(val, costs, range(1, K + 1), K))
+        self.seconds = step_seconds_table(costs, val.k_max)
+        # the seconds a token is worth start at the best static γ's (on the training rows) and are refined per model
+        self.calibration = calibration_rows or train
+        ref_train = done.setdefault("reference_train", static_and_oracle(self.calibration, costs, range(1, K + 1), K))
+        self.token_s0 = 1.0 / max(v for k, v in ref_train.items() if k.startswith("static"))
+        save(done)
+
+    def columns(self, groups) -> tuple[np.ndarray, slice | None]:
+        cols = np.concatenate([np.arange(self.slices[g].start, self.slices[g].stop) for g in groups])
+        ef = None
+        if "ef" in groups:
+            before = sum(self.slices[g].stop - self.slices[g].start for g in groups if groups.index(g) < groups.index("ef"))
+            ef = slice(before, before + 2 * self.d)
+        return cols, ef
+
+    def run(self, section: str, name: str, kind: str, groups, idx=None, rule: str = "cost", timing: bool = False) -> dict:
+        key = f"{section}/{name}"
+        if key in self.done.setdefault("runs", {}):
+            return self.done["runs"][key]
+        import time
+
+        groups = tuple(g for g in self.groups if g in groups)
+        size = len(self.tr) if idx is None else len(idx)
+        for r in self.done["runs"].values():  # the same fit under another heading: reuse it
+            if (r["model"], tuple(r["groups"]), r["train_examples"], r["rule"]) == (kind, groups, size, rule) \
+                    and (not timing or "decision_us" in r):
+                self.done["runs"][key] = {**r, "section": section, "name": name}
+                self.save(self.done)
+                return self.done["runs"][key]
+        cols, ef = self.columns(groups)
+        tr = self.tr if idx is None else self.tr.take(idx)
+        t0 = time.perf_counter()
+        model = SurvivalModel(kind, self.K, self.seed, ef=ef).fit(tr.x[:, cols], tr.label)
+        fit_s = time.perf_counter() - t0
+        sc = scores(model.survival(self.va.x[:, cols]), self.va.label)
+        token_s = token_seconds(self.calibration, _Cols(model, cols), self.groups, self.costs, self.embed, self.vocab,
+                                self.token_s0, max_gamma=self.max_gamma) if rule == "cost" else self.token_s0
+        md = modelled(self.val_rows, _Cols(model, cols), self.groups, self.costs, token_s, self.embed, self.vocab,
+                      self.reference, self.max_gamma, rule)
+        out = {"section": section, "name": name, "model": kind, "groups": list(groups), "rule": rule,
+               "train_examples": len(tr), "train_sequences": int(len(np.unique(tr.seq))), "fit_s": fit_s,
+               "token_s": token_s, **sc, **md}
+        if timing:
+            out["decision_us"] = decision_us(_Cols(model, cols), self.va.x, self.seconds, token_s)
+        self.done["runs"][key] = out
+        self.save(self.done)
+        log.info("%s: MAE %.3f, AUC %.3f (first draft %.3f), modelled %.3f of the best static γ", key, out["mae"],
+                 out["auc_mean"], out["auc_1"], out["vs_best_static"])
+        return out
+
+
+class _Cols:
+    """A model fitted on some columns of the full feature vector, asked with the full vector."""
+
+    def __init__(self, model, cols):
+        self.model, self.cols = model, cols
+
+    def survival(self, x: np.ndarray) -> np.ndarray:
+        return self.model.survival(x[:, self.cols])
+
+
+def _rows_subset(rows: OracleRows, keep_seqs: np.ndarray, max_new_tokens) -> OracleRows:
+    mask = np.isin(rows.cols["seq_id"], keep_seqs)
+    return OracleRows({k: v[mask] for k, v in rows.cols.items()}, max_new_tokens)
+
+
+def load_split(oracle_dir, split: str, limit: int | None) -> OracleRows:
+    """The split's rows with the features the study reads (a collection without them: one line saying so)."""
+    from ldlp.labels.store import read_rows
+
+    data, manifest = read_rows(oracle_dir, OracleRows.COLUMNS + ("target_stats", "feature"), split,
+                               hint="the study needs a collection with features and target_stats (rows format 2): "
+                                    "collect one with python scripts/collect_oracle.py")
+    rows = OracleRows(data, manifest.get("max_new_tokens"))
+    if limit is not None:
+        seqs = np.unique(rows.cols["seq_id"])[: int(limit)]
+        rows = _rows_subset(rows, seqs, manifest.get("max_new_tokens"))
+    return rows
+
+
+def run_predictor_study(cfg) -> str:
+    """Run (or continue) every section of the study into ``cfg.out_dir``; returns the page it wrote."""
+    import json
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.io import atomic_write_json
+    from eagle_backbone.loading import load_pair
+    from ldlp.bench.loaders import replay_costs
+    from ldlp.bench.replay import costs_record
+    from ldlp.labels.store import read_manifest
+    from ldlp.pipeline.processes import out_dir_lock
+    from ldlp.policies.learned import GROUPS
+    from ldlp.report.predictors import study_page
+
+    bad = [g for g in cfg.groups if g not in GROUPS]
+    if bad:
+        raise ValueError(f"groups: unknown feature groups {bad}; known: {list(GROUPS)}")
+    bad = [m for m in cfg.models if m not in SurvivalModel.KINDS]
+    if bad:
+        raise ValueError(f"models: unknown model kinds {bad}; known: {list(SurvivalModel.KINDS)}")
+    manifest = read_manifest(cfg.oracle_dir)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with out_dir_lock(out):
+        pair = load_pair(cfg.model)
+        costs = replay_costs(cfg.costs, cfg.model.name, pair, "study_predictors")
+        identity = {"oracle": {"dir": str(cfg.oracle_dir), "counts": manifest.get("counts"),
+                               "identity": manifest.get("identity")},
+                    "costs": costs_record(costs),
+                    **{k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+                       for k in ("seed", "behaviours", "K", "max_gamma", "groups", "max_train_sequences",
+                                 "max_val_sequences", "calibration_sequences")}}
+        identity = json.loads(json.dumps(identity, default=str))
+        path = out / "study.json"
+        done = json.loads(path.read_text()) if path.is_file() else {}
+        if done and done.get("identity") != identity:
+            if not cfg.overwrite:
+                diff = sorted(k for k in set(identity) | set(done.get("identity", {}))
+                              if identity.get(k) != done.get("identity", {}).get(k))
+                raise ValueError(f"{path} was made with other settings ({', '.join(diff)}); continue it with the same "
+                                 "settings, choose another out_dir, or pass overwrite=true")
+            done = {}
+        done["identity"] = identity
+        save = lambda d: atomic_write_json(path, d, indent=1)
+
+        train = load_split(cfg.oracle_dir, "train", cfg.max_train_sequences)
+        val = load_split(cfg.oracle_dir, "validation", cfg.max_val_sequences)
+        calib = _rows_subset(train, np.unique(train.cols["seq_id"])[: int(cfg.calibration_sequences)],
+                             train.max_new_tokens)
+        log.info("train %d positions in %d sequences, validation %d in %d", len(train), len(train.sequences),
+                 len(val), len(val.sequences))
+        study = Study(train, val, costs, pair.target.embed, pair.target.vocab_size, cfg.groups, cfg.behaviours,
+                      int(cfg.K), int(cfg.seed), pair.target.hidden_size, done, save, cfg.max_gamma, calib)
+        done["examples"] = {"train": len(study.tr), "validation": len(study.va)}
+        groups = list(study.groups)
+        # models on every feature (first: the later sections reuse the fits they share, with their decision times)
+        for kind in cfg.models:
+            study.run("models", kind, kind, groups if kind != "constant" else groups[:1], timing=True)
+        # learning curve
+        for size in [s for s in cfg.learning_curve.sizes if s < len(study.tr)] + [len(study.tr)]:
+            idx = None if size == len(study.tr) else sequence_subset(study.tr, size, int(cfg.seed))
+            study.run("learning_curve", str(size), cfg.learning_curve.model, groups, idx)
+        # ablation: each group alone, every group but one, all
+        for g in groups:
+            study.run("ablation", f"only {g}", cfg.ablation.model, [g])
+        for g in groups:
+            study.run("ablation", f"without {g}", cfg.ablation.model, [h for h in groups if h != g])
+        study.run("ablation", "all", cfg.ablation.model, groups)
+        best = max((r for r in done["runs"].values() if r["section"] == "models" and r["model"] != "constant"),
+                   key=lambda r: r["vs_best_static"], default=None)
+        if best is not None:
+            for rule in cfg.rules:
+                study.run("rules", f"{best['model']} {rule}", best["model"], groups, rule=rule)
+        page = study_page(done, str(cfg.oracle_dir), out)
+        (out / "README.md").write_text(page)
+        save(done)
+        return page

@@ -1,0 +1,174 @@
+"""A draft length chosen by expected gain against cost, from a predictor of how many drafts the target keeps.
+
+:class:`StepFeatures` is what such a predictor reads before a step, by group, computed by one object in replay
+and in the engine (through :class:`~eagle_backbone.policy.PerSlot`, so both call the same methods on the same
+values; ``tests/test_predictor_features.py``):
+
+* ``history``     the sequence's recent accepted lengths, their EMA, whether the last step kept every draft,
+                  log(1 + steps) (:func:`ldlp.models.features.history`);
+* ``target``      the target's confidence at the last verified position (top-1, margin, entropy:
+                  :attr:`~eagle_backbone.policy.Rows.target_stats`, free from the verify logits);
+* ``draft_prev``  the drafter's top-1 probability at depths 1..3 of the previous step (-1 where it did not
+                  draft that deep);
+* ``position``    log(1 + tokens generated so far);
+* ``ef``          AdaEAGLE's ``[e; f]``: the target embedding of the last token and the feature behind it.
+
+:func:`gamma_by_cost` is the decision rule, no tuned threshold: with ``S_m`` the predicted chance that the
+first m drafts are all kept, drafting k tokens emits ``1 + S_1 + ... + S_k`` tokens on average and costs the
+step's expected seconds; it picks the k that maximises tokens minus seconds divided by the seconds a token is
+worth (``token_s``: the policy's own seconds per emitted token, a fixed point the study finds by iterating). For
+survival curves that fall with m and costs linear in k this is the per-token rule "draft token m+1 only while
+S_{m+1} × token_s exceeds its marginal cost" (tests check both against brute force).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import torch
+
+from eagle_backbone.policy import DraftContext, DraftLengthPolicy
+from ldlp.models.features import HISTORY_NAMES, history
+
+DRAFT_PREV_DEPTHS = 3
+GROUP_NAMES = {
+    "history": HISTORY_NAMES,
+    "target": ("target_top1", "target_margin", "target_entropy"),
+    "draft_prev": tuple(f"prev_draft_top1_{m}" for m in range(1, DRAFT_PREV_DEPTHS + 1)),
+    "position": ("log_position",),
+}
+GROUPS = (*GROUP_NAMES, "ef")
+
+
+class StepFeatures:
+    """One sequence's feature vector before each step (``groups``: which, in this order); call :meth:`begin` per
+    sequence, :meth:`before` at each step, :meth:`saw` per drafted depth and :meth:`observe` after the step."""
+
+    def __init__(self, groups=GROUPS):
+        unknown = [g for g in groups if g not in GROUPS]
+        if unknown:
+            raise ValueError(f"unknown feature groups {unknown}; known: {list(GROUPS)}")
+        self.groups = tuple(groups)
+        self.begin()
+
+    def begin(self) -> None:
+        self._prev = [-1.0] * DRAFT_PREV_DEPTHS
+        self._now = [-1.0] * DRAFT_PREV_DEPTHS
+
+    def before(self, ctx: DraftContext) -> np.ndarray:
+        parts = []
+        for g in self.groups:
+            if g == "history":
+                parts.append(history(ctx.accepted_history, ctx.drafted_history))
+            elif g == "target":
+                parts.append(ctx.target_stats.tolist())
+            elif g == "draft_prev":
+                parts.append(list(self._prev))
+            elif g == "position":
+                parts.append([math.log1p(ctx.position)])
+            else:  # ef
+                parts.append(torch.cat([ctx.embedding.float(), ctx.feature.float()]).tolist())
+        return np.asarray([v for p in parts for v in p], dtype=np.float32)
+
+    def saw(self, depth: int, probs: torch.Tensor) -> None:
+        """The drafter's distribution at ``depth`` (1-based) of this step."""
+        if depth <= DRAFT_PREV_DEPTHS:
+            self._now[depth - 1] = float(probs.max())
+
+    def observe(self) -> None:
+        self._prev, self._now = self._now, [-1.0] * DRAFT_PREV_DEPTHS
+
+    @staticmethod
+    def names(groups, d: int | None = None) -> list[str]:
+        out = []
+        for g in groups:
+            out += list(GROUP_NAMES[g]) if g != "ef" else [f"e{j}" for j in range(d or 0)] + [f"f{j}" for j in range(d or 0)]
+        return out
+
+
+def expected_gain(survival: np.ndarray, seconds: np.ndarray, token_s: float) -> np.ndarray:
+    """Per γ = 0..K: expected emitted tokens minus expected step seconds / ``token_s``.
+
+    ``survival`` (K,): S_m = P(the first m drafts are all kept); ``seconds`` (K+1, K+1): ``seconds[k, a]`` a
+    step drafting k tokens of which a are kept (a <= k)."""
+    K = len(survival)
+    S = np.concatenate([[1.0], np.clip(survival, 0.0, 1.0), [0.0]])
+    S = np.minimum.accumulate(S)  # a survival curve cannot rise
+    out = np.empty(K + 1)
+    for k in range(K + 1):
+        p_a = S[: k + 1] - np.concatenate([S[1: k + 1], [0.0]])  # P(A = a) for a < k, and P(A = k) = S_k
+        tokens = 1.0 + S[1: k + 1].sum()
+        out[k] = tokens - float(p_a @ seconds[k, : k + 1]) / token_s
+    return out
+
+
+def gamma_by_cost(survival: np.ndarray, seconds: np.ndarray, token_s: float, max_gamma: int | None = None) -> int:
+    """The draft length with the largest :func:`expected_gain` (the shortest among equals), at most ``max_gamma``."""
+    gain = expected_gain(survival, seconds, token_s)
+    if max_gamma is not None:
+        gain = gain[: max_gamma + 1]
+    return int(np.argmax(gain))
+
+
+def step_seconds_table(costs, k_max: int) -> np.ndarray:
+    """(k_max+1, k_max+1) seconds of a batch-1 step drafting k and keeping a, from the cost table replay prices
+    by (:func:`ldlp.bench.replay.step_seconds`)."""
+    from ldlp.bench.replay import step_seconds
+
+    t = np.zeros((k_max + 1, k_max + 1))
+    for k in range(k_max + 1):
+        for a in range(k + 1):
+            t[k, a] = step_seconds(costs, k, a)
+    return t
+
+
+class CostRulePolicy(DraftLengthPolicy):
+    """γ by :func:`gamma_by_cost` (``rule="cost"``) or the predicted median length (``rule="median"``) from a
+    predictor's survival curve over :class:`StepFeatures`.
+
+    ``model`` has ``survival(x: (n, F)) -> (n, K)``; ``seconds`` is :func:`step_seconds_table`; ``token_s`` the
+    seconds a token is worth. ``record`` (a list), when given, receives each step's feature vector (the study's
+    training rows are recorded this way, so training and deployment compute features alike)."""
+
+    name = "cost_rule"
+
+    RULES = ("cost", "median")
+
+    def __init__(self, model, seconds: np.ndarray, token_s: float, groups=GROUPS, max_gamma: int | None = None,
+                 record: list | None = None, fixed: int | None = None, rule: str = "cost"):
+        if rule not in self.RULES:
+            raise ValueError(f"cost_rule policy: rule must be one of {list(self.RULES)}, got {rule!r}")
+        self.rule = rule  # median: AdaEAGLE's use of a predicted length (the baseline of the cost rule)
+        self.model, self.seconds, self.token_s = model, np.asarray(seconds), float(token_s)
+        self.features = StepFeatures(groups)
+        self.max_gamma = max_gamma
+        self.record, self.fixed = record, fixed  # fixed: a behaviour policy's static γ (recording only)
+
+    def __deepcopy__(self, memo):  # PerSlot copies a policy per slot: share the model, copy the sequence's state
+        new = copy.copy(self)
+        new.features = StepFeatures(self.features.groups)
+        return new
+
+    def begin(self, prompt_ids) -> None:
+        self.features.begin()
+
+    def gamma(self, ctx: DraftContext) -> int:
+        x = self.features.before(ctx)
+        if self.record is not None:
+            self.record.append(x)
+        cap = ctx.max_gamma if self.max_gamma is None else min(ctx.max_gamma, self.max_gamma)
+        if self.fixed is not None:
+            return min(self.fixed, cap)
+        S = self.model.survival(x[None])[0]
+        if self.rule == "median":
+            return min(int((S >= 0.5).sum()), cap)
+        return gamma_by_cost(S, self.seconds, self.token_s, cap)
+
+    def keep_drafting(self, ctx: DraftContext, i: int, token: int, probs: torch.Tensor) -> bool:
+        self.features.saw(i, probs)
+        return True
+
+    def observe(self, ctx: DraftContext, drafted: int, accepted: int) -> None:
+        self.features.observe()

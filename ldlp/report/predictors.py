@@ -1,0 +1,85 @@
+"""The predictor study's page and plot (``scripts/study_predictors.py``; the numbers: ldlp/bench/predictors.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def _pct(v) -> str:
+    return "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{100 * v:+.1f}%"
+
+
+def _row(r: dict, first: str) -> str:
+    return (f"| {first} | {r['train_examples']} | {r['mae']:.3f} | {r['auc_1']:.3f} | {r['auc_mean']:.3f} | "
+            f"{r['tau']:.2f} | {r['vs_best_static']:.3f} | {_pct(r['headroom'])} |")
+
+
+HEAD = ("| {} | training examples | MAE | AUC, first draft | AUC, mean m = 1..K | τ | modelled vs best static γ | "
+        "headroom captured |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def learning_curve_plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted(runs, key=lambda r: r["train_examples"])
+    n = [r["train_examples"] for r in runs]
+    fig, ax = plt.subplots(1, 3, figsize=(12, 3.4))
+    ax[0].plot(n, [r["auc_mean"] for r in runs], "o-", label="mean m = 1..K")
+    ax[0].plot(n, [r["auc_1"] for r in runs], "s--", label="first draft")
+    ax[0].set_ylabel("AUC (validation)")
+    ax[0].legend()
+    ax[1].plot(n, [r["mae"] for r in runs], "o-")
+    ax[1].set_ylabel("MAE of the median length")
+    ax[2].plot(n, [100 * (r["headroom"] or 0.0) for r in runs], "o-")
+    ax[2].axhline(0, color="grey", lw=0.8)
+    ax[2].set_ylabel("headroom captured (%), modelled")
+    for a in ax:
+        a.set_xscale("log")
+        a.set_xlabel("training examples (steps)")
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def study_page(done: dict, oracle_dir: str, plot_dir: Path | None = None) -> str:
+    runs = list(done.get("runs", {}).values())
+    ident, ref = done["identity"], done["reference"]
+    best_static = max((v, k) for k, v in ref.items() if k.startswith("static"))
+    ex = done.get("examples", {})
+    lines = [
+        "# Predictor study: features, models, labels and the decision rule", "",
+        f"Oracle collection `{oracle_dir}` ({(ident['oracle'].get('counts') or {}).get('positions', '?')} positions); "
+        f"examples recorded by replaying static γ = {ident['behaviours']} over it: {ex.get('train', '?')} training "
+        f"steps, {ex.get('validation', '?')} validation steps. A model predicts the survival curve S_m = P(label ≥ m), "
+        f"m = 1..{ident['K']}; the policy drafts the γ that maximises expected tokens minus expected seconds over the "
+        "seconds a token is worth (the cost rule, `ldlp/policies/learned.py`). Modelled speed is replay of that policy "
+        f"on the validation sequences, priced by {ident['costs'].get('source')}; best static γ there: "
+        f"{best_static[1]} ({best_static[0]:.1f} tokens/s), oracle {ref['oracle']:.1f} tokens/s "
+        f"(headroom {_pct(ref['oracle'] / best_static[0] - 1)}).", "",
+        "Regenerate: `python scripts/study_predictors.py oracle_dir=...` (this folder's study.json has every number "
+        "and the settings).", ""]
+    sections = [("models", "Models, every feature", "model"), ("learning_curve", "Learning curve", "model, examples"),
+                ("ablation", "Feature ablation", "features"), ("rules", "Decision rules", "model, rule")]
+    for sec, title, first in sections:
+        rs = [r for r in runs if r["section"] == sec]
+        if not rs:
+            continue
+        lines += [f"## {title}", "", HEAD.format(first)]
+        if sec == "learning_curve":
+            rs.sort(key=lambda r: r["train_examples"])
+        for r in rs:
+            lines.append(_row(r, r["name"]))
+        if sec == "models":
+            lines += ["", "Decision time per step (one row's survival curve and the rule, median): " + ", ".join(
+                f"{r['name']} {r['decision_us']:.0f} µs" for r in rs if "decision_us" in r) + "."]
+        lines.append("")
+    curve = [r for r in runs if r["section"] == "learning_curve"]
+    if curve and plot_dir is not None:
+        learning_curve_plot(curve, Path(plot_dir) / "learning_curve.png")
+        lines += ["![learning curve](learning_curve.png)", ""]
+    return "\n".join(lines)
