@@ -113,7 +113,8 @@ class SurvivalModel:
 
     def fit(self, x: np.ndarray, label: np.ndarray) -> "SurvivalModel":
         y = np.minimum(label, self.K)
-        if self.kind == "constant":
+        if self.kind == "constant" or len(np.unique(y)) < 2:  # one outcome only: nothing to tell apart
+            self.pipe = None
             counts = np.bincount(y, minlength=self.K + 1).astype(float)
             self._const = counts / counts.sum()
             return self
@@ -121,7 +122,7 @@ class SurvivalModel:
         return self
 
     def survival(self, x: np.ndarray) -> np.ndarray:
-        if self.kind == "constant":
+        if self.pipe is None:
             p = np.broadcast_to(self._const, (len(x), self.K + 1))
         else:
             proba = self.pipe.predict_proba(x)
@@ -146,8 +147,9 @@ def scores(S: np.ndarray, label: np.ndarray) -> dict:
     for m in range(1, K + 1):
         y = label >= m
         aucs.append(float(roc_auc_score(y, S[:, m - 1])) if 0 < y.sum() < len(y) else float("nan"))
+    known = [a for a in aucs if not np.isnan(a)]
     return {"mae": float(np.abs(median_length(S) - np.minimum(label, K)).mean()), "auc_1": aucs[0],
-            "auc_mean": float(np.nanmean(aucs)), "auc": aucs}
+            "auc_mean": float(np.mean(known)) if known else float("nan"), "auc": aucs}
 
 
 # ---- modelled speed ------------------------------------------------------------------------------------
@@ -304,8 +306,9 @@ def load_split(oracle_dir, split: str, limit: int | None) -> OracleRows:
     return rows
 
 
-def run_predictor_study(cfg) -> str:
-    """Run (or continue) every section of the study into ``cfg.out_dir``; returns the page it wrote."""
+def run_predictor_study(cfg, pair=None) -> str:
+    """Run (or continue) every section of the study into ``cfg.out_dir``; returns the page it wrote. ``pair``: the
+    loaded model pair (default: ``cfg.model`` loaded)."""
     import json
     from pathlib import Path
 
@@ -330,7 +333,7 @@ def run_predictor_study(cfg) -> str:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with out_dir_lock(out):
-        pair = load_pair(cfg.model)
+        pair = pair or load_pair(cfg.model)
         costs = replay_costs(cfg.costs, cfg.model.name, pair, "study_predictors")
         identity = {"oracle": {"dir": str(cfg.oracle_dir), "counts": manifest.get("counts"),
                                "identity": manifest.get("identity")},

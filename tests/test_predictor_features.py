@@ -1,0 +1,187 @@
+"""The learned draft-length policy: its features are computed alike in collection, replay and the engine (one code
+path), its cost rule picks what brute force picks, and the predictor study runs end to end."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from oracle_helpers import greedy_oracle
+from test_oracle import mimic_pair
+
+from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.cost import CostTable
+from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.sampling import confidence
+from ldlp.bench.replay import OracleRows, replay
+from ldlp.models.features import history
+from ldlp.policies.learned import GROUPS, CostRulePolicy, StepFeatures, expected_gain, gamma_by_cost, \
+    step_seconds_table
+
+PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9]]
+BUDGET = 30
+K_MAX = 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, drafter = mimic_pair()
+    out = [greedy_oracle(target, drafter, p, BUDGET, k_max=K_MAX) for p in PROMPTS]
+    return target, drafter, [o[0] for o in out], OracleRows.from_sequences([o[1] for o in out], BUDGET)
+
+
+def test_collected_target_stats_are_the_confidence_of_the_logits_behind_the_last_token(setup):
+    target, _, responses, rows = setup
+    prompt, response = PROMPTS[0], responses[0]
+    seq = torch.tensor([prompt + response])
+    logits, _ = target(seq, target.new_cache())
+    n = len(prompt)
+    first = rows.sequences[0]
+    stored = rows.cols["target_stats"][first[0]: first[1]]
+    expect = confidence(logits[0, n - 1: n - 1 + len(stored)]).numpy()
+    np.testing.assert_allclose(stored, expect, rtol=1e-6, atol=1e-7)
+    top1, margin, entropy = stored.T
+    assert (margin >= 0).all() and (margin <= top1).all() and (entropy >= 0).all() and (top1 <= 1).all()
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_the_engine_and_replay_record_the_same_features(setup, gamma):
+    """A static-γ walk visits the same positions in both; every feature group agrees at every step (the target's
+    confidence from lm_head(f) in the engine and from the collector's logits in replay, the drafter's top-1 from
+    the engine's distributions and the stored statistics, the history from the two walks)."""
+    target, drafter, _, rows = setup
+    in_engine, in_replay = [], []
+    engine_policy = CostRulePolicy(None, np.zeros((K_MAX + 1, K_MAX + 1)), 1.0, GROUPS, record=in_engine, fixed=gamma)
+    decoder = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), engine_policy)
+    for p in PROMPTS:
+        decoder.generate(p, BUDGET)
+    replay_policy = CostRulePolicy(None, np.zeros((K_MAX + 1, K_MAX + 1)), 1.0, GROUPS, record=in_replay, fixed=gamma)
+    replay(rows, replay_policy, CostTable.linear(10.0, 1.0), embed=target.embed, vocab_size=target.vocab_size)
+    assert len(in_engine) == len(in_replay) >= 2 * len(PROMPTS)
+    a, b = np.stack(in_engine), np.stack(in_replay)
+    names = StepFeatures.names(GROUPS, target.hidden_size)
+    for j in np.flatnonzero(~np.isclose(a, b, rtol=1e-5, atol=1e-6).all(0)):
+        pytest.fail(f"feature {names[j]} differs: engine {a[:, j][:8]} replay {b[:, j][:8]}")
+    prev = [names.index(f"prev_draft_top1_{m}") for m in (1, 2, 3)]
+    assert (a[:, prev] > 0).sum(0).tolist() == [(a[:, prev[0]] > 0).sum()] * min(gamma, 3) + [0] * (3 - min(gamma, 3))
+
+
+def test_history_features():
+    assert history([], []) == [-1.0, -1.0, -1.0, -1.0, 0.0, 0.0]
+    h = history([2, 4], [4, 4])
+    assert h[:3] == [4.0, 2.0, -1.0] and h[4] == 1.0  # most recent first; the last step kept all it drafted
+    assert h[3] == pytest.approx(0.7 * 2 + 0.3 * 4)
+
+
+def _synthetic():
+    """Three kinds of position, each with its own chance to keep each further draft."""
+    cont = np.array([[0.95, 0.9, 0.9, 0.85, 0.8], [0.6, 0.5, 0.4, 0.4, 0.3], [0.2, 0.1, 0.1, 0.1, 0.1]])
+    survival = np.cumprod(cont, axis=1)
+    weight = np.array([0.5, 0.3, 0.2])
+    return survival, weight
+
+
+def _ratio(survival, weight, seconds, gammas):
+    """Expected tokens over expected seconds when kind j drafts gammas[j]."""
+    tokens = time = 0.0
+    for S, w, k in zip(survival, weight, gammas):
+        S0 = np.r_[1.0, S]
+        p_a = S0[: k + 1] - np.r_[S0[1: k + 1], 0.0]
+        tokens += w * (1 + S[:k].sum())
+        time += w * float(p_a @ seconds[k, : k + 1])
+    return tokens / time
+
+
+@pytest.mark.parametrize("step_ms, draft_ms, accepted_ms", [(12.0, 1.6, 0.0), (10.0, 4.0, 0.5), (5.0, 0.5, 1.0)])
+def test_the_cost_rule_at_its_fixed_point_is_the_brute_force_optimum(step_ms, draft_ms, accepted_ms):
+    survival, weight = _synthetic()
+    K = survival.shape[1]
+    seconds = step_seconds_table(CostTable.linear(step_ms, draft_ms, accepted_ms), K)
+    best = max(itertools.product(range(K + 1), repeat=len(weight)),
+               key=lambda g: _ratio(survival, weight, seconds, g))
+    best_ratio = _ratio(survival, weight, seconds, best)
+    token_s = seconds[0, 0]  # start anywhere (here: plain decoding's seconds per token); iterate to the fixed point
+    for _ in range(10):
+        gammas = [gamma_by_cost(S, seconds, token_s) for S in survival]
+        token_s = 1.0 / _ratio(survival, weight, seconds, gammas)
+    assert _ratio(survival, weight, seconds, gammas) == pytest.approx(best_ratio, rel=1e-12)
+    assert tuple(gammas) == best
+    # with costs linear in γ it is the per-token rule: draft token m while S_m × (a token's worth - the seconds
+    # an accepted token adds) exceeds the seconds a drafted token costs
+    ca, cd = accepted_ms / 1e3, draft_ms / 1e3
+    assert [int((S * (token_s - ca) > cd).sum()) for S in survival] == list(gammas)
+    assert len(set(gammas)) > 1  # the kinds get different lengths: the test is not trivial
+
+
+def test_expected_gain_counts_tokens_and_seconds():
+    seconds = step_seconds_table(CostTable.linear(10.0, 2.0, 0.0), 3)
+    gain = expected_gain(np.array([1.0, 1.0, 0.0]), seconds, token_s=0.01)
+    # a draft kept for sure: +1 token for 2 ms, i.e. +1 - 0.2; the third is never kept: -0.2
+    np.testing.assert_allclose(gain, [1 - 1.0, 2 - 1.2, 3 - 1.4, 3 - 1.6])
+    assert gamma_by_cost(np.array([1.0, 1.0, 0.0]), seconds, 0.01) == 2
+    assert gamma_by_cost(np.array([1.0, 1.0, 0.0]), seconds, 0.01, max_gamma=1) == 1
+
+
+def _write_collection(out, target, drafter, prompts, split_of):
+    """An oracle collection on disk from the mimic pair's rows (the collector's file layout; its own tests
+    cover the collector, this one the study)."""
+    from ldlp.labels.store import META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, rows_features, sequences_features, \
+        write_arrow
+
+    d = target.hidden_size
+    for seq_id, p in enumerate(prompts):
+        response, lab = greedy_oracle(target, drafter, p, BUDGET, k_max=K_MAX)
+        split, n = split_of(seq_id), len(lab["label"])
+        part = out / split / f"w0.{seq_id:05d}"
+        part.parent.mkdir(parents=True, exist_ok=True)
+        rows = {"seq_id": [seq_id] * n, "conversation_id": [f"c{seq_id}"] * n, "split": [split] * n,
+                **{k: lab[k].float().numpy() if lab[k].is_floating_point() else lab[k].numpy()
+                   for k in ("index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy",
+                             "target_prob", "target_stats", "feature")}}
+        write_arrow(part.with_name(part.name + ROWS_SUFFIX), rows, rows_features(K_MAX, d, "float32", "float32"))
+        seqs = {"seq_id": [seq_id], "conversation_id": [f"c{seq_id}"], "split": [split],
+                "input_ids": [list(p) + response], "prompt_len": [len(p)], "positions": [n], "eos": [False]}
+        write_arrow(part.with_name(part.name + SEQS_SUFFIX), seqs, sequences_features())
+        part.with_name(part.name + META_SUFFIX).write_text(json.dumps({"rows": n}))
+    (out / "manifest.json").write_text(json.dumps({"k_max": K_MAX, "max_new_tokens": BUDGET,
+                                                   "counts": {"positions": -1}}))
+
+
+def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+    from test_oracle import REPO
+
+    import eagle_backbone.paths  # noqa: F401
+    from ldlp.bench.predictors import run_predictor_study
+
+    target, drafter, _, _ = setup
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 60, size=rng.integers(1, 6)).tolist() for _ in range(16)]
+    oracle = tmp_path / "oracle"
+    _write_collection(oracle, target, drafter, prompts, lambda i: "validation" if i % 4 == 0 else "train")
+    pair = SimpleNamespace(target=target, candidates=None)
+
+    def cfg(*extra):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            return compose("study_predictors", overrides=[
+                f"oracle_dir={oracle}", f"out_dir={tmp_path / 'study'}", "costs.linear.step_ms=10",
+                "costs.linear.draft_ms=1.5", "K=6", "max_gamma=6", "behaviours=[1,3]", "learning_curve.sizes=[40]",
+                "models=[constant,logistic,gbt]", "progress=false", *extra])
+
+    page = run_predictor_study(cfg(), pair)
+    record = json.loads((tmp_path / "study" / "study.json").read_text())
+    runs = record["runs"]
+    assert {r["section"] for r in runs.values()} == {"models", "learning_curve", "ablation", "rules"}
+    assert runs["models/constant"]["auc_mean"] == 0.5 and "decision_us" in runs["models/gbt"]
+    assert runs["models/logistic"]["auc_mean"] > 0.5  # the features tell the mimic pair's long and short drafts apart
+    assert runs["learning_curve/40"]["train_examples"] < runs["ablation/all"]["train_examples"]
+    for r in runs.values():
+        assert 0 <= r["mae"] and 0 < r["vs_best_static"] and r["tau"] >= 1
+    assert "## Feature ablation" in page and (tmp_path / "study" / "learning_curve.png").is_file()
+    assert (tmp_path / "study" / "README.md").read_text() == page
+    assert run_predictor_study(cfg(), pair) == page  # everything done: the same page, from study.json
+    with pytest.raises(ValueError, match="other settings .*behaviours"):
+        run_predictor_study(cfg("behaviours=[2]"), pair)
