@@ -15,8 +15,8 @@ from eagle_backbone.cost import CostTable
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.sampling import confidence
 from ldlp.bench.replay import OracleRows, replay
-from ldlp.models.features import history
-from ldlp.policies.learned import GROUPS, CostRulePolicy, StepFeatures, expected_gain, gamma_by_cost, \
+from ldlp.models.features import GROUPS, StepFeatures, history
+from ldlp.policies.learned import CostRulePolicy, expected_gain, gamma_by_cost, \
     step_seconds_table
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9]]

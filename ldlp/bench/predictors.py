@@ -24,7 +24,8 @@ import numpy as np
 
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.bench.stats import headroom_captured
-from ldlp.policies.learned import CostRulePolicy, StepFeatures, step_seconds_table
+from ldlp.models.features import StepFeatures
+from ldlp.policies.learned import CostRulePolicy, step_seconds_table
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +321,7 @@ def run_predictor_study(cfg, pair=None) -> str:
     from ldlp.bench.replay import costs_record
     from ldlp.labels.store import read_manifest
     from ldlp.pipeline.processes import out_dir_lock
-    from ldlp.policies.learned import GROUPS
+    from ldlp.models.features import GROUPS
     from ldlp.report.predictors import study_page
 
     bad = [g for g in cfg.groups if g not in GROUPS]

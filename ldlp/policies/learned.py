@@ -1,17 +1,7 @@
 """A draft length chosen by expected gain against cost, from a predictor of how many drafts the target keeps.
 
-:class:`StepFeatures` is what such a predictor reads before a step, by group, computed by one object in replay
-and in the engine (through :class:`~eagle_backbone.policy.PerSlot`, so both call the same methods on the same
-values; ``tests/test_predictor_features.py``):
-
-* ``history``     the sequence's recent accepted lengths, their EMA, whether the last step kept every draft,
-                  log(1 + steps) (:func:`ldlp.models.features.history`);
-* ``target``      the target's confidence at the last verified position (top-1, margin, entropy:
-                  :attr:`~eagle_backbone.policy.Rows.target_stats`, free from the verify logits);
-* ``draft_prev``  the drafter's top-1 probability at depths 1..3 of the previous step (-1 where it did not
-                  draft that deep);
-* ``position``    log(1 + tokens generated so far);
-* ``ef``          AdaEAGLE's ``[e; f]``: the target embedding of the last token and the feature behind it.
+Its predictor reads :class:`~ldlp.models.features.StepFeatures` (the feature groups, computed by one object in
+replay and in the engine).
 
 :func:`gamma_by_cost` is the decision rule, no tuned threshold: with ``S_m`` the predicted chance that the
 first m drafts are all kept, drafting k tokens emits ``1 + S_1 + ... + S_k`` tokens on average and costs the
@@ -24,69 +14,12 @@ S_{m+1} × token_s exceeds its marginal cost" (tests check both against brute fo
 from __future__ import annotations
 
 import copy
-import math
 
 import numpy as np
 import torch
 
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy
-from ldlp.models.features import HISTORY_NAMES, history
-
-DRAFT_PREV_DEPTHS = 3
-GROUP_NAMES = {
-    "history": HISTORY_NAMES,
-    "target": ("target_top1", "target_margin", "target_entropy"),
-    "draft_prev": tuple(f"prev_draft_top1_{m}" for m in range(1, DRAFT_PREV_DEPTHS + 1)),
-    "position": ("log_position",),
-}
-GROUPS = (*GROUP_NAMES, "ef")
-
-
-class StepFeatures:
-    """One sequence's feature vector before each step (``groups``: which, in this order); call :meth:`begin` per
-    sequence, :meth:`before` at each step, :meth:`saw` per drafted depth and :meth:`observe` after the step."""
-
-    def __init__(self, groups=GROUPS):
-        unknown = [g for g in groups if g not in GROUPS]
-        if unknown:
-            raise ValueError(f"unknown feature groups {unknown}; known: {list(GROUPS)}")
-        self.groups = tuple(groups)
-        self.begin()
-
-    def begin(self) -> None:
-        self._prev = [-1.0] * DRAFT_PREV_DEPTHS
-        self._now = [-1.0] * DRAFT_PREV_DEPTHS
-
-    def before(self, ctx: DraftContext) -> np.ndarray:
-        parts = []
-        for g in self.groups:
-            if g == "history":
-                parts.append(history(ctx.accepted_history, ctx.drafted_history))
-            elif g == "target":
-                parts.append(ctx.target_stats.tolist())
-            elif g == "draft_prev":
-                parts.append(list(self._prev))
-            elif g == "position":
-                parts.append([math.log1p(ctx.position)])
-            else:  # ef
-                parts.append(torch.cat([ctx.embedding.float(), ctx.feature.float()]).tolist())
-        return np.asarray([v for p in parts for v in p], dtype=np.float32)
-
-    def saw(self, depth: int, probs: torch.Tensor) -> None:
-        """The drafter's distribution at ``depth`` (1-based) of this step."""
-        if depth <= DRAFT_PREV_DEPTHS:
-            self._now[depth - 1] = float(probs.max())
-
-    def observe(self) -> None:
-        self._prev, self._now = self._now, [-1.0] * DRAFT_PREV_DEPTHS
-
-    @staticmethod
-    def names(groups, d: int | None = None) -> list[str]:
-        out = []
-        for g in groups:
-            out += list(GROUP_NAMES[g]) if g != "ef" else [f"e{j}" for j in range(d or 0)] + [f"f{j}" for j in range(d or 0)]
-        return out
-
+from ldlp.models.features import GROUPS, StepFeatures
 
 def expected_gain(survival: np.ndarray, seconds: np.ndarray, token_s: float) -> np.ndarray:
     """Per γ = 0..K: expected emitted tokens minus expected step seconds / ``token_s``.
