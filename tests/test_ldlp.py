@@ -42,7 +42,7 @@ def write_oracle(out_dir: Path, n_conversations: int, rows_per_conv: int, d: int
 
     rng = np.random.default_rng(seed)
     rows = {c: [] for c in ("seq_id", "conversation_id", "split", "index", "last_token", "label", "remaining",
-                            "draft_top1_prob", "draft_entropy", "target_prob", "feature")}
+                            "draft_top1_prob", "draft_entropy", "target_prob", "target_stats", "feature")}
     seqs = {c: [] for c in ("seq_id", "conversation_id", "split", "input_ids", "prompt_len", "positions", "eos")}
     for s in range(n_conversations):
         prompt_len = 3
@@ -63,6 +63,7 @@ def write_oracle(out_dir: Path, n_conversations: int, rows_per_conv: int, d: int
             rows["remaining"].append(len(ids) - 1 - i)
             for c in ("draft_top1_prob", "draft_entropy", "target_prob"):
                 rows[c].append(rng.random(K_MAX).tolist())
+            rows["target_stats"].append(rng.random(3).tolist())
             rows["feature"].append(feats[i - 1].tolist())
         for c, v in zip(("seq_id", "conversation_id", "split", "input_ids", "prompt_len"),
                         (s, f"conv-{s}", split, ids, prompt_len)):

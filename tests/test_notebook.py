@@ -45,6 +45,7 @@ def write_oracle(out_dir: Path, n_rows: int = 60) -> None:
                 "index": list(range(3, 3 + n_rows)), "last_token": rng.integers(3, VOCAB, n_rows).tolist(),
                 "label": rng.integers(0, K_MAX + 1, n_rows).tolist(), "remaining": list(range(n_rows, 0, -1)),
                 "draft_top1_prob": stats, "draft_entropy": stats, "target_prob": stats,
+                "target_stats": rng.random((n_rows, 3)).astype(np.float32),
                 "feature": rng.normal(size=(n_rows, D)).astype(np.float32)}
         write_arrow(Path(str(part) + ROWS_SUFFIX), rows, rows_features(K_MAX, D, "float32", "float32"))
         seqs = {"seq_id": [s], "conversation_id": [f"c{s}"], "split": [split],

@@ -123,31 +123,6 @@ def test_expected_gain_counts_tokens_and_seconds():
     assert gamma_by_cost(np.array([1.0, 1.0, 0.0]), seconds, 0.01, max_gamma=1) == 1
 
 
-def _write_collection(out, target, drafter, prompts, split_of):
-    """An oracle collection on disk from the mimic pair's rows (the collector's file layout; its own tests
-    cover the collector, this one the study)."""
-    from ldlp.labels.store import META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, rows_features, sequences_features, \
-        write_arrow
-
-    d = target.hidden_size
-    for seq_id, p in enumerate(prompts):
-        response, lab = greedy_oracle(target, drafter, p, BUDGET, k_max=K_MAX)
-        split, n = split_of(seq_id), len(lab["label"])
-        part = out / split / f"w0.{seq_id:05d}"
-        part.parent.mkdir(parents=True, exist_ok=True)
-        rows = {"seq_id": [seq_id] * n, "conversation_id": [f"c{seq_id}"] * n, "split": [split] * n,
-                **{k: lab[k].float().numpy() if lab[k].is_floating_point() else lab[k].numpy()
-                   for k in ("index", "last_token", "label", "remaining", "draft_top1_prob", "draft_entropy",
-                             "target_prob", "target_stats", "feature")}}
-        write_arrow(part.with_name(part.name + ROWS_SUFFIX), rows, rows_features(K_MAX, d, "float32", "float32"))
-        seqs = {"seq_id": [seq_id], "conversation_id": [f"c{seq_id}"], "split": [split],
-                "input_ids": [list(p) + response], "prompt_len": [len(p)], "positions": [n], "eos": [False]}
-        write_arrow(part.with_name(part.name + SEQS_SUFFIX), seqs, sequences_features())
-        part.with_name(part.name + META_SUFFIX).write_text(json.dumps({"rows": n}))
-    (out / "manifest.json").write_text(json.dumps({"k_max": K_MAX, "max_new_tokens": BUDGET,
-                                                   "counts": {"positions": -1}}))
-
-
 def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
     from types import SimpleNamespace
 
@@ -157,11 +132,11 @@ def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
     import eagle_backbone.paths  # noqa: F401
     from ldlp.bench.predictors import run_predictor_study
 
+    from test_acceptance import prompts, write_collection
+
     target, drafter, _, _ = setup
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(4, 60, size=rng.integers(1, 6)).tolist() for _ in range(16)]
-    oracle = tmp_path / "oracle"
-    _write_collection(oracle, target, drafter, prompts, lambda i: "validation" if i % 4 == 0 else "train")
+    oracle = write_collection(tmp_path / "oracle", target, drafter, prompts(12, seed=1), prompts(4, seed=2),
+                              store_states=False)
     pair = SimpleNamespace(target=target, candidates=None)
 
     def cfg(*extra):
@@ -169,14 +144,14 @@ def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
             return compose("study_predictors", overrides=[
                 f"oracle_dir={oracle}", f"out_dir={tmp_path / 'study'}", "costs.linear.step_ms=10",
                 "costs.linear.draft_ms=1.5", "K=6", "max_gamma=6", "behaviours=[1,3]", "learning_curve.sizes=[40]",
-                "models=[constant,logistic,gbt]", "progress=false", *extra])
+                "models=[constant,logistic,gbt,ldlp]", "progress=false", *extra])
 
     page = run_predictor_study(cfg(), pair)
     record = json.loads((tmp_path / "study" / "study.json").read_text())
     runs = record["runs"]
     assert {r["section"] for r in runs.values()} == {"models", "learning_curve", "ablation", "rules"}
     assert runs["models/constant"]["auc_mean"] == 0.5 and "decision_us" in runs["models/gbt"]
-    assert runs["models/logistic"]["auc_mean"] > 0.5  # the features tell the mimic pair's long and short drafts apart
+    assert runs["models/ldlp"]["auc_mean"] > 0.5 and runs["models/logistic"]["auc_mean"] > 0.5  # the features tell the mimic pair's long and short drafts apart
     assert runs["learning_curve/40"]["train_examples"] < runs["ablation/all"]["train_examples"]
     for r in runs.values():
         assert 0 <= r["mae"] and 0 < r["vs_best_static"] and r["tau"] >= 1

@@ -80,10 +80,12 @@ def column_slices(groups, d: int) -> dict[str, slice]:
 class SurvivalModel:
     """A classifier over the clipped label 0..K whose class probabilities give S_m = P(label >= m)."""
 
-    KINDS = ("constant", "logistic", "gbt", "mlp")
+    KINDS = ("constant", "logistic", "gbt", "mlp", "ldlp")  # ldlp: AdaEAGLE's network, distribution head (Lightning)
 
-    def __init__(self, kind: str, K: int, seed: int = 0, ef: slice | None = None, ef_components: int = 32):
+    def __init__(self, kind: str, K: int, seed: int = 0, ef: slice | None = None, ef_components: int = 32,
+                 groups=None):
         self.kind, self.K, self.seed, self.ef, self.ef_components = kind, K, seed, ef, ef_components
+        self.groups = groups  # the feature groups of x (the LDLP records them in its config)
 
     def _pipeline(self):
         from sklearn.decomposition import PCA
@@ -112,17 +114,30 @@ class SurvivalModel:
                                                                  random_state=self.seed))
         raise ValueError(f"unknown model kind {self.kind!r}")
 
-    def fit(self, x: np.ndarray, label: np.ndarray) -> "SurvivalModel":
+    def fit(self, x: np.ndarray, label: np.ndarray, seq: np.ndarray | None = None) -> "SurvivalModel":
         y = np.minimum(label, self.K)
+        if self.kind == "ldlp":
+            from ldlp.training.step_predictor import fit_step_ldlp
+
+            self.pipe = None
+            self.ldlp = fit_step_ldlp(x, label, seq if seq is not None else np.arange(len(x)), self.groups, self.K,
+                                      self.seed)
+            return self
         if self.kind == "constant" or len(np.unique(y)) < 2:  # one outcome only: nothing to tell apart
             self.pipe = None
             counts = np.bincount(y, minlength=self.K + 1).astype(float)
             self._const = counts / counts.sum()
             return self
-        self.pipe = self._pipeline().fit(x, y)
+        pipe = self._pipeline()
+        counts = np.bincount(y)
+        if self.kind == "gbt" and (counts[counts > 0] < 2).any():  # its stratified early-stopping split needs 2 a class
+            pipe[-1].set_params(early_stopping=False, max_iter=50)
+        self.pipe = pipe.fit(x, y)
         return self
 
     def survival(self, x: np.ndarray) -> np.ndarray:
+        if self.kind == "ldlp":
+            return self.ldlp.survival_of(x)
         if self.pipe is None:
             p = np.broadcast_to(self._const, (len(x), self.K + 1))
         else:
@@ -259,7 +274,7 @@ class Study:
         cols, ef = self.columns(groups)
         tr = self.tr if idx is None else self.tr.take(idx)
         t0 = time.perf_counter()
-        model = SurvivalModel(kind, self.K, self.seed, ef=ef).fit(tr.x[:, cols], tr.label)
+        model = SurvivalModel(kind, self.K, self.seed, ef=ef, groups=groups).fit(tr.x[:, cols], tr.label, tr.seq)
         fit_s = time.perf_counter() - t0
         sc = scores(model.survival(self.va.x[:, cols]), self.va.label)
         token_s = token_seconds(self.calibration, _Cols(model, cols), self.groups, self.costs, self.embed, self.vocab,

@@ -24,11 +24,13 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from eagle_backbone.io import atomic_path, atomic_write_json
+from ldlp.models.features import GROUP_NAMES, GROUPS
 
 HEADS = ("regression", "classification", "distribution")
 CONFIG_FILE = "config.json"
@@ -87,7 +89,7 @@ def _versions(tensors) -> tuple:
 
 @dataclass
 class LDLPConfig:
-    input_dim: int  # 2 * d: embedding and feature of the target, concatenated
+    input_dim: int  # the width of the inputs: 2 * d for [e; f], plus the other groups' widths
     hidden_dim: int = 256
     k_max: int = 8  # the longest draft the labels know about (oracle k_max)
     head: str = "regression"
@@ -95,12 +97,19 @@ class LDLPConfig:
     dropout: float = 0.0
     threshold: float = 0.5  # distribution head: γ = max{k : P(L >= k) >= threshold}
     meta: dict = field(default_factory=dict)  # provenance (target, oracle dir, metrics): not used by the model
+    # what it reads, in order: groups of ldlp.models.features.StepFeatures. AdaEAGLE's LDLP reads ["ef"] alone;
+    # with more groups it reads StepFeatures vectors (survival_of, and the learned policy)
+    inputs: list = field(default_factory=lambda: ["ef"])
 
     def __post_init__(self):
         if self.head not in HEADS:
             raise ValueError(f"LDLPConfig.head must be one of {HEADS}, got {self.head!r}")
-        if self.input_dim <= 0 or self.input_dim % 2:
-            raise ValueError(f"LDLPConfig.input_dim must be 2 * d (embedding + feature), got {self.input_dim}")
+        unknown = [g for g in self.inputs if g not in GROUPS]
+        if unknown or "ef" not in self.inputs:
+            raise ValueError(f"LDLPConfig.inputs must name groups of {list(GROUPS)} and include 'ef', got {self.inputs}")
+        if self.input_dim <= self.extra_dim or (self.input_dim - self.extra_dim) % 2:
+            raise ValueError(f"LDLPConfig.input_dim must be 2 * d (embedding + feature) + {self.extra_dim} (the "
+                             f"groups {self.inputs}), got {self.input_dim}")
         if self.k_max < 1:
             raise ValueError(f"LDLPConfig.k_max must be >= 1, got {self.k_max}")
         if self.num_layers < 2:
@@ -109,8 +118,13 @@ class LDLPConfig:
             raise ValueError(f"LDLPConfig.threshold must be in (0, 1), got {self.threshold}")
 
     @property
+    def extra_dim(self) -> int:
+        """The width of the groups other than ``ef``."""
+        return sum(len(GROUP_NAMES[g]) for g in self.inputs if g != "ef")
+
+    @property
     def feature_dim(self) -> int:
-        return self.input_dim // 2
+        return (self.input_dim - self.extra_dim) // 2
 
     @property
     def output_dim(self) -> int:
@@ -202,6 +216,9 @@ class LDLP(nn.Module):
     # -- decoding-time API ---------------------------------------------------------------------------
 
     def _inputs(self, embedding: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        if self.config.inputs != ["ef"]:
+            raise ValueError(f"this LDLP reads {self.config.inputs}, not [e; f] alone: ask it with survival_of("
+                             "StepFeatures vectors) (policy=learned)")
         d = self.config.feature_dim
         if embedding.shape[-1] != d or feature.shape[-1] != d:
             raise ValueError(f"LDLP expects embedding and feature of size {d} (input_dim "
@@ -226,18 +243,22 @@ class LDLP(nn.Module):
         self._decoding = (_versions(state), state, weights)
         return weights
 
-    def _predict_one(self, embedding: torch.Tensor, feature: torch.Tensor) -> int:
-        d = self.config.feature_dim
-        if embedding.shape[0] != d or feature.shape[0] != d:
-            self._inputs(embedding, feature)  # raises the size error
-        w1, b1, blocks, w_out, b_out, log_threshold = self._decoding_weights()
-        x = torch.cat((embedding, feature))
+    def _output_one(self, x: torch.Tensor) -> torch.Tensor:
+        """The network on one input vector, by the folded weights (no autograd, a few matrix-vector products)."""
+        w1, b1, blocks, w_out, b_out, _ = self._decoding_weights()
         if x.dtype != w1.dtype or x.device != w1.device:
             x = x.to(device=w1.device, dtype=w1.dtype)
         h = F.silu(torch.addmv(b1, w1, x))
         for w, b in blocks:
             h = h + F.silu(torch.addmv(b, w, h))
-        out = torch.addmv(b_out, w_out, h)
+        return torch.addmv(b_out, w_out, h)
+
+    def _predict_one(self, embedding: torch.Tensor, feature: torch.Tensor) -> int:
+        d = self.config.feature_dim
+        if embedding.shape[0] != d or feature.shape[0] != d or self.config.inputs != ["ef"]:
+            self._inputs(embedding, feature)  # raises the size error
+        log_threshold = self._decoding_weights()[-1]
+        out = self._output_one(torch.cat((embedding, feature)))
         head = self.config.head
         if head == "regression":
             return min(max(round(out.item()), 0), self.config.k_max)
@@ -265,6 +286,18 @@ class LDLP(nn.Module):
         x = self._inputs(embedding, feature)
         s = self.survival_from_output(self(x if x.dim() > 1 else x[None]))
         return s if x.dim() > 1 else s[0]
+
+    def survival_of(self, x) -> np.ndarray:
+        """(n, k_max) P(accepted length >= k), k = 1..k_max, from (n, input_dim) StepFeatures vectors of the
+        groups ``config.inputs`` (numpy or torch). One row takes the folded-weight path."""
+        x = torch.as_tensor(np.asarray(x, dtype=np.float32))
+        if x.shape[-1] != self.config.input_dim:
+            raise ValueError(f"LDLP reads {self.config.input_dim} inputs ({self.config.inputs}), got {x.shape[-1]}")
+        if len(x) == 1 and not self.training:
+            return self.survival_from_output(self._output_one(x[0])[None]).numpy()
+        with torch.inference_mode():
+            w = self.input.weight
+            return self.survival_from_output(self(x.to(device=w.device, dtype=w.dtype))).float().cpu().numpy()
 
     # -- checkpoints ---------------------------------------------------------------------------------
 

@@ -254,6 +254,8 @@ class LDLPModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["embedding"])
         self.ldlp = LDLP(LDLPConfig.from_dict(config))
+        if embedding is None:  # a subclass whose inputs are whole vectors (StepLDLPModule)
+            return
         if embedding.shape[1] != self.ldlp.config.feature_dim:
             raise ValueError(f"the target's embeddings have size {embedding.shape[1]} but the LDLP expects "
                              f"{self.ldlp.config.feature_dim} (ldlp.input_dim = {self.ldlp.config.input_dim})")
@@ -270,13 +272,14 @@ class LDLPModule(L.LightningModule):
             self.init_from_data(*dm.train.tensors)
 
     @torch.no_grad()
-    def init_from_data(self, tokens: torch.Tensor, feats: torch.Tensor, labels: torch.Tensor,
-                       max_rows: int = 200_000) -> None:
+    def init_from_data(self, *tensors: torch.Tensor, max_rows: int = 200_000) -> None:
         """Standardise inputs with the training rows' mean and std, and start the output layer at the best
         constant predictor (the λ/(1+λ) quantile, the label frequencies, or the empirical continuation
         probabilities), so that short runs on few rows do not spend their steps finding the label scale."""
-        idx = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))[:max_rows]
-        x = self.inputs(tokens[idx].to(self.embedding.device), feats[idx].to(self.embedding.device))
+        *xs, labels = tensors  # the batch layout: the inputs of self.inputs, then the labels
+        idx = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))[:max_rows]
+        device = self.ldlp.input.weight.device
+        x = self.inputs(*(t[idx].to(device) for t in xs))
         self.ldlp.set_normalization(x.mean(0), x.std(0) if len(idx) > 1 else torch.ones_like(x[0]))
         c, y = self.ldlp.config, labels.float()
         bias = self.ldlp.output.bias
@@ -293,8 +296,8 @@ class LDLPModule(L.LightningModule):
             bias.copy_(torch.logit((reached + 0.5) / (at_risk + 1.0)))
 
     def _step(self, batch):
-        tokens, feats, labels = batch
-        out = self.ldlp(self.inputs(tokens, feats))
+        *xs, labels = batch
+        out = self.ldlp(self.inputs(*xs))
         return out, labels, ldlp_loss(self.ldlp, out, labels, self.hparams.under_weight)
 
     def training_step(self, batch, _):

@@ -1,0 +1,71 @@
+"""The LDLP on every feature: AdaEAGLE's network (:class:`~ldlp.models.predictor.LDLP`, distribution head) trained
+with Lightning on :class:`~ldlp.models.features.StepFeatures` vectors recorded by replay (the predictor study,
+``ldlp/bench/predictors.py``, and the shipped predictor, ``scripts/train_step_ldlp.py``).
+
+The data are whole arrays in memory (a few hundred thousand steps of a few hundred values); the validation rows
+are whole sequences held out of the training ones, for early stopping on the held-out likelihood.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ldlp.models.predictor import LDLP, LDLPConfig
+from ldlp.training.predictor import LDLPModule
+
+
+class StepLDLPModule(LDLPModule):
+    """:class:`LDLPModule` whose batches are (feature vectors, labels)."""
+
+    def __init__(self, config: dict, lr: float = 1e-3, weight_decay: float = 0.01, warmup_ratio: float = 0.05,
+                 min_lr_ratio: float = 0.0):
+        super().__init__(config, None, 0.0, lr, weight_decay, warmup_ratio, min_lr_ratio)
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+    def setup(self, stage=None):  # fit_step_ldlp standardises from its training rows before fitting
+        pass
+
+
+def fit_step_ldlp(x: np.ndarray, label: np.ndarray, seq: np.ndarray, inputs, k_max: int, seed: int = 0,
+                  hidden_dim: int = 256, num_layers: int = 3, max_epochs: int = 30, batch_size: int = 512,
+                  lr: float = 1e-3, val_fraction: float = 0.1, patience: int = 3, meta: dict | None = None) -> LDLP:
+    """Train an LDLP (distribution head over lengths 0..k_max) on ``x`` (n, F) StepFeatures vectors of the groups
+    ``inputs``; ``seq`` the sequence of each row (a seeded ``val_fraction`` of sequences validates). Returns the
+    model of the best validation loss, in eval mode."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    L.seed_everything(seed, workers=True, verbose=False)
+    seqs = np.unique(seq)
+    held = np.random.default_rng(seed).permutation(seqs)[: max(1, int(round(val_fraction * len(seqs))))]
+    is_val = np.isin(seq, held)
+    if is_val.all() or not is_val.any():
+        is_val = np.arange(len(seq)) % 10 == 0  # too few sequences to hold whole ones out
+    y = torch.as_tensor(np.minimum(label, k_max), dtype=torch.long)
+    xt = torch.as_tensor(np.asarray(x, dtype=np.float32))
+    tr, va = ~torch.as_tensor(is_val), torch.as_tensor(is_val)
+    config = {"input_dim": int(xt.shape[1]), "hidden_dim": hidden_dim, "k_max": k_max, "head": "distribution",
+              "num_layers": num_layers, "inputs": list(inputs), "meta": dict(meta or {})}
+    module = StepLDLPModule(config, lr=lr)
+    module.init_from_data(xt[tr], y[tr])
+    g = torch.Generator().manual_seed(seed)
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xt[tr], y[tr]), batch_size=batch_size,
+                                        shuffle=True, generator=g)
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xt[va], y[va]), batch_size=4096)
+    best = ModelCheckpoint(monitor="val/loss", mode="min", save_top_k=1, enable_version_counter=False)
+    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, deterministic=True, default_root_dir=_scratch(),
+                        callbacks=[EarlyStopping("val/loss", patience=patience), best])
+    trainer.fit(module, train, val)
+    state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+    module.load_state_dict(state)
+    return module.ldlp.eval()
+
+
+def _scratch() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="step_ldlp_")
