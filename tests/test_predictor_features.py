@@ -16,7 +16,7 @@ from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.sampling import confidence
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.models.features import GROUPS, StepFeatures, history
-from ldlp.policies.learned import CostRulePolicy, expected_gain, gamma_by_cost, \
+from ldlp.policies.learned import LearnedPolicy, expected_gain, gamma_by_cost, \
     step_seconds_table
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9]]
@@ -52,11 +52,11 @@ def test_the_engine_and_replay_record_the_same_features(setup, gamma):
     the engine's distributions and the stored statistics, the history from the two walks)."""
     target, drafter, _, rows = setup
     in_engine, in_replay = [], []
-    engine_policy = CostRulePolicy(None, np.zeros((K_MAX + 1, K_MAX + 1)), 1.0, GROUPS, record=in_engine, fixed=gamma)
+    engine_policy = LearnedPolicy(max_gamma=K_MAX, groups=GROUPS, record=in_engine, fixed=gamma)
     decoder = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), engine_policy)
     for p in PROMPTS:
         decoder.generate(p, BUDGET)
-    replay_policy = CostRulePolicy(None, np.zeros((K_MAX + 1, K_MAX + 1)), 1.0, GROUPS, record=in_replay, fixed=gamma)
+    replay_policy = LearnedPolicy(max_gamma=K_MAX, groups=GROUPS, record=in_replay, fixed=gamma)
     replay(rows, replay_policy, CostTable.linear(10.0, 1.0), embed=target.embed, vocab_size=target.vocab_size)
     assert len(in_engine) == len(in_replay) >= 2 * len(PROMPTS)
     a, b = np.stack(in_engine), np.stack(in_replay)

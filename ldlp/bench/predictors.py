@@ -10,7 +10,7 @@ A model estimates the survival curve S_m = P(label >= m), m = 1..K. It is scored
 
 * MAE: its median length (the largest m with S_m >= 0.5) against the label;
 * AUC of S_m for the event label >= m, at m = 1 and averaged over m = 1..K (where both outcomes occur);
-* modelled speed: :class:`~ldlp.policies.learned.CostRulePolicy` (the model and :func:`gamma_by_cost`) replayed
+* modelled speed: :class:`~ldlp.policies.learned.LearnedPolicy` (the model and :func:`gamma_by_cost`) replayed
   on the validation sequences and priced by the cost table, as a ratio to the best static γ and as the share of
   the oracle's headroom it captures.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.bench.stats import headroom_captured
 from ldlp.models.features import StepFeatures
-from ldlp.policies.learned import CostRulePolicy, step_seconds_table
+from ldlp.policies.learned import LearnedPolicy, step_seconds_table
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def record_examples(rows: OracleRows, behaviours, groups, costs, embed=None, voc
     seconds = step_seconds_table(costs, rows.k_max)
     for g in behaviours:
         rec, at = [], []
-        policy = CostRulePolicy(None, seconds, 1.0, groups, record=rec, fixed=int(g))
+        policy = LearnedPolicy(max_gamma=rows.k_max, groups=groups, seconds=seconds, record=rec, fixed=int(g))
         replay(rows, policy, costs, embed, vocab_size, on_step=lambda r, k, a: at.append(r))
         at = np.asarray(at)
         xs.append(np.stack(rec))
@@ -181,22 +181,24 @@ def static_and_oracle(rows: OracleRows, costs, gammas, oracle_cap: int) -> dict:
 
 
 def token_seconds(rows: OracleRows, model, groups, costs, embed, vocab_size: int, start: float, iterations: int = 2,
-                  max_gamma: int | None = None) -> float:
+                  max_gamma: int = 8) -> float:
     """The fixed point of "seconds a token is worth" = the policy's own seconds per emitted token (Dinkelbach's
     iteration for the best ratio of tokens to seconds), from ``start``, on ``rows``."""
     seconds, token_s = step_seconds_table(costs, rows.k_max), start
     for _ in range(iterations):
-        r = replay(rows, CostRulePolicy(model, seconds, token_s, groups, max_gamma), costs, embed, vocab_size)
+        r = replay(rows, LearnedPolicy(max_gamma=max_gamma, predictor=model, groups=groups, seconds=seconds,
+                                       token_s=token_s), costs, embed, vocab_size)
         token_s = r.seconds / r.new_tokens
     return token_s
 
 
 def modelled(rows: OracleRows, model, groups, costs, token_s: float, embed, vocab_size: int, reference: dict,
-             max_gamma: int | None = None, rule: str = "cost") -> dict:
+             max_gamma: int = 8, rule: str = "cost") -> dict:
     """Replay the cost rule (or ``rule``) with ``model`` on ``rows``: tokens/s, τ, the ratio to the best static γ
     and the headroom captured (``reference``: :func:`static_and_oracle` of the same rows)."""
-    r = replay(rows, CostRulePolicy(model, step_seconds_table(costs, rows.k_max), token_s, groups, max_gamma,
-                                    rule=rule), costs, embed, vocab_size)
+    r = replay(rows, LearnedPolicy(max_gamma=max_gamma, rule=rule, predictor=model, groups=groups,
+                                   seconds=step_seconds_table(costs, rows.k_max), token_s=token_s),
+               costs, embed, vocab_size)
     best = max(v for k, v in reference.items() if k.startswith("static"))
     return {"tokens_per_s": r.tokens_per_s, "tau": r.tau, "drafted": r.drafted, "wasted": r.wasted,
             "vs_best_static": r.tokens_per_s / best,
@@ -234,7 +236,7 @@ class Study:
     by section and name) and saved after each by ``save``, so a killed study resumes where it stopped."""
 
     def __init__(self, train: OracleRows, val: OracleRows, costs, embed, vocab_size: int, groups, behaviours,
-                 K: int, seed: int, d: int, done: dict, save, max_gamma: int | None = None, calibration_rows=None):
+                 K: int, seed: int, d: int, done: dict, save, max_gamma: int = 8, calibration_rows=None):
         self.train_rows, self.val_rows, self.costs, self.embed, self.vocab = train, val, costs, embed, vocab_size
         self.groups, self.K, self.seed, self.d, self.max_gamma = tuple(groups), K, seed, d, max_gamma
         self.done, self.save = done, save

@@ -84,10 +84,10 @@ class StepFeatures:
                 parts.append(torch.cat([ctx.embedding.float(), ctx.feature.float()]).tolist())
         return np.asarray([v for p in parts for v in p], dtype=np.float32)
 
-    def saw(self, depth: int, probs: torch.Tensor) -> None:
-        """The drafter's distribution at ``depth`` (1-based) of this step."""
+    def saw_top1(self, depth: int, top1: float) -> None:
+        """The drafter's top-1 probability at ``depth`` (1-based) of this step."""
         if depth <= DRAFT_PREV_DEPTHS:
-            self._now[depth - 1] = float(probs.max())
+            self._now[depth - 1] = float(top1)
 
     def observe(self) -> None:
         self._prev, self._now = self._now, [-1.0] * DRAFT_PREV_DEPTHS

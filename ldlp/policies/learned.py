@@ -13,13 +13,14 @@ S_{m+1} × token_s exceeds its marginal cost" (tests check both against brute fo
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import torch
 
-from eagle_backbone.policy import DraftContext, DraftLengthPolicy
-from ldlp.models.features import GROUPS, StepFeatures
+from pathlib import Path
+
+from eagle_backbone.policy import GO, Depth, DraftContext, DraftPolicy, Rows, int_at_least
+from ldlp.models.features import DRAFT_PREV_DEPTHS, GROUPS, StepFeatures
 
 def expected_gain(survival: np.ndarray, seconds: np.ndarray, token_s: float) -> np.ndarray:
     """Per γ = 0..K: expected emitted tokens minus expected step seconds / ``token_s``.
@@ -57,51 +58,140 @@ def step_seconds_table(costs, k_max: int) -> np.ndarray:
     return t
 
 
-class CostRulePolicy(DraftLengthPolicy):
-    """γ by :func:`gamma_by_cost` (``rule="cost"``) or the predicted median length (``rule="median"``) from a
-    predictor's survival curve over :class:`StepFeatures`.
+class LearnedPolicy(DraftPolicy):
+    """γ by :func:`gamma_by_cost` (``rule="cost"``) or the predicted median length (``rule="median"``, AdaEAGLE's
+    use of a predicted length) from a predictor's survival curve over :class:`~ldlp.models.features.StepFeatures`.
 
-    ``model`` has ``survival(x: (n, F)) -> (n, K)``; ``seconds`` is :func:`step_seconds_table`; ``token_s`` the
-    seconds a token is worth. ``record`` (a list), when given, receives each step's feature vector (the study's
-    training rows are recorded this way, so training and deployment compute features alike)."""
+    Deployed (``path``: an LDLP folder whose ``inputs`` name its feature groups, ``policy=learned``) it prices steps
+    by the engine's step-cost model (:class:`~ldlp.policies.pricing.StepPricing`, as the load-aware policies) and
+    learns the seconds a token is worth online: the EMA of its own modelled step seconds over its emitted tokens
+    (Dinkelbach's fixed point, reached while decoding), started at ``token_ratio`` × a plain step. In the study
+    (``model``: any object with ``survival(x)``) the step seconds and ``token_s`` are given. ``record`` (a list)
+    receives every feature vector; ``fixed`` makes it a static-γ behaviour policy that only records.
 
-    name = "cost_rule"
+    One instance serves every slot of a batched engine (a :class:`StepFeatures` per slot); replay drives the same
+    object through :class:`~eagle_backbone.policy.OneRow`. The drafter's top-1 probabilities ride in the step's
+    one host read (:meth:`reads`)."""
 
+    name = "learned"
+    reads_drafts = True
     RULES = ("cost", "median")
+    EMA = 0.05  # weight of a step in the online seconds-per-token estimate
 
-    def __init__(self, model, seconds: np.ndarray, token_s: float, groups=GROUPS, max_gamma: int | None = None,
-                 record: list | None = None, fixed: int | None = None, rule: str = "cost"):
+    def __init__(self, path: str | None = None, max_gamma: int = 8, rule: str = "cost", token_ratio: float | None = None,
+                 cost_dir: str | None = None, model: str | None = None, cost_table: str | None = None,
+                 profile_if_missing: bool = True, online_costs: bool = True, *, predictor=None, groups=None,
+                 seconds=None, token_s: float | None = None, record: list | None = None, fixed: int | None = None):
+        from ldlp.policies.pricing import StepPricing
+
         if rule not in self.RULES:
-            raise ValueError(f"cost_rule policy: rule must be one of {list(self.RULES)}, got {rule!r}")
-        self.rule = rule  # median: AdaEAGLE's use of a predicted length (the baseline of the cost rule)
-        self.model, self.seconds, self.token_s = model, np.asarray(seconds), float(token_s)
-        self.features = StepFeatures(groups)
-        self.max_gamma = max_gamma
-        self.record, self.fixed = record, fixed  # fixed: a behaviour policy's static γ (recording only)
+            raise ValueError(f"learned policy: rule must be one of {list(self.RULES)}, got {rule!r}")
+        self.rule, self.max_gamma = rule, int_at_least(self.name, "max_gamma", max_gamma, 0)
+        self.record, self.fixed = record, fixed
+        if path is not None:
+            if not (Path(path) / "config.json").is_file():
+                raise ValueError(f"learned policy: path={path} has no config.json; build the predictor first "
+                                 "(python scripts/train_step_ldlp.py)")
+            predictor = _load_ldlp(str(path))
+            groups = predictor.config.inputs
+            meta = predictor.config.meta or {}
+            token_ratio = meta.get("token_ratio") if token_ratio is None else token_ratio
+            self.needs_costs = True
+            self.pricing = StepPricing(self.name, cost_dir, model, cost_table, profile_if_missing, online_costs)
+        elif predictor is None and fixed is None:
+            raise ValueError("learned policy: give path (a predictor folder) or a predictor")
+        self.path, self.predictor = path, predictor
+        self.groups = tuple(groups or GROUPS)
+        self._seconds = None if seconds is None else np.asarray(seconds)
+        self.token_s = token_s  # fixed (the study); None: learned online
+        self.token_ratio = float(token_ratio) if token_ratio is not None else 0.4
+        self._ema = None  # (seconds, tokens) of the online estimate
+        self.state: dict[int, StepFeatures] = {}
+        self._depths: list[tuple[int, list[int], torch.Tensor]] = []  # this step's (depth, rows, top-1 on the device)
 
-    def __deepcopy__(self, memo):  # PerSlot copies a policy per slot: share the model, copy the sequence's state
-        new = copy.copy(self)
-        new.features = StepFeatures(self.features.groups)
-        return new
+    # ---- prices ----
+    def check_pair(self, target, candidates) -> None:
+        if self.predictor is not None and hasattr(self.predictor, "config"):
+            d = self.predictor.config.feature_dim
+            if getattr(target, "hidden_size", d) != d:
+                raise ValueError(f"learned policy: {self.path} reads features of size {d} but this target's have "
+                                 f"size {target.hidden_size}: it was built for another target")
 
-    def begin(self, prompt_ids) -> None:
-        self.features.begin()
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        if self.pricing is not None:
+            self.pricing.bind(engine)
 
-    def gamma(self, ctx: DraftContext) -> int:
-        x = self.features.before(ctx)
+    def seconds(self) -> np.ndarray:
+        if self._seconds is not None:
+            return self._seconds
+        memo = self.pricing.memo("learned_seconds")
+        if "table" not in memo:
+            memo["table"] = step_seconds_table(self.pricing.costs, self.max_gamma)
+        return memo["table"]
+
+    def token_seconds(self) -> float:
+        if self.token_s is not None:
+            return self.token_s
+        if self._ema is None:
+            return self.token_ratio * float(self.seconds()[0, 0])
+        return self._ema[0] / self._ema[1]
+
+    # ---- the protocol ----
+    def begin(self, slot: int, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
+        self.state[slot] = StepFeatures(self.groups)
+
+    def _context(self, rows: Rows, i: int) -> DraftContext:
+        return DraftContext(step=len(rows.accepted[i]) if rows.accepted else 0, last_token=0, feature=rows.features[i],
+                            accepted_history=rows.accepted[i] if rows.accepted else [],
+                            drafted_history=rows.drafted[i] if rows.drafted else [], position=rows.positions[i],
+                            _embed=rows.embed, _target_stats=lambda: rows.target_stats[i],
+                            _embedding=rows.embeddings[i] if "ef" in self.groups else None)
+
+    def plan(self, rows: Rows) -> list[int]:
+        self._depths = []
+        x = np.stack([self.state[b].before(self._context(rows, i)) for i, b in enumerate(rows.slots)])
         if self.record is not None:
-            self.record.append(x)
-        cap = ctx.max_gamma if self.max_gamma is None else min(ctx.max_gamma, self.max_gamma)
+            self.record.extend(x)
+        caps = [min(c, self.max_gamma) for c in rows.caps]
         if self.fixed is not None:
-            return min(self.fixed, cap)
-        S = self.model.survival(x[None])[0]
+            return [min(self.fixed, c) for c in caps]
+        S = self.predictor.survival_of(x) if hasattr(self.predictor, "survival_of") else self.predictor.survival(x)
         if self.rule == "median":
-            return min(int((S >= 0.5).sum()), cap)
-        return gamma_by_cost(S, self.seconds, self.token_s, cap)
+            return [min(int((s >= 0.5).sum()), c) for s, c in zip(S, caps)]
+        seconds, token_s = self.seconds(), self.token_seconds()
+        return [gamma_by_cost(s[: seconds.shape[0] - 1], seconds, token_s, c) for s, c in zip(S, caps)]
 
-    def keep_drafting(self, ctx: DraftContext, i: int, token: int, probs: torch.Tensor) -> bool:
-        self.features.saw(i, probs)
-        return True
+    def stop(self, d: Depth) -> torch.Tensor:
+        if d.depth <= DRAFT_PREV_DEPTHS:
+            self._depths.append((d.depth, list(d.rows), d.probs.max(-1).values))
+        return torch.full_like(d.tokens, GO)
 
-    def observe(self, ctx: DraftContext, drafted: int, accepted: int) -> None:
-        self.features.observe()
+    def reads(self) -> dict[str, torch.Tensor]:
+        return {f"top1_{depth}": top1 for depth, _, top1 in self._depths}
+
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
+        seen = {}
+        for depth, at, _ in self._depths:
+            for row, p in zip(at, (extra or {})[f"top1_{depth}"]):
+                seen[(row, depth)] = float(p)
+        online = self.token_s is None and self.fixed is None  # a fixed token worth, or a recorder: nothing to learn
+        seconds = self.seconds() if online else None
+        for i, b in enumerate(rows.slots):
+            st = self.state[b]
+            for depth in range(1, DRAFT_PREV_DEPTHS + 1):
+                if (i, depth) in seen:
+                    st.saw_top1(depth, seen[(i, depth)])
+            st.observe()
+            if seconds is not None:  # the seconds a token is worth: this policy's own, as it decodes
+                s, n = float(seconds[drafted[i], accepted[i]]), accepted[i] + 1
+                if self._ema is None:
+                    self._ema = (self.token_seconds() * n, float(n))
+                self._ema = ((1 - self.EMA) * self._ema[0] + self.EMA * s, (1 - self.EMA) * self._ema[1] + self.EMA * n)
+        self._depths = []
+
+
+def _load_ldlp(path: str):
+    from ldlp.policies.threshold import _load_ldlp as load
+
+    return load(path)
