@@ -610,15 +610,19 @@ class BatchedSpeculativeEngine:
             if "gamma_first" in host:
                 s.gamma_next = host["gamma_first"][i]
 
-    def _rows(self, run: list[int], st: list[Slot], caps, last_tokens: torch.Tensor, features: torch.Tensor) -> Rows:
-        return Rows(run, caps, [len(s.new) for s in st], last_tokens, features,
+    def _rows(self, run: list[int], st: list[Slot], caps, last_tokens: torch.Tensor, features: torch.Tensor,
+              pending: int = 0) -> Rows:
+        return Rows(run, caps, [len(s.new) + pending for s in st], last_tokens, features,
                     [s.stats.accept_lengths for s in st], [s.stats.draft_lengths for s in st], self.target.embed,
                     [s.new[-1] for s in st] if caps is not None else None, self.target.lm_head)
 
-    def _plan_ahead(self, run: list[int], st: list[Slot], last_tokens, features) -> torch.Tensor | None:
+    def _plan_ahead(self, run: list[int], st: list[Slot], last_tokens, features, accepted=None,
+                    drafted=None) -> torch.Tensor | None:
         """A ``plans_ahead`` policy's γ for the next step, from the new last tokens and features: a device
-        tensor rides in the step's one read; a host list is stored at once (None returned)."""
-        view = self._rows(run, st, None, last_tokens, features)
+        tensor rides in the step's one read; a host list is stored at once (None returned). ``accepted`` and
+        ``drafted``: the step just verified, not yet read (None after a prefill, whose first token is pending)."""
+        view = self._rows(run, st, None, last_tokens, features, pending=1 if accepted is None else 0)
+        view.step_accepted, view.step_drafted = accepted, drafted
         g = self.own.call(self.policy.plan, view)
         if isinstance(g, torch.Tensor):
             return g
@@ -933,7 +937,9 @@ class BatchedSpeculativeEngine:
         for name, t in self.policy.reads().items():
             reads["policy:" + name] = t
         if self.policy.plans_ahead and self.kind is not None:
-            ahead = self._plan_ahead(plan.run, plan.slots, acc.next_token, self.last_feat[plan.rows])
+            drafted = drafts.lengths if drafts.lengths is not None else to_device(drafts.drafted, self.device)
+            ahead = self._plan_ahead(plan.run, plan.slots, acc.next_token, self.last_feat[plan.rows], acc.accepted,
+                                     drafted)
             if ahead is not None:
                 reads["gamma_next"] = ahead
         return reads

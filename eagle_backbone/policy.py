@@ -77,6 +77,10 @@ class Rows:
     last_ids: list[int] | None = None  # the last tokens on the host, where the engine has them without a read
     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # the target's: features -> logits
     given_target_stats: torch.Tensor | None = None  # (R, 3) where known without the LM head (replay: the stored)
+    # planning ahead (after verification, before the step's read): the step just verified, on the device; its
+    # emitted tokens are not yet in ``positions``, ``accepted`` or ``drafted`` (None: every step is there)
+    step_accepted: torch.Tensor | None = None  # (R,)
+    step_drafted: torch.Tensor | None = None  # (R,)
 
     def __len__(self) -> int:
         return len(self.slots)

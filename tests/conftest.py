@@ -44,6 +44,18 @@ def make_drafter(target: TargetModel, seed=1, dtype=torch.float64) -> EagleDraft
     return d.to(dtype).eval()
 
 
+def step_ldlp(d: int, out: Path, k_max: int = 8, seed: int = 0) -> str:
+    """A tiny untrained LDLP on every StepFeatures group (policy=learned reads one), saved to ``out``."""
+    from ldlp.models.features import GROUPS, feature_names
+    from ldlp.models.predictor import LDLP, LDLPConfig
+
+    torch.manual_seed(seed)
+    width = len(feature_names(GROUPS, d))
+    config = LDLPConfig(input_dim=width, hidden_dim=8, k_max=k_max, head="distribution", inputs=list(GROUPS),
+                        meta={"token_ratio": 0.4})
+    return str(LDLP(config).save_pretrained(out))
+
+
 def save_tiny_pair(root: Path, vocab: int, layers: int = 2, head_scale: float | None = 8.0) -> LlamaForCausalLM:
     """A tiny float32 Llama target (seed 0; its LM head scaled by ``head_scale`` so greedy paths are not
     near-ties) and its EAGLE drafter sharing the target's embedding, saved to ``root/{target,drafter}`` as

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, step_ldlp
 from hydra.utils import instantiate
 from test_batched import ar, prompts_of
 
@@ -59,6 +59,7 @@ def artifacts(t32, tmp_path_factory):
     torch.manual_seed(0)
     ldlp = LDLP(LDLPConfig(input_dim=2 * d, hidden_dim=8, k_max=6)).save_pretrained(root / "ldlp")
     survival = LDLP(LDLPConfig(input_dim=2 * d, hidden_dim=8, k_max=6, head="distribution")).save_pretrained(root / "surv")
+    learned = step_ldlp(d, root / "learned", k_max=6)
     acc = AcceptanceHead(AcceptanceHeadConfig(hidden_size=d, k_max=6)).save_pretrained(root / "acc")
     DraftAcceptanceHead(DraftAcceptanceHeadConfig(hidden_size=d, temperature=0.0, k_max=6)).save_pretrained(root / "da" / "t0.0")
     key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
@@ -66,7 +67,7 @@ def artifacts(t32, tmp_path_factory):
     table = CostTable(key, slots, tokens, [[5.0 + 0.02 * R * (t - 1) for t in tokens] for R in slots],
                       [0.05] * len(slots), [[0.05] * len(tokens) for _ in slots], [0.0] * len(slots))
     table.save(root / "cost.json")
-    return [f"ldlp_path={ldlp}", f"ldlp_survival_path={survival}", f"acceptance_path={acc}",
+    return [f"ldlp_path={ldlp}", f"ldlp_survival_path={survival}", f"acceptance_path={acc}", f"learned_path={learned}",
             f"paths.draft_acceptance={root / 'da'}", f"paths.cost={root / 'cost'}", "model.name=tiny"], root / "cost.json"
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from conftest import step_ldlp
 from hydra.utils import instantiate
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
@@ -191,6 +192,7 @@ def test_policy_yaml_files_instantiate(ldlp_dir, tmp_path):
     from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
 
     acceptance_dir = AcceptanceHead(AcceptanceHeadConfig(hidden_size=D, k_max=8)).save_pretrained(tmp_path / "acc")
+    learned_dir = step_ldlp(D, tmp_path / "learned", k_max=8)
     names = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))
     assert {"static", "ldlp", "ddd", "ldlp_ddd", "confidence", "entropy", "acceptance", "heuristic",
             "oracle"} <= set(names)
@@ -199,6 +201,7 @@ def test_policy_yaml_files_instantiate(ldlp_dir, tmp_path):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         for name in names:
             overrides = [f"policy={name}", f"ldlp_path={ldlp_dir}", f"ldlp_survival_path={survival_dir}",
+                         f"learned_path={learned_dir}",
                          f"acceptance_path={acceptance_dir}", f"paths.draft_acceptance={tmp_path}",
                          f"paths.cost={tmp_path / 'cost'}"]
             cfg = compose(config_name="evaluate", overrides=overrides)

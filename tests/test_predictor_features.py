@@ -15,7 +15,7 @@ from eagle_backbone.cost import CostTable
 from eagle_backbone.engine import SpeculativeDecoder
 from eagle_backbone.sampling import confidence
 from ldlp.bench.replay import OracleRows, replay
-from ldlp.models.features import GROUPS, StepFeatures, history
+from ldlp.models.features import GROUPS, feature_names, history_features
 from ldlp.policies.learned import LearnedPolicy, expected_gain, gamma_by_cost, \
     step_seconds_table
 
@@ -56,22 +56,27 @@ def test_the_engine_and_replay_record_the_same_features(setup, gamma):
     decoder = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), engine_policy)
     for p in PROMPTS:
         decoder.generate(p, BUDGET)
+        in_engine.pop()  # the engine plans ahead after its last step too, for a step that never comes
     replay_policy = LearnedPolicy(max_gamma=K_MAX, groups=GROUPS, record=in_replay, fixed=gamma)
     replay(rows, replay_policy, CostTable.linear(10.0, 1.0), embed=target.embed, vocab_size=target.vocab_size)
     assert len(in_engine) == len(in_replay) >= 2 * len(PROMPTS)
     a, b = np.stack(in_engine), np.stack(in_replay)
-    names = StepFeatures.names(GROUPS, target.hidden_size)
+    names = feature_names(GROUPS, target.hidden_size)
     for j in np.flatnonzero(~np.isclose(a, b, rtol=1e-5, atol=1e-6).all(0)):
         pytest.fail(f"feature {names[j]} differs: engine {a[:, j][:8]} replay {b[:, j][:8]}")
     prev = [names.index(f"prev_draft_top1_{m}") for m in (1, 2, 3)]
     assert (a[:, prev] > 0).sum(0).tolist() == [(a[:, prev[0]] > 0).sum()] * min(gamma, 3) + [0] * (3 - min(gamma, 3))
 
 
-def test_history_features():
-    assert history([], []) == [-1.0, -1.0, -1.0, -1.0, 0.0, 0.0]
-    h = history([2, 4], [4, 4])
-    assert h[:3] == [4.0, 2.0, -1.0] and h[4] == 1.0  # most recent first; the last step kept all it drafted
-    assert h[3] == pytest.approx(0.7 * 2 + 0.3 * 4)
+def test_history_features_from_the_host_lists_and_from_a_step_not_yet_read():
+    h = history_features([[], [2, 4], [3, 1, 5]], [[], [4, 4], [3, 3, 6]])
+    assert h[0].tolist() == [-1.0, -1.0, -1.0, -1.0, 0.0, 0.0]
+    assert h[1, :3].tolist() == [4.0, 2.0, -1.0] and h[1, 4] == 1.0  # most recent first; the last kept all it drafted
+    assert float(h[1, 3]) == pytest.approx(0.7 * 2 + 0.3 * 4) and float(h[1, 5]) == pytest.approx(np.log(3))
+    assert h[2, 4] == 0.0  # drafted 6, kept 5
+    # the same last step, still on the device (planning ahead): the same bits
+    ahead = history_features([[2], [3, 1]], [[4], [3, 3]], torch.tensor([4, 5]), torch.tensor([4, 6]))
+    assert torch.equal(ahead, h[1:])
 
 
 def _synthetic():

@@ -119,7 +119,7 @@ def load_prompts(data_cfg, tokenizer) -> PromptSet:
 
 
 # the checkpoint folders that conf/policy/*.yaml interpolate (${ldlp_path}, ...)
-CHECKPOINT_KEYS = ("ldlp_path", "ldlp_survival_path", "acceptance_path")
+CHECKPOINT_KEYS = ("ldlp_path", "ldlp_survival_path", "acceptance_path", "learned_path")
 
 
 def policy_config(cfg, overrides: list[str]) -> tuple[str, DictConfig]:

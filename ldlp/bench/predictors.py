@@ -2,8 +2,8 @@
 drafts the target keeps, how that grows with labels, and what it is worth once a decision rule turns it into γ.
 
 Examples are *recorded by replay*: a behaviour policy (a static γ) walks every oracle sequence as the engine
-would (:func:`ldlp.bench.replay.replay`), and :class:`~ldlp.policies.learned.StepFeatures`, the object the
-deployed policy uses, records the features at every step it visits; the label of a step is the oracle label of
+would (:func:`ldlp.bench.replay.replay`), and :func:`~ldlp.models.features.step_features`, as the deployed
+policy computes them, records the features at every step it visits; the label of a step is the oracle label of
 its row (the agreement length of the drafter's chain there). Several behaviour γ give several histories.
 
 A model estimates the survival curve S_m = P(label >= m), m = 1..K. It is scored on the validation split by
@@ -24,7 +24,7 @@ import numpy as np
 
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.bench.stats import headroom_captured
-from ldlp.models.features import StepFeatures
+from ldlp.models.features import feature_names
 from ldlp.policies.learned import LearnedPolicy, step_seconds_table
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Examples:
-    x: np.ndarray  # (n, F) features in StepFeatures order
+    x: np.ndarray  # (n, F) features in step_features order
     label: np.ndarray  # (n,) the oracle label of the step's row
     seq: np.ndarray  # (n,) sequence id (for subsets by sequence)
     behaviour: np.ndarray  # (n,) the static γ that walked there
@@ -68,7 +68,7 @@ def column_slices(groups, d: int) -> dict[str, slice]:
     """Where each group's columns sit in a feature vector of ``groups``."""
     out, at = {}, 0
     for g in groups:
-        width = len(StepFeatures.names([g], d))
+        width = len(feature_names([g], d))
         out[g] = slice(at, at + width)
         at += width
     return out
@@ -145,7 +145,7 @@ class SurvivalModel:
             p = np.zeros((len(x), self.K + 1))
             p[:, self.pipe.classes_] = proba
         # S_m = P(y >= m), m = 1..K
-        return p[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
+        return np.ascontiguousarray(p[:, ::-1].cumsum(1)[:, ::-1][:, 1:])
 
 
 # ---- scores --------------------------------------------------------------------------------------------

@@ -1,24 +1,23 @@
-"""What the draft-length predictors read before a step, by group, each defined once: the oracle collector stores
-the values it needs, replay hands the stored values to the policies, and the policies compute them in the engine
-from the same tensors with the same functions. :class:`StepFeatures` is one sequence's feature state, the same
-object in replay and in the engine (through :class:`~eagle_backbone.policy.PerSlot`; ``tests/
-test_predictor_features.py`` checks that both record the same vectors):
+"""What the draft-length predictors read before a step, by group, each defined once and computed for a batch of
+rows on the device (no host read: a policy that plans ahead sends its γ in the step's one read). The oracle
+collector stores the values it needs, replay hands the stored values to the policies, and the engine's policies
+compute them from the same tensors with the same functions (``tests/test_predictor_features.py`` checks that the
+engine and replay record the same vectors):
 
 * ``history``     the sequence's recent accepted lengths, their EMA, whether the last step kept every draft,
-                  log(1 + steps) (:func:`history`, from the host lists the engine keeps anyway);
+                  log(1 + steps) (:func:`history_features`);
 * ``target``      the target's confidence at the last verified position (:func:`confidence`: top-1, top-1 minus
                   top-2, entropy; :attr:`~eagle_backbone.policy.Rows.target_stats`, free from the verify logits);
 * ``draft_prev``  the drafter's top-1 probability at depths 1..3 of the previous step (-1 where it did not
                   draft that deep);
 * ``position``    log(1 + tokens generated so far);
 * ``ef``          AdaEAGLE's ``[e; f]``: the target embedding of the last token and the feature behind it.
+
+:func:`step_features` assembles them in a given group order from :class:`~eagle_backbone.policy.Rows`.
 """
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 
 from eagle_backbone.sampling import confidence  # noqa: F401  (re-exported: the collector's and policies' one definition)
@@ -27,20 +26,6 @@ CONFIDENCE_NAMES = ("top1", "margin", "entropy")
 HISTORY_STEPS = 3  # the last accepted lengths a feature vector holds
 EMA_DECAY = 0.7  # weight of the past in the accepted-length EMA (a step's weight halves in about 2 steps)
 HISTORY_NAMES = tuple(f"accepted_{j}" for j in range(1, HISTORY_STEPS + 1)) + ("accepted_ema", "last_full", "steps")
-
-
-def history(accepted: list[int], drafted: list[int]) -> list[float]:
-    """The recent-acceptance features of one sequence before a step, from its past steps' accepted and
-    drafted counts (oldest first): the last ``HISTORY_STEPS`` accepted lengths (most recent first, -1 where
-    the sequence has fewer steps), their EMA (-1 before the first step), whether the last step kept every
-    draft (its accepted length is then censored by γ: the truth may be longer) and log(1 + steps)."""
-    last = [float(a) for a in accepted[::-1][:HISTORY_STEPS]]
-    last += [-1.0] * (HISTORY_STEPS - len(last))
-    ema = -1.0
-    for a in accepted:
-        ema = float(a) if ema < 0 else EMA_DECAY * ema + (1 - EMA_DECAY) * a
-    full = float(bool(drafted) and drafted[-1] > 0 and accepted[-1] == drafted[-1])
-    return last + [ema, full, math.log1p(len(accepted))]
 
 
 DRAFT_PREV_DEPTHS = 3
@@ -53,48 +38,71 @@ GROUP_NAMES = {
 GROUPS = (*GROUP_NAMES, "ef")
 
 
-class StepFeatures:
-    """One sequence's feature vector before each step (``groups``: which, in this order); call :meth:`begin` per
-    sequence, :meth:`before` at each step, :meth:`saw` per drafted depth and :meth:`observe` after the step."""
+def history_features(accepted: list[list[int]], drafted: list[list[int]], step_accepted=None, step_drafted=None,
+                     device=None) -> torch.Tensor:
+    """(R, 6) float32: per row, the last ``HISTORY_STEPS`` accepted lengths (most recent first, -1 where the
+    sequence has fewer steps), their EMA (-1 before the first step), whether the last step kept every draft (its
+    length is then censored by γ: the truth may be longer) and log(1 + steps).
 
-    def __init__(self, groups=GROUPS):
-        unknown = [g for g in groups if g not in GROUPS]
-        if unknown:
-            raise ValueError(f"unknown feature groups {unknown}; known: {list(GROUPS)}")
-        self.groups = tuple(groups)
-        self.begin()
+    ``accepted``/``drafted``: each row's past steps on the host (oldest first); ``step_accepted``/``step_drafted``:
+    a step verified but not yet read (device (R,), planning ahead) that comes after them. Either way the last step
+    enters through the same device arithmetic, so both give the same bits."""
+    R = len(accepted)
+    if step_accepted is None:  # the last step is the lists' last entry
+        has = [len(a) > 0 for a in accepted]
+        a_t = torch.tensor([a[-1] if a else 0 for a in accepted], dtype=torch.float32, device=device)
+        d_t = torch.tensor([d[-1] if d else 0 for d in drafted], dtype=torch.float32, device=device)
+        past = [a[:-1] for a in accepted]
+        has_t = torch.tensor(has, device=device)
+    else:
+        a_t, d_t = step_accepted.float(), step_drafted.float()
+        device, past, has_t = a_t.device, accepted, torch.ones(R, dtype=torch.bool, device=a_t.device)
+    ema_p = []
+    for p in past:
+        e = -1.0
+        for a in p:
+            e = float(a) if e < 0 else EMA_DECAY * e + (1 - EMA_DECAY) * a
+        ema_p.append(e)
+    host = torch.tensor([[p[-1] if p else -1, p[-2] if len(p) > 1 else -1, e, len(p)]
+                         for p, e in zip(past, ema_p)], dtype=torch.float32, device=device).reshape(R, 4)
+    none = torch.full_like(a_t, -1.0)
+    last = torch.where(has_t, a_t, none)
+    ema = torch.where(has_t, torch.where(host[:, 2] < 0, a_t, EMA_DECAY * host[:, 2] + (1 - EMA_DECAY) * a_t), none)
+    full = (has_t & (a_t == d_t) & (d_t > 0)).float()
+    steps = torch.log1p(host[:, 3] + has_t.float())
+    return torch.stack([last, host[:, 0], host[:, 1], ema, full, steps], dim=-1)
 
-    def begin(self) -> None:
-        self._prev = [-1.0] * DRAFT_PREV_DEPTHS
-        self._now = [-1.0] * DRAFT_PREV_DEPTHS
 
-    def before(self, ctx) -> np.ndarray:
-        """The feature vector before this step (``ctx``: its :class:`~eagle_backbone.policy.DraftContext`)."""
-        parts = []
-        for g in self.groups:
-            if g == "history":
-                parts.append(history(ctx.accepted_history, ctx.drafted_history))
-            elif g == "target":
-                parts.append(ctx.target_stats.tolist())
-            elif g == "draft_prev":
-                parts.append(list(self._prev))
-            elif g == "position":
-                parts.append([math.log1p(ctx.position)])
-            else:  # ef
-                parts.append(torch.cat([ctx.embedding.float(), ctx.feature.float()]).tolist())
-        return np.asarray([v for p in parts for v in p], dtype=np.float32)
+def step_features(rows, groups, draft_prev: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, F) float32 on the rows' device: the groups' features of each row before its next step, in ``groups``
+    order (``draft_prev``: (R, DRAFT_PREV_DEPTHS) from the policy, -1 where nothing was drafted)."""
+    device = rows.features.device
+    R = len(rows)
+    parts = []
+    for g in groups:
+        if g == "history":
+            parts.append(history_features(rows.accepted or [[] for _ in range(R)], rows.drafted or [[] for _ in range(R)],
+                                          rows.step_accepted, rows.step_drafted, device))
+        elif g == "target":
+            parts.append(rows.target_stats.float())
+        elif g == "draft_prev":
+            parts.append(draft_prev if draft_prev is not None
+                         else torch.full((R, DRAFT_PREV_DEPTHS), -1.0, device=device))
+        elif g == "position":
+            pos = torch.tensor(rows.positions, dtype=torch.float32, device=device)
+            if rows.step_accepted is not None:  # the step's emitted tokens, not yet on the host
+                pos = pos + rows.step_accepted.float() + 1
+            parts.append(torch.log1p(pos)[:, None])
+        elif g == "ef":
+            parts.append(torch.cat([rows.embeddings.float(), rows.features.float()], dim=-1))
+        else:
+            raise ValueError(f"unknown feature group {g!r}; known: {list(GROUPS)}")
+    return torch.cat(parts, dim=-1)
 
-    def saw_top1(self, depth: int, top1: float) -> None:
-        """The drafter's top-1 probability at ``depth`` (1-based) of this step."""
-        if depth <= DRAFT_PREV_DEPTHS:
-            self._now[depth - 1] = float(top1)
 
-    def observe(self) -> None:
-        self._prev, self._now = self._now, [-1.0] * DRAFT_PREV_DEPTHS
-
-    @staticmethod
-    def names(groups, d: int | None = None) -> list[str]:
-        out = []
-        for g in groups:
-            out += list(GROUP_NAMES[g]) if g != "ef" else [f"e{j}" for j in range(d or 0)] + [f"f{j}" for j in range(d or 0)]
-        return out
+def feature_names(groups, d: int | None = None) -> list[str]:
+    """The column names of :func:`step_features` for ``groups`` (``d``: the target's hidden size, for ``ef``)."""
+    out = []
+    for g in groups:
+        out += list(GROUP_NAMES[g]) if g != "ef" else [f"e{j}" for j in range(d or 0)] + [f"f{j}" for j in range(d or 0)]
+    return out

@@ -97,8 +97,8 @@ class LDLPConfig:
     dropout: float = 0.0
     threshold: float = 0.5  # distribution head: γ = max{k : P(L >= k) >= threshold}
     meta: dict = field(default_factory=dict)  # provenance (target, oracle dir, metrics): not used by the model
-    # what it reads, in order: groups of ldlp.models.features.StepFeatures. AdaEAGLE's LDLP reads ["ef"] alone;
-    # with more groups it reads StepFeatures vectors (survival_of, and the learned policy)
+    # what it reads, in order: groups of ldlp.models.features.step_features. AdaEAGLE's LDLP reads ["ef"] alone;
+    # with more groups it reads step_features vectors (survival_tensor; policy=learned)
     inputs: list = field(default_factory=lambda: ["ef"])
 
     def __post_init__(self):
@@ -218,7 +218,7 @@ class LDLP(nn.Module):
     def _inputs(self, embedding: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
         if self.config.inputs != ["ef"]:
             raise ValueError(f"this LDLP reads {self.config.inputs}, not [e; f] alone: ask it with survival_of("
-                             "StepFeatures vectors) (policy=learned)")
+                             "step_features vectors) (policy=learned)")
         d = self.config.feature_dim
         if embedding.shape[-1] != d or feature.shape[-1] != d:
             raise ValueError(f"LDLP expects embedding and feature of size {d} (input_dim "
@@ -287,17 +287,21 @@ class LDLP(nn.Module):
         s = self.survival_from_output(self(x if x.dim() > 1 else x[None]))
         return s if x.dim() > 1 else s[0]
 
-    def survival_of(self, x) -> np.ndarray:
-        """(n, k_max) P(accepted length >= k), k = 1..k_max, from (n, input_dim) StepFeatures vectors of the
-        groups ``config.inputs`` (numpy or torch). One row takes the folded-weight path."""
-        x = torch.as_tensor(np.asarray(x, dtype=np.float32))
+    @torch.inference_mode()
+    def survival_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, k_max) P(accepted length >= k), k = 1..k_max, on the model's device, from (n, input_dim) feature
+        vectors of the groups ``config.inputs`` (:func:`ldlp.models.features.step_features`). One row in eval mode
+        takes the folded-weight path."""
         if x.shape[-1] != self.config.input_dim:
             raise ValueError(f"LDLP reads {self.config.input_dim} inputs ({self.config.inputs}), got {x.shape[-1]}")
         if len(x) == 1 and not self.training:
-            return self.survival_from_output(self._output_one(x[0])[None]).numpy()
-        with torch.inference_mode():
-            w = self.input.weight
-            return self.survival_from_output(self(x.to(device=w.device, dtype=w.dtype))).float().cpu().numpy()
+            return self.survival_from_output(self._output_one(x[0])[None])
+        w = self.input.weight
+        return self.survival_from_output(self(x.to(device=w.device, dtype=w.dtype)))
+
+    def survival_of(self, x) -> np.ndarray:
+        """:meth:`survival_tensor` of numpy rows, as numpy (the study's models share this call)."""
+        return self.survival_tensor(torch.as_tensor(np.asarray(x, dtype=np.float32))).float().cpu().numpy()
 
     # -- checkpoints ---------------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ def list_arg(values) -> str:
 def checkpoint_args(cfg) -> list[str]:
     """The checkpoint folders the policies read, as overrides for every script that builds policies."""
     p = cfg.paths
-    return [f"ldlp_path={p.ldlp}", f"acceptance_path={p.acceptance}", f"ldlp_survival_path={p.ldlp_survival}"]
+    return [f"ldlp_path={p.ldlp}", f"acceptance_path={p.acceptance}", f"ldlp_survival_path={p.ldlp_survival}",
+            f"learned_path={p.predictor}"]
 
 
 def thread_args(cfg) -> list[str]:

@@ -1,49 +1,56 @@
 """A draft length chosen by expected gain against cost, from a predictor of how many drafts the target keeps.
 
-Its predictor reads :class:`~ldlp.models.features.StepFeatures` (the feature groups, computed by one object in
-replay and in the engine).
+The predictor reads :func:`~ldlp.models.features.step_features` (the feature groups, computed on the device for
+all rows at once, the same function in replay and in the engine).
 
-:func:`gamma_by_cost` is the decision rule, no tuned threshold: with ``S_m`` the predicted chance that the
-first m drafts are all kept, drafting k tokens emits ``1 + S_1 + ... + S_k`` tokens on average and costs the
-step's expected seconds; it picks the k that maximises tokens minus seconds divided by the seconds a token is
-worth (``token_s``: the policy's own seconds per emitted token, a fixed point the study finds by iterating). For
-survival curves that fall with m and costs linear in k this is the per-token rule "draft token m+1 only while
-S_{m+1} × token_s exceeds its marginal cost" (tests check both against brute force).
+:func:`gamma_by_cost` is the decision rule, no tuned threshold: with ``S_m`` the predicted chance that the first m
+drafts are all kept, drafting k tokens emits ``1 + S_1 + ... + S_k`` tokens on average and costs the step's
+expected seconds; it picks the k that maximises tokens minus seconds divided by the seconds a token is worth
+(``token_s``: the policy's own seconds per emitted token, Dinkelbach's fixed point for the best ratio of tokens to
+seconds). For survival curves that fall with m and costs linear in k this is the per-token rule "draft token m
+only while S_m × (token_s − the seconds an accepted token adds) exceeds the seconds a drafted token costs"
+(``tests/test_predictor_features.py`` checks both against brute force).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from pathlib import Path
-
-from eagle_backbone.policy import GO, Depth, DraftContext, DraftPolicy, Rows, int_at_least
-from ldlp.models.features import DRAFT_PREV_DEPTHS, GROUPS, StepFeatures
-
-def expected_gain(survival: np.ndarray, seconds: np.ndarray, token_s: float) -> np.ndarray:
-    """Per γ = 0..K: expected emitted tokens minus expected step seconds / ``token_s``.
-
-    ``survival`` (K,): S_m = P(the first m drafts are all kept); ``seconds`` (K+1, K+1): ``seconds[k, a]`` a
-    step drafting k tokens of which a are kept (a <= k)."""
-    K = len(survival)
-    S = np.concatenate([[1.0], np.clip(survival, 0.0, 1.0), [0.0]])
-    S = np.minimum.accumulate(S)  # a survival curve cannot rise
-    out = np.empty(K + 1)
-    for k in range(K + 1):
-        p_a = S[: k + 1] - np.concatenate([S[1: k + 1], [0.0]])  # P(A = a) for a < k, and P(A = k) = S_k
-        tokens = 1.0 + S[1: k + 1].sum()
-        out[k] = tokens - float(p_a @ seconds[k, : k + 1]) / token_s
-    return out
+from eagle_backbone.policy import GO, Depth, DraftPolicy, Rows, int_at_least
+from eagle_backbone.runtime import to_device
+from ldlp.models.features import DRAFT_PREV_DEPTHS, GROUPS, step_features
 
 
-def gamma_by_cost(survival: np.ndarray, seconds: np.ndarray, token_s: float, max_gamma: int | None = None) -> int:
-    """The draft length with the largest :func:`expected_gain` (the shortest among equals), at most ``max_gamma``."""
+def expected_gain(survival, seconds, token_s: float) -> torch.Tensor:
+    """(R, K+1) float64 (or (K+1,) for one row): per γ = 0..K, expected emitted tokens minus expected step seconds
+    over ``token_s``. ``survival`` (R, K): S_m = P(the first m drafts are all kept); ``seconds`` (≥ K+1, ≥ K+1):
+    ``seconds[k, a]`` a step drafting k tokens of which a are kept (a ≤ k)."""
+    S = torch.as_tensor(survival, dtype=torch.float64)
+    one = S.dim() == 1
+    S = S[None] if one else S
+    R, K = S.shape
+    M = torch.as_tensor(seconds, dtype=torch.float64, device=S.device)[: K + 1, : K + 1]
+    S = torch.cummin(S.clamp(0.0, 1.0), dim=1).values  # a survival curve cannot rise
+    S0 = torch.cat([torch.ones(R, 1, dtype=S.dtype, device=S.device), S,
+                    torch.zeros(R, 1, dtype=S.dtype, device=S.device)], dim=1)  # S_0 .. S_{K+1}
+    stop_at = S0[:, : K + 1] - S0[:, 1:]  # P(exactly a kept) when k > a
+    tokens = 1.0 + torch.cat([torch.zeros(R, 1, dtype=S.dtype, device=S.device), S.cumsum(1)], dim=1)
+    seconds_k = stop_at @ torch.tril(M, -1).T + S0[:, : K + 1] * torch.diagonal(M)  # E[step seconds | γ = k]
+    gain = tokens - seconds_k / token_s
+    return gain[0] if one else gain
+
+
+def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = None):
+    """The draft length with the largest :func:`expected_gain` (the shortest among equals), at most ``max_gamma``:
+    an int for one survival curve, an (R,) int64 tensor for a batch."""
     gain = expected_gain(survival, seconds, token_s)
     if max_gamma is not None:
-        gain = gain[: max_gamma + 1]
-    return int(np.argmax(gain))
+        gain = gain[..., : max_gamma + 1]
+    g = torch.argmax(gain, dim=-1)  # the first of equal maxima
+    return int(g) if g.dim() == 0 else g
 
 
 def step_seconds_table(costs, k_max: int) -> np.ndarray:
@@ -60,21 +67,22 @@ def step_seconds_table(costs, k_max: int) -> np.ndarray:
 
 class LearnedPolicy(DraftPolicy):
     """γ by :func:`gamma_by_cost` (``rule="cost"``) or the predicted median length (``rule="median"``, AdaEAGLE's
-    use of a predicted length) from a predictor's survival curve over :class:`~ldlp.models.features.StepFeatures`.
+    use of a predicted length) from a predictor's survival curve over :func:`step_features`.
+
+    It plans ahead: right after verification, on the device, from the step just verified (its accept counts and
+    the drafter's top-1 probabilities, not yet read), so its γ rides in the step's one host read. Replay drives
+    the same object through :class:`~eagle_backbone.policy.OneRow`.
 
     Deployed (``path``: an LDLP folder whose ``inputs`` name its feature groups, ``policy=learned``) it prices steps
     by the engine's step-cost model (:class:`~ldlp.policies.pricing.StepPricing`, as the load-aware policies) and
-    learns the seconds a token is worth online: the EMA of its own modelled step seconds over its emitted tokens
-    (Dinkelbach's fixed point, reached while decoding), started at ``token_ratio`` × a plain step. In the study
-    (``model``: any object with ``survival(x)``) the step seconds and ``token_s`` are given. ``record`` (a list)
-    receives every feature vector; ``fixed`` makes it a static-γ behaviour policy that only records.
-
-    One instance serves every slot of a batched engine (a :class:`StepFeatures` per slot); replay drives the same
-    object through :class:`~eagle_backbone.policy.OneRow`. The drafter's top-1 probabilities ride in the step's
-    one host read (:meth:`reads`)."""
+    learns the seconds a token is worth while decoding: the EMA of its modelled step seconds over its emitted
+    tokens, started at ``token_ratio`` × a plain step. In the study (``predictor``: any object with
+    ``survival(x)``) the step seconds and ``token_s`` are given. ``record`` (a list) receives every feature
+    vector; ``fixed`` makes it a static-γ behaviour policy that only records."""
 
     name = "learned"
     reads_drafts = True
+    plans_ahead = True
     RULES = ("cost", "median")
     EMA = 0.05  # weight of a step in the online seconds-per-token estimate
 
@@ -93,6 +101,9 @@ class LearnedPolicy(DraftPolicy):
                 raise ValueError(f"learned policy: path={path} has no config.json; build the predictor first "
                                  "(python scripts/train_step_ldlp.py)")
             predictor = _load_ldlp(str(path))
+            if predictor.config.head != "distribution":
+                raise ValueError(f"learned policy: {path} has a {predictor.config.head} head; it needs the "
+                                 "distribution head (python scripts/train_step_ldlp.py trains one)")
             groups = predictor.config.inputs
             meta = predictor.config.meta or {}
             token_ratio = meta.get("token_ratio") if token_ratio is None else token_ratio
@@ -105,17 +116,15 @@ class LearnedPolicy(DraftPolicy):
         self._seconds = None if seconds is None else np.asarray(seconds)
         self.token_s = token_s  # fixed (the study); None: learned online
         self.token_ratio = float(token_ratio) if token_ratio is not None else 0.4
-        self._ema = None  # (seconds, tokens) of the online estimate
-        self.state: dict[int, StepFeatures] = {}
-        self._depths: list[tuple[int, list[int], torch.Tensor]] = []  # this step's (depth, rows, top-1 on the device)
+        self._ema: tuple[float, float] | None = None  # (seconds, tokens) of the online estimate
+        self._depths: list[tuple[int, list[int], torch.Tensor]] = []  # this step's (depth, rows, top-1s), on the device
 
     # ---- prices ----
     def check_pair(self, target, candidates) -> None:
-        if self.predictor is not None and hasattr(self.predictor, "config"):
-            d = self.predictor.config.feature_dim
-            if getattr(target, "hidden_size", d) != d:
-                raise ValueError(f"learned policy: {self.path} reads features of size {d} but this target's have "
-                                 f"size {target.hidden_size}: it was built for another target")
+        config = getattr(self.predictor, "config", None)
+        if config is not None and getattr(target, "hidden_size", config.feature_dim) != config.feature_dim:
+            raise ValueError(f"learned policy: {self.path} reads features of size {config.feature_dim} but this "
+                             f"target's have size {target.hidden_size}: it was built for another target")
 
     def bind(self, engine) -> None:
         super().bind(engine)
@@ -138,57 +147,49 @@ class LearnedPolicy(DraftPolicy):
         return self._ema[0] / self._ema[1]
 
     # ---- the protocol ----
+    def _draft_prev(self, R: int, device) -> torch.Tensor:
+        """(R, DRAFT_PREV_DEPTHS) the drafter's top-1s of the step just verified (-1 where it did not draft)."""
+        out = torch.full((R, DRAFT_PREV_DEPTHS), -1.0, device=device)
+        for depth, at, top1 in self._depths:
+            out[to_device(at, device), depth - 1] = top1.float()
+        return out
+
     def begin(self, slot: int, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
-        self.state[slot] = StepFeatures(self.groups)
+        self._depths = []  # replay's last step of the previous sequence (the engine's plan ahead has used its own)
 
-    def _context(self, rows: Rows, i: int) -> DraftContext:
-        return DraftContext(step=len(rows.accepted[i]) if rows.accepted else 0, last_token=0, feature=rows.features[i],
-                            accepted_history=rows.accepted[i] if rows.accepted else [],
-                            drafted_history=rows.drafted[i] if rows.drafted else [], position=rows.positions[i],
-                            _embed=rows.embed, _target_stats=lambda: rows.target_stats[i],
-                            _embedding=rows.embeddings[i] if "ef" in self.groups else None)
-
-    def plan(self, rows: Rows) -> list[int]:
-        self._depths = []
-        x = np.stack([self.state[b].before(self._context(rows, i)) for i, b in enumerate(rows.slots)])
+    def plan(self, rows: Rows) -> torch.Tensor:
+        device = rows.features.device
+        x = step_features(rows, self.groups, self._draft_prev(len(rows), device) if "draft_prev" in self.groups else None)
+        self._depths = []  # used: a step that drafts nothing leaves none for the next plan
         if self.record is not None:
-            self.record.extend(x)
-        caps = [min(c, self.max_gamma) for c in rows.caps]
+            self.record.extend(x.cpu().numpy())
+        cap = self.max_gamma
         if self.fixed is not None:
-            return [min(self.fixed, c) for c in caps]
-        S = self.predictor.survival_of(x) if hasattr(self.predictor, "survival_of") else self.predictor.survival(x)
+            return torch.full((len(rows),), min(self.fixed, cap), dtype=torch.long, device=device)
+        if hasattr(self.predictor, "survival_tensor"):
+            S = self.predictor.survival_tensor(x)
+        else:  # a study model (numpy)
+            S = torch.as_tensor(self.predictor.survival(x.cpu().numpy()), device=device)
         if self.rule == "median":
-            return [min(int((s >= 0.5).sum()), c) for s, c in zip(S, caps)]
-        seconds, token_s = self.seconds(), self.token_seconds()
-        return [gamma_by_cost(s[: seconds.shape[0] - 1], seconds, token_s, c) for s, c in zip(S, caps)]
+            return (S >= 0.5).sum(-1).clamp(max=cap).long()
+        seconds = self.seconds()
+        K = min(S.shape[1], seconds.shape[0] - 1)
+        return gamma_by_cost(S[:, :K], torch.as_tensor(seconds, device=device), self.token_seconds(), cap).reshape(-1)
 
     def stop(self, d: Depth) -> torch.Tensor:
         if d.depth <= DRAFT_PREV_DEPTHS:
             self._depths.append((d.depth, list(d.rows), d.probs.max(-1).values))
         return torch.full_like(d.tokens, GO)
 
-    def reads(self) -> dict[str, torch.Tensor]:
-        return {f"top1_{depth}": top1 for depth, _, top1 in self._depths}
-
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
-        seen = {}
-        for depth, at, _ in self._depths:
-            for row, p in zip(at, (extra or {})[f"top1_{depth}"]):
-                seen[(row, depth)] = float(p)
-        online = self.token_s is None and self.fixed is None  # a fixed token worth, or a recorder: nothing to learn
-        seconds = self.seconds() if online else None
-        for i, b in enumerate(rows.slots):
-            st = self.state[b]
-            for depth in range(1, DRAFT_PREV_DEPTHS + 1):
-                if (i, depth) in seen:
-                    st.saw_top1(depth, seen[(i, depth)])
-            st.observe()
-            if seconds is not None:  # the seconds a token is worth: this policy's own, as it decodes
-                s, n = float(seconds[drafted[i], accepted[i]]), accepted[i] + 1
-                if self._ema is None:
-                    self._ema = (self.token_seconds() * n, float(n))
-                self._ema = ((1 - self.EMA) * self._ema[0] + self.EMA * s, (1 - self.EMA) * self._ema[1] + self.EMA * n)
-        self._depths = []
+        if self.token_s is not None or self.fixed is not None:
+            return  # a fixed token worth, or a recorder: nothing to learn
+        seconds = self.seconds()
+        for d, a in zip(drafted, accepted):  # the seconds a token is worth: this policy's own, as it decodes
+            s, n = float(seconds[min(d, len(seconds) - 1), min(a, d, len(seconds) - 1)]), a + 1
+            if self._ema is None:
+                self._ema = (self.token_seconds() * n, float(n))
+            self._ema = ((1 - self.EMA) * self._ema[0] + self.EMA * s, (1 - self.EMA) * self._ema[1] + self.EMA * n)
 
 
 def _load_ldlp(path: str):

@@ -1,5 +1,5 @@
 """The LDLP on every feature: AdaEAGLE's network (:class:`~ldlp.models.predictor.LDLP`, distribution head) trained
-with Lightning on :class:`~ldlp.models.features.StepFeatures` vectors recorded by replay (the predictor study,
+with Lightning on :func:`~ldlp.models.features.step_features` vectors recorded by replay (the predictor study,
 ``ldlp/bench/predictors.py``, and the shipped predictor, ``scripts/train_step_ldlp.py``).
 
 The data are whole arrays in memory (a few hundred thousand steps of a few hundred values); the validation rows
@@ -32,7 +32,7 @@ class StepLDLPModule(LDLPModule):
 def fit_step_ldlp(x: np.ndarray, label: np.ndarray, seq: np.ndarray, inputs, k_max: int, seed: int = 0,
                   hidden_dim: int = 256, num_layers: int = 3, max_epochs: int = 30, batch_size: int = 512,
                   lr: float = 1e-3, val_fraction: float = 0.1, patience: int = 3, meta: dict | None = None) -> LDLP:
-    """Train an LDLP (distribution head over lengths 0..k_max) on ``x`` (n, F) StepFeatures vectors of the groups
+    """Train an LDLP (distribution head over lengths 0..k_max) on ``x`` (n, F) feature vectors (:func:`~ldlp.models.features.step_features`) of the groups
     ``inputs``; ``seq`` the sequence of each row (a seeded ``val_fraction`` of sequences validates). Returns the
     model of the best validation loss, in eval mode."""
     import lightning as L
@@ -72,7 +72,7 @@ def _scratch() -> str:
 
 
 def build_step_ldlp(cfg, pair=None, command: str | None = None) -> dict:
-    """``scripts/train_step_ldlp.py``: record StepFeatures examples by replay over the collection's train split,
+    """``scripts/train_step_ldlp.py``: record feature vectors by replay over the collection's train split,
     train the LDLP on every feature, find the seconds a token is worth (its ratio to a plain step, the policy's
     starting point), score it on the validation split, and save the folder ``policy=learned`` loads."""
     from pathlib import Path
