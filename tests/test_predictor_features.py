@@ -149,7 +149,7 @@ def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
             return compose("study_predictors", overrides=[
                 f"oracle_dir={oracle}", f"out_dir={tmp_path / 'study'}", "costs.linear.step_ms=10",
                 "costs.linear.draft_ms=1.5", "K=6", "max_gamma=6", "behaviours=[1,3]", "learning_curve.sizes=[40]",
-                "models=[constant,logistic,gbt,ldlp]", "progress=false", *extra])
+                "models=[constant,logistic,gbt,ldlp]", "ablation.max_examples=60", "progress=false", *extra])
 
     page = run_predictor_study(cfg(), pair)
     record = json.loads((tmp_path / "study" / "study.json").read_text())
@@ -157,7 +157,7 @@ def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
     assert {r["section"] for r in runs.values()} == {"models", "learning_curve", "ablation", "rules"}
     assert runs["models/constant"]["auc_mean"] == 0.5 and "decision_us" in runs["models/gbt"]
     assert runs["models/ldlp"]["auc_mean"] > 0.5 and runs["models/logistic"]["auc_mean"] > 0.5  # the features tell the mimic pair's long and short drafts apart
-    assert runs["learning_curve/40"]["train_examples"] < runs["ablation/all"]["train_examples"]
+    assert runs["learning_curve/40"]["train_examples"] < runs["models/gbt"]["train_examples"]
     for r in runs.values():
         assert 0 <= r["mae"] and 0 < r["vs_best_static"] and r["tau"] >= 1
     assert "## Feature ablation" in page and (tmp_path / "study" / "learning_curve.png").is_file()

@@ -389,12 +389,14 @@ def run_predictor_study(cfg, pair=None) -> str:
         for size in [s for s in cfg.learning_curve.sizes if s < len(study.tr)] + [len(study.tr)]:
             idx = None if size == len(study.tr) else sequence_subset(study.tr, size, int(cfg.seed))
             study.run("learning_curve", str(size), cfg.learning_curve.model, groups, idx)
-        # ablation: each group alone, every group but one, all
+        # ablation: each group alone, every group but one, all (on a subset of whole sequences when asked)
+        cap = cfg.ablation.get("max_examples")
+        sub = None if cap is None or cap >= len(study.tr) else sequence_subset(study.tr, int(cap), int(cfg.seed))
         for g in groups:
-            study.run("ablation", f"only {g}", cfg.ablation.model, [g])
+            study.run("ablation", f"only {g}", cfg.ablation.model, [g], sub)
         for g in groups:
-            study.run("ablation", f"without {g}", cfg.ablation.model, [h for h in groups if h != g])
-        study.run("ablation", "all", cfg.ablation.model, groups)
+            study.run("ablation", f"without {g}", cfg.ablation.model, [h for h in groups if h != g], sub)
+        study.run("ablation", "all", cfg.ablation.model, groups, sub)
         best = max((r for r in done["runs"].values() if r["section"] == "models" and r["model"] != "constant"),
                    key=lambda r: r["vs_best_static"], default=None)
         if best is not None:
