@@ -61,8 +61,9 @@ def choose(cfg, sweep_dirs, tuned_from: str | Path | None, name: str) -> dict:
     tuned = tuned_best(Path(tuned_from) if tuned_from else None)
     gammas = static_contenders(cfg, int(head["best_static"]["gamma"]), tuned)
     policies = adaptive_contenders(cfg, name, {"rows": rows}, tuned)
-    contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies]
+    shipped = [p for p in cfg.head_to_head.get("shipped") or [] if p not in policies]
+    contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies + shipped]
     if "oracle" in cfg.sweep.adaptive:
         contenders.append("policy=oracle")
-    return {"model": name, "static_gammas": gammas, "adaptive": policies, "contenders": contenders}
+    return {"model": name, "static_gammas": gammas, "adaptive": policies, "shipped": shipped, "contenders": contenders}
 

@@ -353,7 +353,7 @@ def head_to_head_stages(cfg, stages: list[Stage], model: str, pair: tuple[str, .
         [f"model={model}", f"sweep.dirs=[{list_arg(s.out for s in sweeps)}]",
          f"sweep.static_gammas=[{list_arg(cfg.sweep.static_gammas)}]",
          f"sweep.adaptive=[{list_arg(cfg.sweep.adaptive)}]", f"head_to_head.adaptive={int(h.adaptive)}",
-         f"head_to_head.choose_by={choose_by}",
+         f"head_to_head.choose_by={choose_by}", f"head_to_head.shipped=[{list_arg(h.get('shipped') or [])}]",
          f"out_dir={chosen}"] + ([f"tuned_from={tuned}"] if tuned else []) + thread_args(cfg)
         + [o for o in cfg.sweep.overrides if o.startswith("model.")],  # the model as the sweeps named their rows
         chosen, after=tuple(s.name for s in sweeps) + (("tune",) if tuned else ()), configs=("choose_contenders.yaml",),
