@@ -237,9 +237,42 @@ def update_eagle3(cfg) -> dict:
     return card
 
 
+def predictor_entry(root: Path) -> dict | None:
+    """The shipped draft-length predictor's card entry (data/embedded/predictor: what it reads, its labels and its
+    validation scores, from its config.json; ``scripts/train_step_ldlp.py`` measured them)."""
+    path = root / "predictor" / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    meta = config.get("meta") or {}
+    from safetensors import safe_open
+
+    with safe_open(str(root / "predictor" / "model.safetensors"), "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if not k.startswith("input_"))  # not the
+        # standardisation buffers
+    counts = meta.get("oracle_counts") or {}
+    return {"params": params, "inputs": config.get("inputs"), "head": config.get("head"), "k_max": config.get("k_max"),
+            "train_examples": meta.get("train_examples"), "validation_examples": meta.get("validation_examples"),
+            "behaviours": meta.get("behaviours"), "oracle_sequences": counts.get("sequences"),
+            "oracle_positions": counts.get("positions"), "validation": meta.get("validation"),
+            "token_ratio": meta.get("token_ratio"), "command": meta.get("command")}
+
+
+def update_predictor(cfg) -> dict:
+    """``only=predictor``: the shipped predictor's entry alone, merged into model_card.json, the card rendered."""
+    root = Path(cfg.embedded_dir)
+    card = json.loads((root / "model_card.json").read_text())
+    card["predictor"] = predictor_entry(root)
+    atomic_write_json(root / "model_card.json", card, newline=False)
+    atomic_write_text(root / "MODEL_CARD.md", render_card(card))
+    return card
+
+
 def build_model_card(cfg) -> dict:
     if cfg.get("only") == "eagle3":
         return update_eagle3(cfg)
+    if cfg.get("only") == "predictor":
+        return update_predictor(cfg)
     torch.manual_seed(cfg.seed)
     set_threads(cfg.get("threads"))
     root = Path(cfg.embedded_dir)
@@ -298,6 +331,8 @@ def build_model_card(cfg) -> dict:
     }
     if eagle3 is not None:
         card["eagle3"] = eagle3
+    if predictor_entry(root) is not None:
+        card["predictor"] = predictor_entry(root)
     for key in ("config",):
         for part in ("target", "draft_lm", "drafter"):
             card[part].pop(key, None)
@@ -382,6 +417,17 @@ def render_card(c: dict) -> str:
                   "| drafter | γ | τ | acceptance | tokens/s | speedup |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['drafter']} | {r['gamma']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | "
                   f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |" for r in d3["rows"]]
+    p = c.get("predictor")
+    if p:
+        v = p.get("validation") or {}
+        lines += ["", "## The draft-length predictor (`policy=learned`, data/embedded/predictor)", "",
+                  f"AdaEAGLE's LDLP ({p['params'] / 1e3:.0f}k parameters, {p['head']} head over lengths 0..{p['k_max']}) "
+                  f"reading {', '.join(p['inputs'] or [])} (docs/predictors.md). Trained on {p['train_examples']} steps "
+                  f"recorded by replaying static γ = {p['behaviours']} over {p['oracle_sequences']} oracle sequences "
+                  f"({p['oracle_positions']} positions); validation ({p['validation_examples']} steps): MAE "
+                  f"{v.get('mae', float('nan')):.3f}, AUC {v.get('auc_mean', float('nan')):.3f} (first draft "
+                  f"{v.get('auc_1', float('nan')):.3f}). A token is worth {p['token_ratio']:.3f} plain steps at the "
+                  f"start. Rebuilt with `{p['command']}` (labels: docs/predictors.md).", ""]
     m = c["machine"]
     lines += ["", f"Machine: {m['platform']}, {m['processor']}, torch {m['torch']} with {m['torch_threads']} threads.",
               "", "## Greedy answers to held-out (test split) prompts", ""]
