@@ -617,12 +617,12 @@ class BatchedSpeculativeEngine:
                     [s.new[-1] for s in st] if caps is not None else None, self.target.lm_head)
 
     def _plan_ahead(self, run: list[int], st: list[Slot], last_tokens, features, accepted=None,
-                    drafted=None) -> torch.Tensor | None:
+                    drafted=None, last_logits=None) -> torch.Tensor | None:
         """A ``plans_ahead`` policy's γ for the next step, from the new last tokens and features: a device
         tensor rides in the step's one read; a host list is stored at once (None returned). ``accepted`` and
         ``drafted``: the step just verified, not yet read (None after a prefill, whose first token is pending)."""
         view = self._rows(run, st, None, last_tokens, features, pending=1 if accepted is None else 0)
-        view.step_accepted, view.step_drafted = accepted, drafted
+        view.step_accepted, view.step_drafted, view.last_logits = accepted, drafted, last_logits
         g = self.own.call(self.policy.plan, view)
         if isinstance(g, torch.Tensor):
             return g
@@ -644,7 +644,7 @@ class BatchedSpeculativeEngine:
             ver = self._verify(plan, drafts)
             acc = self._accept(plan, drafts, ver)
         self._commit_device(plan, ver, acc)
-        reads = self._reads(plan, drafts, acc)
+        reads = self._reads(plan, drafts, acc, None if tree else ver.logits)
         prof.mark("verify")
         chunks, joined = [], []  # the prompt chunks in this forward; the slots whose prompt they finished
         if ver.prefill is not None:
@@ -928,9 +928,10 @@ class BatchedSpeculativeEngine:
             f = h if ver.feats is None else ver.feats
             self.feat[rows[:, None], torch.where(kept, tl[:, None] + ar, self.trash)] = f
 
-    def _reads(self, plan: StepPlan, drafts: Drafts, acc: Acceptance) -> dict[str, torch.Tensor]:
+    def _reads(self, plan: StepPlan, drafts: Drafts, acc: Acceptance, logits=None) -> dict[str, torch.Tensor]:
         """What the host reads after this step: accept counts, emitted tokens, the exact drafted counts when
-        they stayed on the device, what the policy's observation needs and a planned-ahead γ."""
+        they stayed on the device, what the policy's observation needs and a planned-ahead γ (``logits``: the
+        verify logits of a chain step, whose row at the accepted position the plan may read)."""
         reads = {"accepted": acc.accepted, "emitted": acc.emitted}
         if drafts.lengths is not None:
             reads["drafted"] = drafts.lengths
@@ -938,8 +939,9 @@ class BatchedSpeculativeEngine:
             reads["policy:" + name] = t
         if self.policy.plans_ahead and self.kind is not None:
             drafted = drafts.lengths if drafts.lengths is not None else to_device(drafts.drafted, self.device)
+            last = None if logits is None else logits[torch.arange(len(plan.run), device=self.device), acc.accepted]
             ahead = self._plan_ahead(plan.run, plan.slots, acc.next_token, self.last_feat[plan.rows], acc.accepted,
-                                     drafted)
+                                     drafted, last)
             if ahead is not None:
                 reads["gamma_next"] = ahead
         return reads

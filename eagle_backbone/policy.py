@@ -81,6 +81,7 @@ class Rows:
     # emitted tokens are not yet in ``positions``, ``accepted`` or ``drafted`` (None: every step is there)
     step_accepted: torch.Tensor | None = None  # (R,)
     step_drafted: torch.Tensor | None = None  # (R,)
+    last_logits: torch.Tensor | None = None  # (R, V) the verify logits behind each last token, where the engine has them
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -93,10 +94,13 @@ class Rows:
     @cached_property
     def target_stats(self) -> torch.Tensor:
         """(R, 3) :func:`~eagle_backbone.sampling.confidence` of the target's distribution that produced each
-        last token: ``lm_head(features)``, the verify logits again (the same bits on a CPU, where the engine is
+        last token: the verify logits where the engine hands them over, else ``lm_head(features)``, the verify
+        logits again (the same bits on a CPU, where the engine is
         batch-invariant; computed on first use, a policy that reads none pays nothing)."""
         if self.given_target_stats is not None:
             return self.given_target_stats
+        if self.last_logits is not None:  # planning ahead after a chain step: the verify logits themselves
+            return confidence(self.last_logits)
         return confidence(self.lm_head(self.features))
 
 
