@@ -165,3 +165,35 @@ def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
     assert run_predictor_study(cfg(), pair) == page  # everything done: the same page, from study.json
     with pytest.raises(ValueError, match="other settings .*behaviours"):
         run_predictor_study(cfg("behaviours=[2]"), pair)
+
+
+def test_replay_beside_a_head_to_head_prices_each_contender_by_each_table(setup, tmp_path):
+    from conftest import step_ldlp
+
+    from eagle_backbone.policy import StaticPolicy
+    from ldlp.bench.predictors import beside_markdown, replay_beside_measured
+
+    target, _, _, rows = setup
+    h2h = {"reference": "static γ=3", "n_prompts": 3, "dataset": "mimic", "max_new_tokens": BUDGET,
+           "rows": [{"contender": "static γ=3", "policy": "static", "setting": {"gamma": 3}, "vs_best_static": 1.0,
+                     "tau": 3.0},
+                    {"contender": "static γ=6", "policy": "static", "setting": {"gamma": 6}, "vs_best_static": 0.97,
+                     "ci95": [0.95, 0.99], "tau": 4.0},
+                    {"contender": "learned", "policy": "learned", "setting": {"max_gamma": 8}, "vs_best_static": 1.01,
+                     "tau": 3.5},
+                    {"contender": "oracle", "policy": "oracle", "setting": {"k_max": 8}, "vs_best_static": 1.3,
+                     "tau": 5.0}]}
+    costs = {"cheap drafts": CostTable.linear(10.0, 0.5), "dear drafts": CostTable.linear(10.0, 4.0)}
+    learned = step_ldlp(target.hidden_size, tmp_path / "learned")
+    out = replay_beside_measured(h2h, rows, costs, target.embed, target.vocab_size, learned)
+    by = {e["contender"]: e for e in out}
+    for label, table in costs.items():
+        assert by["static γ=3"][f"{label}_ratio"] == 1.0
+        six = replay(rows, StaticPolicy(6), table).tokens_per_s / replay(rows, StaticPolicy(3), table).tokens_per_s
+        assert by["static γ=6"][f"{label}_ratio"] == pytest.approx(six)
+        assert by["oracle"][f"{label}_ratio"] >= max(1.0, six)  # the oracle bounds every static γ
+    # dearer drafts make the long static γ worse against the short one
+    assert by["static γ=6"]["dear drafts_ratio"] < by["static γ=6"]["cheap drafts_ratio"]
+    assert "learned" in by and by["learned"]["tau_replay"] >= 1
+    page = beside_markdown(out, list(costs), h2h, "here")
+    assert "| static γ=6 | 0.970 | 0.950 – 0.990 |" in page

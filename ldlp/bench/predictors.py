@@ -406,3 +406,62 @@ def run_predictor_study(cfg, pair=None) -> str:
         (out / "README.md").write_text(page)
         save(done)
         return page
+
+
+# ---- replay beside the head to head -----------------------------------------------------------------------
+
+
+def replay_beside_measured(h2h: dict, rows: OracleRows, costs: dict, embed, vocab_size: int, learned_path: str,
+                           k_max: int = 8) -> list[dict]:
+    """Each contender of a head to head (``h2h``: its head_to_head.json) replayed on oracle rows of the same
+    prompts, priced by each of ``costs`` ({label: cost table}), beside its measured ratio to the reference:
+    where the modelled and the measured gain part, and whether the price or the policy explains it.
+
+    Replayable: static γ, the oracle and ``learned`` (the shipped predictor at ``learned_path``, deciding with
+    each table's prices and learning the seconds a token is worth as it does in the engine)."""
+    from eagle_backbone.policy import StaticPolicy
+
+    def policy_of(row, table):
+        if row["policy"] == "static":
+            return StaticPolicy(int(row["setting"]["gamma"]))
+        if row["policy"] == "oracle":
+            return "oracle"
+        if row["policy"] == "learned":
+            return LearnedPolicy(learned_path, max_gamma=int(row["setting"].get("max_gamma", k_max)),
+                                 rule=row["setting"].get("rule", "cost"), seconds=step_seconds_table(table, k_max))
+        return None
+
+    out = []
+    for row in h2h["rows"]:
+        entry = {"contender": row["contender"], "measured": row["vs_best_static"], "ci95": row.get("ci95"),
+                 "tau_measured": row["tau"]}
+        for label, table in costs.items():
+            p = policy_of(row, table)
+            if p is None:
+                continue
+            r = replay(rows, p, table, embed, vocab_size, oracle_cap=k_max)
+            entry[label] = r.tokens_per_s
+            entry["tau_replay"] = r.tau
+        out.append(entry)
+    ref = next(e for e in out if e["contender"] == h2h["reference"])
+    for e in out:
+        for label in costs:
+            if label in e and label in ref:
+                e[f"{label}_ratio"] = e[label] / ref[label]
+    return out
+
+
+def beside_markdown(entries: list[dict], labels: list[str], h2h: dict, where: str) -> str:
+    lines = [f"### Replay beside the head to head ({where})", "",
+             f"Each contender replayed on oracle labels of the head to head's own prompts ({h2h['n_prompts']} prompts "
+             f"of {h2h['dataset']}, {h2h['max_new_tokens']} new tokens), priced by each cost model, as a ratio to "
+             f"{h2h['reference']}; beside it the ratio the head to head measured.", "",
+             "| contender | measured | 95% interval | " + " | ".join(f"replay: {lab}" for lab in labels)
+             + " | τ measured | τ replay |", "|---|---:|---:|" + "---:|" * len(labels) + "---:|---:|"]
+    for e in entries:
+        ci = e.get("ci95")
+        cells = [f"{e[f'{lab}_ratio']:.3f}" if f"{lab}_ratio" in e else "–" for lab in labels]
+        lines.append(f"| {e['contender']} | {e['measured']:.3f} | "
+                     + (f"{ci[0]:.3f} – {ci[1]:.3f}" if ci else "–") + " | " + " | ".join(cells)
+                     + f" | {e['tau_measured']:.2f} | " + (f"{e['tau_replay']:.2f}" if "tau_replay" in e else "–") + " |")
+    return "\n".join(lines) + "\n"
