@@ -433,7 +433,10 @@ def replay_beside_measured(h2h: dict, rows: OracleRows, costs: dict, embed, voca
 
     out = []
     for row in h2h["rows"]:
-        entry = {"contender": row["contender"], "measured": row["vs_best_static"], "ci95": row.get("ci95"),
+        if row.get("policy") in (None, "ar"):  # the AR baseline
+            continue
+        measured = 1.0 if row["contender"] == h2h["reference"] else row["vs_best_static"]
+        entry = {"contender": row["contender"], "measured": measured, "ci95": row.get("ci95"),
                  "tau_measured": row["tau"]}
         for label, table in costs.items():
             p = policy_of(row, table)
