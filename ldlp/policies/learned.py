@@ -24,29 +24,37 @@ from eagle_backbone.runtime import to_device
 from ldlp.models.features import DRAFT_PREV_DEPTHS, GROUPS, step_features
 
 
-def expected_gain(survival, seconds, token_s: float) -> torch.Tensor:
+def expected_gain(survival, seconds, token_s: float, terms=None) -> torch.Tensor:
     """(R, K+1) float64 (or (K+1,) for one row): per γ = 0..K, expected emitted tokens minus expected step seconds
     over ``token_s``. ``survival`` (R, K): S_m = P(the first m drafts are all kept); ``seconds`` (≥ K+1, ≥ K+1):
-    ``seconds[k, a]`` a step drafting k tokens of which a are kept (a ≤ k)."""
+    ``seconds[k, a]`` a step drafting k tokens of which a are kept (a ≤ k); ``terms``: its :func:`_step_terms`,
+    precomputed (the policy keeps them per price)."""
     S = torch.as_tensor(survival, dtype=torch.float64)
     one = S.dim() == 1
     S = S[None] if one else S
     R, K = S.shape
-    M = torch.as_tensor(seconds, dtype=torch.float64, device=S.device)[: K + 1, : K + 1]
+    lower_t, diag = terms if terms is not None else _step_terms(torch.as_tensor(seconds, dtype=torch.float64,
+                                                                                device=S.device), K)
     S = torch.cummin(S.clamp(0.0, 1.0), dim=1).values  # a survival curve cannot rise
     S0 = torch.cat([torch.ones(R, 1, dtype=S.dtype, device=S.device), S,
                     torch.zeros(R, 1, dtype=S.dtype, device=S.device)], dim=1)  # S_0 .. S_{K+1}
     stop_at = S0[:, : K + 1] - S0[:, 1:]  # P(exactly a kept) when k > a
     tokens = 1.0 + torch.cat([torch.zeros(R, 1, dtype=S.dtype, device=S.device), S.cumsum(1)], dim=1)
-    seconds_k = stop_at @ torch.tril(M, -1).T + S0[:, : K + 1] * torch.diagonal(M)  # E[step seconds | γ = k]
+    seconds_k = stop_at @ lower_t + S0[:, : K + 1] * diag  # E[step seconds | γ = k]
     gain = tokens - seconds_k / token_s
     return gain[0] if one else gain
 
 
-def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = None):
+def _step_terms(seconds: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (K+1) x (K+1) seconds table's strictly lower part, transposed, and its diagonal (expected_gain's terms)."""
+    M = seconds[: K + 1, : K + 1]
+    return torch.tril(M, -1).T.contiguous(), torch.diagonal(M).contiguous()
+
+
+def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = None, terms=None):
     """The draft length with the largest :func:`expected_gain` (the shortest among equals), at most ``max_gamma``:
     an int for one survival curve, an (R,) int64 tensor for a batch."""
-    gain = expected_gain(survival, seconds, token_s)
+    gain = expected_gain(survival, seconds, token_s, terms)
     if max_gamma is not None:
         gain = gain[..., : max_gamma + 1]
     g = torch.argmax(gain, dim=-1)  # the first of equal maxima
@@ -117,6 +125,8 @@ class LearnedPolicy(DraftPolicy):
         self.token_s = token_s  # fixed (the study); None: learned online
         self.token_ratio = float(token_ratio) if token_ratio is not None else 0.4
         self._ema: tuple[float, float] | None = None  # (seconds, tokens) of the online estimate
+        self._priced = None  # (the costs' identity and version, their seconds table)
+        self._device_terms = None
         self._depths: list[tuple[int, list[int], torch.Tensor]] = []  # this step's (depth, rows, top-1s), on the device
 
     # ---- prices ----
@@ -134,10 +144,20 @@ class LearnedPolicy(DraftPolicy):
     def seconds(self) -> np.ndarray:
         if self._seconds is not None:
             return self._seconds
-        memo = self.pricing.memo("learned_seconds")
-        if "table" not in memo:
-            memo["table"] = step_seconds_table(self.pricing.costs, self.max_gamma)
-        return memo["table"]
+        costs = self.pricing.costs
+        key = (id(costs), getattr(costs, "version", 0))  # an online model refits: a new version, new prices
+        if self._priced is None or self._priced[0] != key:
+            self._priced = (key, step_seconds_table(costs, self.max_gamma))
+        return self._priced[1]
+
+    def _terms(self, K: int, device) -> tuple:
+        """The seconds table on the device and its :func:`_step_terms`, kept while the prices stand."""
+        seconds = self.seconds()
+        cached = self._device_terms
+        if cached is None or cached[0] is not seconds or cached[1] != (K, str(device)):
+            t = torch.as_tensor(seconds, dtype=torch.float64, device=device)
+            self._device_terms = cached = (seconds, (K, str(device)), t, _step_terms(t, K))
+        return cached[2], cached[3]
 
     def token_seconds(self) -> float:
         if self.token_s is not None:
@@ -172,9 +192,9 @@ class LearnedPolicy(DraftPolicy):
             S = torch.as_tensor(self.predictor.survival(x.cpu().numpy()), device=device)
         if self.rule == "median":
             return (S >= 0.5).sum(-1).clamp(max=cap).long()
-        seconds = self.seconds()
-        K = min(S.shape[1], seconds.shape[0] - 1)
-        return gamma_by_cost(S[:, :K], torch.as_tensor(seconds, device=device), self.token_seconds(), cap).reshape(-1)
+        K = min(S.shape[1], self.seconds().shape[0] - 1)
+        table, terms = self._terms(K, device)
+        return gamma_by_cost(S[:, :K], table, self.token_seconds(), cap, terms).reshape(-1)
 
     def stop(self, d: Depth) -> torch.Tensor:
         if d.depth <= DRAFT_PREV_DEPTHS:
