@@ -62,7 +62,8 @@ def study_page(done: dict, oracle_dir: str, plot_dir: Path | None = None) -> str
         f"{best_static[1]} ({best_static[0]:.1f} tokens/s), oracle {ref['oracle']:.1f} tokens/s "
         f"(headroom {_pct(ref['oracle'] / best_static[0] - 1)}).", "",
         "Regenerate: `python scripts/study_predictors.py oracle_dir=...` (this folder's study.json has every number "
-        "and the settings).", ""]
+        "and the settings); the head-to-head folders beside it and their replay pages: the commands in "
+        "[docs/predictors.md](../../../docs/predictors.md#reproduce).", ""]
     sections = [("models", "Models, every feature", "model"), ("learning_curve", "Learning curve", "model, examples"),
                 ("ablation", "Feature ablation", "features"), ("rules", "Decision rules", "model, rule")]
     for sec, title, first in sections:
