@@ -83,9 +83,12 @@ class SurvivalModel:
     KINDS = ("constant", "logistic", "gbt", "mlp", "ldlp")  # ldlp: AdaEAGLE's network, distribution head (Lightning)
 
     def __init__(self, kind: str, K: int, seed: int = 0, ef: slice | None = None, ef_components: int = 32,
-                 groups=None):
+                 groups=None, fitters: dict | None = None):
         self.kind, self.K, self.seed, self.ef, self.ef_components = kind, K, seed, ef, ef_components
         self.groups = groups  # the feature groups of x (the LDLP records them in its config)
+        # kinds trained outside this package (ldlp: Lightning, ldlp.training.step_predictor.fit_step_ldlp), passed in
+        # by the script that composes them
+        self.fitters = fitters or {}
 
     def _pipeline(self):
         from sklearn.decomposition import PCA
@@ -117,11 +120,12 @@ class SurvivalModel:
     def fit(self, x: np.ndarray, label: np.ndarray, seq: np.ndarray | None = None) -> "SurvivalModel":
         y = np.minimum(label, self.K)
         if self.kind == "ldlp":
-            from ldlp.training.step_predictor import fit_step_ldlp
-
+            if "ldlp" not in self.fitters:
+                raise ValueError("the ldlp model is trained with Lightning: pass fitters={'ldlp': fit_step_ldlp} "
+                                 "(ldlp.training.step_predictor; scripts/study_predictors.py does)")
             self.pipe = None
-            self.ldlp = fit_step_ldlp(x, label, seq if seq is not None else np.arange(len(x)), self.groups, self.K,
-                                      self.seed)
+            self.ldlp = self.fitters["ldlp"](x, label, seq if seq is not None else np.arange(len(x)), self.groups,
+                                             self.K, self.seed)
             return self
         if self.kind == "constant" or len(np.unique(y)) < 2:  # one outcome only: nothing to tell apart
             self.pipe = None
@@ -236,10 +240,11 @@ class Study:
     by section and name) and saved after each by ``save``, so a killed study resumes where it stopped."""
 
     def __init__(self, train: OracleRows, val: OracleRows, costs, embed, vocab_size: int, groups, behaviours,
-                 K: int, seed: int, d: int, done: dict, save, max_gamma: int = 8, calibration_rows=None):
+                 K: int, seed: int, d: int, done: dict, save, max_gamma: int = 8, calibration_rows=None,
+                 fitters: dict | None = None):
         self.train_rows, self.val_rows, self.costs, self.embed, self.vocab = train, val, costs, embed, vocab_size
         self.groups, self.K, self.seed, self.d, self.max_gamma = tuple(groups), K, seed, d, max_gamma
-        self.done, self.save = done, save
+        self.done, self.save, self.fitters = done, save, fitters
         self.slices = column_slices(self.groups, d)
         self.tr = record_examples(train, behaviours, self.groups, costs, embed, vocab_size)
         self.va = record_examples(val, behaviours, self.groups, costs, embed, vocab_size)
@@ -276,7 +281,8 @@ class Study:
         cols, ef = self.columns(groups)
         tr = self.tr if idx is None else self.tr.take(idx)
         t0 = time.perf_counter()
-        model = SurvivalModel(kind, self.K, self.seed, ef=ef, groups=groups).fit(tr.x[:, cols], tr.label, tr.seq)
+        model = SurvivalModel(kind, self.K, self.seed, ef=ef, groups=groups, fitters=self.fitters).fit(
+            tr.x[:, cols], tr.label, tr.seq)
         fit_s = time.perf_counter() - t0
         sc = scores(model.survival(self.va.x[:, cols]), self.va.label)
         token_s = token_seconds(self.calibration, _Cols(model, cols), self.groups, self.costs, self.embed, self.vocab,
@@ -324,9 +330,10 @@ def load_split(oracle_dir, split: str, limit: int | None) -> OracleRows:
     return rows
 
 
-def run_predictor_study(cfg, pair=None) -> str:
-    """Run (or continue) every section of the study into ``cfg.out_dir``; returns the page it wrote. ``pair``: the
-    loaded model pair (default: ``cfg.model`` loaded)."""
+def run_predictor_study(cfg, pair=None, fitters: dict | None = None) -> dict:
+    """Run (or continue) every section of the study into ``cfg.out_dir/study.json``; returns the record (the
+    page is :func:`ldlp.report.predictors.study_page`'s). ``pair``: the loaded model pair (default: ``cfg.model``
+    loaded); ``fitters``: model kinds trained elsewhere (``{"ldlp": fit_step_ldlp}``)."""
     import json
     from pathlib import Path
 
@@ -337,9 +344,7 @@ def run_predictor_study(cfg, pair=None) -> str:
     from ldlp.bench.loaders import replay_costs
     from ldlp.bench.replay import costs_record
     from ldlp.labels.store import read_manifest
-    from ldlp.pipeline.processes import out_dir_lock
     from ldlp.models.features import GROUPS
-    from ldlp.report.predictors import study_page
 
     bad = [g for g in cfg.groups if g not in GROUPS]
     if bad:
@@ -350,62 +355,91 @@ def run_predictor_study(cfg, pair=None) -> str:
     manifest = read_manifest(cfg.oracle_dir)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with out_dir_lock(out):
-        pair = pair or load_pair(cfg.model)
-        costs = replay_costs(cfg.costs, cfg.model.name, pair, "study_predictors")
-        identity = {"oracle": {"dir": str(cfg.oracle_dir), "counts": manifest.get("counts"),
-                               "identity": manifest.get("identity")},
-                    "costs": costs_record(costs),
-                    **{k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-                       for k in ("seed", "behaviours", "K", "max_gamma", "groups", "max_train_sequences",
-                                 "max_val_sequences", "calibration_sequences")}}
-        identity = json.loads(json.dumps(identity, default=str))
-        path = out / "study.json"
-        done = json.loads(path.read_text()) if path.is_file() else {}
-        if done and done.get("identity") != identity:
-            if not cfg.overwrite:
-                diff = sorted(k for k in set(identity) | set(done.get("identity", {}))
-                              if identity.get(k) != done.get("identity", {}).get(k))
-                raise ValueError(f"{path} was made with other settings ({', '.join(diff)}); continue it with the same "
-                                 "settings, choose another out_dir, or pass overwrite=true")
-            done = {}
-        done["identity"] = identity
-        save = lambda d: atomic_write_json(path, d, indent=1)
+    pair = pair or load_pair(cfg.model)
+    costs = replay_costs(cfg.costs, cfg.model.name, pair, "study_predictors")
+    identity = {"oracle": {"dir": str(cfg.oracle_dir), "counts": manifest.get("counts"),
+                           "identity": manifest.get("identity")},
+                "costs": costs_record(costs),
+                **{k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+                   for k in ("seed", "behaviours", "K", "max_gamma", "groups", "max_train_sequences",
+                             "max_val_sequences", "calibration_sequences")}}
+    identity = json.loads(json.dumps(identity, default=str))
+    path = out / "study.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    if done and done.get("identity") != identity:
+        if not cfg.overwrite:
+            diff = sorted(k for k in set(identity) | set(done.get("identity", {}))
+                          if identity.get(k) != done.get("identity", {}).get(k))
+            raise ValueError(f"{path} was made with other settings ({', '.join(diff)}); continue it with the same "
+                             "settings, choose another out_dir, or pass overwrite=true")
+        done = {}
+    done["identity"] = identity
+    save = lambda d: atomic_write_json(path, d, indent=1)  # noqa: E731
 
-        train = load_split(cfg.oracle_dir, "train", cfg.max_train_sequences)
-        val = load_split(cfg.oracle_dir, "validation", cfg.max_val_sequences)
-        calib = _rows_subset(train, np.unique(train.cols["seq_id"])[: int(cfg.calibration_sequences)],
-                             train.max_new_tokens)
-        log.info("train %d positions in %d sequences, validation %d in %d", len(train), len(train.sequences),
-                 len(val), len(val.sequences))
-        study = Study(train, val, costs, pair.target.embed, pair.target.vocab_size, cfg.groups, cfg.behaviours,
-                      int(cfg.K), int(cfg.seed), pair.target.hidden_size, done, save, cfg.max_gamma, calib)
-        done["examples"] = {"train": len(study.tr), "validation": len(study.va)}
-        groups = list(study.groups)
-        # models on every feature (first: the later sections reuse the fits they share, with their decision times)
-        for kind in cfg.models:
-            study.run("models", kind, kind, groups if kind != "constant" else groups[:1], timing=True)
-        # learning curve
-        for size in [s for s in cfg.learning_curve.sizes if s < len(study.tr)] + [len(study.tr)]:
-            idx = None if size == len(study.tr) else sequence_subset(study.tr, size, int(cfg.seed))
-            study.run("learning_curve", str(size), cfg.learning_curve.model, groups, idx)
-        # ablation: each group alone, every group but one, all (on a subset of whole sequences when asked)
-        cap = cfg.ablation.get("max_examples")
-        sub = None if cap is None or cap >= len(study.tr) else sequence_subset(study.tr, int(cap), int(cfg.seed))
-        for g in groups:
-            study.run("ablation", f"only {g}", cfg.ablation.model, [g], sub)
-        for g in groups:
-            study.run("ablation", f"without {g}", cfg.ablation.model, [h for h in groups if h != g], sub)
-        study.run("ablation", "all", cfg.ablation.model, groups, sub)
-        best = max((r for r in done["runs"].values() if r["section"] == "models" and r["model"] != "constant"),
-                   key=lambda r: r["vs_best_static"], default=None)
-        if best is not None:
-            for rule in cfg.rules:
-                study.run("rules", f"{best['model']} {rule}", best["model"], groups, rule=rule)
-        page = study_page(done, str(cfg.oracle_dir), out)
-        (out / "README.md").write_text(page)
-        save(done)
-        return page
+    train = load_split(cfg.oracle_dir, "train", cfg.max_train_sequences)
+    val = load_split(cfg.oracle_dir, "validation", cfg.max_val_sequences)
+    calib = _rows_subset(train, np.unique(train.cols["seq_id"])[: int(cfg.calibration_sequences)],
+                         train.max_new_tokens)
+    log.info("train %d positions in %d sequences, validation %d in %d", len(train), len(train.sequences),
+             len(val), len(val.sequences))
+    study = Study(train, val, costs, pair.target.embed, pair.target.vocab_size, cfg.groups, cfg.behaviours,
+                  int(cfg.K), int(cfg.seed), pair.target.hidden_size, done, save, cfg.max_gamma, calib, fitters)
+    done["examples"] = {"train": len(study.tr), "validation": len(study.va)}
+    groups = list(study.groups)
+    # models on every feature (first: the later sections reuse the fits they share, with their decision times)
+    for kind in cfg.models:
+        study.run("models", kind, kind, groups if kind != "constant" else groups[:1], timing=True)
+    # learning curve
+    for size in [s for s in cfg.learning_curve.sizes if s < len(study.tr)] + [len(study.tr)]:
+        idx = None if size == len(study.tr) else sequence_subset(study.tr, size, int(cfg.seed))
+        study.run("learning_curve", str(size), cfg.learning_curve.model, groups, idx)
+    # ablation: each group alone, every group but one, all (on a subset of whole sequences when asked)
+    cap = cfg.ablation.get("max_examples")
+    sub = None if cap is None or cap >= len(study.tr) else sequence_subset(study.tr, int(cap), int(cfg.seed))
+    for g in groups:
+        study.run("ablation", f"only {g}", cfg.ablation.model, [g], sub)
+    for g in groups:
+        study.run("ablation", f"without {g}", cfg.ablation.model, [h for h in groups if h != g], sub)
+    study.run("ablation", "all", cfg.ablation.model, groups, sub)
+    best = max((r for r in done["runs"].values() if r["section"] == "models" and r["model"] != "constant"),
+               key=lambda r: r["vs_best_static"], default=None)
+    if best is not None:
+        for rule in cfg.rules:
+            study.run("rules", f"{best['model']} {rule}", best["model"], groups, rule=rule)
+    save(done)
+    return done
+
+
+def predictor_examples(cfg, pair, costs) -> tuple[Examples, Examples, OracleRows]:
+    """The shipped predictor's training and validation examples (``scripts/train_step_ldlp.py``), and the training
+    rows (its calibration replays them)."""
+    train = load_split(cfg.oracle_dir, "train", cfg.get("max_train_sequences"))
+    val = load_split(cfg.oracle_dir, "validation", cfg.get("max_val_sequences"))
+    tr = record_examples(train, cfg.behaviours, list(cfg.groups), costs, pair.target.embed, pair.target.vocab_size)
+    va = record_examples(val, cfg.behaviours, list(cfg.groups), costs, pair.target.embed, pair.target.vocab_size)
+    return tr, va, train
+
+
+def shipped_meta(cfg, ldlp, tr: Examples, va: Examples, train: OracleRows, costs, pair, command: str | None) -> dict:
+    """What the shipped predictor's config.json records: the seconds a token is worth as a ratio to a plain step
+    (the cost rule's fixed point on the first ``calibration_sequences`` training sequences, the policy's start), its
+    validation scores and its provenance."""
+    from ldlp.bench.replay import costs_record
+    from ldlp.labels.store import read_manifest
+
+    manifest = read_manifest(cfg.oracle_dir)
+    n = cfg.get("calibration_sequences")
+    calib = train if n is None else _rows_subset(train, np.unique(train.cols["seq_id"])[: int(n)], train.max_new_tokens)
+    K = int(cfg.K)
+    best_static = max(v for k, v in static_and_oracle(calib, costs, range(1, K + 1), K).items() if k.startswith("static"))
+    token_s = token_seconds(calib, ldlp, list(cfg.groups), costs, pair.target.embed, pair.target.vocab_size,
+                            1.0 / best_static, max_gamma=K)
+    seconds = step_seconds_table(costs, train.k_max)
+    return {"token_ratio": token_s / float(seconds[0, 0]), "groups": list(cfg.groups), "behaviours": list(cfg.behaviours),
+            "oracle_dir": str(cfg.oracle_dir), "oracle_counts": manifest.get("counts"),
+            "oracle_identity": manifest.get("identity"), "costs": costs_record(costs),
+            "train_examples": len(tr), "validation_examples": len(va), "seed": int(cfg.seed),
+            "validation": scores(ldlp.survival_of(va.x), va.label), "command": command}
 
 
 # ---- replay beside the head to head -----------------------------------------------------------------------

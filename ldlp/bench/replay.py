@@ -29,14 +29,7 @@ import torch
 from eagle_backbone.cost import CostTable
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy, DraftPolicy, OneRow
 from ldlp.bench.stats import headroom_captured, percent
-
-
-def step_seconds(costs: CostTable, drafted: int, accepted: int) -> float:
-    """Seconds of one replayed step, read from the cost table at one slot (replay walks one sequence at a time,
-    as the batch-1 engine decodes it): :meth:`~eagle_backbone.cost.CostTable.step_ms` with ``drafted`` draft
-    depths, ``drafted + 1`` tokens scored and the drafter's catch-up over ``accepted + 1`` tokens (this step's
-    emitted tokens: the engine feeds them at the next step, so a sequence's total is the same)."""
-    return costs.step_ms(1, [1] * drafted, drafted + 1, accepted + 1) / 1e3
+from ldlp.policies.learned import step_seconds  # noqa: F401  (replay prices a step as the learned policy does)
 
 
 def costs_record(costs) -> dict:

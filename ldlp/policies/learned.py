@@ -61,11 +61,16 @@ def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = Non
     return int(g) if g.dim() == 0 else g
 
 
-def step_seconds_table(costs, k_max: int) -> np.ndarray:
-    """(k_max+1, k_max+1) seconds of a batch-1 step drafting k and keeping a, from the cost table replay prices
-    by (:func:`ldlp.bench.replay.step_seconds`)."""
-    from ldlp.bench.replay import step_seconds
+def step_seconds(costs, drafted: int, accepted: int) -> float:
+    """Seconds of one batch-1 step, read from the cost table at one slot (replay prices its steps so, and the learned
+    policy its choices): :meth:`~eagle_backbone.cost.CostTable.step_ms` with ``drafted`` draft depths,
+    ``drafted + 1`` tokens scored and the drafter's catch-up over ``accepted + 1`` tokens (this step's emitted
+    tokens: the engine feeds them at the next step, so a sequence's total is the same)."""
+    return costs.step_ms(1, [1] * drafted, drafted + 1, accepted + 1) / 1e3
 
+
+def step_seconds_table(costs, k_max: int) -> np.ndarray:
+    """(k_max+1, k_max+1) seconds of a batch-1 step drafting k and keeping a (:func:`step_seconds`)."""
     t = np.zeros((k_max + 1, k_max + 1))
     for k in range(k_max + 1):
         for a in range(k + 1):
@@ -213,6 +218,6 @@ class LearnedPolicy(DraftPolicy):
 
 
 def _load_ldlp(path: str):
-    from ldlp.policies.threshold import _load_ldlp as load
+    from ldlp.policies.threshold import load_ldlp
 
-    return load(path)
+    return load_ldlp(path)

@@ -53,7 +53,7 @@ class _PerSlotState:
 
 
 @lru_cache(maxsize=8)
-def _load_ldlp(path: str):
+def load_ldlp(path: str):
     """One predictor per checkpoint folder per process (a multirun evaluates many policies in one process)."""
     from ldlp.models.predictor import LDLP
 
@@ -72,7 +72,7 @@ class LDLPPolicy(DraftPolicy):
             raise ValueError(f"ldlp policy: policy.path={path} has no config.json; train the predictor first "
                              "(`python scripts/collect_oracle.py` then `python scripts/train_ldlp.py +experiment=tiny`)")
         self.path = str(path)
-        self.model = _load_ldlp(self.path)
+        self.model = load_ldlp(self.path)
         if threshold is not None:
             # the distribution head drafts the largest k with P(accepted length >= k) >= threshold: a lower
             # threshold drafts more (worth it when a draft step is cheap next to a target forward)

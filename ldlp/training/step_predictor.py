@@ -1,6 +1,7 @@
 """The LDLP on every feature: AdaEAGLE's network (:class:`~ldlp.models.predictor.LDLP`, distribution head) trained
-with Lightning on :func:`~ldlp.models.features.step_features` vectors recorded by replay (the predictor study,
-``ldlp/bench/predictors.py``, and the shipped predictor, ``scripts/train_step_ldlp.py``).
+with Lightning on :func:`~ldlp.models.features.step_features` vectors recorded by replay
+(:func:`ldlp.bench.predictors.record_examples`): the predictor study's ``ldlp`` model and the shipped predictor
+(``scripts/train_step_ldlp.py``, which records, fits here and calibrates).
 
 The data are whole arrays in memory (a few hundred thousand steps of a few hundred values); the validation rows
 are whole sequences held out of the training ones, for early stopping on the held-out likelihood.
@@ -69,58 +70,3 @@ def _scratch() -> str:
     import tempfile
 
     return tempfile.mkdtemp(prefix="step_ldlp_")
-
-
-def build_step_ldlp(cfg, pair=None, command: str | None = None) -> dict:
-    """``scripts/train_step_ldlp.py``: record feature vectors by replay over the collection's train split,
-    train the LDLP on every feature, find the seconds a token is worth (its ratio to a plain step, the policy's
-    starting point), score it on the validation split, and save the folder ``policy=learned`` loads."""
-    from pathlib import Path
-
-    from eagle_backbone.loading import load_pair
-    from ldlp.bench.loaders import replay_costs
-    from ldlp.bench.predictors import load_split, record_examples, scores, token_seconds
-    from ldlp.bench.replay import costs_record
-    from ldlp.labels.store import read_manifest
-    from ldlp.policies.learned import step_seconds_table
-
-    manifest = read_manifest(cfg.oracle_dir)
-    pair = pair or load_pair(cfg.model)
-    costs = replay_costs(cfg.costs, cfg.model.name, pair, "train_step_ldlp")
-    groups = list(cfg.groups)
-    train = load_split(cfg.oracle_dir, "train", cfg.get("max_train_sequences"))
-    val = load_split(cfg.oracle_dir, "validation", cfg.get("max_val_sequences"))
-    tr = record_examples(train, cfg.behaviours, groups, costs, pair.target.embed, pair.target.vocab_size)
-    va = record_examples(val, cfg.behaviours, groups, costs, pair.target.embed, pair.target.vocab_size)
-    ldlp = fit_step_ldlp(tr.x, tr.label, tr.seq, groups, int(cfg.K), int(cfg.seed), hidden_dim=int(cfg.hidden_dim),
-                         num_layers=int(cfg.num_layers), max_epochs=int(cfg.max_epochs), batch_size=int(cfg.batch_size),
-                         lr=float(cfg.lr))
-    seconds = step_seconds_table(costs, train.k_max)
-    calib = train if cfg.get("calibration_sequences") is None else _first_sequences(train, int(cfg.calibration_sequences))
-    from ldlp.bench.predictors import static_and_oracle
-
-    best_static = max(v for k, v in static_and_oracle(calib, costs, range(1, int(cfg.K) + 1), int(cfg.K)).items()
-                      if k.startswith("static"))
-    token_s = token_seconds(calib, _Survival(ldlp), groups, costs, pair.target.embed, pair.target.vocab_size,
-                            1.0 / best_static, max_gamma=int(cfg.K))
-    sc = scores(ldlp.survival_of(va.x), va.label)
-    meta = {"token_ratio": token_s / float(seconds[0, 0]), "groups": groups, "behaviours": list(cfg.behaviours),
-            "oracle_dir": str(cfg.oracle_dir), "oracle_counts": manifest.get("counts"),
-            "oracle_identity": manifest.get("identity"), "costs": costs_record(costs),
-            "train_examples": len(tr), "validation_examples": len(va), "seed": int(cfg.seed),
-            "validation": sc, "command": command}
-    ldlp.config.meta = meta
-    out = Path(cfg.out_dir)
-    ldlp.save_pretrained(out)
-    return {"out_dir": str(out), **meta}
-
-
-class _Survival:
-    def __init__(self, ldlp):
-        self.survival = ldlp.survival_of
-
-
-def _first_sequences(rows, n: int):
-    from ldlp.bench.predictors import _rows_subset
-
-    return _rows_subset(rows, np.unique(rows.cols["seq_id"])[:n], rows.max_new_tokens)
