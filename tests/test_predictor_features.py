@@ -201,3 +201,22 @@ def test_replay_beside_a_head_to_head_prices_each_contender_by_each_table(setup,
     assert "learned" in by and by["learned"]["tau_replay"] >= 1
     page = beside_markdown(out, list(costs), h2h, "here")
     assert "| static γ=6 | 0.970 | 0.950 – 0.990 |" in page
+
+
+def test_the_main_command_times_the_shipped_policy_only_where_its_predictor_fits(tmp_path):
+    from conftest import step_ldlp
+
+    from ldlp.pipeline.contenders import shipped_unfit
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    assert shipped_unfit("learned", step_ldlp(32, tmp_path / "fits"), target) is None
+    assert "size 16, this target's are 32" in shipped_unfit("learned", step_ldlp(16, tmp_path / "other"), target)
+    assert "no predictor" in shipped_unfit("learned", tmp_path / "missing", target)
+    assert "not a local file" in shipped_unfit("learned", tmp_path / "fits", "lmsys/vicuna-7b-v1.3")
+    assert shipped_unfit("acceptance", tmp_path / "missing", target) is None  # only learned reads a shipped predictor
+    # the shipped predictor fits the shipped pair
+    from eagle_backbone.paths import REPO_ROOT
+
+    assert shipped_unfit("learned", REPO_ROOT / "data/embedded/predictor", REPO_ROOT / "data/embedded/target") is None

@@ -7,11 +7,32 @@ config, the main command's (conf/pipeline.yaml) or the stage's (conf/choose_cont
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from eagle_backbone.errors import ConfigError
 
 CONTENDERS = "contenders.json"
+log = logging.getLogger(__name__)
+
+
+def shipped_unfit(policy: str, predictor_dir, target_dir) -> str | None:
+    """Why a shipped policy cannot serve this pair (None: it can): ``learned`` needs its predictor folder and a
+    target whose hidden size is the one the predictor reads (the shipped one is the embedded pair's)."""
+    if policy != "learned":
+        return None
+    from ldlp.models.predictor import LDLPConfig
+
+    path = Path(predictor_dir) / "config.json"
+    if not path.is_file():
+        return f"no predictor at {path.parent} (python scripts/train_step_ldlp.py builds one)"
+    raw = json.loads(path.read_text())
+    d = LDLPConfig.from_dict(raw, where=str(path)).feature_dim
+    target = Path(str(target_dir)) / "config.json"
+    if not target.is_file():
+        return f"cannot check {path.parent} against the target: {target} is not a local file"
+    hidden = json.loads(target.read_text()).get("hidden_size")
+    return None if hidden == d else f"{path.parent} reads features of size {d}, this target's are {hidden}"
 
 
 def tuned_best(tuned: Path | None) -> dict:
@@ -61,7 +82,13 @@ def choose(cfg, sweep_dirs, tuned_from: str | Path | None, name: str) -> dict:
     tuned = tuned_best(Path(tuned_from) if tuned_from else None)
     gammas = static_contenders(cfg, int(head["best_static"]["gamma"]), tuned)
     policies = adaptive_contenders(cfg, name, {"rows": rows}, tuned)
-    shipped = [p for p in cfg.head_to_head.get("shipped") or [] if p not in policies]
+    shipped = []
+    for p in cfg.head_to_head.get("shipped") or []:
+        why = None if p in policies else shipped_unfit(p, cfg.get("predictor_dir"), cfg.model.target)
+        if why:
+            log.warning("head to head: the shipped policy %s is not timed: %s", p, why)
+        elif p not in policies:
+            shipped.append(p)
     contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies + shipped]
     if "oracle" in cfg.sweep.adaptive:
         contenders.append("policy=oracle")
