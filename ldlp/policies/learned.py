@@ -126,6 +126,8 @@ class LearnedPolicy(DraftPolicy):
             raise ValueError("learned policy: give path (a predictor folder) or a predictor")
         self.path, self.predictor = path, predictor
         self.groups = tuple(groups or GROUPS)
+        # the drafter's distributions are read only for the group that needs them (a read each depth costs time)
+        self.reads_drafts = "draft_prev" in self.groups
         self._seconds = None if seconds is None else np.asarray(seconds)
         self.token_s = token_s  # fixed (the study); None: learned online
         self.token_ratio = float(token_ratio) if token_ratio is not None else 0.4
