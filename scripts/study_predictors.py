@@ -7,10 +7,10 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.io import atomic_write_text
-from ldlp.bench.predictors import run_predictor_study
+from ldlp.bench.predictors import oracle_dirs, run_predictor_study
 from ldlp.pipeline.processes import out_dir_lock
 from ldlp.report.predictors import study_page
-from ldlp.training.step_predictor import fit_step_ldlp
+from ldlp.training.step_predictor import fit_step_history, fit_step_ldlp
 
 
 @hydra.main(config_path="../conf", config_name="study_predictors", version_base="1.3")
@@ -20,8 +20,8 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with out_dir_lock(out):  # one study at a time writes the folder
-        done = run_predictor_study(cfg, fitters={"ldlp": fit_step_ldlp})
-        page = study_page(done, str(cfg.oracle_dir), out)
+        done = run_predictor_study(cfg, fitters={"ldlp": fit_step_ldlp, "gru": fit_step_history})
+        page = study_page(done, " + ".join(oracle_dirs(cfg.oracle_dir)), out)
         atomic_write_text(out / "README.md", page)
     print(page)
 

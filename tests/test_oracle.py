@@ -13,6 +13,7 @@ from oracle_helpers import greedy_oracle
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.errors import MissingInput
 from eagle_backbone.policy import DraftLengthPolicy
 from ldlp.labels.oracle import oracle_labels, oracle_labels_sequential, recompute_features
 from ldlp.labels.store import load_oracle_rows, load_oracle_sequences
@@ -373,3 +374,21 @@ def test_a_real_collection_is_checked_against_its_manifest(tmp_path, pair_dirs):
     assert f"python scripts/collect_oracle.py out_dir={tmp_path}" in one_line(e)
     run(pair_dirs, tmp_path)
     assert require_complete(tmp_path)["complete"] is True
+
+
+def test_a_collection_grows_in_a_second_folder_and_both_read_as_one(pair_dirs, tmp_path):
+    from ldlp.bench.predictors import load_split
+
+    first = tmp_path / "first"
+    run(pair_dirs, first, "data.limit=3", "data.validation_limit=1", "data.sample_seed=0")
+    more = tmp_path / "more"
+    report = run(pair_dirs, more, "data.validation_path=null", f"data.exclude_collections=[{first}]")
+    ids = lambda d: {c.split("@turn")[0] for c in load_oracle_sequences(d)["conversation_id"]}  # noqa: E731
+    assert len(ids(first)) == 4 and len(ids(more)) == 4 and not ids(first) & ids(more)  # 3 + 1 validation; 7 - 3
+    assert report["splits"].keys() == {"train"}
+    both = load_split([str(first), str(more)], "train", None)
+    assert len(both) == len(load_split(str(first), "train", None)) + len(load_split(str(more), "train", None))
+    assert len(both.sequences) == 6 + 8  # two user turns a conversation, ids numbered on
+    assert len(load_split([str(first), str(more)], "validation", None).sequences) == 1  # only the first has one
+    with pytest.raises(MissingInput, match="exclude_collections: .*nowhere holds no collection"):
+        run(pair_dirs, tmp_path / "x", f"data.exclude_collections=[{tmp_path / 'nowhere'}]")

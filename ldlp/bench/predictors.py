@@ -46,6 +46,11 @@ class Examples:
     def take(self, idx) -> "Examples":
         return Examples(self.x[idx], self.label[idx], self.seq[idx], self.behaviour[idx])
 
+    @property
+    def stream(self) -> np.ndarray:
+        """(n,) one id per walk (a behaviour's pass over one sequence): its steps are contiguous, in step order."""
+        return self.behaviour.astype(np.int64) * (int(self.seq.max(initial=0)) + 1) + self.seq
+
 
 def record_examples(rows: OracleRows, behaviours, groups, costs, embed=None, vocab_size: int = 2 ** 15) -> Examples:
     """Walk ``rows`` under each static γ in ``behaviours`` and record every step's features and label."""
@@ -80,7 +85,10 @@ def column_slices(groups, d: int) -> dict[str, slice]:
 class SurvivalModel:
     """A classifier over the clipped label 0..K whose class probabilities give S_m = P(label >= m)."""
 
-    KINDS = ("constant", "logistic", "gbt", "mlp", "ldlp")  # ldlp: AdaEAGLE's network, distribution head (Lightning)
+    # ldlp: AdaEAGLE's network, distribution head (Lightning); gru: a GRU over the last steps' vectors
+    # (ldlp.models.step_history, Lightning), which needs the history group to tell where a sequence starts
+    KINDS = ("constant", "logistic", "gbt", "mlp", "ldlp", "gru")
+    TRAINED_ELSEWHERE = {"ldlp": "fit_step_ldlp", "gru": "fit_step_history"}
 
     def __init__(self, kind: str, K: int, seed: int = 0, ef: slice | None = None, ef_components: int = 32,
                  groups=None, fitters: dict | None = None):
@@ -117,15 +125,27 @@ class SurvivalModel:
                                                                  random_state=self.seed))
         raise ValueError(f"unknown model kind {self.kind!r}")
 
-    def fit(self, x: np.ndarray, label: np.ndarray, seq: np.ndarray | None = None) -> "SurvivalModel":
+    def fit(self, x: np.ndarray, label: np.ndarray, seq: np.ndarray | None = None,
+            stream: np.ndarray | None = None) -> "SurvivalModel":
+        """``seq``: each row's sequence (whole ones validate the Lightning models); ``stream``: each row's walk, for
+        the step-history model (:attr:`Examples.stream`)."""
         y = np.minimum(label, self.K)
-        if self.kind == "ldlp":
-            if "ldlp" not in self.fitters:
-                raise ValueError("the ldlp model is trained with Lightning: pass fitters={'ldlp': fit_step_ldlp} "
-                                 "(ldlp.training.step_predictor; scripts/study_predictors.py does)")
-            self.pipe = None
-            self.ldlp = self.fitters["ldlp"](x, label, seq if seq is not None else np.arange(len(x)), self.groups,
-                                             self.K, self.seed)
+        self.pipe = None
+        if self.kind in self.TRAINED_ELSEWHERE:
+            fitter = self.TRAINED_ELSEWHERE[self.kind]
+            if self.kind not in self.fitters:
+                raise ValueError(f"the {self.kind} model is trained with Lightning: pass fitters={{'{self.kind}': "
+                                 f"{fitter}}} (ldlp.training.step_predictor; scripts/study_predictors.py does)")
+            seq = seq if seq is not None else np.arange(len(x))
+            if self.kind == "ldlp":
+                self.ldlp = self.fitters["ldlp"](x, label, seq, self.groups, self.K, self.seed)
+                return self
+            if "history" not in (self.groups or ()):
+                raise ValueError("the gru model needs the history feature group (where a sequence starts)")
+            from ldlp.models.step_history import StreamingHistory
+
+            self.gru = self.fitters["gru"](x, label, seq, seq if stream is None else stream, self.K, self.seed)
+            self.streaming = StreamingHistory(self.gru, self._steps_col(x.shape[1]))
             return self
         if self.kind == "constant" or len(np.unique(y)) < 2:  # one outcome only: nothing to tell apart
             self.pipe = None
@@ -139,9 +159,32 @@ class SurvivalModel:
         self.pipe = pipe.fit(x, y)
         return self
 
-    def survival(self, x: np.ndarray) -> np.ndarray:
+    def _steps_col(self, width: int) -> int:
+        names = feature_names([g for g in self.groups if g != "ef"])
+        at = names.index("steps")
+        before_ef = list(self.groups).index("ef") if "ef" in self.groups else len(self.groups)
+        history_after_ef = list(self.groups).index("history") > before_ef
+        return at + (width - len(names) if history_after_ef else 0)
+
+    def survival(self, x: np.ndarray, stream: np.ndarray | None = None) -> np.ndarray:
+        """(n, K) S_m of feature rows ``x``. The step-history model reads each row's walk: give ``stream`` (rows of
+        whole walks, in step order), or ask one row at a time, in step order (a policy's use)."""
         if self.kind == "ldlp":
             return self.ldlp.survival_of(x)
+        if self.kind == "gru":
+            if stream is None:
+                return self.streaming.survival(x)
+            import torch
+
+            from ldlp.models.step_history import gather, windows
+
+            out = []
+            idx = torch.as_tensor(windows(stream, self.gru.config.window))
+            xt = torch.as_tensor(np.asarray(x, dtype=np.float32))
+            with torch.no_grad():
+                for b in range(0, len(idx), 8192):
+                    out.append(self.gru.survival_tensor(*gather(xt, idx[b: b + 8192])).numpy())
+            return np.concatenate(out)
         if self.pipe is None:
             p = np.broadcast_to(self._const, (len(x), self.K + 1))
         else:
@@ -282,9 +325,9 @@ class Study:
         tr = self.tr if idx is None else self.tr.take(idx)
         t0 = time.perf_counter()
         model = SurvivalModel(kind, self.K, self.seed, ef=ef, groups=groups, fitters=self.fitters).fit(
-            tr.x[:, cols], tr.label, tr.seq)
+            tr.x[:, cols], tr.label, tr.seq, tr.stream)
         fit_s = time.perf_counter() - t0
-        sc = scores(model.survival(self.va.x[:, cols]), self.va.label)
+        sc = scores(model.survival(self.va.x[:, cols], self.va.stream), self.va.label)
         token_s = token_seconds(self.calibration, _Cols(model, cols), self.groups, self.costs, self.embed, self.vocab,
                                 self.token_s0, max_gamma=self.max_gamma) if rule == "cost" else self.token_s0
         md = modelled(self.val_rows, _Cols(model, cols), self.groups, self.costs, token_s, self.embed, self.vocab,
@@ -316,14 +359,53 @@ def _rows_subset(rows: OracleRows, keep_seqs: np.ndarray, max_new_tokens) -> Ora
     return OracleRows({k: v[mask] for k, v in rows.cols.items()}, max_new_tokens)
 
 
-def load_split(oracle_dir, split: str, limit: int | None) -> OracleRows:
-    """The split's rows with the features the study reads (a collection without them: one line saying so)."""
-    from ldlp.labels.store import read_rows
+def oracle_dirs(oracle_dir) -> list[str]:
+    """``oracle_dir`` as a list: one collection, or several of the same pair and settings (a collection grown in a
+    second folder with ``data.exclude_collections``)."""
+    return [str(oracle_dir)] if isinstance(oracle_dir, (str, bytes)) or not hasattr(oracle_dir, "__iter__") \
+        else [str(d) for d in oracle_dir]
 
-    data, manifest = read_rows(oracle_dir, OracleRows.COLUMNS + ("target_stats", "feature"), split,
-                               hint="the study needs a collection with features and target_stats (rows format 2): "
-                                    "collect one with python scripts/collect_oracle.py")
-    rows = OracleRows(data, manifest.get("max_new_tokens"))
+
+def oracle_record(oracle_dir) -> dict | list:
+    """What a study or a predictor records of its collections (one: a dict, as before; several: a list)."""
+    from ldlp.labels.store import read_manifest
+
+    out = []
+    for d in oracle_dirs(oracle_dir):
+        m = read_manifest(d)
+        out.append({"dir": d, "counts": m.get("counts"), "identity": m.get("identity")})
+    return out[0] if len(out) == 1 else out
+
+
+def load_split(oracle_dir, split: str, limit: int | None) -> OracleRows:
+    """The split's rows with the features the study reads (a collection without them: one line saying so), from one
+    collection or several (their sequence ids numbered on, in the order given; collections without the split are
+    skipped; collections of another pair or other labelling settings are refused)."""
+    from ldlp.labels.store import committed_parts, read_manifest, read_rows
+
+    dirs, chunks, offset, first = oracle_dirs(oracle_dir), [], 0, None
+    for d in dirs:
+        manifest = read_manifest(d)
+        same = {k: (manifest.get("identity") or {}).get(k) for k in ("model", "k_max", "max_new_tokens", "rows_format",
+                                                                        "temperature", "seed")}
+        if first is None:
+            first = (d, same)
+        elif same != first[1]:
+            diff = sorted(k for k in same if same[k] != first[1][k])
+            raise ValueError(f"oracle_dir: {d} was labelled with other settings than {first[0]} ({', '.join(diff)}); "
+                             "collections read together must share the pair and the labelling settings")
+        if len(dirs) > 1 and not committed_parts(d, split):
+            continue
+        data, manifest = read_rows(d, OracleRows.COLUMNS + ("target_stats", "feature"), split,
+                                   hint="the study needs a collection with features and target_stats (rows format 2): "
+                                        "collect one with python scripts/collect_oracle.py")
+        data["seq_id"] = np.asarray(data["seq_id"]) + offset
+        offset = int(data["seq_id"].max()) + 1
+        chunks.append((data, manifest.get("max_new_tokens")))
+    if not chunks:
+        raise ValueError(f"oracle_dir: no collection among {dirs} has a {split} split")
+    data = {k: np.concatenate([np.asarray(c[0][k]) for c in chunks]) for k in chunks[0][0]}
+    rows = OracleRows(data, chunks[0][1])
     if limit is not None:
         seqs = np.unique(rows.cols["seq_id"])[: int(limit)]
         rows = _rows_subset(rows, seqs, manifest.get("max_new_tokens"))
@@ -343,7 +425,6 @@ def run_predictor_study(cfg, pair=None, fitters: dict | None = None) -> dict:
     from eagle_backbone.loading import load_pair
     from ldlp.bench.loaders import replay_costs
     from ldlp.bench.replay import costs_record
-    from ldlp.labels.store import read_manifest
     from ldlp.models.features import GROUPS
 
     bad = [g for g in cfg.groups if g not in GROUPS]
@@ -352,13 +433,12 @@ def run_predictor_study(cfg, pair=None, fitters: dict | None = None) -> dict:
     bad = [m for m in cfg.models if m not in SurvivalModel.KINDS]
     if bad:
         raise ValueError(f"models: unknown model kinds {bad}; known: {list(SurvivalModel.KINDS)}")
-    manifest = read_manifest(cfg.oracle_dir)
+    record = oracle_record(cfg.oracle_dir)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pair = pair or load_pair(cfg.model)
     costs = replay_costs(cfg.costs, cfg.model.name, pair, "study_predictors")
-    identity = {"oracle": {"dir": str(cfg.oracle_dir), "counts": manifest.get("counts"),
-                           "identity": manifest.get("identity")},
+    identity = {"oracle": record,
                 "costs": costs_record(costs),
                 **{k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
                    for k in ("seed", "behaviours", "K", "max_gamma", "groups", "max_train_sequences",
@@ -425,9 +505,9 @@ def shipped_meta(cfg, ldlp, tr: Examples, va: Examples, train: OracleRows, costs
     (the cost rule's fixed point on the first ``calibration_sequences`` training sequences, the policy's start), its
     validation scores and its provenance."""
     from ldlp.bench.replay import costs_record
-    from ldlp.labels.store import read_manifest
 
-    manifest = read_manifest(cfg.oracle_dir)
+    records = oracle_record(cfg.oracle_dir)
+    records = records if isinstance(records, list) else [records]
     n = cfg.get("calibration_sequences")
     calib = train if n is None else _rows_subset(train, np.unique(train.cols["seq_id"])[: int(n)], train.max_new_tokens)
     K = int(cfg.K)
@@ -436,8 +516,11 @@ def shipped_meta(cfg, ldlp, tr: Examples, va: Examples, train: OracleRows, costs
                             1.0 / best_static, max_gamma=K)
     seconds = step_seconds_table(costs, train.k_max)
     return {"token_ratio": token_s / float(seconds[0, 0]), "groups": list(cfg.groups), "behaviours": list(cfg.behaviours),
-            "oracle_dir": str(cfg.oracle_dir), "oracle_counts": manifest.get("counts"),
-            "oracle_identity": manifest.get("identity"), "costs": costs_record(costs),
+            "oracle_dir": [r["dir"] for r in records] if len(records) > 1 else records[0]["dir"],
+            "oracle_counts": {k: sum((r["counts"] or {}).get(k) or 0 for r in records) for k in ("sequences", "positions")}
+            if len(records) > 1 else records[0]["counts"],
+            "oracle_identity": [r["identity"] for r in records] if len(records) > 1 else records[0]["identity"],
+            "costs": costs_record(costs),
             "train_examples": len(tr), "validation_examples": len(va), "seed": int(cfg.seed),
             "validation": scores(ldlp.survival_of(va.x), va.label), "command": command}
 

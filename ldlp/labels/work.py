@@ -51,6 +51,25 @@ def _take(convs: list[dict], limit: int | None, seed: int | None) -> list[dict]:
     return [convs[i] for i in keep]
 
 
+def excluded_conversations(dirs) -> set[str]:
+    """Conversation ids already labelled in the collections ``dirs`` (data.exclude_collections)."""
+    from pathlib import Path
+
+    from eagle_backbone.errors import MissingInput
+    from ldlp.labels.store import load_oracle_sequences
+
+    ids: set[str] = set()
+    for d in dirs:
+        if not (Path(d) / "manifest.json").is_file():
+            raise MissingInput(f"data.exclude_collections: {d} holds no collection (no manifest.json)")
+        ids.update(str(c).split("@turn")[0] for c in load_oracle_sequences(d)["conversation_id"])  # ID@turnK: ID
+    return ids
+
+
+def _drop(convs: list[dict], exclude: set[str]) -> list[dict]:
+    return [c for c in convs if c["id"] not in exclude]
+
+
 def split_conversations(data) -> tuple[list[tuple[str, list[dict]]], dict]:
     """``[(split, conversations), ...]`` from a data config, and counts for the manifest.
 
@@ -65,6 +84,7 @@ def split_conversations(data) -> tuple[list[tuple[str, list[dict]]], dict]:
         raise ValueError("data.validation_path and data.holdout_percent are both set: choose one source of "
                          "validation conversations")
     seed = data.get("sample_seed")
+    exclude = excluded_conversations(data.get("exclude_collections") or [])
     common = dict(fmt=data.get("format", "auto"), on_error=data.get("on_error", "raise"),
                   build_if_missing=bool(data.get("build_if_missing", False)))
     counts = {}
@@ -73,15 +93,19 @@ def split_conversations(data) -> tuple[list[tuple[str, list[dict]]], dict]:
         counts["skipped_records"] = convs.skipped
         val = [c for c in convs if held_out(c["id"], holdout)]
         convs = [c for c in convs if not held_out(c["id"], holdout)]
-        out = [(split, _take(convs, data.get("limit"), seed)), ("validation", _take(val, data.get("validation_limit"), seed))]
+        out = [(split, _take(_drop(convs, exclude), data.get("limit"), seed)),
+               ("validation", _take(_drop(val, exclude), data.get("validation_limit"), seed))]
     else:
-        convs = load_conversations(data.path, limit=data.get("limit"), sample_seed=seed, **common)
+        limit = lambda n: None if exclude else n  # noqa: E731 (sample after leaving the excluded out)
+        convs = load_conversations(data.path, limit=limit(data.get("limit")), sample_seed=seed, **common)
         counts["skipped_records"] = convs.skipped
-        out = [(split, convs)]
+        out = [(split, _take(_drop(convs, exclude), data.get("limit"), seed) if exclude else convs)]
         if val_path:
-            val = load_conversations(val_path, limit=data.get("validation_limit"), sample_seed=seed, **common)
+            val = load_conversations(val_path, limit=limit(data.get("validation_limit")), sample_seed=seed, **common)
             counts["skipped_records"] += val.skipped
-            out.append(("validation", val))
+            out.append(("validation", _take(_drop(val, exclude), data.get("validation_limit"), seed) if exclude else val))
+    if exclude:
+        counts["excluded_conversations"] = len(exclude)
     if len({s for s, _ in out}) != len(out):
         raise ValueError(f"data.split={split!r} collides with the validation split; name it differently")
     counts["conversations"] = {s: len(c) for s, c in out}

@@ -46,6 +46,12 @@ def learning_curve_plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _positions(oracle) -> str:
+    records = oracle if isinstance(oracle, list) else [oracle]
+    counts = [(r.get("counts") or {}).get("positions") for r in records]
+    return "?" if None in counts else str(sum(counts))
+
+
 def study_page(done: dict, oracle_dir: str, plot_dir: Path | None = None) -> str:
     runs = list(done.get("runs", {}).values())
     ident, ref = done["identity"], done["reference"]
@@ -53,7 +59,8 @@ def study_page(done: dict, oracle_dir: str, plot_dir: Path | None = None) -> str
     ex = done.get("examples", {})
     lines = [
         "# Predictor study: features, models, labels and the decision rule", "",
-        f"Oracle collection `{oracle_dir}` ({(ident['oracle'].get('counts') or {}).get('positions', '?')} positions); "
+        f"Oracle collection{'s' if isinstance(ident['oracle'], list) else ''} `{oracle_dir}` ({_positions(ident['oracle'])} "
+        "positions); "
         f"examples recorded by replaying static γ = {ident['behaviours']} over it: {ex.get('train', '?')} training "
         f"steps, {ex.get('validation', '?')} validation steps. A model predicts the survival curve S_m = P(label ≥ m), "
         f"m = 1..{ident['K']}; the policy drafts the γ that maximises expected tokens minus expected seconds over the "

@@ -70,3 +70,83 @@ def _scratch() -> str:
     import tempfile
 
     return tempfile.mkdtemp(prefix="step_ldlp_")
+
+
+def _history_module(model, x: torch.Tensor, lr: float, weight_decay: float = 0.01):
+    """A LightningModule training ``model`` (:class:`~ldlp.models.step_history.StepHistoryGRU`) on batches of
+    window indices into ``x``, every row's vector held once in memory."""
+    import lightning as L
+
+    from ldlp.models.predictor import survival_nll
+    from ldlp.models.step_history import gather
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.x = model, x  # x: every row's vector; batches are window indices into it
+
+        def _loss(self, batch):
+            idx, y = batch
+            xw, present = gather(self.x, idx)
+            return survival_nll(self.model(xw, present), y), len(y)
+
+        def training_step(self, batch, _):
+            loss, n = self._loss(batch)
+            self.log("train/loss", loss, batch_size=n)
+            return loss
+
+        def validation_step(self, batch, _):
+            loss, n = self._loss(batch)
+            self.log("val/loss", loss, batch_size=n)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+            total = max(1, int(self.trainer.estimated_stepping_batches))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, total),
+                                                       "interval": "step"}}
+
+    return Module()
+
+
+def fit_step_history(x: np.ndarray, label: np.ndarray, seq: np.ndarray, stream: np.ndarray, k_max: int, seed: int = 0,
+                     window: int = 8, hidden: int = 64, max_epochs: int = 20, batch_size: int = 512, lr: float = 2e-3,
+                     val_fraction: float = 0.1, patience: int = 3):
+    """Train a :class:`~ldlp.models.step_history.StepHistoryGRU` on ``x`` (n, F) step vectors whose ``stream``
+    (a behaviour's walk of one sequence; contiguous, in step order) gives each row's history; a seeded
+    ``val_fraction`` of sequences validates (early stopping on the held-out likelihood). Returns the model of the
+    best validation loss, in eval mode."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from ldlp.models.step_history import StepHistoryConfig, StepHistoryGRU, windows
+
+    L.seed_everything(seed, workers=True, verbose=False)
+    seqs = np.unique(seq)
+    held = np.random.default_rng(seed).permutation(seqs)[: max(1, int(round(val_fraction * len(seqs))))]
+    is_val = np.isin(seq, held)
+    if is_val.all() or not is_val.any():
+        is_val = np.arange(len(seq)) % 10 == 0
+    xt = torch.as_tensor(np.asarray(x, dtype=np.float32))
+    idx = torch.as_tensor(windows(stream, window))
+    y = torch.as_tensor(np.minimum(label, k_max), dtype=torch.long)
+    tr, va = ~torch.as_tensor(is_val), torch.as_tensor(is_val)
+    model = StepHistoryGRU(StepHistoryConfig(int(xt.shape[1]), k_max, window, hidden))
+    sample = xt[tr][torch.randperm(int(tr.sum()), generator=torch.Generator().manual_seed(0))[:200_000]]
+    model.set_normalization(sample.mean(0), sample.std(0))
+    with torch.no_grad():  # start at the empirical continuation probabilities (as the LDLP's distribution head)
+        k = torch.arange(1, k_max + 1)
+        reached, at_risk = (y[tr, None] >= k).sum(0).float(), (y[tr, None] >= k - 1).sum(0).float()
+        model.output.bias.copy_(torch.logit((reached + 0.5) / (at_risk + 1.0)))
+    module = _history_module(model, xt, lr)
+    g = torch.Generator().manual_seed(seed)
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(idx[tr], y[tr]), batch_size=batch_size,
+                                        shuffle=True, generator=g)
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(idx[va], y[va]), batch_size=4096)
+    best = ModelCheckpoint(monitor="val/loss", mode="min", save_top_k=1, enable_version_counter=False)
+    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, deterministic=True, default_root_dir=_scratch(),
+                        callbacks=[EarlyStopping("val/loss", patience=patience), best])
+    trainer.fit(module, train, val)
+    state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+    module.load_state_dict(state)
+    return model.eval()
