@@ -418,6 +418,7 @@ class BatchedSpeculativeEngine:
         self.early_exit = self.device.type != "cuda" if early_exit is None else bool(early_exit)
         self.policy.bind(self)  # its costs, its models' sizes against the pair: now, not mid-run
         self.own = OwnTime()  # the policy's own seconds (plan, stop, observe)
+        self._timed = type(self.policy).timed is not DraftPolicy.timed  # it measures its steps (goodput feedback)
         # the plan's host-to-device copy goes through one pinned staging buffer on a GPU: reusing it each step
         # is safe because the previous step's copy finished before that step's host read returned
         self._stage = (torch.empty(4 * slots, dtype=torch.long, pin_memory=True) if self.device.type == "cuda"
@@ -682,6 +683,8 @@ class BatchedSpeculativeEngine:
         if model is not None:
             predicted_cpu = model.predict_cpu(shape) if model.version and cpu_ms is not None else None
             predicted = self.own.call(model.observe, shape, ms, cpu_ms)
+        if self._timed:
+            self.own.call(self.policy.timed, ms, shape)
         if self.record_steps:
             self.step_log.append(StepRecord(shape, ms, predicted, gamma, cpu_ms, predicted_cpu))
     def _plan(self, run: list[int]) -> StepPlan:

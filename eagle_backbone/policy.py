@@ -191,6 +191,10 @@ class DraftPolicy:
         """Called after each verification with the step's drafted and accepted counts per row, and the
         host values of :meth:`reads` (``extra``, by name)."""
 
+    def timed(self, ms: float, shape) -> None:
+        """The step's wall milliseconds and its :class:`~eagle_backbone.step_cost.StepShape`, after ``observe``
+        (called only for a policy that overrides it: goodput feedback measures what its choices earn)."""
+
 # ---- tree policies --------------------------------------------------------------------------------
     def select(self, grown, rows: Rows) -> torch.Tensor:
         """(R, K) bool, closed under ancestors: the grown nodes the target scores (default: every valid one)."""

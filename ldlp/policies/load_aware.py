@@ -54,6 +54,7 @@ import torch
 from eagle_backbone.policy import DROP, GO, Depth, DraftPolicy, Rows, int_at_least
 from ldlp.models.calibration import EPS, OnlineLogitCalibration
 from ldlp.policies.allocation import allocate_depth, allocate_depth_host
+from ldlp.policies.goodput import PLAN, StepReward, arm_priors, goodput_of
 from ldlp.policies.pricing import Budget, DepthCosts, DraftGate, FeedRate, RunningRate, StepPricing, StepTables
 
 # ---- the policies --------------------------------------------------------------------------------------
@@ -108,8 +109,12 @@ class LoadAwarePolicy(DraftPolicy):
 
     def __init__(self, cost_dir: str, model: str, max_gamma: int = 8, prior: float = 0.7, explore_every: int = 32,
                  profile_if_missing: bool = True, cost_table: str | None = None, online_costs: bool = True,
-                 cost_model: str | None = None):
+                 cost_model: str | None = None, goodput=None):
         self.max_gamma = int_at_least(self.name, "max_gamma", max_gamma, 1)
+        # goodput feedback (ldlp/policies/goodput.py): a bandit per load bucket over the static chains and this
+        # policy's own plan, rewarded by the tokens per second each step measures
+        self.goodput = goodput_of(self.name, goodput, self.max_gamma)
+        self._reward = StepReward(self.goodput) if self.goodput is not None else None
         if not 0 < prior < 1:
             raise ValueError(f"{self.name} policy: prior must be in (0, 1), got {prior!r}")
         self.pricing = StepPricing(self.name, cost_dir, model, cost_table, profile_if_missing, online_costs, cost_model)
@@ -138,12 +143,24 @@ class LoadAwarePolicy(DraftPolicy):
 
     def plan(self, rows: Rows) -> list[int]:
         caps = [min(c, self.max_gamma) for c in rows.caps]
+        if self.goodput is not None and self.costs is not None and any(caps):
+            prior = arm_priors(self.pricing, len(caps), self.max_gamma, self.accept.value, self.feed.value)
+            arm = self.goodput.choose(len(caps), prior)
+            if arm != PLAN:  # a static chain this step
+                self.gate.steps += 1
+                self._plan = None
+                return [min(arm, c) for c in caps]
         g = self.gate.gamma(self.pricing, caps, self.accept.value, self.feed.value)
         if g == 0:
             self._plan = None
             return [0] * len(rows)
         out, self._plan = self._start(caps, g)
         return out
+
+
+    def timed(self, ms: float, shape) -> None:
+        if self._reward is not None:
+            self._reward.timed(ms, shape, self.costs)
 
     # ---- the observation ----------------------------------------------------------------------------
     def reads(self) -> dict[str, torch.Tensor]:
@@ -153,7 +170,12 @@ class LoadAwarePolicy(DraftPolicy):
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
         plan = self._plan
         self.feed.update(accepted)
+        if self._reward is not None:
+            self._reward.observed(accepted)
         if plan is None:
+            if self.goodput is not None and any(drafted):  # a static chain chosen by the feedback: its outcomes
+                kept = sum(min(a, d) for a, d in zip(accepted, drafted))
+                self.accept.update(kept, sum(min(d, a + 1) for a, d in zip(accepted, drafted)))
             return
         raws = plan.raw if isinstance(plan, HostDraftState) else (extra or {}).get("raw") or [[] for _ in drafted]
         est, seen_kept, kept = [], [], []
@@ -193,9 +215,9 @@ class _PerSlotEstimates(LoadAwarePolicy):
     def __init__(self, cost_dir: str, model: str, estimator: str = "confidence", max_gamma: int = 8,
                  recalibrate: bool = True, decay: float = 0.98, prior: float = 0.7, explore_every: int = 32,
                  profile_if_missing: bool = True, cost_table: str | None = None, online_costs: bool = True,
-                 cost_model: str | None = None):
+                 cost_model: str | None = None, goodput=None):
         super().__init__(cost_dir, model, max_gamma, prior, explore_every, profile_if_missing, cost_table,
-                         online_costs, cost_model)
+                         online_costs, cost_model, goodput)
         if estimator != "confidence" and not Path(estimator).is_dir():
             raise ValueError(f"load_aware policy: estimator={estimator!r} is neither 'confidence' nor a folder of "
                              "draft acceptance heads (python scripts/train_draft_acceptance.py)")

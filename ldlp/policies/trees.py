@@ -25,6 +25,7 @@ from eagle_backbone.step_cost import OnlineCostModel
 from eagle_backbone.tree import MC_SIM_7B_63, path_values, select_budget, top_nodes
 from eagle_backbone.tree_draft import GrownTree, TreeSpec
 from ldlp.models.calibration import OnlineLogitCalibration
+from ldlp.policies.goodput import PLAN, StepReward, arm_priors, goodput_of
 from ldlp.policies.pricing import DraftGate, FeedRate, RunningRate, StepPricing
 
 SHAPES = {"mc_sim_7b_63": MC_SIM_7B_63}  # named static trees (EAGLE's tree_choices format)
@@ -102,8 +103,12 @@ class TreeBudgetPolicy(DraftPolicy):
                  max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98, prior: float = 0.8,
                  sibling_prior: float = 0.1, tree_overhead_ms: float = 1.5, explore_every: int = 8,
                  profile_if_missing: bool = True, cost_table: str | None = None, online_costs: bool = True,
-                 cost_model: str | None = None):
+                 cost_model: str | None = None, goodput=None):
         self.max_gamma = depth = int_at_least(self.name, "depth", depth, 1)
+        # goodput feedback (ldlp/policies/goodput.py): the static chains are arms beside this policy's own plan,
+        # so trees are kept only where they measurably pay
+        self.goodput = goodput_of(self.name, goodput, self.max_gamma)
+        self._reward = StepReward(self.goodput) if self.goodput is not None else None
         if not 0 < prior < 1:
             raise ValueError(f"{self.name} policy: prior must be in (0, 1), got {prior!r}")
         try:
@@ -169,6 +174,14 @@ class TreeBudgetPolicy(DraftPolicy):
     def plan(self, rows: Rows) -> list[int]:
         self._counts = None
         caps = [min(c, self.max_gamma) for c in rows.caps]
+        if self.goodput is not None and self.costs is not None and any(caps):
+            prior = arm_priors(self.pricing, len(caps), self.max_gamma, self.accept.value, self.feed.value)
+            arm = self.goodput.choose(len(caps), prior)
+            if arm != PLAN:  # a static chain this step
+                out = [min(arm, c) for c in caps]
+                self._depth, self._tree_now = max(out), False
+                self.chain_steps += bool(self._depth)
+                return out
         g = self.gate.gamma(self.pricing, caps, self.accept.value, self.feed.value)  # the load-aware γ, explore steps included
         out = [min(g, c) for c in caps]
         self._depth = D = max(out) if out else 0
@@ -184,6 +197,11 @@ class TreeBudgetPolicy(DraftPolicy):
 
     def tree_now(self) -> bool:
         return self._tree_now
+
+
+    def timed(self, ms: float, shape) -> None:
+        if self._reward is not None:
+            self._reward.timed(ms, shape, self.costs)
 
     # ---- select: the budget -------------------------------------------------------------------------
     def values(self, grown: GrownTree) -> torch.Tensor:
@@ -226,6 +244,8 @@ class TreeBudgetPolicy(DraftPolicy):
 
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
         self.feed.update(accepted)
+        if self._reward is not None:
+            self._reward.observed(accepted)
         counts = (extra or {}).get("choices")
         if counts:  # a tree step: the first and second choices' outcomes
             kept, n, kept2, n2 = counts

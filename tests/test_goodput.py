@@ -1,0 +1,119 @@
+"""Goodput feedback (ldlp/policies/goodput.py): on a synthetic engine with known costs and acceptance the bandit
+finds the best γ of each load bucket from a wrong prior, follows a mid-run change of costs within a stated number
+of steps, states its exploration; under the cost-driven policies it stays lossless and reaches the engine's step
+times. No clock is read: the synthetic steps say their own milliseconds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_batched import ar, prompts_of
+from test_load_aware import table
+
+from eagle_backbone.cost import cost_key
+from eagle_backbone.engine import BatchedSpeculativeEngine
+from ldlp.policies.goodput import PLAN, GoodputFeedback, bucket_label, goodput_of, load_bucket
+from ldlp.policies.load_aware import LoadAwareMarginal, LoadAwareStep
+from ldlp.policies.trees import TreeBudgetPolicy
+
+torch.set_num_threads(1)
+G = 8
+# steps after a change of costs within which the learner's choices are back within 5% of the new best
+# (measured: 344 steps for a 0.8 acceptance whose best γ moves from 8 to 2; the discount is 0.995)
+RECONVERGE_STEPS = 600
+
+
+def rate(g: int, accept: float, c0: float, c1: float) -> float:
+    """Tokens per ms of one row drafting γ = g at ``accept`` when a step costs c0 + c1·g ms."""
+    return (1 + sum(accept ** i for i in range(1, g + 1))) / (c0 + c1 * g)
+
+
+def simulate(steps: int, rows_of, accept: float, costs_of, wrong_arm: int | None = None, seed: int = 0):
+    """Drive a bandit over a synthetic engine: a step of R rows at γ keeps min(geometric, γ) drafts a row and takes
+    (c0 + c1 γ) ms ± 10%. The prior is the true rate, except ``wrong_arm``'s, inflated by 30%. Returns the bandit
+    and the (R, γ, c0, c1) of each step."""
+    rng = np.random.default_rng(seed)
+    fb = GoodputFeedback(G, plan_arm=False)
+    log = []
+    for t in range(steps):
+        R = rows_of(t)
+        c0, c1 = costs_of(t, R)
+        prior = {g: (R * rate(g, accept, c0, c1) * (1.3 if g == wrong_arm else 1.0), c0 + c1 * g) for g in range(G + 1)}
+        g = fb.choose(R, prior)
+        kept = np.minimum(rng.geometric(1 - accept, size=R) - 1, g)
+        fb.reward(float((kept + 1).sum()), (c0 + c1 * g) * rng.uniform(0.9, 1.1))
+        log.append((R, g, c0, c1))
+    return fb, log
+
+
+def share_of_best(log, accept: float) -> float:
+    """The mean rate of the steps' choices as a share of the best γ's (1.0: always the best)."""
+    out = []
+    for R, g, c0, c1 in log:
+        out.append(rate(g, accept, c0, c1) / max(rate(h, accept, c0, c1) for h in range(G + 1)))
+    return float(np.mean(out))
+
+
+def test_buckets_follow_the_number_of_rows():
+    assert [load_bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert [bucket_label(b) for b in range(4)] == ["1", "2", "3-4", "5-8"]
+
+
+def test_it_finds_each_buckets_best_gamma_from_a_wrong_prior():
+    """One row: drafts are cheap, the best γ is long; 16 rows: the target's tokens are dear, the best γ is short.
+    The prior favours γ = 6 by 30% in both; the measured rates win."""
+    costs = lambda t, R: (1.0, 0.1) if R == 1 else (3.0, 1.6)  # noqa: E731
+    fb, log = simulate(6000, lambda t: 1 if t % 2 else 16, 0.7, costs, wrong_arm=6)
+    for R in (1, 16):
+        c0, c1 = costs(0, R)
+        best = max(range(G + 1), key=lambda g: rate(g, 0.7, c0, c1))
+        learned = fb.best(load_bucket(R))
+        assert rate(learned, 0.7, c0, c1) >= 0.98 * rate(best, 0.7, c0, c1), (R, best, learned)
+        assert share_of_best([s for s in log[-2000:] if s[0] == R], 0.7) >= 0.97
+    assert {int(k) for k in fb.schedule()} == {1, 16}
+    assert 0 < fb.exploration_cost() <= 0.02  # what the pages state as the price of exploring
+
+
+def test_it_follows_a_change_of_costs_within_the_stated_steps():
+    change = 3000
+    fb, log = simulate(change + 2000, lambda t: 1, 0.8, lambda t, R: (1.0, 0.05 if t < change else 0.6))
+    assert share_of_best(log[change - 1000: change], 0.8) >= 0.97
+    windows = [share_of_best(log[t: t + 100], 0.8) for t in range(change, change + 2000 - 100, 50)]
+    back = next(i * 50 for i, w in enumerate(windows) if w >= 0.95)
+    assert back <= RECONVERGE_STEPS
+    assert min(windows[(RECONVERGE_STEPS + 100) // 50:]) >= 0.9  # and it stays there
+
+
+def test_settings_are_checked_in_one_line():
+    assert goodput_of("load_aware", False, 8) is None and goodput_of("load_aware", {"enabled": False}, 8) is None
+    fb = goodput_of("load_aware", {"discount": 0.99, "bonus": 0.1}, 8)
+    assert fb.discount == 0.99 and fb.arms == list(range(9)) + [PLAN]
+    with pytest.raises(ValueError, match="goodput has unknown keys \\['bonnus'\\]"):
+        goodput_of("load_aware", {"bonnus": 0.1}, 8)
+    with pytest.raises(ValueError, match="discount must be in"):
+        goodput_of("load_aware", {"discount": 1.5}, 8)
+
+
+@pytest.mark.parametrize("kind", ["marginal", "step", "tree"])
+def test_under_the_cost_driven_policies_it_is_lossless_and_measures_every_step(tmp_path, t32, eagle32, kind):
+    key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
+    path = tmp_path / "cost.json"
+    table(0.05, 0.5, key=key).save(path)
+    common = dict(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), online_costs=False,
+                  goodput={"bonus": 0.5})
+    pol = {"marginal": lambda: LoadAwareMarginal(max_gamma=4, explore_every=0, **common),
+           "step": lambda: LoadAwareStep(max_gamma=4, explore_every=0, **common),
+           "tree": lambda: TreeBudgetPolicy(depth=4, **common)}[kind]()
+    prompts = prompts_of((3, 11, 6, 8, 4, 9), seed=7)
+    eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=pol)
+    from ldlp.bench.workload import run_workload
+
+    res = run_workload(eng, prompts, 3, 16)
+    assert [o.tokens for o in res.outputs] == ar(t32, prompts, 16)
+    fb = pol.goodput
+    arms = {a for _, _, a in fb.history}
+    assert len(arms) > 1  # it tries more than one arm
+    summary = fb.summary()
+    measured = sum(a["steps"] > 0 for b in summary["buckets"].values() for a in b["arms"].values())
+    assert measured >= len(arms) - 1 and summary["exploration"]["steps"] > 0  # rewards reached it from the engine
