@@ -58,6 +58,11 @@ def main(cfg: DictConfig) -> None:
         print(f"wrote {out}/" + ", ".join(written(out)))
         return
     threads = start(cfg)
+    serving = cfg.get("serving")
+    if serving:  # open loop: the traces checked now, before anything loads
+        from ldlp.bench.serving import check_trace
+
+        traces = {name: check_trace(name, spec) for name, spec in serving.traces.items()}
     # the raw values, checked before anything loads (a 1.5 is refused, not truncated); None: the generation's T
     temperatures = check_sweep_args(list(cfg.concurrency), cfg.get("temperatures"), cfg.blocks, cfg.rounds,
                                     cfg.generation.max_new_tokens, cfg.bootstrap)
@@ -101,6 +106,8 @@ def main(cfg: DictConfig) -> None:
         probes[label] = probe
     check_contenders(contenders, int(cfg.generation.max_new_tokens))
     out = cfg.out_dir or HydraConfig.get().runtime.output_dir
+    if serving:
+        return serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads)
     # one run at a time writes the folder (the page it prints is its own): taken once the settings and the
     # prompts are checked, before anything loads
     with out_dir_lock(out):
@@ -128,6 +135,46 @@ def main(cfg: DictConfig) -> None:
         write(result, out, meta)
         print(Path(out, "batch_bench.md").read_text())
         print(f"wrote {out}/" + ", ".join(written(out)))
+
+
+def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads) -> None:
+    """``serving=...``: every contender of this engine on the arrival traces (ldlp/bench/serving.py)."""
+    import sys
+
+    from eagle_backbone.candidates import make_candidates
+    from ldlp.bench.loaders import load_pair_cached, machine_info, prepare_cost_tables, sampling_config
+    from ldlp.bench.serving import serve
+    from ldlp.pipeline.processes import out_dir_lock
+    from ldlp.report.serving import OUTPUT_FILES, write
+
+    sv = cfg.serving
+    peers = [c.label for c in contenders if c.runner is not None]
+    skipped = skipped + [{"contender": p, "why": "a peer engine runs closed-loop only here"} for p in peers]
+    mine = [c for c in contenders if c.runner is None]
+    with out_dir_lock(out):
+        pair = load_pair_cached(cfg.model)
+        candidates = pair.candidates
+        if getattr(candidates, "attn", str(cfg.attn)) != str(cfg.attn):
+            candidates = make_candidates(candidates.kind, pair.drafter, pair.target, str(cfg.attn))
+        prepare_cost_tables(probes.values(), pair.target, candidates, str(cfg.attn), int(sv.slots))
+        meta = {"model": cfg.model.name, "data": cfg.data.get("name"), "dtype": str(pair.target.dtype).split(".")[-1],
+                "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens),
+                "temperature": float(cfg.generation.get("temperature", 0.0)), "slots": int(sv.slots),
+                "rounds": int(sv.rounds), "warmup_rounds": int(sv.warmup_rounds), "threads": threads,
+                "cpu": machine_info().get("cpu"), "load_average": round(os.getloadavg()[0], 2),
+                "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
+
+        def save(result, with_plot=False):
+            write({**result, "skipped": skipped + result.get("skipped", [])}, out, meta, with_plot)
+
+        result = serve(pair.target, candidates, prompts, mine, traces, int(cfg.generation.max_new_tokens),
+                       sampling_config(cfg.generation), rounds=int(sv.rounds), warmup_rounds=int(sv.warmup_rounds),
+                       slots=int(sv.slots), seed=int(cfg.seed), attn=str(cfg.attn), log=log.info, checkpoint=save,
+                       bootstrap=int(cfg.bootstrap))
+        meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]
+        save(result, with_plot=True)
+    print(Path(out, "serving.md").read_text())
+    print(f"wrote {out}/" + ", ".join(f for f in OUTPUT_FILES if Path(out, f).exists()))
 
 
 if __name__ == "__main__":

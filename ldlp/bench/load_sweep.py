@@ -93,11 +93,11 @@ def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
 def replayed_labels(contenders: list[Contender]) -> set[str]:
     """The contenders whose policy is ``greedy_only`` (the oracles: they replay the engine with one slot in
     ``begin`` to know what the target accepts); the sweep warms their replays before the clocks start
-    (:func:`_warm_replays`) and runs them at T=0 only."""
+    (:func:`warm_replays`) and runs them at T=0 only."""
     return {c.label for c in contenders if c.make is not None and as_draft_policy(c.make).greedy_only}
 
 
-def _warm_replays(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
+def warm_replays(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
     """Run an oracle's ``begin`` on every prompt once, untimed, with a one-slot engine: its replays are shared by
     every instance (:class:`~ldlp.policies.oracles.KnownAcceptance`), so the engines' slots only look them up."""
     engine = BatchedSpeculativeEngine(target, candidates, slots=1, policy=c.make(), sampling=sampling)
@@ -264,7 +264,7 @@ class _Run:
             self.log(f"skipping {c.label}: its policy replays speculative decoding and no candidate generator was given")
             return None
         self.log(f"{c.label}: replaying the engine with one slot on {len(self.prompts)} prompts (untimed)")
-        return _warm_replays(c, self.target, self.candidates, self.prompts, self.max_new_tokens, samp)
+        return warm_replays(c, self.target, self.candidates, self.prompts, self.max_new_tokens, samp)
 
     # -- the timed runs --
 

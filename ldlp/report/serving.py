@@ -1,0 +1,130 @@
+"""The serving benchmark's folder (``scripts/bench_batch.py serving=ramp``): ``serving.json`` (rows, runs, the
+learners), ``serving.md`` and ``serving_learner.png`` (each goodput learner's choices over its last runs, with the
+load it saw), written from :func:`ldlp.bench.serving.serve`'s result. Nothing here measures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
+from ldlp.policies.goodput import PLAN, load_bucket
+
+OUTPUT_FILES = ("serving.json", "serving.md", "serving_learner.png")
+
+
+def _ratio(v: dict | None) -> str:
+    if not v:
+        return "–"
+    if v.get("ci95") is None:
+        return f"{v['ratio']:.3f} ({v['pairs']} pair)"
+    lo, hi = v["ci95"]
+    return f"{v['ratio']:.3f} ({lo:.3f}–{hi:.3f})"
+
+
+def markdown(result: dict, meta: dict) -> str:
+    status = "complete" if result.get("complete") else "incomplete (a stopped run: the rows so far)"
+    lines = ["# Serving: requests on arrival traces", "", f"Status: {status}.", "",
+             ", ".join(f"{k}: {v}" for k, v in meta.items() if k not in ("command",)), "",
+             f"Command: `{meta.get('command', '?')}`", "",
+             "Each trace's requests arrive open-loop (ldlp/bench/serving.py): gaps from a gamma distribution of mean "
+             "1/rate and shape `burstiness` (1: Poisson), the rate constant or ramping from low to peak and back. "
+             "Every contender serves the same trace in turns (the order rotating); a contender's policy lives across "
+             "its runs as a server keeps running, so the first rounds warm it and are left out of the rows. Throughput: "
+             "output tokens over first arrival to last token. TTFT: arrival to first token (queueing included); "
+             "TPOT: (last − first token) / (tokens − 1); E2E: arrival to last token. Ratios: paired over rounds, "
+             "95% bootstrap intervals.", ""]
+    for name, spec in result.get("traces", {}).items():
+        rate = "–".join(f"{r:g}" for r in spec["rate"])
+        lines += [f"## Trace `{name}`: {spec['requests']} requests, {spec['shape']} rate {rate}/s, burstiness "
+                  f"{spec['burstiness']:g}", ""]
+        rows = [r for r in result["rows"] if r["trace"] == name]
+        if not rows:
+            lines += ["No measured round yet.", ""]
+            continue
+        best = rows[0]["best_static"]
+        lines += [f"Best static γ on this trace: {best or '–'}.", "",
+                  "| contender | tokens/s | vs best static | vs AR | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+                  "E2E p50 / p99 ms | τ | rows mean | policy time | greedy identical |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            ident = "–" if r["identical"] is None else f"{r['identical']}/{r['n_requests']}"
+            lines.append(f"| {r['contender']} | {r['tokens_per_s']:.1f} | {_ratio(r.get('vs_best_static'))} | "
+                         f"{_ratio(r.get('vs_ar'))} | {r['ttft_ms_median']:.0f} / {r['ttft_ms_p99']:.0f} | "
+                         f"{r['tpot_ms_median']:.1f} / {r['tpot_ms_p99']:.1f} | {r['e2e_ms_median']:.0f} / "
+                         f"{r['e2e_ms_p99']:.0f} | {r['tau']:.2f} | {r['rows_mean']:.1f} | "
+                         f"{100 * r['policy_share']:.1f}% | {ident} |")
+        lines.append("")
+    learners = result.get("learners") or {}
+    if learners:
+        lines += ["## What the goodput learners learned", "",
+                  "Per load bucket (running rows), the arm of the best measured rate at the end of the run and the "
+                  "share of measured time lost to steps off it (the exploration's price; "
+                  "ldlp/policies/goodput.py). `plan`: the policy's own choice. As a vLLM Dynamic-SD style table "
+                  "(batch size up to → γ): the schedule column.", "",
+                  "| contender | best arm per bucket | schedule | exploration steps | exploration cost |",
+                  "|---|---|---|---:|---:|"]
+        for label, ln in learners.items():
+            if ln is None:
+                continue
+            best = ", ".join(f"{b}: {v['best']}" for b, v in ln["buckets"].items())
+            sched = ", ".join(f"≤{k}: {v}" for k, v in ln["schedule"].items())
+            ex = ln["exploration"]
+            lines.append(f"| {label} | {best} | {sched} | {ex['explore_steps']}/{ex['steps']} | "
+                         f"{100 * ex['cost']:.2f}% |")
+        lines += ["", "![the learners' choices over time](serving_learner.png)", ""]
+    if result.get("skipped"):
+        lines += ["Skipped: " + "; ".join(f"{s['contender']} ({s['why']})" for s in result["skipped"]), ""]
+    return "\n".join(lines)
+
+
+def plot_learners(result: dict, path: str | Path) -> Path | None:
+    """Per goodput contender and trace (its last run): the arm chosen at each step (chains by γ, ``plan`` above
+    them) over the step index, coloured by the load bucket, with the running rows on a second axis."""
+    runs = {}
+    for r in result["runs"]:
+        if r.get("learner_span"):
+            runs[(r["contender"], r["trace"])] = r  # the last run of each
+    learners = result.get("learners") or {}
+    if not runs or not learners:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(runs)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        run = runs[key]
+        a, b = run["learner_span"]
+        hist = learners[key[0]]["history"][a:b]
+        if not hist:
+            continue
+        top = max((x for _, _, x in hist if x != PLAN), default=0) + 1
+        steps = list(range(len(hist)))
+        arms = [top if x == PLAN else x for _, _, x in hist]
+        buckets = [load_bucket(rows) for _, rows, _ in hist]
+        sc = ax.scatter(steps, arms, c=buckets, s=4, cmap="viridis")
+        ax.set_yticks(list(range(top + 1)), [str(g) for g in range(top)] + ["plan"])
+        ax.set_ylabel("arm (γ)")
+        ax.set_title(f"{key[0]} on {key[1]} (last run)")
+        ax2 = ax.twinx()
+        ax2.plot(steps, [rows for _, rows, _ in hist], color="grey", alpha=0.5, lw=0.8)
+        ax2.set_ylabel("running rows")
+        fig.colorbar(sc, ax=ax, label="load bucket", pad=0.08)
+    axes[-1, 0].set_xlabel("step of the run")
+    fig.tight_layout()
+    with atomic_path(path, keep_suffix=True) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def write(result: dict, out_dir: str | Path, meta: dict, with_plot: bool = True) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "serving.json", {"meta": meta, **result})
+    atomic_write_text(out / "serving.md", markdown(result, meta))
+    if with_plot:
+        plot_learners(result, out / "serving_learner.png")
+    return out

@@ -1,0 +1,99 @@
+"""The open-loop serving workload (ldlp/bench/serving.py, scripts/bench_batch.py serving=...): seeded arrival
+traces of the asked shape, requests admitted when they arrive and queued while the slots are full, greedy outputs
+identical to the target's own, the paired rows and the page. Tiny float32 models; no wall-clock threshold."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from test_batched import ar, prompts_of
+from test_load_aware import table
+
+from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.cost import cost_key
+from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.errors import ConfigError
+from eagle_backbone.policy import StaticPolicy
+from ldlp.bench.load_sweep import Contender
+from ldlp.bench.serving import arrival_times, check_trace, run_serving, serve
+from ldlp.policies.load_aware import LoadAwareStep
+from ldlp.report.serving import markdown, plot_learners
+
+torch.set_num_threads(1)
+
+
+def test_traces_are_seeded_and_have_the_asked_shape():
+    ramp = check_trace("ramp", {"requests": 2001, "rate": [1.0, 20.0], "shape": "ramp", "seed": 3})
+    t = arrival_times(ramp)
+    assert t[0] == 0 and (np.diff(t) >= 0).all() and np.array_equal(t, arrival_times(ramp))
+    gaps = np.diff(t)
+    # the middle of a ramp arrives ~20x as fast as its ends
+    assert gaps[:200].mean() > 5 * gaps[900:1100].mean() and gaps[-200:].mean() > 5 * gaps[900:1100].mean()
+    poisson = arrival_times(check_trace("p", {"requests": 4000, "rate": 5.0}))
+    bursty = arrival_times(check_trace("b", {"requests": 4000, "rate": 5.0, "burstiness": 0.2}))
+    for x in (poisson, bursty):  # the same mean rate
+        assert np.diff(x).mean() == pytest.approx(0.2, rel=0.1)
+    cv = lambda x: np.diff(x).std() / np.diff(x).mean()  # noqa: E731
+    assert cv(poisson) == pytest.approx(1.0, abs=0.1) and cv(bursty) > 1.8  # burstier: gaps vary more
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"requests": 0, "rate": 1.0}, "traces.x.requests must be an integer >= 1"),
+    ({"requests": 4, "rate": 1.0, "shape": "ramp"}, r"traces.x.rate must be \[low, peak\]"),
+    ({"requests": 4, "rate": -1.0}, "traces.x.rate must be a number > 0"),
+    ({"requests": 4, "rate": 1.0, "burstiness": 0}, "traces.x.burstiness must be a number > 0"),
+    ({"requests": 4, "rate": 1.0, "sahpe": "ramp"}, r"traces.x: unknown keys \['sahpe'\]"),
+])
+def test_bad_traces_are_one_line_errors(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        check_trace("x", spec)
+
+
+def test_requests_wait_for_their_arrival_and_for_a_free_slot(t32, eagle32):
+    prompts = prompts_of((4, 7, 5, 9, 6), seed=4)
+    slept = []  # a clock that a sleep moves on at once
+    clock = lambda: time.perf_counter() + sum(slept)  # noqa: E731
+    eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=2, policy=StaticPolicy(3))
+    # three at once (two slots: one queues), then two after a pause with nothing running
+    res = run_serving(eng, prompts, [0.0, 0.0, 0.0, 30.0, 30.0], 10, clock=clock, sleep=slept.append)
+    assert [o.tokens for o in res.outputs] == ar(t32, prompts, 10)
+    assert len(slept) == 1 and res.idle_s > 0  # it waited for the last two instead of spinning
+    assert max(n for _, n, _ in res.timeline) == 2 and max(q for _, _, q in res.timeline) == 1
+    s = res.summary()
+    assert len(res.ttft_s) == len(res.e2e_s) == 5 and s["tpot_ms_median"] > 0 and s["ttft_ms_p99"] >= s["ttft_ms_median"]
+    assert 0 < min(res.ttft_s) and max(res.e2e_s) < 30  # latencies from arrival, the pause not in them
+    assert res.wall_s > 30
+    with pytest.raises(ValueError, match="nondecreasing"):
+        run_serving(eng, prompts[:2], [1.0, 0.0], 4)
+
+
+def test_contenders_serve_the_same_trace_in_turns_losslessly(tmp_path, t32, eagle32):
+    key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
+    path = tmp_path / "cost.json"
+    table(0.05, 0.5, key=key).save(path)
+    contenders = [Contender("ar", "ar", 0, None),
+                  Contender("static γ=2", "static", 2, lambda: StaticPolicy(2)),
+                  Contender("static γ=4", "static", 4, lambda: StaticPolicy(4)),
+                  Contender("load_aware_step", "load_aware", None, lambda: LoadAwareStep(
+                      cost_dir=str(tmp_path), model="tiny", cost_table=str(path), online_costs=False, max_gamma=4,
+                      goodput=True))]
+    prompts = prompts_of((3, 8, 5, 6, 4, 7), seed=9)
+    traces = {"ramp": {"requests": 6, "rate": [50.0, 400.0], "shape": "ramp"}}
+    result = serve(t32, EagleCandidateGenerator(eagle32, t32), prompts, contenders, traces, 12, rounds=2,
+                   warmup_rounds=1, slots=3, log=lambda m: None, bootstrap=50)
+    assert len(result["runs"]) == 3 * 4 and all(r["identical"] == 6 for r in result["runs"])
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert set(rows) == {c.label for c in contenders} and all(r["rounds"] == 2 for r in rows.values())
+    best = rows["ar"]["best_static"]
+    assert best in ("static γ=2", "static γ=4") and rows[best]["vs_best_static"]["ratio"] == 1.0
+    assert rows["load_aware_step"]["vs_ar"]["pairs"] == 2
+    # the learner lived across the runs: its history spans them all, each run's span inside it
+    learner = result["learners"]["load_aware_step"]
+    spans = [r["learner_span"] for r in result["runs"] if r["contender"] == "load_aware_step"]
+    assert spans[0][0] == 0 and spans[-1][1] == len(learner["history"]) and learner["buckets"]
+    page = markdown(result, {"model": "tiny", "command": "python scripts/bench_batch.py serving=ramp"})
+    assert "## Trace `ramp`" in page and "What the goodput learners learned" in page
+    assert plot_learners(result, tmp_path / "learner.png").is_file()
