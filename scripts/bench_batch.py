@@ -101,6 +101,9 @@ def main(cfg: DictConfig) -> None:
             label += " (hindsight costs)"
         elif pcfg.get("online_costs") is False:  # the same policy on the profiled table as it is
             label += " (profiled table)"
+        if "goodput" in pcfg and not (pcfg.goodput.get("enabled", True) if OmegaConf.is_dict(pcfg.goodput)
+                                      else pcfg.goodput):  # the ablation: the plan alone
+            label += " (no feedback)"
         contenders.append(Contender(engine_label(label, own), name, gamma, lambda pcfg=pcfg: build_policy(pcfg),
                                     engine=settings))
         probes[label] = probe

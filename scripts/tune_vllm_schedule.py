@@ -39,6 +39,13 @@ def _heldout(cfg: DictConfig) -> list[dict]:
     return out
 
 
+def _learned(cfg: DictConfig) -> dict:
+    """The goodput learners' schedules of a serving run (``learned``: its folder), for the page."""
+    from ldlp.bench.vllm_schedule import learned_schedules
+
+    return learned_schedules(cfg.learned) if cfg.get("learned") else {}
+
+
 def _stop_ids(target: Path) -> set[int]:
     """The target's stop tokens as TargetModel reads them: generation_config.json's eos_token_id, else
     config.json's."""
@@ -97,7 +104,7 @@ def _refit(cfg: DictConfig, out: Path) -> None:
     rec["snippet"] = snippet(rec["schedule"], rec["k_max"], rec["meta"].get("drafter", "eagle"))
     files = write_schedule(rec, out, rec["meta"].get("drafter", "eagle"))
     (out / "tuning.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    page = write(rec, out, _heldout(cfg))
+    page = write(rec, out, _heldout(cfg), _learned(cfg))
     print(f"schedule: {rec['schedule']} (num_speculative_tokens {rec['k_max']}), chosen again from {out}")
     print("wrote " + ", ".join(str(p) for p in [*files, out / "tuning.json", page]))
 
@@ -114,7 +121,7 @@ def main(cfg: DictConfig) -> None:
         if not (out / "tuning.json").is_file():
             raise ConfigError(f"render_only=true: {out / 'tuning.json'} does not exist (run the tuner first)")
         rec = json.loads((out / "tuning.json").read_text())
-        page = write(rec, out, _heldout(cfg))
+        page = write(rec, out, _heldout(cfg), _learned(cfg))
         print(f"wrote {page}")
         return
     if cfg.refit:  # the schedule again from the folder's traced steps and counters: nothing runs
@@ -194,7 +201,7 @@ def main(cfg: DictConfig) -> None:
     with gzip.open(out / "trace.json.gz", "wt") as f:  # vLLM's traced steps (STEP_FIELDS), per grid call
         json.dump(rec.pop("trace"), f)
     (out / "tuning.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    page = write(rec, out, _heldout(cfg))
+    page = write(rec, out, _heldout(cfg), _learned(cfg))
     print(f"schedule: {rec['schedule']} (num_speculative_tokens {rec['k_max']}); tuning took {rec['tuning_s']:.0f} s")
     print("wrote " + ", ".join(str(p) for p in [*files, out / "tuning.json", out / "trace.json.gz", page]))
 

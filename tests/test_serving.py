@@ -19,8 +19,10 @@ from eagle_backbone.errors import ConfigError
 from eagle_backbone.policy import StaticPolicy
 from ldlp.bench.load_sweep import Contender
 from ldlp.bench.serving import arrival_times, check_trace, run_serving, serve
+from ldlp.bench.vllm_schedule import learned_schedules, load_schedule, ranges_from_table
 from ldlp.policies.load_aware import LoadAwareStep
-from ldlp.report.serving import markdown, plot_learners
+from ldlp.report.serving import markdown, plot_learners, write
+from ldlp.report.vllm_schedule import learned_lines
 
 torch.set_num_threads(1)
 
@@ -97,3 +99,16 @@ def test_contenders_serve_the_same_trace_in_turns_losslessly(tmp_path, t32, eagl
     page = markdown(result, {"model": "tiny", "command": "python scripts/bench_batch.py serving=ramp"})
     assert "## Trace `ramp`" in page and "What the goodput learners learned" in page
     assert plot_learners(result, tmp_path / "learner.png").is_file()
+    # what the learner learned, as a vLLM Dynamic-SD schedule that the vLLM contender loads as it is
+    write(result, tmp_path / "out", {"model": "tiny"})
+    (f,) = (tmp_path / "out").glob("learned_schedule_*.json")
+    sched = load_schedule(f)
+    assert sched["ranges"][0][0] == 1 and sched["ranges"] == learned_schedules(tmp_path / "out")["load_aware_step"]["ranges"]
+    rec = {"max_batch": 4, "k_max": 3, "schedule": [(1, 2, 3), (3, 4, 1)]}
+    assert "| tuned here (`1-2:3,3-4:1`) | 3 | 3 | 1 | 1 |" in "\n".join(learned_lines(rec, learned_schedules(
+        tmp_path / "out")))
+
+
+def test_a_learned_table_becomes_ranges():
+    assert ranges_from_table({1: 4, 2: 4, 4: 3, 8: 1, 16: 1}) == [(1, 2, 4), (3, 4, 3), (5, 16, 1)]
+    assert ranges_from_table({"1": 0}) == [(1, 1, 0)]

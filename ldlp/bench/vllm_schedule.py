@@ -136,6 +136,38 @@ def dense_lookup(ranges, max_batch: int, k_max: int) -> list[int]:
     return [min(int(k_max), int([k for a, _, k in srt if a <= b][-1])) for b in range(1, int(max_batch) + 1)]
 
 
+def ranges_from_table(table: dict) -> list[tuple[int, int, int]]:
+    """A table from the largest batch size of each bucket to its K (a goodput learner's schedule,
+    :meth:`ldlp.policies.goodput.GoodputFeedback.schedule`) as checked ranges, equal neighbours merged: {1: 4, 2: 4,
+    4: 3, 8: 1} gives [(1, 2, 4), (3, 4, 3), (5, 8, 1)]. vLLM carries the last K past the last range."""
+    out, lo = [], 1
+    for hi, k in sorted((int(b), int(k)) for b, k in table.items()):
+        if out and out[-1][2] == k:
+            out[-1] = (out[-1][0], hi, k)
+        else:
+            out.append((lo, hi, k))
+        lo = hi + 1
+    return check_schedule(out, where="learned schedule")
+
+
+def learned_schedules(serving_json: str | Path) -> dict:
+    """{contender: {"ranges", "snippet"}} of every goodput learner in a serving run's ``serving.json``
+    (``scripts/bench_batch.py serving=...``), or a one-line ValueError when the file is not one."""
+    path = Path(serving_json)
+    if path.is_dir():
+        path = path / "serving.json"
+    if not path.is_file():
+        raise ValueError(f"learned: {path} does not exist (a serving run's folder: scripts/bench_batch.py serving=ramp)")
+    rec = json.loads(path.read_text())
+    out = {}
+    for label, ln in (rec.get("learners") or {}).items():
+        if ln and ln.get("schedule"):
+            ranges = ranges_from_table(ln["schedule"])
+            out[label] = {"ranges": ranges, "snippet": snippet(ranges, max(1, max(k for _, _, k in ranges))),
+                          "source": str(path)}
+    return out
+
+
 def schedule_tag(ranges) -> str:
     """A short name: ``1-3:3,4-32:1``."""
     return ",".join(f"{a}-{b}:{k}" for a, b, k in ranges)

@@ -121,10 +121,17 @@ def plot_learners(result: dict, path: str | Path) -> Path | None:
 
 
 def write(result: dict, out_dir: str | Path, meta: dict, with_plot: bool = True) -> Path:
+    """serving.json, serving.md, the learners' plot and each learner's schedule as a vLLM ``speculative_config``
+    (``learned_schedule_<contender>.json``: ``engine=vllm spec.schedule=FILE`` runs it)."""
+    from ldlp.bench.vllm_schedule import learned_schedules
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "serving.json", {"meta": meta, **result})
     atomic_write_text(out / "serving.md", markdown(result, meta))
+    for label, sched in learned_schedules(out).items():
+        slug = "".join(ch if ch.isalnum() else "_" for ch in label).strip("_")
+        atomic_write_json(out / f"learned_schedule_{slug}.json", sched["snippet"])
     if with_plot:
         plot_learners(result, out / "serving_learner.png")
     return out

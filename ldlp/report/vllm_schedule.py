@@ -177,7 +177,32 @@ def heldout_lines(h: dict, tuned_on: str) -> list[str]:
     return lines
 
 
-def markdown(rec: dict, heldout: list[dict] | dict | None = None) -> str:
+def learned_lines(rec: dict, learned: dict) -> list[str]:
+    """This page's schedule beside each goodput learner's (a serving run's, :func:`ldlp.bench.vllm_schedule.
+    learned_schedules`): the K each gives at every batch size."""
+    from ldlp.bench.vllm_schedule import dense_lookup
+
+    if not learned:
+        return []
+    top = int(rec["max_batch"])
+    sizes = [b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if b <= top]
+    mine = dense_lookup(rec["schedule"], top, int(rec["k_max"]))
+    lines = ["", "## Beside the goodput learners' schedules", "",
+             "The K at each batch size: this page's tuned schedule, and the best static γ per load bucket each goodput "
+             f"learner measured while serving (`{next(iter(learned.values()))['source']}`; its "
+             "`learned_schedule_*.json` run with `engine=vllm spec.schedule=FILE`). The learners measured this "
+             "engine's steps, not vLLM's: where they agree, the two ways of choosing agree.", "",
+             "| schedule | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes),
+             f"| tuned here (`{schedule_tag(rec['schedule'])}`) | " + " | ".join(str(mine[b - 1]) for b in sizes) + " |"]
+    for label, sched in learned.items():
+        k = max(x for _, _, x in sched["ranges"])
+        dense = dense_lookup(sched["ranges"], top, k)
+        lines.append(f"| learned: {label} (`{schedule_tag(sched['ranges'])}`) | "
+                     + " | ".join(str(dense[b - 1]) for b in sizes) + " |")
+    return lines
+
+
+def markdown(rec: dict, heldout: list[dict] | dict | None = None, learned: dict | None = None) -> str:
     meta = rec.get("meta", {})
     snip = rec.get("snippet")
     lines = ["# vLLM Dynamic SD schedule, tuned on this machine", "",
@@ -222,10 +247,11 @@ def markdown(rec: dict, heldout: list[dict] | dict | None = None) -> str:
                   "contenders on prompts the tuner never saw; a schedule is named by its ranges."]
     for h in heldout:
         lines += heldout_lines(h, meta.get("data", "?"))
+    lines += learned_lines(rec, learned or {})
     return "\n".join(lines) + "\n"
 
 
-def write(rec: dict, out: str | Path, heldout: list[dict] | dict | None = None) -> Path:
+def write(rec: dict, out: str | Path, heldout: list[dict] | dict | None = None, learned: dict | None = None) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    return atomic_write_text(out / "vllm_schedule.md", markdown(rec, heldout))
+    return atomic_write_text(out / "vllm_schedule.md", markdown(rec, heldout, learned))
