@@ -117,3 +117,28 @@ def test_under_the_cost_driven_policies_it_is_lossless_and_measures_every_step(t
     summary = fb.summary()
     measured = sum(a["steps"] > 0 for b in summary["buckets"].values() for a in b["arms"].values())
     assert measured >= len(arms) - 1 and summary["exploration"]["steps"] > 0  # rewards reached it from the engine
+
+
+def test_the_load_sweep_keeps_one_learner_per_contender_across_its_runs(tmp_path, t32, eagle32):
+    from eagle_backbone.candidates import EagleCandidateGenerator
+    from ldlp.bench.load_sweep import Contender, sweep
+
+    key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
+    path = tmp_path / "cost.json"
+    table(0.05, 0.5, key=key).save(path)
+    made = []
+
+    def make():
+        made.append(LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), online_costs=False,
+                                  max_gamma=3, goodput=True))
+        return made[-1]
+
+    contenders = [Contender("ar", "ar", 0, None), Contender("load_aware_step", "load_aware", None, make)]
+    result = sweep(t32, EagleCandidateGenerator(eagle32, t32), prompts_of((3, 5, 4, 6, 7, 2), seed=1), contenders,
+                   [1, 2], 8, rounds=2, blocks=2, log=lambda m: None, bootstrap=20)
+    (ln,) = result["learners"].values()
+    timed = made[-2 * 2 * 2:]  # rounds x C x blocks (before them: a probe and the warm-up engine's, their own)
+    assert len({id(p.goodput) for p in timed}) == 1 and timed[0].goodput is not made[0].goodput
+    assert ln["exploration"]["steps"] == sum(r["engine_steps"] for r in result["runs"]
+                                             if r["contender"] == "load_aware_step")
+    assert {"1", "2"} <= set(ln["buckets"])  # a bucket per load

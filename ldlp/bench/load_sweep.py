@@ -51,6 +51,7 @@ from eagle_backbone.step_cost import OnlineCostModel, StepRecord
 from ldlp.bench.load_aggregate import aggregate_runs
 from ldlp.bench.step_costs import hindsight_model, run_step_costs, step_cost_rows
 from ldlp.bench.workload import run_workload
+from ldlp.policies.goodput import adopt
 
 
 @dataclass
@@ -230,6 +231,8 @@ class _Run:
     # cost-driven policy warm-starts it from its table and plans with it; for the others it only predicts)
     cost_models: dict[str, OnlineCostModel] = field(default_factory=dict)
     records: list[StepRecord] = field(default_factory=list)  # every timed step, for the costs in hindsight
+    # each contender's goodput learner per T (ldlp/policies/goodput.py), kept across its runs like the costs
+    learners: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.seeds = [self.seed + i for i in range(len(self.prompts))]
@@ -301,6 +304,10 @@ class _Run:
         age = model.seen
         eng = BatchedSpeculativeEngine(self.target, self.candidates, slots=C, policy=c.make, sampling=samp,
                                        capacity=self.capacity, attn=self.attn, cost_model=model, **c.engine)
+        key = (c.label, samp.temperature)
+        learner = adopt(eng.policy, self.learners.get(key))
+        if learner is not None:
+            self.learners[key] = learner
         res = run_workload(eng, [self.prompts[i] for i in idx], C, self.max_new_tokens, [self.seeds[i] for i in idx])
         summ = res.summary()
         summ["step_costs"] = run_step_costs(eng.step_log, age)
@@ -346,7 +353,9 @@ class _Run:
     def result(self, rows: list[dict], rounds_done: float, rounds: int) -> dict:
         return {"rows": rows, "differences": list(self.diffs.values()), "runs": self.runs, "skipped": self.skipped,
                 "rounds_done": rounds_done, "rounds": rounds, "complete": False, "cost_tables": self.cost_tables,
-                "profiles": self.profiles, "step_costs": step_cost_rows(self.runs)}
+                "profiles": self.profiles, "step_costs": step_cost_rows(self.runs),
+                "learners": {f"{lab} T={T:g}": {**ln.summary(), "schedule": {str(k): v for k, v in ln.schedule().items()}}
+                             for (lab, T), ln in self.learners.items()}}
 
 
 def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contender],

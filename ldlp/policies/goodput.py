@@ -179,6 +179,18 @@ class GoodputFeedback:
         return out
 
 
+def adopt(policy, learner: GoodputFeedback | None) -> GoodputFeedback | None:
+    """Give ``policy`` (a cost-driven policy with goodput feedback) the ``learner`` another instance of it has
+    been filling (a benchmark builds a policy per run; a server keeps one learner): returns the learner it now
+    holds (its own when ``learner`` is None), or None for a policy without feedback."""
+    own = getattr(policy, "goodput", None)
+    if own is None:
+        return None
+    if learner is not None and learner is not own:
+        policy.goodput, policy._reward = learner, StepReward(learner)
+    return policy.goodput
+
+
 class StepReward:
     """The policy's side of the loop: the tokens a step emitted (from ``observe``) and its milliseconds (from the
     engine's timing hook), the prompt chunks it also prefilled priced off by the cost model."""

@@ -320,9 +320,28 @@ def markdown(result: dict, meta: dict | None = None) -> str:
         for lab, worst in shares.items():
             lines.append(f"- {lab}: {100 * worst['policy_share']:.2f}% (C={worst['concurrency']}, "
                          f"T={worst['temperature']:g})")
+    lines += _learner_lines(result)
     lines += step_cost_page.markdown_lines(result)
     lines += step_cost_page.decomposition_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def _learner_lines(result: dict) -> list[str]:
+    """The goodput learners (ldlp/policies/goodput.py), one per cost-driven contender and T, kept across its runs:
+    the best arm they measured per load bucket and the time their exploration cost."""
+    learners = result.get("learners") or {}
+    if not learners:
+        return []
+    lines = ["", "## Goodput feedback", "",
+             "Each cost-driven contender's learner (one per T, kept across its runs as its step-cost model is): per "
+             "load bucket (running rows) the arm of the best measured tokens/s (`plan`: the policy's own choice), and "
+             "the share of the measured time lost to steps off it (exploration).", "",
+             "| contender | best arm per bucket | exploration steps | exploration cost |", "|---|---|---:|---:|"]
+    for lab, ln in learners.items():
+        ex = ln["exploration"]
+        best = ", ".join(f"{b}: {v['best']}" for b, v in ln["buckets"].items())
+        lines.append(f"| {lab} | {best} | {ex['explore_steps']}/{ex['steps']} | {100 * ex['cost']:.2f}% |")
+    return lines
 
 
 def check_markdown(rows: list[dict]) -> str:
