@@ -139,6 +139,8 @@ def test_the_load_sweep_keeps_one_learner_per_contender_across_its_runs(tmp_path
     (ln,) = result["learners"].values()
     timed = made[-2 * 2 * 2:]  # rounds x C x blocks (before them: a probe and the warm-up engine's, their own)
     assert len({id(p.goodput) for p in timed}) == 1 and timed[0].goodput is not made[0].goodput
-    assert ln["exploration"]["steps"] == sum(r["engine_steps"] for r in result["runs"]
-                                             if r["contender"] == "load_aware_step")
+    # every run's steps reach the one learner (less those it cannot price: a prompt joined with no cost model to
+    # take its price off, a step with nothing to draft)
+    steps = sum(r["engine_steps"] for r in result["runs"] if r["contender"] == "load_aware_step")
+    assert steps / 2 < ln["exploration"]["steps"] <= steps
     assert {"1", "2"} <= set(ln["buckets"])  # a bucket per load
