@@ -54,6 +54,13 @@ def main(cfg: DictConfig) -> None:
         if not cfg.out_dir:
             raise ConfigError("render_only=true needs out_dir=DIR (a load sweep's results folder)")
         with out_dir_lock(cfg.out_dir):  # no run is writing the folder meanwhile
+            if cfg.get("serving"):
+                from ldlp.report.serving import OUTPUT_FILES
+                from ldlp.report.serving import render as render_serving
+
+                out = render_serving(cfg.out_dir)
+                print(f"wrote {out}/" + ", ".join(f for f in OUTPUT_FILES if Path(out, f).exists()))
+                return
             out = render(cfg.out_dir)
         print(f"wrote {out}/" + ", ".join(written(out)))
         return

@@ -21,7 +21,7 @@ from ldlp.bench.load_sweep import Contender
 from ldlp.bench.serving import arrival_times, check_trace, run_serving, serve
 from ldlp.bench.vllm_schedule import learned_schedules, load_schedule, ranges_from_table
 from ldlp.policies.load_aware import LoadAwareStep
-from ldlp.report.serving import markdown, plot_learners, write
+from ldlp.report.serving import markdown, plot_learners, render, write
 from ldlp.report.vllm_schedule import learned_lines
 
 torch.set_num_threads(1)
@@ -101,6 +101,8 @@ def test_contenders_serve_the_same_trace_in_turns_losslessly(tmp_path, t32, eagl
     assert plot_learners(result, tmp_path / "learner.png").is_file()
     # what the learner learned, as a vLLM Dynamic-SD schedule that the vLLM contender loads as it is
     write(result, tmp_path / "out", {"model": "tiny"})
+    assert render(tmp_path / "out") == tmp_path / "out"  # again from serving.json alone
+    assert "vs best static, busy" in (tmp_path / "out" / "serving.md").read_text()
     (f,) = (tmp_path / "out").glob("learned_schedule_*.json")
     sched = load_schedule(f)
     assert sched["ranges"][0][0] == 1 and sched["ranges"] == learned_schedules(tmp_path / "out")["load_aware_step"]["ranges"]

@@ -102,8 +102,10 @@ class ServingResult:
         drafted = sum(o.stats.drafted_tokens for o in self.outputs)
         accepted = sum(o.stats.accepted_tokens for o in self.outputs)
         forwards = sum(o.stats.target_forwards for o in self.outputs)
+        busy = self.wall_s - self.idle_s
         return {"new_tokens": self.new_tokens, "wall_s": self.wall_s,
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0,
+                "tokens_per_busy_s": self.new_tokens / busy if busy > 0 else 0.0,
                 "steps": self.steps, "idle_s": self.idle_s, "drafted_tokens": drafted, "accepted_tokens": accepted,
                 "tau": (accepted + forwards) / forwards if forwards else 0.0,
                 "rows_mean": float(np.mean(rows)) if rows else 0.0, "rows_max": max(rows, default=0),
@@ -252,7 +254,8 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
 def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list[dict]:
     """Per trace and contender, over the measured (not warm-up) rounds: medians of the run metrics, and the
     throughput ratio to the trace's best static γ (best by total tokens/s) with a paired bootstrap interval over
-    rounds, and to batched AR."""
+    rounds, and to batched AR; the same over busy seconds (the run's seconds less those with nothing in flight:
+    open loop, a contender that keeps up serves what arrives, and the busy seconds are where it differs)."""
     from eagle_backbone.timing import paired_ratio
 
     measured = [r for r in runs if not r["warmup"]]
@@ -266,12 +269,16 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
         def rate(rs):
             return sum(r["new_tokens"] for r in rs) / sum(r["wall_s"] for r in rs)
 
+        def busy(r):
+            return r["wall_s"] - r["idle_s"]
+
         statics = [c for c, rs in complete.items() if rs[0]["policy"] == "static"]
         best = max(statics, key=lambda c: rate(complete[c])) if statics else None
         ar = next((c for c, rs in complete.items() if rs[0]["policy"] == "ar"), None)
         for c, rs in by.items():
             row = {"trace": trace, "contender": c, "policy": rs[0]["policy"], "gamma": rs[0]["gamma"],
                    "rounds": len(rs), "tokens_per_s": rate(rs), "best_static": best,
+                   "tokens_per_busy_s": sum(r["new_tokens"] for r in rs) / sum(busy(r) for r in rs),
                    "identical": None if rs[0]["identical"] is None else sum(r["identical"] for r in rs),
                    "n_requests": sum(r["n_requests"] for r in rs),
                    "policy_share": sum(r["policy_s"] for r in rs) / sum(r["wall_s"] - r["idle_s"] for r in rs)}
@@ -285,5 +292,8 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
                 row[name] = paired_ratio([r["new_tokens"] for r in num], [r["wall_s"] for r in num],
                                          [r["new_tokens"] for r in den], [r["wall_s"] for r in den],
                                          bootstrap=bootstrap, seed=seed)
+                row[name + "_busy"] = paired_ratio([r["new_tokens"] for r in num], [busy(r) for r in num],
+                                                   [r["new_tokens"] for r in den], [busy(r) for r in den],
+                                                   bootstrap=bootstrap, seed=seed)
             out.append(row)
     return out

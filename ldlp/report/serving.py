@@ -30,7 +30,9 @@ def markdown(result: dict, meta: dict) -> str:
              "1/rate and shape `burstiness` (1: Poisson), the rate constant or ramping from low to peak and back. "
              "Every contender serves the same trace in turns (the order rotating); a contender's policy lives across "
              "its runs as a server keeps running, so the first rounds warm it and are left out of the rows. Throughput: "
-             "output tokens over first arrival to last token. TTFT: arrival to first token (queueing included); "
+             "output tokens over first arrival to last token; busy: over the seconds with a request in flight (open "
+             "loop, a contender that keeps up serves what arrives, so its throughput is the trace's; the busy "
+             "seconds are where it differs). TTFT: arrival to first token (queueing included); "
              "TPOT: (last − first token) / (tokens − 1); E2E: arrival to last token. Ratios: paired over rounds, "
              "95% bootstrap intervals.", ""]
     for name, spec in result.get("traces", {}).items():
@@ -43,13 +45,15 @@ def markdown(result: dict, meta: dict) -> str:
             continue
         best = rows[0]["best_static"]
         lines += [f"Best static γ on this trace: {best or '–'}.", "",
-                  "| contender | tokens/s | vs best static | vs AR | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-                  "E2E p50 / p99 ms | τ | rows mean | policy time | greedy identical |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| contender | tokens/s | vs best static | tokens/busy s | vs best static, busy | vs AR, busy | "
+                  "TTFT p50 / p99 ms | TPOT p50 / p99 ms | E2E p50 / p99 ms | τ | rows mean | policy time | "
+                  "greedy identical |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             ident = "–" if r["identical"] is None else f"{r['identical']}/{r['n_requests']}"
             lines.append(f"| {r['contender']} | {r['tokens_per_s']:.1f} | {_ratio(r.get('vs_best_static'))} | "
-                         f"{_ratio(r.get('vs_ar'))} | {r['ttft_ms_median']:.0f} / {r['ttft_ms_p99']:.0f} | "
+                         f"{r['tokens_per_busy_s']:.1f} | {_ratio(r.get('vs_best_static_busy'))} | "
+                         f"{_ratio(r.get('vs_ar_busy'))} | {r['ttft_ms_median']:.0f} / {r['ttft_ms_p99']:.0f} | "
                          f"{r['tpot_ms_median']:.1f} / {r['tpot_ms_p99']:.1f} | {r['e2e_ms_median']:.0f} / "
                          f"{r['e2e_ms_p99']:.0f} | {r['tau']:.2f} | {r['rows_mean']:.1f} | "
                          f"{100 * r['policy_share']:.1f}% | {ident} |")
@@ -118,6 +122,21 @@ def plot_learners(result: dict, path: str | Path) -> Path | None:
         fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def render(folder: str | Path) -> Path:
+    """The page, plot and schedules again from ``folder/serving.json`` (its rows recomputed from its runs)."""
+    import json
+
+    from ldlp.bench.serving import serving_rows
+
+    path = Path(folder) / "serving.json"
+    if not path.is_file():
+        raise ValueError(f"render_only=true: {path} does not exist (a serving run's folder)")
+    rec = json.loads(path.read_text())
+    meta = rec.pop("meta", {})
+    rec["rows"] = serving_rows(rec["runs"])
+    return write(rec, folder, meta)
 
 
 def write(result: dict, out_dir: str | Path, meta: dict, with_plot: bool = True) -> Path:
