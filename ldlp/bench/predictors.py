@@ -254,6 +254,8 @@ def modelled(rows: OracleRows, model, groups, costs, token_s: float, embed, voca
 
 # ---- the study -----------------------------------------------------------------------------------------
 
+SECTIONS = ("models", "learning_curve", "ablation", "rules")
+
 
 def sequence_subset(ex: Examples, size: int, seed: int) -> np.ndarray:
     """Indices of the examples of whole sequences, drawn in a seeded order until at least ``size`` examples."""
@@ -433,6 +435,10 @@ def run_predictor_study(cfg, pair=None, fitters: dict | None = None) -> dict:
     bad = [m for m in cfg.models if m not in SurvivalModel.KINDS]
     if bad:
         raise ValueError(f"models: unknown model kinds {bad}; known: {list(SurvivalModel.KINDS)}")
+    sections = list(cfg.get("sections") or SECTIONS)
+    bad = [x for x in sections if x not in SECTIONS]
+    if bad:
+        raise ValueError(f"sections: unknown sections {bad}; known: {list(SECTIONS)}")
     record = oracle_record(cfg.oracle_dir)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -467,23 +473,23 @@ def run_predictor_study(cfg, pair=None, fitters: dict | None = None) -> dict:
     done["examples"] = {"train": len(study.tr), "validation": len(study.va)}
     groups = list(study.groups)
     # models on every feature (first: the later sections reuse the fits they share, with their decision times)
-    for kind in cfg.models:
+    for kind in cfg.models if "models" in sections else []:
         study.run("models", kind, kind, groups if kind != "constant" else groups[:1], timing=True)
     # learning curve
-    for size in [s for s in cfg.learning_curve.sizes if s < len(study.tr)] + [len(study.tr)]:
+    sizes = [s for s in cfg.learning_curve.sizes if s < len(study.tr)] + [len(study.tr)]
+    for size in sizes if "learning_curve" in sections else []:
         idx = None if size == len(study.tr) else sequence_subset(study.tr, size, int(cfg.seed))
         study.run("learning_curve", str(size), cfg.learning_curve.model, groups, idx)
     # ablation: each group alone, every group but one, all (on a subset of whole sequences when asked)
     cap = cfg.ablation.get("max_examples")
     sub = None if cap is None or cap >= len(study.tr) else sequence_subset(study.tr, int(cap), int(cfg.seed))
-    for g in groups:
-        study.run("ablation", f"only {g}", cfg.ablation.model, [g], sub)
-    for g in groups:
-        study.run("ablation", f"without {g}", cfg.ablation.model, [h for h in groups if h != g], sub)
-    study.run("ablation", "all", cfg.ablation.model, groups, sub)
+    for name, kept in ([(f"only {g}", [g]) for g in groups] + [(f"without {g}", [h for h in groups if h != g])
+                                                                for g in groups] + [("all", groups)]
+                       if "ablation" in sections else []):
+        study.run("ablation", name, cfg.ablation.model, kept, sub)
     best = max((r for r in done["runs"].values() if r["section"] == "models" and r["model"] != "constant"),
                key=lambda r: r["vs_best_static"], default=None)
-    if best is not None:
+    if best is not None and "rules" in sections:
         for rule in cfg.rules:
             study.run("rules", f"{best['model']} {rule}", best["model"], groups, rule=rule)
     save(done)
