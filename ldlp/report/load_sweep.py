@@ -36,7 +36,7 @@ from ldlp.report import step_costs as step_cost_page
 BASELINE_TITLES = {"ar": "batched AR", "best_static": "best static γ at (C, T)",
                    "batch1_static": "batch-1 best static γ", "oracle": "oracle"}
 OUTPUT_FILES = ("batch_bench.json", "batch_bench_runs.json", "batch_bench.md", "batch_bench.png",
-                "batch_bench_ratio.png", "step_costs.json", "step_costs.png")
+                "batch_bench_ratio.png", "step_costs.json", "step_costs.png", "step_costs_by_gamma.png")
 
 
 def _fmt(x, spec: str = ".2f") -> str:
@@ -465,6 +465,7 @@ def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot
         done.append(plot_tokens_per_s(result, out / "batch_bench.png"))
         done.append(plot_ratios(result, out / "batch_bench_ratio.png"))
         done.append(step_cost_page.plot(result, out / "step_costs.png"))
+        done.append(step_cost_page.plot_by_gamma(result, out / "step_costs_by_gamma.png"))
     for name in OUTPUT_FILES:  # an older run's file this write did not replace
         if out / name not in done + kept:
             (out / name).unlink(missing_ok=True)

@@ -44,6 +44,8 @@ def markdown_lines(result: dict) -> list[str]:
         lines.append(f"| {r['contender']} | {r['concurrency']} | {r['temperature']:g} | {r['n']} | {_ms(r['measured_ms'])} "
                      f"| {_ms(r['predicted_ms'])} | {_pct(r['median_abs_error'])} | {_pct(r['p90_abs_error'])} "
                      f"| {_signed(r['median_error'])} | {_pct(r.get('cpu_median_abs_error'))} |")
+    if any(r.get("gamma") is not None for r in rows):
+        lines += ["", "![the online model's error by (C, γ)](step_costs_by_gamma.png)"]
     h = result.get("hindsight")
     if h:
         stretch = h.get("stretch", 1.0)
@@ -102,6 +104,38 @@ def plot(result: dict, path) -> object | None:
     ax.set_title("Step costs: predicted against measured (grey: ±10%)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, markerscale=2)
+    fig.tight_layout()
+    with atomic_path(path, keep_suffix=True) as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_by_gamma(result: dict, path) -> object | None:
+    """The online model's median signed error per (C, γ): one line per C over the static γ contenders (batched AR
+    at γ = 0), per T; the shape of the model's miss (a form that misses large batches bends the lines at high C)."""
+    rows = [r for r in result.get("step_costs") or [] if r.get("gamma") is not None and r.get("median_error") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.2 * len(temps), 4.2), squeeze=False)
+    for ax, T in zip(axes[0], temps):
+        at = [r for r in rows if r["temperature"] == T]
+        for C in sorted({r["concurrency"] for r in at}):
+            pts = sorted((r["gamma"], 100 * r["median_error"]) for r in at if r["concurrency"] == C)
+            ax.plot([g for g, _ in pts], [e for _, e in pts], marker="o", label=f"C={C}")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.axhspan(-10, 10, color="grey", alpha=0.15, lw=0)
+        ax.set_xlabel("static γ (0: batched AR)")
+        ax.set_ylabel("median (predicted − measured) / measured, %")
+        ax.set_title(f"Step-cost model error by (C, γ), T={T:g}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     with atomic_path(path, keep_suffix=True) as tmp:
         fig.savefig(tmp, dpi=120)
