@@ -28,6 +28,7 @@ def main(cfg: DictConfig) -> None:
         Contender,
         check_contenders,
         check_sweep_args,
+        check_token_budgets,
         engine_label,
         engine_settings,
         prompts_meta,
@@ -115,6 +116,8 @@ def main(cfg: DictConfig) -> None:
                                     engine=settings))
         probes[label] = probe
     check_contenders(contenders, int(cfg.generation.max_new_tokens))
+    check_token_budgets(contenders, [int(sv.slots)] if (sv := cfg.get("serving")) else list(cfg.concurrency),
+                        int(cfg.generation.max_new_tokens))
     out = cfg.out_dir or HydraConfig.get().runtime.output_dir
     if serving:
         return serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads)

@@ -166,3 +166,22 @@ def test_bench_contenders_carry_engine_settings():
     with pytest.raises(ConfigError, match="engine: max_batched_tokens") as e:
         engine_settings([], {"prefill": "chunked", "max_batched_tokens": -1})
     one_line(e)
+
+
+def test_a_contenders_budget_is_one_the_engine_applies():
+    """A max_batched_tokens the chosen prefill ignores is refused, and so is one below a decode step at the largest
+    C (the engine would score past it), each in one line naming the contender."""
+    from eagle_backbone.errors import ConfigError
+    from ldlp.bench.load_sweep import Contender, check_token_budgets, engine_settings
+
+    with pytest.raises(ConfigError, match="max_batched_tokens applies to prefill=chunked only.*joined") as e:
+        engine_settings("policy=static policy.gamma=2 max_batched_tokens=1".split(), {"prefill": "joined"})
+    one_line(e)
+    ok = Contender("static γ=4", "static", 4, None, engine={"prefill": "chunked", "max_batched_tokens": 160})
+    check_token_budgets([ok], [1, 32], 64)  # 32 rows x 5 tokens fit
+    tight = Contender("load_aware", "load_aware", None, None, engine={"prefill": "chunked", "max_batched_tokens": 160})
+    with pytest.raises(ConfigError, match="load_aware: max_batched_tokens=160 is below one decode step at C=32") as e:
+        check_token_budgets([tight], [1, 32], 64)
+    one_line(e)
+    check_token_budgets([Contender("x", "x", None, None, engine={"prefill": "joined", "max_batched_tokens": 1})],
+                        [32], 64)  # joined prefill has no budget to keep

@@ -158,6 +158,7 @@ def draft_cap(max_new_tokens: int) -> int:
 
 
 ENGINE_SETTINGS = ("prefill", "max_batched_tokens")  # contender tokens that set this engine, not the policy
+PREFILL_DEFAULT = inspect.signature(BatchedSpeculativeEngine.__init__).parameters["prefill"].default
 
 
 def engine_settings(tokens: list[str], defaults: dict) -> tuple[list[str], dict, dict]:
@@ -173,10 +174,29 @@ def engine_settings(tokens: list[str], defaults: dict) -> tuple[list[str], dict,
             rest.append(t)
     out = {**{k: v for k, v in defaults.items() if v is not None}, **own}
     try:
-        check_prefill(out.get("prefill", "joined"), out.get("max_batched_tokens", MAX_BATCHED_TOKENS))
+        check_prefill(out.get("prefill", PREFILL_DEFAULT), out.get("max_batched_tokens", MAX_BATCHED_TOKENS))
     except ValueError as e:
         raise ConfigError(f"contender {' '.join(tokens)!r}: {e}" if own else f"engine: {e}") from None
+    if "max_batched_tokens" in own and out.get("prefill", PREFILL_DEFAULT) != "chunked":
+        # its label would say a budget the engine never applies (only chunked prefill has one)
+        raise ConfigError(f"contender {' '.join(tokens)!r}: max_batched_tokens applies to prefill=chunked only, "
+                          f"and this contender's prefill is {out.get('prefill', PREFILL_DEFAULT)}")
     return rest, own, out
+
+
+def check_token_budgets(contenders: list, concurrency, max_new_tokens: int) -> None:
+    """One ConfigError line for a chunked-prefill budget below one decode step at the largest C: C rows scoring
+    their drafts and a token each (the engine would exceed the budget, which the label says it keeps)."""
+    cap = draft_cap(max_new_tokens)
+    for c in contenders:
+        eng = getattr(c, "engine", None) or {}
+        budget = eng.get("max_batched_tokens", MAX_BATCHED_TOKENS)
+        gamma = cap if c.gamma is None else min(int(c.gamma), cap)  # an adaptive policy may draft to the cap
+        need = max(concurrency) * (gamma + 1)
+        if c.runner is None and eng.get("prefill", PREFILL_DEFAULT) == "chunked" and budget < need:
+            raise ConfigError(f"contender {c.label}: max_batched_tokens={budget} is below one decode step at "
+                              f"C={max(concurrency)} ({need} tokens: C rows x (γ {gamma} + 1)); raise it or lower "
+                              "the concurrency")
 
 
 def engine_label(label: str, own: dict) -> str:
