@@ -8,17 +8,9 @@ from pathlib import Path
 
 from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
 from ldlp.policies.goodput import PLAN, load_bucket
+from ldlp.report.vllm_schedule import ratio_text
 
 OUTPUT_FILES = ("serving.json", "serving.md", "serving_learner.png")
-
-
-def _ratio(v: dict | None) -> str:
-    if not v:
-        return "–"
-    if v.get("ci95") is None:
-        return f"{v['ratio']:.3f} ({v['pairs']} pair)"
-    lo, hi = v["ci95"]
-    return f"{v['ratio']:.3f} ({lo:.3f}–{hi:.3f})"
 
 
 def markdown(result: dict, meta: dict) -> str:
@@ -51,9 +43,9 @@ def markdown(result: dict, meta: dict) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             ident = "–" if r["identical"] is None else f"{r['identical']}/{r['n_requests']}"
-            lines.append(f"| {r['contender']} | {r['tokens_per_s']:.1f} | {_ratio(r.get('vs_best_static'))} | "
-                         f"{r['tokens_per_busy_s']:.1f} | {_ratio(r.get('vs_best_static_busy'))} | "
-                         f"{_ratio(r.get('vs_ar_busy'))} | {r['ttft_ms_median']:.0f} / {r['ttft_ms_p99']:.0f} | "
+            lines.append(f"| {r['contender']} | {r['tokens_per_s']:.1f} | {ratio_text(r.get('vs_best_static'))} | "
+                         f"{r['tokens_per_busy_s']:.1f} | {ratio_text(r.get('vs_best_static_busy'))} | "
+                         f"{ratio_text(r.get('vs_ar_busy'))} | {r['ttft_ms_median']:.0f} / {r['ttft_ms_p99']:.0f} | "
                          f"{r['tpot_ms_median']:.1f} / {r['tpot_ms_p99']:.1f} | {r['e2e_ms_median']:.0f} / "
                          f"{r['e2e_ms_p99']:.0f} | {r['tau']:.2f} | {r['rows_mean']:.1f} | "
                          f"{100 * r['policy_share']:.1f}% | {ident} |")

@@ -13,7 +13,8 @@ from eagle_backbone.io import atomic_write_text
 from ldlp.bench.vllm_schedule import schedule_tag
 
 
-def _ratio(v: dict | None) -> str:
+def ratio_text(v: dict | None) -> str:
+    """A paired ratio as "1.052 (0.981–1.123)", or with its pair count when it has no interval."""
     if not v:
         return "–"
     if v.get("ci95") is None:
@@ -126,9 +127,9 @@ def _comparison_lines(vs: dict, what: str, unit: str) -> list[str]:
         b, one = r["best"], r["single"]
         lines.append(f"| {r['concurrency']} | {(r['ratio_best'] or {}).get('pairs', '–')} | {_f(r['mine']['tokens_per_s'])} | "
                      f"{b['contender'] if b else '–'} ({_f(b['tokens_per_s']) if b else '–'}) | "
-                     f"{_ratio(r['ratio_best'])} | {_ratio(r['ratio_best_cpu'])} | "
+                     f"{ratio_text(r['ratio_best'])} | {ratio_text(r['ratio_best_cpu'])} | "
                      f"{_f(one['tokens_per_s']) if one else '–'}{'' if r['single_is_best'] else ' (not the best here)'} | "
-                     f"{_ratio(r['ratio_single'])} | {_ratio(r['ratio_single_cpu'])} |")
+                     f"{ratio_text(r['ratio_single'])} | {ratio_text(r['ratio_single_cpu'])} |")
     return lines
 
 

@@ -37,33 +37,47 @@ def fit_step_ldlp(x: np.ndarray, label: np.ndarray, seq: np.ndarray, inputs, k_m
     ``inputs``; ``seq`` the sequence of each row (a seeded ``val_fraction`` of sequences validates). Returns the
     model of the best validation loss, in eval mode."""
     import lightning as L
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     L.seed_everything(seed, workers=True, verbose=False)
-    seqs = np.unique(seq)
-    held = np.random.default_rng(seed).permutation(seqs)[: max(1, int(round(val_fraction * len(seqs))))]
-    is_val = np.isin(seq, held)
-    if is_val.all() or not is_val.any():
-        is_val = np.arange(len(seq)) % 10 == 0  # too few sequences to hold whole ones out
+    tr, va = _held_out(seq, seed, val_fraction)
     y = torch.as_tensor(np.minimum(label, k_max), dtype=torch.long)
     xt = torch.as_tensor(np.asarray(x, dtype=np.float32))
-    tr, va = ~torch.as_tensor(is_val), torch.as_tensor(is_val)
     config = {"input_dim": int(xt.shape[1]), "hidden_dim": hidden_dim, "k_max": k_max, "head": "distribution",
               "num_layers": num_layers, "inputs": list(inputs), "meta": dict(meta or {})}
     module = StepLDLPModule(config, lr=lr)
     module.init_from_data(xt[tr], y[tr])
+    _fit_best(module, (xt[tr], y[tr]), (xt[va], y[va]), seed, batch_size, max_epochs, patience)
+    return module.ldlp.eval()
+
+
+def _held_out(seq: np.ndarray, seed: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) row masks: a seeded ``val_fraction`` of whole sequences validates (every tenth row when
+    there are too few sequences to hold whole ones out)."""
+    seqs = np.unique(seq)
+    held = np.random.default_rng(seed).permutation(seqs)[: max(1, int(round(val_fraction * len(seqs))))]
+    is_val = np.isin(seq, held)
+    if is_val.all() or not is_val.any():
+        is_val = np.arange(len(seq)) % 10 == 0
+    return ~torch.as_tensor(is_val), torch.as_tensor(is_val)
+
+
+def _fit_best(module, train: tuple, val: tuple, seed: int, batch_size: int, max_epochs: int, patience: int) -> None:
+    """Fit ``module`` with Lightning on the (inputs, labels) tensors, early stopping on the validation loss, and
+    load the weights of its best validation loss."""
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
     g = torch.Generator().manual_seed(seed)
-    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xt[tr], y[tr]), batch_size=batch_size,
-                                        shuffle=True, generator=g)
-    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xt[va], y[va]), batch_size=4096)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*train), batch_size=batch_size, shuffle=True,
+                                         generator=g)
+    held = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*val), batch_size=4096)
     best = ModelCheckpoint(monitor="val/loss", mode="min", save_top_k=1, enable_version_counter=False)
     trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, deterministic=True, default_root_dir=_scratch(),
                         callbacks=[EarlyStopping("val/loss", patience=patience), best])
-    trainer.fit(module, train, val)
+    trainer.fit(module, loader, held)
     state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
     module.load_state_dict(state)
-    return module.ldlp.eval()
 
 
 def _scratch() -> str:
@@ -116,20 +130,14 @@ def fit_step_history(x: np.ndarray, label: np.ndarray, seq: np.ndarray, stream: 
     ``val_fraction`` of sequences validates (early stopping on the held-out likelihood). Returns the model of the
     best validation loss, in eval mode."""
     import lightning as L
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     from ldlp.models.step_history import StepHistoryConfig, StepHistoryGRU, windows
 
     L.seed_everything(seed, workers=True, verbose=False)
-    seqs = np.unique(seq)
-    held = np.random.default_rng(seed).permutation(seqs)[: max(1, int(round(val_fraction * len(seqs))))]
-    is_val = np.isin(seq, held)
-    if is_val.all() or not is_val.any():
-        is_val = np.arange(len(seq)) % 10 == 0
+    tr, va = _held_out(seq, seed, val_fraction)
     xt = torch.as_tensor(np.asarray(x, dtype=np.float32))
     idx = torch.as_tensor(windows(stream, window))
     y = torch.as_tensor(np.minimum(label, k_max), dtype=torch.long)
-    tr, va = ~torch.as_tensor(is_val), torch.as_tensor(is_val)
     model = StepHistoryGRU(StepHistoryConfig(int(xt.shape[1]), k_max, window, hidden))
     sample = xt[tr][torch.randperm(int(tr.sum()), generator=torch.Generator().manual_seed(0))[:200_000]]
     model.set_normalization(sample.mean(0), sample.std(0))
@@ -138,15 +146,5 @@ def fit_step_history(x: np.ndarray, label: np.ndarray, seq: np.ndarray, stream: 
         reached, at_risk = (y[tr, None] >= k).sum(0).float(), (y[tr, None] >= k - 1).sum(0).float()
         model.output.bias.copy_(torch.logit((reached + 0.5) / (at_risk + 1.0)))
     module = _history_module(model, xt, lr)
-    g = torch.Generator().manual_seed(seed)
-    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(idx[tr], y[tr]), batch_size=batch_size,
-                                        shuffle=True, generator=g)
-    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(idx[va], y[va]), batch_size=4096)
-    best = ModelCheckpoint(monitor="val/loss", mode="min", save_top_k=1, enable_version_counter=False)
-    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, deterministic=True, default_root_dir=_scratch(),
-                        callbacks=[EarlyStopping("val/loss", patience=patience), best])
-    trainer.fit(module, train, val)
-    state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
-    module.load_state_dict(state)
+    _fit_best(module, (idx[tr], y[tr]), (idx[va], y[va]), seed, batch_size, max_epochs, patience)
     return model.eval()
