@@ -5,6 +5,8 @@ times. No clock is read: the synthetic steps say their own milliseconds."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -144,3 +146,11 @@ def test_the_load_sweep_keeps_one_learner_per_contender_across_its_runs(tmp_path
     steps = sum(r["engine_steps"] for r in result["runs"] if r["contender"] == "load_aware_step")
     assert steps / 2 < ln["exploration"]["steps"] <= steps
     assert {"1", "2"} <= set(ln["buckets"])  # a bucket per load
+    # the page states it, and so does the page written again from the folder's JSON
+    from ldlp.bench.load_aggregate import read_result
+    from ldlp.report.load_sweep import markdown, write
+
+    write(result, tmp_path / "sweep", {"model": "tiny"})
+    again, meta = read_result(tmp_path / "sweep")
+    assert again["learners"] == json.loads(json.dumps(result["learners"]))
+    assert "## Goodput feedback" in markdown(again, meta)
