@@ -475,3 +475,12 @@ def test_the_dropped_note_states_the_share_in_bold_over_5_percent():
     result = {"n_prompts": 56, "n_dropped": 24, "dropped_reason": "longer than max_prompt_tokens=1536"}
     assert dropped_note(result) == " (**24 of 80 prompts (30%) dropped: longer than max_prompt_tokens=1536**)"
     assert dropped_note({**result, "n_prompts": 976}) == " (24 dropped: longer than max_prompt_tokens=1536)"
+
+
+def test_one_policy_twice_is_named_by_the_setting_that_differs(tiny_models, prompt_file):
+    from ldlp.bench.headtohead import head_to_head
+
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic", "evaluation.progress=false"])
+    other = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic", "policy.initial_gamma=2"]).policy
+    result = head_to_head(cfg, [("heuristic", cfg.policy), ("heuristic", other)], rounds=1, bootstrap=20)
+    assert [r["contender"] for r in result["rows"]][:2] == ["heuristic", "heuristic (initial_gamma=2)"]

@@ -47,6 +47,12 @@ def _label(name: str, policy) -> str:
     return f"static γ={policy.fixed_gamma}" if policy.fixed_gamma is not None else name
 
 
+def _short(value) -> str:
+    """A setting's value in a label: a path by its last two parts."""
+    text = str(value)
+    return "/".join(text.rstrip("/").split("/")[-2:]) if "/" in text else text
+
+
 def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, bootstrap: int = 2000) -> dict:
     """``contenders``: (policy name, policy config) pairs; ``cfg`` as for :func:`ldlp.bench.evaluate.evaluate`
     (model, data, generation, evaluation, seed, tuned_from). Greedy decoding only."""
@@ -69,12 +75,17 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         policy = build_policy(pcfg)
         prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
         label = _label(name, policy)
-        if label in labels:
-            raise ValueError(f"contender {label!r} is listed twice")
+        setting = {k: v for k, v in dict(pcfg).items() if k != "_target_"}
+        if label in labels:  # the same policy with other settings: named by what differs
+            first = settings[labels.index(label)]
+            diff = [k for k in setting if setting[k] != first.get(k)]
+            if not diff:
+                raise ValueError(f"contender {label!r} is listed twice")
+            label += " (" + ", ".join(f"{k}={_short(setting[k])}" for k in diff[:2]) + ")"
         runners.append(engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, policy), sampling))
         policies.append(policy)
         labels.append(label)
-        settings.append({k: v for k, v in dict(pcfg).items() if k != "_target_"})
+        settings.append(setting)
         adaptive.append(policy.adaptive)
     runners.append(ar_runner("ours", pair.target, sampling))
     labels.append("AR")
