@@ -21,7 +21,7 @@ def main(cfg: DictConfig) -> None:
     print(pooled_markdown(pooled))
     print(f"wrote {cfg.out_dir}/pooled.md")
     if cfg.update_readme:
-        readme = repo_path("README.md")
+        readme = repo_path("docs/evaluation.md")  # the pooled block lives on the evaluation page
         if not publish_pooled(readme, pooled, cfg.out_dir, "python scripts/pool_head_to_head.py update_readme=true"):
             print(f"{readme} has no <!-- head_to_head_long:start --> ... <!-- head_to_head_long:end --> block: left as is")
 

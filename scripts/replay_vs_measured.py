@@ -11,8 +11,9 @@ from eagle_backbone.cost import CostTable
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.loading import load_pair
 from ldlp.bench.loaders import replay_costs
-from ldlp.bench.predictors import beside_markdown, replay_beside_measured
 from ldlp.bench.replay import OracleRows
+from ldlp.bench.replay_beside import replay_beside_measured
+from ldlp.report.predictors import beside_markdown
 
 
 @hydra.main(config_path="../conf", config_name="replay_vs_measured", version_base="1.3")

@@ -176,7 +176,8 @@ def test_replay_beside_a_head_to_head_prices_each_contender_by_each_table(setup,
     from conftest import step_ldlp
 
     from eagle_backbone.policy import StaticPolicy
-    from ldlp.bench.predictors import beside_markdown, replay_beside_measured
+    from ldlp.bench.replay_beside import replay_beside_measured
+    from ldlp.report.predictors import beside_markdown
 
     target, _, _, rows = setup
     h2h = {"reference": "static γ=3", "n_prompts": 3, "dataset": "mimic", "max_new_tokens": BUDGET,

@@ -24,6 +24,7 @@ import numpy as np
 
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.bench.stats import headroom_captured
+from ldlp.bench.study_rows import load_split, oracle_record, rows_subset
 from ldlp.models.features import feature_names
 from ldlp.policies.learned import LearnedPolicy, step_seconds_table
 
@@ -356,64 +357,6 @@ class _Cols:
         return self.model.survival(x[:, self.cols])
 
 
-def _rows_subset(rows: OracleRows, keep_seqs: np.ndarray, max_new_tokens) -> OracleRows:
-    mask = np.isin(rows.cols["seq_id"], keep_seqs)
-    return OracleRows({k: v[mask] for k, v in rows.cols.items()}, max_new_tokens)
-
-
-def oracle_dirs(oracle_dir) -> list[str]:
-    """``oracle_dir`` as a list: one collection, or several of the same pair and settings (a collection grown in a
-    second folder with ``data.exclude_collections``)."""
-    return [str(oracle_dir)] if isinstance(oracle_dir, (str, bytes)) or not hasattr(oracle_dir, "__iter__") \
-        else [str(d) for d in oracle_dir]
-
-
-def oracle_record(oracle_dir) -> dict | list:
-    """What a study or a predictor records of its collections (one: a dict, as before; several: a list)."""
-    from ldlp.labels.store import read_manifest
-
-    out = []
-    for d in oracle_dirs(oracle_dir):
-        m = read_manifest(d)
-        out.append({"dir": d, "counts": m.get("counts"), "identity": m.get("identity")})
-    return out[0] if len(out) == 1 else out
-
-
-def load_split(oracle_dir, split: str, limit: int | None) -> OracleRows:
-    """The split's rows with the features the study reads (a collection without them: one line saying so), from one
-    collection or several (their sequence ids numbered on, in the order given; collections without the split are
-    skipped; collections of another pair or other labelling settings are refused)."""
-    from ldlp.labels.store import committed_parts, read_manifest, read_rows
-
-    dirs, chunks, offset, first = oracle_dirs(oracle_dir), [], 0, None
-    for d in dirs:
-        manifest = read_manifest(d)
-        same = {k: (manifest.get("identity") or {}).get(k) for k in ("model", "k_max", "max_new_tokens", "rows_format",
-                                                                        "temperature", "seed")}
-        if first is None:
-            first = (d, same)
-        elif same != first[1]:
-            diff = sorted(k for k in same if same[k] != first[1][k])
-            raise ValueError(f"oracle_dir: {d} was labelled with other settings than {first[0]} ({', '.join(diff)}); "
-                             "collections read together must share the pair and the labelling settings")
-        if len(dirs) > 1 and not committed_parts(d, split):
-            continue
-        data, manifest = read_rows(d, OracleRows.COLUMNS + ("target_stats", "feature"), split,
-                                   hint="the study needs a collection with features and target_stats (rows format 2): "
-                                        "collect one with python scripts/collect_oracle.py")
-        data["seq_id"] = np.asarray(data["seq_id"]) + offset
-        offset = int(data["seq_id"].max()) + 1
-        chunks.append((data, manifest.get("max_new_tokens")))
-    if not chunks:
-        raise ValueError(f"oracle_dir: no collection among {dirs} has a {split} split")
-    data = {k: np.concatenate([np.asarray(c[0][k]) for c in chunks]) for k in chunks[0][0]}
-    rows = OracleRows(data, chunks[0][1])
-    if limit is not None:
-        seqs = np.unique(rows.cols["seq_id"])[: int(limit)]
-        rows = _rows_subset(rows, seqs, manifest.get("max_new_tokens"))
-    return rows
-
-
 def run_predictor_study(cfg, pair=None, fitters: dict | None = None) -> dict:
     """Run (or continue) every section of the study into ``cfg.out_dir/study.json``; returns the record (the
     page is :func:`ldlp.report.predictors.study_page`'s). ``pair``: the loaded model pair (default: ``cfg.model``
@@ -464,7 +407,7 @@ def run_predictor_study(cfg, pair=None, fitters: dict | None = None) -> dict:
 
     train = load_split(cfg.oracle_dir, "train", cfg.max_train_sequences)
     val = load_split(cfg.oracle_dir, "validation", cfg.max_val_sequences)
-    calib = _rows_subset(train, np.unique(train.cols["seq_id"])[: int(cfg.calibration_sequences)],
+    calib = rows_subset(train, np.unique(train.cols["seq_id"])[: int(cfg.calibration_sequences)],
                          train.max_new_tokens)
     log.info("train %d positions in %d sequences, validation %d in %d", len(train), len(train.sequences),
              len(val), len(val.sequences))
@@ -515,7 +458,7 @@ def shipped_meta(cfg, ldlp, tr: Examples, va: Examples, train: OracleRows, costs
     records = oracle_record(cfg.oracle_dir)
     records = records if isinstance(records, list) else [records]
     n = cfg.get("calibration_sequences")
-    calib = train if n is None else _rows_subset(train, np.unique(train.cols["seq_id"])[: int(n)], train.max_new_tokens)
+    calib = train if n is None else rows_subset(train, np.unique(train.cols["seq_id"])[: int(n)], train.max_new_tokens)
     K = int(cfg.K)
     best_static = max(v for k, v in static_and_oracle(calib, costs, range(1, K + 1), K).items() if k.startswith("static"))
     token_s = token_seconds(calib, ldlp, list(cfg.groups), costs, pair.target.embed, pair.target.vocab_size,
@@ -529,65 +472,3 @@ def shipped_meta(cfg, ldlp, tr: Examples, va: Examples, train: OracleRows, costs
             "costs": costs_record(costs),
             "train_examples": len(tr), "validation_examples": len(va), "seed": int(cfg.seed),
             "validation": scores(ldlp.survival_of(va.x), va.label), "command": command}
-
-
-# ---- replay beside the head to head -----------------------------------------------------------------------
-
-
-def replay_beside_measured(h2h: dict, rows: OracleRows, costs: dict, embed, vocab_size: int, learned_path: str,
-                           k_max: int = 8) -> list[dict]:
-    """Each contender of a head to head (``h2h``: its head_to_head.json) replayed on oracle rows of the same
-    prompts, priced by each of ``costs`` ({label: cost table}), beside its measured ratio to the reference:
-    where the modelled and the measured gain part, and whether the price or the policy explains it.
-
-    Replayable: static γ, the oracle and ``learned`` (the shipped predictor at ``learned_path``, deciding with
-    each table's prices and learning the seconds a token is worth as it does in the engine)."""
-    from eagle_backbone.policy import StaticPolicy
-
-    def policy_of(row, table):
-        if row["policy"] == "static":
-            return StaticPolicy(int(row["setting"]["gamma"]))
-        if row["policy"] == "oracle":
-            return "oracle"
-        if row["policy"] == "learned":
-            return LearnedPolicy(learned_path, max_gamma=int(row["setting"].get("max_gamma", k_max)),
-                                 rule=row["setting"].get("rule", "cost"), seconds=step_seconds_table(table, k_max))
-        return None
-
-    out = []
-    for row in h2h["rows"]:
-        if row.get("policy") in (None, "ar"):  # the AR baseline
-            continue
-        measured = 1.0 if row["contender"] == h2h["reference"] else row["vs_best_static"]
-        entry = {"contender": row["contender"], "measured": measured, "ci95": row.get("ci95"),
-                 "tau_measured": row["tau"]}
-        for label, table in costs.items():
-            p = policy_of(row, table)
-            if p is None:
-                continue
-            r = replay(rows, p, table, embed, vocab_size, oracle_cap=k_max)
-            entry[label] = r.tokens_per_s
-            entry["tau_replay"] = r.tau
-        out.append(entry)
-    ref = next(e for e in out if e["contender"] == h2h["reference"])
-    for e in out:
-        for label in costs:
-            if label in e and label in ref:
-                e[f"{label}_ratio"] = e[label] / ref[label]
-    return out
-
-
-def beside_markdown(entries: list[dict], labels: list[str], h2h: dict, where: str) -> str:
-    lines = [f"### Replay beside the head to head ({where})", "",
-             f"Each contender replayed on oracle labels of the head to head's own prompts ({h2h['n_prompts']} prompts "
-             f"of {h2h['dataset']}, {h2h['max_new_tokens']} new tokens), priced by each cost model, as a ratio to "
-             f"{h2h['reference']}; beside it the ratio the head to head measured.", "",
-             "| contender | measured | 95% interval | " + " | ".join(f"replay: {lab}" for lab in labels)
-             + " | τ measured | τ replay |", "|---|---:|---:|" + "---:|" * len(labels) + "---:|---:|"]
-    for e in entries:
-        ci = e.get("ci95")
-        cells = [f"{e[f'{lab}_ratio']:.3f}" if f"{lab}_ratio" in e else "–" for lab in labels]
-        lines.append(f"| {e['contender']} | {e['measured']:.3f} | "
-                     + (f"{ci[0]:.3f} – {ci[1]:.3f}" if ci else "–") + " | " + " | ".join(cells)
-                     + f" | {e['tau_measured']:.2f} | " + (f"{e['tau_replay']:.2f}" if "tau_replay" in e else "–") + " |")
-    return "\n".join(lines) + "\n"

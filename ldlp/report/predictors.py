@@ -91,3 +91,19 @@ def study_page(done: dict, oracle_dir: str, plot_dir: Path | None = None) -> str
         learning_curve_plot(curve, Path(plot_dir) / "learning_curve.png")
         lines += ["![learning curve](learning_curve.png)", ""]
     return "\n".join(lines)
+
+
+def beside_markdown(entries: list[dict], labels: list[str], h2h: dict, where: str) -> str:
+    lines = [f"### Replay beside the head to head ({where})", "",
+             f"Each contender replayed on oracle labels of the head to head's own prompts ({h2h['n_prompts']} prompts "
+             f"of {h2h['dataset']}, {h2h['max_new_tokens']} new tokens), priced by each cost model, as a ratio to "
+             f"{h2h['reference']}; beside it the ratio the head to head measured.", "",
+             "| contender | measured | 95% interval | " + " | ".join(f"replay: {lab}" for lab in labels)
+             + " | τ measured | τ replay |", "|---|---:|---:|" + "---:|" * len(labels) + "---:|---:|"]
+    for e in entries:
+        ci = e.get("ci95")
+        cells = [f"{e[f'{lab}_ratio']:.3f}" if f"{lab}_ratio" in e else "–" for lab in labels]
+        lines.append(f"| {e['contender']} | {e['measured']:.3f} | "
+                     + (f"{ci[0]:.3f} – {ci[1]:.3f}" if ci else "–") + " | " + " | ".join(cells)
+                     + f" | {e['tau_measured']:.2f} | " + (f"{e['tau_replay']:.2f}" if "tau_replay" in e else "–") + " |")
+    return "\n".join(lines) + "\n"
