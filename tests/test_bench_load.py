@@ -678,3 +678,12 @@ def test_the_load_sweep_header_names_its_prompts_and_the_blocks_it_made(tmp_path
     assert meta["blocks_asked"] == 4 and meta["blocks"] == {1: 4, 4: 4, 16: 1}
     write({"rows": [], "runs": [], "skipped": []}, tmp_path / "out", meta)
     assert read_result(tmp_path / "out")[1] == meta
+
+
+def test_the_page_says_where_a_block_drains():
+    from ldlp.report.load_sweep import markdown
+
+    result = {"rows": [], "runs": [], "complete": True, "rounds_done": 1, "rounds": 1}
+    thin = markdown(result, {"prompts": 32, "blocks": {1: 4, 16: 2, 32: 1}})
+    assert "Draining blocks: C=16: 16 prompts a block, C=32: 32 prompts a block" in thin
+    assert "Draining" not in markdown(result, {"prompts": 128, "blocks": {1: 2, 32: 2}})

@@ -302,6 +302,7 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     lines = ["# Batched speculative decoding: tokens/s against concurrency", "", status_line(result), ""]
     if meta:
         lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+        lines += _drain_lines(meta)
     for s in result.get("skipped", []):
         at = "" if s.get("temperature") is None else f" at T={s['temperature']:g}"
         lines += [f"Skipped {s['contender']}{at}: {s['why']}.", ""]
@@ -324,6 +325,22 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     lines += step_cost_page.markdown_lines(result)
     lines += step_cost_page.decomposition_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def _drain_lines(meta: dict) -> list[str]:
+    """A warning where a block holds fewer than two waves of C prompts: its slots do not refill, so the block
+    measures a batch draining (the sequences that finish early leave near-empty steps) more than a server."""
+    prompts, blocks = meta.get("prompts"), meta.get("blocks")
+    if not isinstance(prompts, int) or not isinstance(blocks, dict):
+        return []
+    thin = [(int(C), prompts // max(1, int(k))) for C, k in blocks.items() if prompts // max(1, int(k)) < 2 * int(C)]
+    if not thin:
+        return []
+    cells = ", ".join(f"C={C}: {n} prompts a block" for C, n in sorted(thin))
+    return [f"Draining blocks: {cells}, fewer than two waves of C, so the slots barely refill and the tail of each "
+            "block runs in near-empty steps; a policy that lets some sequences run ahead (the batched oracle) pays for "
+            "it there. Hold several times C prompts per block to measure serving (docs/batched.md, \"Why the batched "
+            "oracle lost\").", ""]
 
 
 def _learner_lines(result: dict) -> list[str]:
