@@ -116,6 +116,7 @@ class OnlineCostModel:
         self.tree_prior_ms = float(tree_prior_ms)
         self.log_stretch = 0.0  # running log(wall / CPU ms) (0: CPU time not given)
         self.prior_meta: dict | None = None
+        self.key: dict | None = None  # the setup its costs were measured on (a cost key: model, dtype, drafter, CPU)
         self._prior_X = np.zeros((0, len(FEATURES)))
         self._prior_y = np.zeros(0)
         self._prior_theta = np.zeros(len(FEATURES))
@@ -268,8 +269,10 @@ class OnlineCostModel:
 
     # ---- a fitted model as a file (costs measured in hindsight) ----------------------------------------
     def to_dict(self) -> dict:
+        key = self.key if self.key is not None else (self.prior_meta or {}).get("key")
         return {"features": list(FEATURES), "theta": self.theta.tolist(), "stretch": self.stretch,
-                "context": self.context, "records": self.seen, "forget": self.forget, "prior": self.prior_meta}
+                "context": self.context, "records": self.seen, "forget": self.forget, "prior": self.prior_meta,
+                "key": key}
 
     def save(self, path: str | Path) -> Path:
         atomic_write_json(path, self.to_dict())
@@ -302,6 +305,10 @@ class OnlineCostModel:
         m.theta = np.array(costs, dtype=float)
         m.log_stretch = math.log(number("stretch", raw.get("stretch", 1.0), False))
         m.seen, m.prior_meta, m.version = int(raw.get("records", 0)), {"path": str(path)}, 1
+        key = raw.get("key") or (raw.get("prior") or {}).get("key")
+        if key is not None and not isinstance(key, dict):
+            raise ValueError(f"{path}: key must be a mapping (the setup the costs were measured on), got {key!r}")
+        m.key = key
         return m
 
     @classmethod
@@ -317,3 +324,11 @@ class OnlineCostModel:
             m.log_stretch = float(np.median([math.log(max(r.ms / r.cpu_ms, 0.5)) for r in records]))
         m.refit()
         return m
+
+
+def key_mismatch(fitted: dict | None, engine: dict | None) -> list[str]:
+    """The fields on which a cost model's key (``fitted``) and this engine's (``engine``) disagree, as
+    "field: fitted vs engine" (none when either key is unknown)."""
+    if not fitted or not engine:
+        return []
+    return [f"{k}: {fitted[k]!r} vs {engine[k]!r}" for k in sorted(set(fitted) & set(engine)) if fitted[k] != engine[k]]

@@ -1,6 +1,7 @@
 """The online step-cost model (eagle_backbone/step_cost.py): convergence, monotonicity and robustness on
 synthetic step times (noise, outliers, a change of load mid-run), the prior, and the engine's records."""
 
+import json
 import random
 
 import numpy as np
@@ -230,3 +231,41 @@ def test_costs_follow_the_cpu_time_and_the_stretch_makes_them_wall_time():
     assert m.predict(s) == pytest.approx(m.stretch * m.predict_cpu(s))
     wall = StepShape(4, 12, attended_keys([100] * 4, [3] * 4), (4, 4), 8)
     assert m.step_ms(4, [4, 4], 12, 2) == pytest.approx(m.stretch * m.predict_cpu(wall), rel=0.1)
+
+
+def test_a_cost_model_measured_on_another_setup_is_refused(tmp_path, t32, eagle32):
+    """A frozen step-cost model (``policy.cost_model=FILE``) records the setup its steps ran on; a policy bound to
+    an engine of another setup refuses it in one line naming the fields; one of the same setup, or an older file
+    without a key, is taken."""
+    from conftest import one_line
+    from test_load_aware import table
+
+    from eagle_backbone.cost import cost_key
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from ldlp.policies.load_aware import LoadAwareStep
+
+    key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
+    path = tmp_path / "cost.json"
+    table(0.05, 0.5, key=key).save(path)
+    model = OnlineCostModel(frozen=True)
+    model.theta[:] = 1.0
+    for name, fitted in (("same", None), ("other", {**key, "dtype": "bfloat16"}), ("nokey", None)):
+        m = OnlineCostModel.load(model.save(tmp_path / f"{name}.json"))
+        if name == "same":  # what an engine of this setup binds the policy to: its table's key, filled in by bind
+            pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), max_gamma=2)
+            BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=1, policy=pol)
+            fitted = pol.pricing.table.key
+        if fitted is not None:
+            raw = json.loads((tmp_path / f"{name}.json").read_text())
+            (tmp_path / f"{name}.json").write_text(json.dumps({**raw, "key": fitted}))
+        assert OnlineCostModel.load(tmp_path / f"{name}.json").key == fitted and m is not None
+        pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), max_gamma=2,
+                            cost_model=str(tmp_path / f"{name}.json"))
+        if name == "other":
+            with pytest.raises(ValueError, match="was measured on another setup than this engine's \\(dtype: "
+                                                 "'bfloat16' vs 'float32'\\)") as e:
+                BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=1, policy=pol)
+            one_line(e)
+        else:
+            BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=1, policy=pol)
+            assert pol.pricing.costs.key == fitted

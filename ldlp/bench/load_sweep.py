@@ -435,7 +435,8 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
                 checkpoint(result)
     result["complete"] = True
     if run.records:
-        result["hindsight"] = hindsight_model(run.records)
+        keys = [t.get("key") for t in run.cost_tables.values() if t.get("key")]  # the setup the steps ran on
+        result["hindsight"] = hindsight_model(run.records, keys[0] if keys else None)
     return result
 
 

@@ -63,10 +63,12 @@ def step_cost_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def hindsight_model(records: list[StepRecord]) -> dict:
-    """One model fitted to every timed step at once (no ageing, no prior): its costs, the steps it saw, and its
-    own median error on them (wall, and CPU time where measured)."""
+def hindsight_model(records: list[StepRecord], key: dict | None = None) -> dict:
+    """One model fitted to every timed step at once (no ageing, no prior): its costs, the steps it saw, its own
+    median error on them (wall, and CPU time where measured) and ``key``, the setup they were measured on (a cost
+    key: a policy refuses the file on another setup)."""
     m = OnlineCostModel.fit(records)
+    m.key = key
     errs = sorted(abs(m.predict(r.shape) - r.ms) / r.ms for r in records if r.ms > 0)
     cpu = sorted(abs(m.predict_cpu(r.shape) - r.cpu_ms) / r.cpu_ms for r in records if r.cpu_ms)
     return {**m.to_dict(), "median_abs_error": errs[len(errs) // 2] if errs else None,

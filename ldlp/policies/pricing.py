@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from eagle_backbone.cost import CostTable, cost_key, load_or_profile
-from eagle_backbone.step_cost import OnlineCostModel
+from eagle_backbone.step_cost import OnlineCostModel, key_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class StepPricing:
                 raise ValueError(f"{policy} policy: cost_model={e}") from None
         if not isinstance(online, bool):  # a YAML 'maybe' is a string: not true
             raise ValueError(f"{policy} policy: online_costs must be true or false, got {online!r}")
+        self.policy = policy
         self.cost_dir, self.model_name, self.cost_table_path = str(cost_dir), str(model), cost_table
         self.profile_if_missing, self.online, self.cost_model_path = bool(profile_if_missing), bool(online), cost_model
         self.model_options = dict(model_options or {})
@@ -98,6 +99,11 @@ class StepPricing:
         self.table = self._table(engine.target, engine.candidates, engine.attn)
         if self.cost_model_path is not None:
             self.costs = OnlineCostModel.load(self.cost_model_path)
+            wrong = key_mismatch(self.costs.key, getattr(self.table, "key", None))
+            if wrong:  # costs measured on another setup would price this one's steps wrong, silently
+                raise ValueError(f"{self.policy} policy: cost_model={self.cost_model_path} was measured on another "
+                                 f"setup than this engine's ({'; '.join(wrong[:4])}); fit one on this setup "
+                                 "(scripts/bench_batch.py writes step_costs.json)")
             if engine.cost_model is None:  # the engine records the frozen model's predictions
                 engine.cost_model = self.costs
         elif not self.online:
