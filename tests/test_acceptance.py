@@ -231,3 +231,26 @@ def test_a_complete_collection_trains_without_the_override(tmp_path):
 
     status = require_complete(_partial_collection(tmp_path, planned=8, num_shards=1))
     assert status["complete"] is True and status["missing_sequences"] == 0 and status["allow_partial"] is False
+
+
+def test_a_head_refuses_another_kinds_drafter_states(mimic, trained, tmp_path):
+    """A head records the drafter kind whose states it learned (from its labels' manifest, when it has one); a
+    pair whose drafter is of another kind, with states of the same width, is refused in one line."""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from conftest import one_line
+
+    target, drafter = mimic
+    _, head_dir, _ = trained
+    other = tmp_path / "head"
+    shutil.copytree(head_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["meta"] = {**cfg.get("meta", {}), "drafter_kind": "eagle3"}
+    (other / "config.json").write_text(json.dumps(cfg))
+    eagle = SimpleNamespace(kind="eagle", drafter=SimpleNamespace(hidden_size=target.hidden_size))
+    AcceptancePolicy(str(head_dir)).check_pair(target, eagle)  # its own kind (or no record): taken
+    with pytest.raises(ValueError, match="trained on eagle3 drafter states and this pair's drafter is eagle") as e:
+        AcceptancePolicy(str(other)).check_pair(target, eagle)
+    one_line(e)

@@ -242,6 +242,10 @@ class _PerSlotEstimates(LoadAwarePolicy):
                 raise ValueError("load_aware policy: a draft acceptance head reads EAGLE drafter states; with a draft "
                                  "LM use estimator=confidence")
             self.head = load_head_for_temperature(self.estimator_spec, self.temperature).to(target.device)
+            kind = (self.head.config.meta or {}).get("drafter_kind")
+            if kind is not None and kind != engine.candidates.kind:  # same width, states of another meaning
+                raise ValueError(f"load_aware policy: {self.estimator_spec} was trained on {kind} drafter states and "
+                                 f"this pair's drafter is {engine.candidates.kind}: train heads on its labels")
             if self.head.config.hidden_size != target.hidden_size:
                 raise ValueError(f"load_aware policy: {self.estimator_spec} was trained for hidden size "
                                  f"{self.head.config.hidden_size}, the target has {target.hidden_size}")

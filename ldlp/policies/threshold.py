@@ -225,6 +225,11 @@ class AcceptancePolicy(DraftPolicy):
         if width is None:
             raise ValueError(f"acceptance policy: {self.path} reads the EAGLE drafter's states, and "
                              f"{type(candidates).__name__} offers none: use an EAGLE drafter (model.drafter_kind=eagle)")
+        kind, theirs = (self.head.config.meta or {}).get("drafter_kind"), getattr(candidates, "kind", None)
+        if kind is not None and theirs is not None and kind != theirs:  # same width, states of another meaning
+            raise ValueError(f"acceptance policy: {self.path} was trained on {kind} drafter states and this pair's "
+                             f"drafter is {theirs}: train one on its labels (python scripts/train_acceptance.py) or "
+                             "point policy.path at it")
         if self.head.config.hidden_size != width:
             raise ValueError(f"acceptance policy: {self.path}/config.json has hidden_size="
                              f"{self.head.config.hidden_size} but this drafter's states have size {width}: the head "

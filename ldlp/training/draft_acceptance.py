@@ -95,6 +95,7 @@ def load_labels(folder: str | Path, allow_partial: bool = False) -> dict:
                          "(python scripts/collect_acceptance.py)")
     data["k_max"] = int(manifest["k_max"])
     data["temperature"] = float(manifest["temperature"])
+    data["drafter_kind"] = ((manifest.get("identity") or {}).get("model") or {}).get("drafter_kind")
     return data
 
 
@@ -165,6 +166,7 @@ def train_at_temperature(cfg, t: float) -> dict:
     depth_mean = {int(m): float(train["beta"][train["depth"] == m].mean()) for m in np.unique(train["depth"])}
     config = DraftAcceptanceHeadConfig(hidden_size=train["states"].shape[1], temperature=float(t), k_max=data["k_max"],
                                        C=float(cfg.C), meta={"labels": str(labels),
+                                                             "drafter_kind": data["drafter_kind"],
                                                              "train_examples": len(idx),
                                                              "stat_names": list(DRAFT_STAT_NAMES)})
     head = DraftAcceptanceHead.from_sklearn(model, config)
