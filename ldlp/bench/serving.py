@@ -255,7 +255,8 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
     """Per trace and contender, over the measured (not warm-up) rounds: medians of the run metrics, and the
     throughput ratio to the trace's best static γ (best by total tokens/s) with a paired bootstrap interval over
     rounds, and to batched AR; the same over busy seconds (the run's seconds less those with nothing in flight:
-    open loop, a contender that keeps up serves what arrives, and the busy seconds are where it differs)."""
+    open loop, a contender that keeps up serves what arrives, and the busy seconds are where it differs), against
+    the static γ best by that measure."""
     from eagle_backbone.timing import paired_ratio
 
     measured = [r for r in runs if not r["warmup"]]
@@ -272,28 +273,31 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
         def busy(r):
             return r["wall_s"] - r["idle_s"]
 
+        def busy_rate(rs):
+            return sum(r["new_tokens"] for r in rs) / sum(busy(r) for r in rs)
+
         statics = [c for c, rs in complete.items() if rs[0]["policy"] == "static"]
         best = max(statics, key=lambda c: rate(complete[c])) if statics else None
+        best_busy = max(statics, key=lambda c: busy_rate(complete[c])) if statics else None  # by its own measure
         ar = next((c for c, rs in complete.items() if rs[0]["policy"] == "ar"), None)
         for c, rs in by.items():
             row = {"trace": trace, "contender": c, "policy": rs[0]["policy"], "gamma": rs[0]["gamma"],
-                   "rounds": len(rs), "tokens_per_s": rate(rs), "best_static": best,
-                   "tokens_per_busy_s": sum(r["new_tokens"] for r in rs) / sum(busy(r) for r in rs),
+                   "rounds": len(rs), "tokens_per_s": rate(rs), "best_static": best, "best_static_busy": best_busy,
+                   "tokens_per_busy_s": busy_rate(rs),
                    "identical": None if rs[0]["identical"] is None else sum(r["identical"] for r in rs),
                    "n_requests": sum(r["n_requests"] for r in rs),
                    "policy_share": sum(r["policy_s"] for r in rs) / sum(r["wall_s"] - r["idle_s"] for r in rs)}
             for k in ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "tpot_ms_p99", "e2e_ms_median",
                       "e2e_ms_p99", "tau", "rows_mean"):
                 row[k] = statistics.median(r[k] for r in rs)
-            for name, base in (("vs_best_static", best), ("vs_ar", ar)):
+            for name, base, seconds in (("vs_best_static", best, "wall_s"), ("vs_ar", ar, "wall_s"),
+                                        ("vs_best_static_busy", best_busy, busy), ("vs_ar_busy", ar, busy)):
                 if base is None or c not in complete:
                     continue
                 num, den = sorted(rs, key=lambda r: r["round"]), sorted(complete[base], key=lambda r: r["round"])
-                row[name] = paired_ratio([r["new_tokens"] for r in num], [r["wall_s"] for r in num],
-                                         [r["new_tokens"] for r in den], [r["wall_s"] for r in den],
+                secs = (lambda r: r[seconds]) if isinstance(seconds, str) else seconds
+                row[name] = paired_ratio([r["new_tokens"] for r in num], [secs(r) for r in num],
+                                         [r["new_tokens"] for r in den], [secs(r) for r in den],
                                          bootstrap=bootstrap, seed=seed)
-                row[name + "_busy"] = paired_ratio([r["new_tokens"] for r in num], [busy(r) for r in num],
-                                                   [r["new_tokens"] for r in den], [busy(r) for r in den],
-                                                   bootstrap=bootstrap, seed=seed)
             out.append(row)
     return out

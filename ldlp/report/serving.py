@@ -35,8 +35,9 @@ def markdown(result: dict, meta: dict) -> str:
         if not rows:
             lines += ["No measured round yet.", ""]
             continue
-        best = rows[0]["best_static"]
-        lines += [f"Best static γ on this trace: {best or '–'}.", "",
+        best, best_busy = rows[0]["best_static"], rows[0].get("best_static_busy")
+        lines += [f"Best static γ on this trace: {best or '–'} by tokens/s, {best_busy or '–'} by tokens per busy "
+                  "second (each ratio column against the best by its own measure).", "",
                   "| contender | tokens/s | vs best static | tokens/busy s | vs best static, busy | vs AR, busy | "
                   "TTFT p50 / p99 ms | TPOT p50 / p99 ms | E2E p50 / p99 ms | τ | rows mean | policy time | "
                   "greedy identical |",
