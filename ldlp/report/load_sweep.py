@@ -32,6 +32,7 @@ from ldlp.bench.load_aggregate import (
 )
 from ldlp.bench.peer_rows import peer_table, versus_static
 from ldlp.report import step_costs as step_cost_page
+from ldlp.report.serving import learner_table
 
 BASELINE_TITLES = {"ar": "batched AR", "best_static": "best static γ at (C, T)",
                    "batch1_static": "batch-1 best static γ", "oracle": "oracle"}
@@ -352,13 +353,8 @@ def _learner_lines(result: dict) -> list[str]:
     lines = ["", "## Goodput feedback", "",
              "Each cost-driven contender's learner (one per T, kept across its runs as its step-cost model is): per "
              "load bucket (running rows) the arm of the best measured tokens/s (`plan`: the policy's own choice), and "
-             "the share of the measured time lost to steps off it (exploration).", "",
-             "| contender | best arm per bucket | exploration steps | exploration cost |", "|---|---|---:|---:|"]
-    for lab, ln in learners.items():
-        ex = ln["exploration"]
-        best = ", ".join(f"{b}: {v['best']}" for b, v in ln["buckets"].items())
-        lines.append(f"| {lab} | {best} | {ex['explore_steps']}/{ex['steps']} | {100 * ex['cost']:.2f}% |")
-    return lines
+             "the share of the measured time lost to steps off it (exploration).", ""]
+    return lines + learner_table(learners, schedule=False)
 
 
 def check_markdown(rows: list[dict]) -> str:

@@ -13,6 +13,21 @@ from ldlp.report.vllm_schedule import ratio_text
 OUTPUT_FILES = ("serving.json", "serving.md", "serving_learner.png")
 
 
+def learner_table(learners: dict, schedule: bool) -> list[str]:
+    """The goodput learners' table (``GoodputFeedback.summary`` per contender): the best arm per load bucket, with
+    ``schedule`` its batch-size table, and the exploration's steps and cost."""
+    lines = ["| contender | best arm per bucket | " + ("schedule | " if schedule else "")
+             + "exploration steps | exploration cost |", "|---|---|" + ("---|" if schedule else "") + "---:|---:|"]
+    for label, ln in learners.items():
+        if ln is None:
+            continue
+        best = ", ".join(f"{b}: {v['best']}" for b, v in ln["buckets"].items())
+        sched = ", ".join(f"≤{k}: {v}" for k, v in ln["schedule"].items()) + " | " if schedule else ""
+        ex = ln["exploration"]
+        lines.append(f"| {label} | {best} | {sched}{ex['explore_steps']}/{ex['steps']} | {100 * ex['cost']:.2f}% |")
+    return lines
+
+
 def markdown(result: dict, meta: dict) -> str:
     status = "complete" if result.get("complete") else "incomplete (a stopped run: the rows so far)"
     lines = ["# Serving: requests on arrival traces", "", f"Status: {status}.", "",
@@ -57,17 +72,8 @@ def markdown(result: dict, meta: dict) -> str:
                   "Per load bucket (running rows), the arm of the best measured rate at the end of the run and the "
                   "share of measured time lost to steps off it (the exploration's price; "
                   "ldlp/policies/goodput.py). `plan`: the policy's own choice. As a vLLM Dynamic-SD style table "
-                  "(batch size up to → γ): the schedule column.", "",
-                  "| contender | best arm per bucket | schedule | exploration steps | exploration cost |",
-                  "|---|---|---|---:|---:|"]
-        for label, ln in learners.items():
-            if ln is None:
-                continue
-            best = ", ".join(f"{b}: {v['best']}" for b, v in ln["buckets"].items())
-            sched = ", ".join(f"≤{k}: {v}" for k, v in ln["schedule"].items())
-            ex = ln["exploration"]
-            lines.append(f"| {label} | {best} | {sched} | {ex['explore_steps']}/{ex['steps']} | "
-                         f"{100 * ex['cost']:.2f}% |")
+                  "(batch size up to → γ): the schedule column.", ""]
+        lines += learner_table(learners, schedule=True)
         lines += ["", "![the learners' choices over time](serving_learner.png)", ""]
     if result.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"{s['contender']} ({s['why']})" for s in result["skipped"]), ""]
