@@ -245,3 +245,38 @@ def test_the_step_history_model_reads_each_walk_alone_and_streams_as_it_scores()
     # the first step of a walk sees nothing of the walk before it
     alone = model.survival_tensor(*gather(x, torch.tensor([[-1, -1, 3]]))).detach().numpy()
     np.testing.assert_allclose(S[3], alone[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [("ef",), tuple(GROUPS)])
+def test_the_one_row_cpu_decision_is_the_torch_rules(setup, groups):
+    """At one row on a CPU the policy decides in numpy (cheaper right after a target forward); every γ of a walk
+    equals the torch rule's on the same network and prices (and they vary: the test is not trivial)."""
+    from ldlp.models.features import step_features
+    from ldlp.models.predictor import LDLP, LDLPConfig
+    from ldlp.models.features import GROUP_NAMES
+
+    target, drafter, _, _ = setup
+    torch.manual_seed(0)
+    d = target.hidden_size
+    width = 2 * d + sum(len(GROUP_NAMES[g]) for g in groups if g != "ef")
+    ldlp = LDLP(LDLPConfig(input_dim=width, hidden_dim=32, k_max=K_MAX, head="distribution", inputs=list(groups)))
+    with torch.no_grad():
+        ldlp.output.weight.mul_(20.0)  # curves that differ from row to row
+        ldlp.output.bias.add_(1.5)  # and reach past the first draft
+    ldlp.eval()
+    seconds = step_seconds_table(CostTable.linear(10.0, 1.5), K_MAX)
+
+    class TorchRule(LearnedPolicy):
+        def _one_row_cpu(self, rows, x=None):
+            x = step_features(rows, self.groups)[0] if x is None else x
+            table, terms = self._terms(K_MAX, x.device)
+            S = self.predictor.survival_tensor(x[None])
+            return int(gamma_by_cost(S, table, self.token_seconds(), self.max_gamma, terms)[0])
+
+    runs = []
+    for cls in (LearnedPolicy, TorchRule):
+        policy = cls(predictor=ldlp, groups=groups, seconds=seconds, token_s=0.004, max_gamma=K_MAX)
+        decoder = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), policy)
+        runs.append([decoder.generate(p, BUDGET).stats.draft_lengths for p in PROMPTS])
+    assert runs[0] == runs[1]
+    assert len({g for walk in runs[0] for g in walk}) >= 3

@@ -93,6 +93,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         r.run(prompts[0], min(16, n), seed)
 
     secs = np.zeros((len(runners), rounds, len(prompts)))
+    own = np.zeros(len(runners))  # each runner's policy's own seconds (its plan, stop and observe calls)
     tokens = np.zeros((len(runners), len(prompts)), dtype=int)
     counts = np.zeros((len(runners), 2), dtype=int)  # target forwards, drafted tokens (deterministic: round 0)
     timed = []  # every speculative generation's stats: what a target pass and a drafted token cost here
@@ -102,6 +103,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     def turn(i, prompt, k, r):
         out, stats = runners[i].run(prompt, n, seed + k)
         secs[i, r, k] = stats.wall_s
+        own[i] += stats.policy_s
         if r == 0:
             outputs[i][k], tokens[i, k] = out, stats.new_tokens
             counts[i] += (stats.target_forwards, stats.drafted_tokens)
@@ -133,6 +135,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
                "setting": settings[i] if i < len(contenders) else None,
                "tokens_per_s": float(overall[i]), "speedup": float(overall[i] / overall[-1]),
                "tokens_per_s_rounds": per_round[i].tolist(), "tau": float(tokens[i].sum() / counts[i, 0]),
+               "policy_share": float(own[i] / secs[i].sum()),
                "drafted_tokens": int(counts[i, 1]),
                "wasted_tokens": int(counts[i, 1] - (tokens[i].sum() - counts[i, 0]))}
         if ref is not None and i != ref and i < len(contenders):
@@ -207,8 +210,10 @@ def head_to_head_markdown(result: dict) -> str:
              f"{result['max_new_tokens']} new tokens at most, greedy. `vs {ref}` is the ratio of seconds on the same "
              "(round, prompt) pairs (> 1: faster than the best static contender), with a bootstrap 95% interval "
              "that resamples prompts (each with all its rounds); tokens/s are totals over all pairs.", "",
-             f"| contender | setting | τ | wasted | tokens/s | speedup vs AR | vs {ref} | 95% interval | rounds faster |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "`policy time`: the policy's own calls (its plan, stop and observe) as a share of its seconds.", "",
+             f"| contender | setting | τ | wasted | tokens/s | speedup vs AR | vs {ref} | 95% interval | rounds faster "
+             "| policy time |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         setting = ", ".join(f"{k}={v}" for k, v in (r.get("setting") or {}).items() if k != "path") or "–"
         vs = f"{r['vs_best_static']:.3f}" if "vs_best_static" in r else ("1 (reference)" if r["contender"] == ref
@@ -216,8 +221,9 @@ def head_to_head_markdown(result: dict) -> str:
         ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
         faster = f"{r['rounds_faster']}/{result['rounds']}" if "rounds_faster" in r else "–"
         wasted = r["wasted_tokens"] if r["contender"] != "AR" else "–"
+        own = f"{100 * r['policy_share']:.1f}%" if r.get("policy_share") is not None else "–"
         lines.append(f"| {r['contender']} | {setting} | {r['tau']:.2f} | {wasted} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {vs} | {ci} | {faster} |")
+                     f"{r['speedup']:.2f}x | {vs} | {ci} | {faster} | {own} |")
     lines.append("")
     if "best_adaptive" in result:
         lines.append(verdict_line(result, ref, "best adaptive"))

@@ -97,7 +97,7 @@ def step_features(rows, groups, draft_prev: torch.Tensor | None = None) -> torch
             parts.append(torch.cat([rows.embeddings.float(), rows.features.float()], dim=-1))
         else:
             raise ValueError(f"unknown feature group {g!r}; known: {list(GROUPS)}")
-    return torch.cat(parts, dim=-1)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def feature_names(groups, d: int | None = None) -> list[str]:

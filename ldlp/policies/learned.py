@@ -18,47 +18,105 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.special import expit
 
 from eagle_backbone.policy import GO, Depth, DraftPolicy, Rows, int_at_least
 from eagle_backbone.runtime import to_device
 from ldlp.models.features import DRAFT_PREV_DEPTHS, GROUPS, step_features
 
 
-def expected_gain(survival, seconds, token_s: float, terms=None) -> torch.Tensor:
+def expected_gain(survival, seconds, token_s: float, terms=None, monotone: bool = False) -> torch.Tensor:
     """(R, K+1) float64 (or (K+1,) for one row): per γ = 0..K, expected emitted tokens minus expected step seconds
     over ``token_s``. ``survival`` (R, K): S_m = P(the first m drafts are all kept); ``seconds`` (≥ K+1, ≥ K+1):
     ``seconds[k, a]`` a step drafting k tokens of which a are kept (a ≤ k); ``terms``: its :func:`_step_terms`,
-    precomputed (the policy keeps them per price)."""
+    precomputed (the policy keeps them per price); ``monotone``: the curve already falls with m within [0, 1] (an
+    LDLP's distribution head), so it is not made so here."""
     S = torch.as_tensor(survival, dtype=torch.float64)
     one = S.dim() == 1
     S = S[None] if one else S
-    R, K = S.shape
-    lower_t, diag = terms if terms is not None else _step_terms(torch.as_tensor(seconds, dtype=torch.float64,
-                                                                                device=S.device), K)
-    S = torch.cummin(S.clamp(0.0, 1.0), dim=1).values  # a survival curve cannot rise
-    S0 = torch.cat([torch.ones(R, 1, dtype=S.dtype, device=S.device), S,
-                    torch.zeros(R, 1, dtype=S.dtype, device=S.device)], dim=1)  # S_0 .. S_{K+1}
-    stop_at = S0[:, : K + 1] - S0[:, 1:]  # P(exactly a kept) when k > a
-    tokens = 1.0 + torch.cat([torch.zeros(R, 1, dtype=S.dtype, device=S.device), S.cumsum(1)], dim=1)
-    seconds_k = stop_at @ lower_t + S0[:, : K + 1] * diag  # E[step seconds | γ = k]
-    gain = tokens - seconds_k / token_s
+    K = S.shape[1]
+    W, c = terms if terms is not None else _step_terms(torch.as_tensor(seconds, dtype=torch.float64,
+                                                                       device=S.device), K)
+    if not monotone:
+        S = torch.cummin(S.clamp(0.0, 1.0), dim=1).values  # a survival curve cannot rise
+    both = torch.addmm(c, S, W)  # (R, 2(K+1)): expected tokens, then expected seconds, per γ = 0..K
+    gain = both[:, : K + 1] - both[:, K + 1:] / token_s
     return gain[0] if one else gain
 
 
 def _step_terms(seconds: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (K+1) x (K+1) seconds table's strictly lower part, transposed, and its diagonal (expected_gain's terms)."""
-    M = seconds[: K + 1, : K + 1]
-    return torch.tril(M, -1).T.contiguous(), torch.diagonal(M).contiguous()
+    """``(W, c)``, (K, 2(K+1)) and (2(K+1),): expected tokens and seconds per γ = 0..K are linear in the survival
+    curve, ``[tokens | seconds] = S @ W + c`` (one product a decision: a step's policy time is a handful of ops).
+
+    With S_0 = 1: tokens_k = 1 + S_1 + ... + S_k, and seconds_k = Σ_{a<k} (S_a − S_{a+1}) seconds[k, a] +
+    S_k seconds[k, k], so S_j (j ≤ k) weighs seconds[k, j] − seconds[k, j − 1] and the constant is seconds[k, 0]."""
+    M = seconds[: K + 1, : K + 1].to(torch.float64)
+    kept = torch.ones(K, K + 1, dtype=M.dtype, device=M.device).triu(1)  # S_m counts in tokens_k when m ≤ k
+    steps = torch.tril(M[:, 1:] - M[:, :-1], -1).T  # [j - 1, k]: seconds[k, j] - seconds[k, j - 1] for j ≤ k
+    W = torch.cat([kept, steps], dim=1).contiguous()
+    c = torch.cat([torch.ones(K + 1, dtype=M.dtype, device=M.device), M[:, 0]])
+    return W, c
 
 
-def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = None, terms=None):
+def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = None, terms=None,
+                  monotone: bool = False):
     """The draft length with the largest :func:`expected_gain` (the shortest among equals), at most ``max_gamma``:
     an int for one survival curve, an (R,) int64 tensor for a batch."""
-    gain = expected_gain(survival, seconds, token_s, terms)
+    gain = expected_gain(survival, seconds, token_s, terms, monotone)
     if max_gamma is not None:
         gain = gain[..., : max_gamma + 1]
     g = torch.argmax(gain, dim=-1)  # the first of equal maxima
     return int(g) if g.dim() == 0 else g
+
+
+class CpuDecider:
+    """An LDLP's decision for one row in numpy (:meth:`LearnedPolicy._one_row_cpu`): the folded network of
+    ``LDLP._decoding_weights`` and the rule's linear terms. For a model on ``[e; f]`` alone the first layer's
+    ``[e]`` half and its bias are kept per token on first sight (``W_e e + b``; at most the vocabulary's rows),
+    so a step reads one row instead of the token's embedding and a (hidden x d) block."""
+
+    def __init__(self, ldlp):
+        self.ldlp, self.weights = ldlp, ldlp._decoding_weights()
+        w1, b1, blocks, w_out, b_out, _ = self.weights
+        d = ldlp.config.feature_dim
+        self.w1, self.b1 = w1.numpy(), b1.numpy()
+        self.w1_e, self.w1_f = np.ascontiguousarray(self.w1[:, :d]), np.ascontiguousarray(self.w1[:, d:])
+        self.blocks = [(w.numpy(), b.numpy()) for w, b in blocks]
+        self.w_out, self.b_out = w_out.numpy(), b_out.numpy()
+        self.by_token: dict[int, np.ndarray] = {}
+        self.embed = None
+        self._terms = None
+
+    def _first_layer(self, x=None, token=None, feature=None) -> np.ndarray:
+        if token is None:
+            return self.w1 @ np.asarray(x, dtype=np.float32) + self.b1
+        tok, embed = token
+        if embed is not self.embed and embed != self.embed:  # another target's embeddings: start again
+            self.by_token, self.embed = {}, embed
+        row = self.by_token.get(tok)
+        if row is None:
+            e = embed(torch.tensor([tok], device=feature.device))[0].float().numpy()  # once per token
+            row = self.by_token[tok] = self.w1_e @ e + self.b1
+        return row + self.w1_f @ feature.float().numpy()[0]
+
+    def survival(self, **inputs) -> np.ndarray:
+        z = self._first_layer(**inputs)
+        h = z * expit(z)  # SiLU
+        for w, b in self.blocks:
+            z = w @ h + b
+            h = h + z * expit(z)
+        out = (self.w_out @ h + self.b_out).astype(np.float64)
+        return np.exp(np.cumsum(-np.logaddexp(0.0, -out)))  # the distribution head: Π sigmoid
+
+    def gamma(self, terms: tuple, token_s: float, cap: int, **inputs) -> int:
+        """``terms``: :func:`_step_terms` (torch, on the CPU; their numpy views kept while they stand)."""
+        if self._terms is None or self._terms[0] is not terms:
+            self._terms = (terms, terms[0].numpy(), terms[1].numpy())
+        _, W, c = self._terms
+        K = W.shape[0]
+        both = self.survival(**inputs)[:K] @ W + c
+        gain = both[: K + 1] - both[K + 1:] / token_s
+        return int(np.argmax(gain[: cap + 1]))
 
 
 def step_seconds(costs, drafted: int, accepted: int) -> float:
@@ -134,6 +192,7 @@ class LearnedPolicy(DraftPolicy):
         self._ema: tuple[float, float] | None = None  # (seconds, tokens) of the online estimate
         self._priced = None  # (the costs' identity and version, their seconds table)
         self._device_terms = None
+        self._cpu: CpuDecider | None = None  # the one-row numpy path (_one_row_cpu), per predictor weights
         self._depths: list[tuple[int, list[int], torch.Tensor]] = []  # this step's (depth, rows, top-1s), on the device
 
     # ---- prices ----
@@ -184,8 +243,12 @@ class LearnedPolicy(DraftPolicy):
     def begin(self, slot: int, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
         self._depths = []  # replay's last step of the previous sequence (the engine's plan ahead has used its own)
 
-    def plan(self, rows: Rows) -> torch.Tensor:
+    def plan(self, rows: Rows) -> torch.Tensor | list[int]:
         device = rows.features.device
+        one_cpu = (len(rows) == 1 and device.type == "cpu" and self.rule == "cost" and self.fixed is None
+                   and self.record is None and hasattr(self.predictor, "survival_tensor"))
+        if one_cpu and self.groups == ("ef",):  # [e; f] alone: no feature vector to build
+            return [self._one_row_cpu(rows)]
         x = step_features(rows, self.groups, self._draft_prev(len(rows), device) if "draft_prev" in self.groups else None)
         self._depths = []  # used: a step that drafts nothing leaves none for the next plan
         if self.record is not None:
@@ -193,7 +256,10 @@ class LearnedPolicy(DraftPolicy):
         cap = self.max_gamma
         if self.fixed is not None:
             return torch.full((len(rows),), min(self.fixed, cap), dtype=torch.long, device=device)
-        if hasattr(self.predictor, "survival_tensor"):
+        if one_cpu:
+            return [self._one_row_cpu(rows, x[0])]
+        monotone = hasattr(self.predictor, "survival_tensor")  # an LDLP's curve falls with m by construction
+        if monotone:
             S = self.predictor.survival_tensor(x)
         else:  # a study model (numpy)
             S = torch.as_tensor(self.predictor.survival(x.cpu().numpy()), device=device)
@@ -201,7 +267,23 @@ class LearnedPolicy(DraftPolicy):
             return (S >= 0.5).sum(-1).clamp(max=cap).long()
         K = min(S.shape[1], self.seconds().shape[0] - 1)
         table, terms = self._terms(K, device)
-        return gamma_by_cost(S[:, :K], table, self.token_seconds(), cap, terms).reshape(-1)
+        return gamma_by_cost(S[:, :K], table, self.token_seconds(), cap, terms, monotone).reshape(-1)
+
+    def _one_row_cpu(self, rows: Rows, x: torch.Tensor | None = None) -> int:
+        """γ of one row on a CPU, in numpy: the same network and rule, but right after the target's forward the
+        caches are cold and each torch op pays its dispatch (about 10 µs), so the torch path cost ~400 µs a step
+        (3% of a step here); with the first layer's [e] part kept per token, this costs about a third of that."""
+        if self._cpu is None or self._cpu.ldlp is not self.predictor:
+            # a snapshot of the weights (checking their versions every step costs 30 µs): a policy's predictor is
+            # frozen while it decides; a changed predictor is a new policy (or predictor attribute)
+            self._cpu = CpuDecider(self.predictor)
+        K = min(self.predictor.config.k_max, self.seconds().shape[0] - 1)
+        terms = self._terms(K, torch.device("cpu"))[1]
+        if x is None:  # [e; f] alone
+            tok = rows.last_ids[0] if rows.last_ids is not None else rows.last_tokens.tolist()[0]
+            return self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, token=(int(tok), rows.embed),
+                                   feature=rows.features)
+        return self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, x=x)
 
     def stop(self, d: Depth) -> torch.Tensor:
         if d.depth <= DRAFT_PREV_DEPTHS:

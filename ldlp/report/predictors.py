@@ -94,16 +94,23 @@ def study_page(done: dict, oracle_dir: str, plot_dir: Path | None = None) -> str
 
 
 def beside_markdown(entries: list[dict], labels: list[str], h2h: dict, where: str) -> str:
+    own = [lab for lab in labels if any(f"{lab}_with_policy" in e for e in entries)]
     lines = [f"### Replay beside the head to head ({where})", "",
              f"Each contender replayed on oracle labels of the head to head's own prompts ({h2h['n_prompts']} prompts "
              f"of {h2h['dataset']}, {h2h['max_new_tokens']} new tokens), priced by each cost model, as a ratio to "
-             f"{h2h['reference']}; beside it the ratio the head to head measured.", "",
+             f"{h2h['reference']}; beside it the ratio the head to head measured. Replay prices the steps alone; "
+             "`+ policy time` adds each contender's own measured policy time (its share of the seconds) on top. "
+             "τ counts each prompt's forward and first token in both.", "",
              "| contender | measured | 95% interval | " + " | ".join(f"replay: {lab}" for lab in labels)
-             + " | τ measured | τ replay |", "|---|---:|---:|" + "---:|" * len(labels) + "---:|---:|"]
+             + "".join(f" | replay: {lab} + policy time" for lab in own) + " | policy time | τ measured | τ replay |",
+             "|---|---:|---:|" + "---:|" * (len(labels) + len(own)) + "---:|---:|---:|"]
     for e in entries:
         ci = e.get("ci95")
         cells = [f"{e[f'{lab}_ratio']:.3f}" if f"{lab}_ratio" in e else "–" for lab in labels]
+        cells += [f"{e[f'{lab}_with_policy']:.3f}" if f"{lab}_with_policy" in e else "–" for lab in own]
+        share = f"{100 * e['policy_share']:.1f}%" if e.get("policy_share") is not None else "–"
         lines.append(f"| {e['contender']} | {e['measured']:.3f} | "
                      + (f"{ci[0]:.3f} – {ci[1]:.3f}" if ci else "–") + " | " + " | ".join(cells)
-                     + f" | {e['tau_measured']:.2f} | " + (f"{e['tau_replay']:.2f}" if "tau_replay" in e else "–") + " |")
+                     + f" | {share} | {e['tau_measured']:.2f} | "
+                     + (f"{e['tau_replay']:.2f}" if "tau_replay" in e else "–") + " |")
     return "\n".join(lines) + "\n"
