@@ -1053,8 +1053,8 @@ class SpeculativeDecoder:
                  seed: int | torch.Generator | None = None) -> GenerationOutput:
         eng = self.engine(sampling)
         eng.prof.s = {}
-        own = eng.policy_s
         eng.admit(0, prompt_ids, max_new_tokens, _stream_seed(seed, self.target.device))  # checks both
+        own = eng.policy_s  # from here: the policy's begin() runs before the clock starts
         while eng.busy():
             eng.step()
         s = eng.state[0]

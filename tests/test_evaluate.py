@@ -484,3 +484,21 @@ def test_one_policy_twice_is_named_by_the_setting_that_differs(tiny_models, prom
     other = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic", "policy.initial_gamma=2"]).policy
     result = head_to_head(cfg, [("heuristic", cfg.policy), ("heuristic", other)], rounds=1, bootstrap=20)
     assert [r["contender"] for r in result["rows"]][:2] == ["heuristic", "heuristic (initial_gamma=2)"]
+
+
+def test_head_to_head_scripted_twins_replay_each_adaptive_contenders_choices(tiny_models, prompt_file):
+    """scripted_twins=true: an adaptive contender's γ choices, replayed by a scripted twin in the same turns, give
+    the same steps (same drafts, same outputs), and the twin is neither the best static nor an adaptive contender."""
+    from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
+
+    base = overrides(tiny_models, prompt_file) + ["evaluation.progress=false", "+scripted_twins=true"]
+    cfg = compose_eval(base + ["policy=static"])
+    heuristic = compose_eval(base + ["policy=heuristic"]).policy
+    result = head_to_head(cfg, [("static", cfg.policy), ("heuristic", heuristic)], rounds=2, bootstrap=20)
+    static, adaptive, twin, ar = result["rows"]
+    assert twin["contender"] == f"{adaptive['contender']}: its choices, scripted" and twin["adaptive"] is None
+    assert twin["drafted_tokens"] == adaptive["drafted_tokens"] and twin["tau"] == adaptive["tau"]
+    assert twin["twin"]["of"] == adaptive["contender"] and twin["twin"]["same_choices"] == 1.0
+    assert result["reference"] == static["contender"] and result.get("best_adaptive") in (None, adaptive["contender"])
+    assert result["lossless"]
+    assert "its γ choices, scripted" in head_to_head_markdown(result)

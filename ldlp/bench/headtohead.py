@@ -87,6 +87,10 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         labels.append(label)
         settings.append(setting)
         adaptive.append(policy.adaptive)
+    names = [name for name, _ in contenders]
+    if cfg.get("scripted_twins", False):
+        _add_scripted_twins(pair, sampling, prompts, n, seed, runners, labels, settings, adaptive, policies, names)
+    n_policies = len(runners)
     runners.append(ar_runner("ours", pair.target, sampling))
     labels.append("AR")
     for r in runners:  # warm-up
@@ -98,6 +102,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     counts = np.zeros((len(runners), 2), dtype=int)  # target forwards, drafted tokens (deterministic: round 0)
     timed = []  # every speculative generation's stats: what a target pass and a drafted token cost here
     outputs: list[list] = [[None] * len(prompts) for _ in runners]
+    chosen: list[list] = [[None] * len(prompts) for _ in runners]  # γ per step, round 0
     progress = progress_bar(rounds * len(prompts), "head to head", bool(cfg.evaluation.get("progress", True)))
 
     def turn(i, prompt, k, r):
@@ -107,7 +112,8 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         if r == 0:
             outputs[i][k], tokens[i, k] = out, stats.new_tokens
             counts[i] += (stats.target_forwards, stats.drafted_tokens)
-        if i < len(contenders):
+            chosen[i][k] = list(stats.draft_lengths)
+        if i < n_policies:
             timed.append(stats)
 
     # every runner takes every place in the order
@@ -123,27 +129,32 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
 
     per_round = tokens.sum(1)[:, None] / secs.sum(2)  # tokens/s of each runner in each round
     overall = rounds * tokens.sum(1) / secs.sum((1, 2))  # every round emits the same tokens
-    names = [name for name, _ in contenders]
-    static = [i for i in range(len(contenders)) if not adaptive[i]]
+    static = [i for i in range(n_policies) if adaptive[i] is False]  # a scripted twin (None) is neither
     ref = max(static, key=lambda i: overall[i]) if static else None  # the fastest static γ over all pairs
     rng = np.random.default_rng(seed)
     boot_k = rng.integers(0, len(prompts), size=(bootstrap, len(prompts)))  # prompts drawn with replacement
     rows = []
     for i, label in enumerate(labels):
-        row = {"contender": label, "policy": names[i] if i < len(contenders) else "ar",
-               "adaptive": adaptive[i] if i < len(contenders) else None,
-               "setting": settings[i] if i < len(contenders) else None,
+        row = {"contender": label, "policy": names[i] if i < n_policies else "ar",
+               "adaptive": adaptive[i] if i < n_policies else None,
+               "setting": settings[i] if i < n_policies else None,
                "tokens_per_s": float(overall[i]), "speedup": float(overall[i] / overall[-1]),
                "tokens_per_s_rounds": per_round[i].tolist(), "tau": float(tokens[i].sum() / counts[i, 0]),
                "policy_share": float(own[i] / secs[i].sum()),
                "drafted_tokens": int(counts[i, 1]),
                "wasted_tokens": int(counts[i, 1] - (tokens[i].sum() - counts[i, 0]))}
-        if ref is not None and i != ref and i < len(contenders):
+        if ref is not None and i != ref and i < n_policies:
             # seconds of the reference over seconds of this contender on the same pairs: > 1 means faster
             boot = secs[ref][:, boot_k].sum((0, 2)) / secs[i][:, boot_k].sum((0, 2))
             row.update(vs_best_static=float(secs[ref].sum() / secs[i].sum()),
                        ci95=[float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
                        rounds_faster=int((secs[i].sum(1) < secs[ref].sum(1)).sum()))
+        if i < n_policies and "twin_of" in (settings[i] or {}):
+            j = labels.index(settings[i]["twin_of"])  # its policy's seconds over the twin's: its own calls' cost
+            boot = secs[j][:, boot_k].sum((0, 2)) / secs[i][:, boot_k].sum((0, 2))
+            row["twin"] = {"of": labels[j], "seconds_ratio": float(secs[j].sum() / secs[i].sum()),
+                           "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+                           "same_choices": float(np.mean([chosen[j][k] == chosen[i][k] for k in range(len(prompts))]))}
         rows.append(row)
     for row, by in zip(rows, runs_by_category(categories, secs, tokens)):
         if by:  # per category: tokens, seconds per round, tokens/s, speedup over AR
@@ -159,6 +170,25 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
               "cost_tables": {lab: t for lab, t in zip(labels, (table_record(p.pricing) for p in policies)) if t is not None}}
     result.update(verdict(result))
     return result
+
+
+def _add_scripted_twins(pair, sampling, prompts, n, seed, runners, labels, settings, adaptive, policies, names):
+    """Each adaptive contender's γ choices, recorded in an untimed pass over the prompts, replayed by a
+    :class:`~ldlp.policies.scripted.ScriptedPolicy` that takes turns beside it: the pair splits its gain into
+    what its choices earn and what its own time costs."""
+    from ldlp.policies.scripted import ScriptedPolicy
+
+    for i in [i for i in range(len(runners)) if adaptive[i]]:
+        scripts = {tuple(int(t) for t in p): list(runners[i].run(p, n, seed + k)[1].draft_lengths)
+                   for k, p in enumerate(prompts)}
+        twin = ScriptedPolicy(scripts, max(max(g, default=0) for g in scripts.values()))
+        label = f"{labels[i]}: its choices, scripted"
+        runners.append(engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, twin), sampling))
+        labels.append(label)
+        settings.append({"twin_of": labels[i]})
+        adaptive.append(None)  # a control: neither the best static nor the best adaptive
+        policies.append(twin)
+        names.append("scripted")
 
 
 def dropped_note(result: dict) -> str:
@@ -230,6 +260,13 @@ def head_to_head_markdown(result: dict) -> str:
     if "headroom_captured" in result:
         lines.append(f"- headroom captured: **{100 * result['headroom_captured']:.0f}%** of (oracle − best static) "
                      "in tokens/s, all timed in turns")
+    for r in result["rows"]:
+        t = r.get("twin")
+        if t:
+            lines.append(f"- {t['of']}'s own time: its γ choices, scripted, took turns beside it; the policy took "
+                         f"{t['seconds_ratio']:.3f}× the twin's seconds (95% interval {t['ci95'][0]:.3f} – "
+                         f"{t['ci95'][1]:.3f}); {100 * t['same_choices']:.0f}% of the prompts saw the same choices "
+                         "in the first timed round")
     c = result.get("costs")
     if c:
         lines.append(f"- time fitted to these generations: {c['step_ms']:.2f} ms per target pass + {c['draft_ms']:.2f} ms "
