@@ -204,7 +204,11 @@ class Eagle3Drafter(nn.Module):
         if layer_cfg.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"{path / 'config.json'}: num_hidden_layers is {layer_cfg['num_hidden_layers']}; an "
                              "EAGLE-3 drafter here has exactly one decoder layer")
-        cfg = LlamaConfig(**{k: v for k, v in layer_cfg.items() if k not in _DROP})
+        try:  # transformers validates the layer's fields (e.g. heads dividing hidden_size): one line, the file named
+            cfg = LlamaConfig(**{k: v for k, v in layer_cfg.items() if k not in _DROP})
+        except Exception as e:  # noqa: BLE001 (huggingface_hub's StrictDataclassClassValidationError is no ValueError)
+            why = [line.strip() for line in str(e).splitlines() if line.strip()][-1].removeprefix("ValueError: ")
+            raise ValueError(f"{path / 'config.json'}: not a Llama layer config: {why}") from None
         state = load_state_dict(path)
         if speculators:
             state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
@@ -225,6 +229,16 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"{path}: checkpoint does not match an EAGLE-3 drafter ({layout} layout) for "
                              f"{path / 'config.json'}; missing keys {missing}, unexpected keys {unexpected}, "
                              f"wrong shapes {wrong}")
+        if "d2t" in state:  # draft token i is target token i + d2t[i]: a map past the vocabulary fails only mid-decode
+            targets = torch.arange(draft_vocab) + state["d2t"].long()
+            bad = ((targets < 0) | (targets >= V)).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                raise ValueError(f"{path}: d2t maps draft token {i} to target token {int(targets[i])}, outside the "
+                                 f"vocabulary 0..{V - 1} (vocab_size of {path / 'config.json'})")
+            if targets.unique().numel() != draft_vocab:
+                raise ValueError(f"{path}: d2t maps two draft tokens to one target token; each draft token needs "
+                                 "its own")
         if "t2d" in state:
             state["t2d"] = state["t2d"].bool()
         model.load_state_dict(state, strict=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,25 @@ def load_drafter(kind: str, path: str | Path, dtype: str = "float32", device: st
     raise ValueError(f"model.drafter_kind must be 'eagle', 'eagle3' or 'draft_lm', got {kind!r}")
 
 
+def check_drafter_fits(kind: str, drafter: str | Path, target: str | Path) -> None:
+    """An EAGLE drafter (``eagle``, ``eagle3``) reads the target's hidden states and tokens: its ``hidden_size`` and
+    ``vocab_size`` must be the target's. Read from the two ``config.json`` files before either model loads; a
+    mismatch is one line naming both sizes and both files (a draft LM has its own sizes: not checked)."""
+    if kind not in ("eagle", "eagle3"):
+        return
+    files = Path(drafter) / "config.json", Path(target) / "config.json"
+    try:
+        raw_d, raw_t = (json.loads(f.read_text()) for f in files)
+    except (OSError, ValueError):
+        return  # an unreadable config is the loader's to report
+    raw_d = raw_d.get("transformer_layer_config") or raw_d  # speculators' layout nests the layer's config
+    for key in ("hidden_size", "vocab_size"):
+        d, t = raw_d.get(key), raw_t.get(key)
+        if d is not None and t is not None and d != t:
+            raise ValueError(f"{files[0]}: {key} {d} differs from the target's {t} ({files[1]}); an {kind} drafter "
+                             f"needs the target's {key}")
+
+
 def tie_drafter_embedding(drafter, target: TargetModel) -> bool:
     """Give an EAGLE drafter whose checkpoint ships no ``embed_tokens.weight`` the target's embedding (EAGLE's
     releases share it with the target); checks the shapes. Returns whether it tied; a no-op otherwise."""
@@ -71,6 +91,7 @@ def load_pair(cfg) -> ModelPair:
         if not (Path(cfg[key]) / "config.json").exists():
             raise ValueError(f"model.{key}={cfg[key]} has no config.json: train or download it first "
                              "(nothing is fetched at run time)")
+    check_drafter_fits(cfg.drafter_kind, cfg.drafter, cfg.target)
     remote = bool(cfg.get("trust_remote_code", False))
     target = load_target(cfg)
     drafter = load_drafter(cfg.drafter_kind, cfg.drafter, cfg.dtype, cfg.device, remote)

@@ -260,6 +260,47 @@ def test_unsupported_speculators_variants_are_refused(t3, tmp_path):
         load_drafter("eagle3", tmp_path / "n")
 
 
+def test_a_d2t_past_the_vocabulary_is_refused_at_load(t3, tmp_path):
+    state = eagle_layout(t3, tmp_path / "past")
+    d2t = state["d2t"].clone()
+    d2t[-1] = 100  # draft token 4 -> target token 104 of 8
+    _write(tmp_path / "bad", json.loads((tmp_path / "past" / "config.json").read_text()), state | {"d2t": d2t},
+           "safetensors")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'bad'}: d2t maps draft token 4 to target token 104, outside "
+                                         "the vocabulary 0..7") as e:
+        load_drafter("eagle3", tmp_path / "bad")
+    assert "\n" not in str(e.value)
+    _write(tmp_path / "identity", json.loads((tmp_path / "past" / "config.json").read_text()),
+           state | {"d2t": torch.zeros(5, dtype=torch.long)}, "safetensors")  # draft token i -> i: fine
+    assert load_drafter("eagle3", tmp_path / "identity").draft_vocab_size == 5
+    _write(tmp_path / "dup", json.loads((tmp_path / "past" / "config.json").read_text()),
+           state | {"d2t": torch.tensor([1, 0, 0, 0, 0])}, "safetensors")
+    with pytest.raises(ValueError, match="d2t maps two draft tokens to one target token"):
+        load_drafter("eagle3", tmp_path / "dup")
+
+
+def test_a_head_for_another_hidden_size_is_refused_naming_both_sizes_and_files(t3, tmp_path):
+    from eagle_backbone.loading import check_drafter_fits, load_pair
+
+    speculators_layout(t3, tmp_path / "h")
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    cfg["transformer_layer_config"]["hidden_size"] = 33  # not even a multiple of the heads: transformers' own error
+    (tmp_path / "h" / "config.json").write_text(json.dumps(cfg))
+    t3.model.config.save_pretrained(tmp_path / "target")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'h' / 'config.json'}: hidden_size 33 differs from the "
+                                         f"target's 32 \\({tmp_path / 'target' / 'config.json'}\\)") as e:
+        check_drafter_fits("eagle3", tmp_path / "h", tmp_path / "target")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="hidden_size 33 differs from the target's 32"):  # before either model loads
+        load_pair({"target": str(tmp_path / "target"), "drafter": str(tmp_path / "h"), "drafter_kind": "eagle3",
+                   "dtype": "float32", "device": "cpu"})
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'h' / 'config.json'}: not a Llama layer config: The hidden "
+                                         "size \\(33\\) is not a multiple") as e:  # the head alone, without a target
+        load_drafter("eagle3", tmp_path / "h")
+    assert "\n" not in str(e.value)
+    check_drafter_fits("draft_lm", tmp_path / "h", tmp_path / "target")  # a draft LM has its own sizes
+
+
 @pytest.mark.parametrize("layout", ["eagle", "speculators"])
 @pytest.mark.parametrize("draft_vocab", [None, 5])
 def test_written_heads_load_back_identically(t3, tmp_path, layout, draft_vocab):

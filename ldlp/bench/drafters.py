@@ -26,7 +26,7 @@ import numpy as np
 
 from eagle_backbone.candidates import make_candidates
 from eagle_backbone.engine import SpeculativeDecoder
-from eagle_backbone.loading import load_drafter, load_target, tie_drafter_embedding
+from eagle_backbone.loading import check_drafter_fits, load_drafter, load_target, tie_drafter_embedding
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.sampling import SamplingConfig
@@ -55,6 +55,8 @@ def bench_drafters(cfg) -> dict:
     int_setting("generation.max_new_tokens", cfg.generation.max_new_tokens, 1)  # no page of NaN from no tokens
     prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
     prompts = [ids for _, ids in prompt_set]
+    for name in names:  # each EAGLE drafter's sizes against the target's, before anything loads
+        check_drafter_fits(cfg.drafters[name].drafter_kind, cfg.drafters[name].drafter, cfg.model.target)
     target = load_target(cfg.model)
     device = str(cfg.model.get("device") or "cpu")
     attn = "eager" if (cfg.model.get("attn_implementation") or "sdpa") == "eager" else "sdpa"
