@@ -467,6 +467,23 @@ def test_dropped_prompts_are_carried_into_the_rows_and_the_csv(tmp_path):
     assert "n_dropped" in (tmp_path / "o2" / "results.csv").read_text().splitlines()[0]
 
 
+def test_records_skipped_under_on_error_skip_are_on_the_results_page_not_only_the_log(tmp_path):
+    """data.on_error=skip: the count of malformed records skipped (the prompt set's ``n_skipped_records``) is on the
+    page's prompt-set line and the README block, beside the dropped prompts; nothing when none were skipped."""
+    from ldlp.report.publish import headline_block
+    from ldlp.report.summary import summarize
+
+    out = summarize(_write_runs(tmp_path / "runs", [_result(n_skipped_records=3)]), tmp_path / "o")
+    assert out["rows"][0]["n_skipped_records"] == 3
+    assert "**3 malformed records of the prompt file skipped** (data.on_error=skip" in (
+        tmp_path / "o" / "results.md").read_text()
+    summarize(_write_runs(tmp_path / "clean", [_result()]), tmp_path / "o2")
+    assert "skipped" not in (tmp_path / "o2" / "results.md").read_text()
+    h2h = {"reference": "static γ=6", "n_prompts": 56, "n_dropped": 0, "n_skipped_records": 1, "rounds": 2, "rows": []}
+    block = headline_block({"headline": {"m": {"head_to_head": h2h}}}, "m", "cmd", "p.md")
+    assert "56 prompts, none dropped, **1 malformed record of the prompt file skipped**" in block
+
+
 def test_the_dropped_note_states_the_share_in_bold_over_5_percent():
     """The phrase every table's header line (the sweep's, the head to head's, README's block) puts after its
     prompt count."""

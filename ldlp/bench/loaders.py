@@ -91,6 +91,14 @@ def prompt_set_info(data_cfg, n_dropped: int = 0, n_skipped: int = 0) -> dict:
             "n_skipped_records": int(n_skipped)}
 
 
+def skipped_note(result: dict) -> str:
+    """``, N malformed records skipped (...)`` after a page's prompt count (beside ``dropped_note``) when the run read
+    its prompt file with ``data.on_error=skip`` and skipped any (``n_skipped_records``); empty otherwise."""
+    k = int(result.get("n_skipped_records") or 0)
+    return (f", **{k} malformed record{'s' if k != 1 else ''} of the prompt file skipped** (data.on_error=skip; the "
+            "log names the first)") if k else ""
+
+
 def load_prompts(data_cfg, tokenizer) -> PromptSet:
     """(conversation id, prompt token ids) for the prompt set ``data_cfg`` (its first ``limit`` items), as a
     :class:`PromptSet` whose ``info`` identifies the set and counts the prompts dropped for length."""

@@ -264,8 +264,10 @@ def headline_block(summary: dict, name: str, command: str, page: str) -> str:
         ref = h2h["reference"]
         # n_dropped next to n_prompts, in bold above 5%
         from ldlp.bench.headtohead import dropped_note
+        from ldlp.bench.loaders import skipped_note
 
-        lines += [(f"Head to head of the main command ({h2h['n_prompts']} prompts{dropped_note(h2h)} × {h2h['rounds']} "
+        lines += [(f"Head to head of the main command ({h2h['n_prompts']} prompts{dropped_note(h2h)}{skipped_note(h2h)} "
+                   f"× {h2h['rounds']} "
                    "rounds, timed in "
                    f"turns, greedy; ratios of seconds on the same prompts, > 1: faster than {ref}):"), "",
                   f"| contender | τ | tokens/s | vs {ref} | 95% interval |", "|---|---:|---:|---:|---:|"]

@@ -122,7 +122,7 @@ def aggregate(results: list[dict]) -> list[dict]:
         row["settings"] = {k: v for k, v in (first.get("policy_config") or {}).items() if k != "_target_"}
         row["machine"] = first.get("machine")
         row["by_category"], row["all_categories"], row["by_task"] = merge_runs(runs)  # per category (Spec-Bench's figures too)
-        row.update({k: first.get(k) for k in PROMPT_SET_KEYS + ("n_dropped", "dropped_reason")})
+        row.update({k: first.get(k) for k in PROMPT_SET_KEYS + ("n_dropped", "dropped_reason", "n_skipped_records")})
         rows.append(row)
     rows.sort(key=_row_order)
     return rows
@@ -269,8 +269,10 @@ def sweep_markdown(rows: list[dict], heads: dict, title: str = "Static vs adapti
 def _prompt_set_line(first: dict) -> str:
     """The table's header line: the prompt set, its prompts and those dropped (stated when over 5%)."""
     from ldlp.bench.headtohead import dropped_note
+    from ldlp.bench.loaders import skipped_note
 
-    line = f"Prompt set **{_set_label(first)}**, {first.get('n_prompts')} prompts{dropped_note(first)}"
+    line = (f"Prompt set **{_set_label(first)}**, {first.get('n_prompts')} prompts{dropped_note(first)}"
+            f"{skipped_note(first)}")
     return (line + f", {first['max_new_tokens']} new tokens at most, "
             + ("greedy decoding." if first.get("temperature") == 0 else f"temperature {first.get('temperature')}."))
 
