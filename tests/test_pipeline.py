@@ -776,6 +776,16 @@ def test_a_dry_run_with_zero_rounds_ends_in_one_error_line(tmp_path):
         "error: pipeline: sweep.rounds must be an integer >= 1, got 0 (conf/pipeline.yaml)"], out.stderr[-2000:]
 
 
+def test_the_corpus_stage_logs_into_its_own_logs_folder_not_where_it_is_run(tmp_path):
+    """The main command's first stage (scripts/build_corpus.py) left build_corpus.log in the folder it ran in (the
+    repository root): its log goes to the corpus folder's logs/, which no fingerprint reads."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "build_corpus.py"), f"out_dir={tmp_path / 'corpus'}",
+                          "max_modules=2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not list(tmp_path.glob("*.log")) and (tmp_path / "corpus" / "logs" / "build_corpus.log").is_file()
+    assert (tmp_path / "corpus" / "test.json").is_file()
+
+
 def test_collectors_started_by_hand_side_by_side_log_into_their_own_folders():
     for script in ("collect_oracle", "collect_acceptance"):
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
