@@ -34,6 +34,7 @@ from ldlp.bench.loaders import (
     machine_info,
     prepare_cost_tables,
     sampling_config,
+    skipped_note,
 )
 from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
 from ldlp.bench.conversation import prompt_categories
@@ -236,7 +237,7 @@ def head_to_head_markdown(result: dict) -> str:
     lines = [f"### Head to head ({result['model']})", "",
              f"{len(result['rows']) - 1} contenders and the AR baseline take turns on every prompt (rotating order) "
              f"for {result['rounds']} rounds in one process: {result['n_prompts']} prompts of {result['dataset']}"
-             f"{dropped_note(result)}, "
+             f"{dropped_note(result)}{skipped_note(result)}, "
              f"{result['max_new_tokens']} new tokens at most, greedy. `vs {ref}` is the ratio of seconds on the same "
              "(round, prompt) pairs (> 1: faster than the best static contender), with a bootstrap 95% interval "
              "that resamples prompts (each with all its rounds); tokens/s are totals over all pairs.", "",
