@@ -103,9 +103,13 @@ def setup_key(engine) -> dict:
     """The key fields an engine adds (:func:`cost_key`): its candidate generator's kind, a digest of the
     drafter's weights (the EAGLE head or the draft LM; None for a generator without one) and the attention
     math of its batched forwards."""
-    cand = engine.candidates
-    module = None if cand is None else (getattr(cand, "drafter", None) or getattr(cand, "model", None))
-    return {"drafter_kind": engine.kind, "drafter_sha256": weights_sha256(module), "attn": str(engine.attn)}
+    return {"drafter_kind": engine.kind, "drafter_sha256": drafter_sha256(engine.candidates), "attn": str(engine.attn)}
+
+
+def drafter_sha256(candidates) -> str | None:
+    """:func:`weights_sha256` of a candidate generator's drafter (the EAGLE head or the draft LM); None without one."""
+    module = None if candidates is None else (getattr(candidates, "drafter", None) or getattr(candidates, "model", None))
+    return weights_sha256(module)
 
 
 def cost_key(model_name: str, dtype: torch.dtype, device, threads: int, setup: dict | None = None) -> dict:

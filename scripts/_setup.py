@@ -1,5 +1,6 @@
 """What every script does first (``start(cfg)``): its torch threads from ``cfg.threads``, set once before
-any work; known-harmless third-party notices silenced; a missing model folder stopped with one line.
+any work; known-harmless third-party notices silenced; a missing model folder stopped with one line;
+``cfg.accept_mismatch`` in force (eagle_backbone/errors.py).
 
 ``@one_line_errors`` (under ``@hydra.main``) turns the project's own ``ValueError``s (``ConfigError``,
 ``DataError`` and every ``ValueError`` raised from this repository's code) into one ``error:`` line and exit
@@ -15,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import eagle_backbone.paths  # noqa: F401  (registers ${repo:...} and ${model_folder:...})
+from eagle_backbone.errors import accept_mismatches
 from eagle_backbone.runtime import check_device, resolve_model_dtype, set_threads
 
 # (logger, start of the message): notices that say nothing about this run
@@ -73,6 +75,10 @@ def start(cfg, loads_models: bool = True) -> int:
             resolve_model_dtype(model)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+    try:  # a learned file made for another setup: refused, or with accept_mismatch=true taken and recorded
+        accept_mismatches(cfg.get("accept_mismatch"))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     return set_threads(cfg.get("threads"))
 
 

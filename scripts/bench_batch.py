@@ -22,7 +22,7 @@ log = logging.getLogger("bench_batch")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.candidates import make_candidates
-    from eagle_backbone.errors import ConfigError, MissingCheckpoint
+    from eagle_backbone.errors import ConfigError, MissingCheckpoint, accepted_mismatches
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.load_sweep import (
         Contender,
@@ -145,6 +145,8 @@ def main(cfg: DictConfig) -> None:
                        bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
         result["skipped"] = skipped + result["skipped"]
         meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]  # at the start and the end
+        if accepted_mismatches():  # files made for another setup that accept_mismatch=true let drive it: on the page
+            meta["accepted_mismatches"] = accepted_mismatches()
         write(result, out, meta)
         print(Path(out, "batch_bench.md").read_text())
         print(f"wrote {out}/" + ", ".join(written(out)))

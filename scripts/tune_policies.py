@@ -16,7 +16,7 @@ from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet n
 from eagle_backbone.cost import CostTable
 from eagle_backbone.paths import REPO_ROOT
 from ldlp.bench.loaders import build_policy, cost_engine_factory, load_pair_cached, load_prompts, policy_config, \
-    replay_costs
+    replay_costs, run_setup
 from ldlp.bench.replay import OracleRows, best_per_policy, costs_record, grid, tune, tuning_markdown
 
 
@@ -59,7 +59,11 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tuning.md").write_text(md)
-    record = {"costs": costs_record(costs), "results": results}
+    # what it was tuned for: scripts/evaluate.py and compare.py refuse it (tuned_from=) for another model, dtype,
+    # drafter kind or drafter weights (ldlp/bench/loaders.py check_tuned)
+    priced = costs_record(costs)
+    made_for = {**run_setup(cfg.model, pair), "cost_key": priced.get("key")}
+    record = {"made_for": made_for, "costs": priced, "results": results}
     if check is not None:
         record["cost_check"] = check  # the table beside timed engine steps, as a check
     (out / "tuning.json").write_text(json.dumps(record, indent=2))

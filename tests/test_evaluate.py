@@ -233,6 +233,39 @@ def test_tuned_settings_replace_the_policy_fields(tmp_path):
         apply_tuned(base, str(tmp_path / "bad.json"), "ddd")
 
 
+def test_a_tuned_file_for_another_model_is_refused_before_loading_or_taken_and_recorded(tiny_models, prompt_file,
+                                                                                         tmp_path):
+    """tuned_from= a tuning.json made for another model: refused in one line naming the file and both sides, before
+    any weights load; under accept_mismatch=true the run uses it and its results.json records the message."""
+    from conftest import one_line
+
+    from eagle_backbone.errors import Mismatch, accept_mismatches
+    from ldlp.bench.loaders import run_setup
+
+    path = tmp_path / "tuning.json"
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=ddd", f"tuned_from={path}"])
+    made_for = {**run_setup(cfg.model), "model": "vicuna"}
+    path.write_text(json.dumps({"made_for": made_for, "results": [
+        {"policy": "ddd", "params": {"threshold": -4.0}, "tokens_per_s": 12.0}]}))
+    with pytest.raises(Mismatch, match=f"^tuned_from={path} was tuned for another setup than this run's \\(the "
+                                       f"file's vs this run's: model: 'vicuna' vs '{cfg.model.name}'\\)") as e:
+        evaluate(cfg, policy_name="ddd")
+    one_line(e)
+    accept_mismatches(True)
+    try:
+        evaluate(cfg, policy_name="ddd", out_dir=tmp_path / "run")
+    finally:
+        accept_mismatches(False)
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["policy_config"]["threshold"] == -4.0 and saved["tuned_from"] == str(path)
+    assert saved["accepted_mismatches"] == [str(e.value).split("; accept_mismatch=true")[0]]
+    # tuned with other drafter weights: refused once the pair is loaded
+    path.write_text(json.dumps({"made_for": {**run_setup(cfg.model), "drafter_sha256": "0" * 64}, "results": [
+        {"policy": "ddd", "params": {"threshold": -4.0}, "tokens_per_s": 12.0}]}))
+    with pytest.raises(Mismatch, match=f"^tuned_from={path} .*: drafter_sha256: '{'0' * 64}' vs '[0-9a-f]{{64}}'\\)"):
+        evaluate(cfg, policy_name="ddd")
+
+
 def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
     from ldlp.bench.headtohead import head_to_head
 

@@ -194,6 +194,110 @@ def test_a_cost_model_file_with_bad_values_is_refused_naming_the_file_and_key(tm
     assert OnlineCostModel.load(path).stretch == pytest.approx(1.0)
 
 
+# ---- a tuned policy file: made for one setup; accept_mismatch ----------------------------------------------
+
+
+@pytest.fixture
+def accepting():
+    """``accept_mismatches`` as a script's ``start`` sets it; back to refusing (and nothing recorded) after."""
+    from eagle_backbone.errors import accept_mismatches
+
+    yield accept_mismatches
+    accept_mismatches(False)
+
+
+def _tuning(path, made_for=None):
+    results = [{"policy": "ddd", "params": {"threshold": -4.0}, "tokens_per_s": 12.0},
+               {"policy": "static", "params": {"gamma": 3}, "tokens_per_s": 11.0}]
+    path.write_text(json.dumps({"results": results} | ({"made_for": made_for} if made_for else {})))
+    return str(path)
+
+
+def test_a_tuned_file_for_another_setup_is_refused_naming_the_file_and_both_sides(tmp_path, accepting):
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.errors import Mismatch, accepted_mismatches
+    from ldlp.bench.loaders import apply_tuned, run_setup
+
+    run = run_setup(OmegaConf.create({"name": "embedded", "dtype": "float32", "device": "cpu",
+                                      "drafter_kind": "eagle"}))
+    assert run == {"model": "embedded", "dtype": "float32", "drafter_kind": "eagle"}
+    base = OmegaConf.create({"_target_": "ldlp.policies.threshold.DDDPolicy", "threshold": -6.0})
+    same = {**run, "drafter_sha256": "ab" * 32, "cost_key": {"model": "embedded"}}
+    for field, theirs in (("model", "vicuna"), ("dtype", "bfloat16"), ("drafter_kind", "eagle3")):
+        path = _tuning(tmp_path / f"{field}.json", {**same, field: theirs})
+        with pytest.raises(Mismatch) as e:
+            apply_tuned(base, path, "ddd", run)
+        assert str(e.value) == (f"tuned_from={path} was tuned for another setup than this run's (the file's vs this "
+                                f"run's: {field}: {theirs!r} vs {run[field]!r}); tune for this one (python "
+                                "scripts/tune_policies.py); accept_mismatch=true runs it anyway, recorded in the "
+                                "results")
+    # the drafter's weights, where the run knows them (its pair loaded)
+    path = _tuning(tmp_path / "weights.json", same)
+    with pytest.raises(Mismatch, match=f"^tuned_from={path} .*drafter_sha256: '{'ab' * 32}' vs '{'cd' * 32}'\)"):
+        apply_tuned(base, path, "ddd", {**run, "drafter_sha256": "cd" * 32})
+    assert apply_tuned(base, path, "ddd", {**run, "drafter_sha256": "ab" * 32})[1] == {"threshold": -4.0}
+    # a file not applied (a static γ is never tuned) is not refused; nor one without a run to check against
+    other = _tuning(tmp_path / "other.json", {**same, "model": "vicuna"})
+    static = OmegaConf.create({"_target_": "eagle_backbone.policy.StaticPolicy", "gamma": 5})
+    assert apply_tuned(static, other, "static", run) == (static, None)
+    assert apply_tuned(base, other, "ddd")[1] == {"threshold": -4.0}
+    # a file of before the record is taken as it is
+    old = _tuning(tmp_path / "old.json")
+    cfg, tuned = apply_tuned(base, old, "ddd", run)
+    assert tuned == {"threshold": -4.0} and cfg.threshold == -4.0
+    # accept_mismatch=true: taken, with the message recorded once for the run's results
+    accepting(True)
+    assert apply_tuned(base, other, "ddd", run)[1] == {"threshold": -4.0}
+    apply_tuned(base, other, "ddd", run)
+    assert accepted_mismatches() == [f"tuned_from={other} was tuned for another setup than this run's (the file's "
+                                     "vs this run's: model: 'vicuna' vs 'embedded'); tune for this one (python "
+                                     "scripts/tune_policies.py)"]
+    accepting(False)  # the next run starts with nothing accepted
+    assert accepted_mismatches() == []
+    with pytest.raises(ValueError, match="^accept_mismatch must be true or false, got 'maybe'$"):
+        accepting("maybe")
+
+
+def test_the_head_to_head_refuses_a_tuned_file_for_another_model_before_anything_loads(tmp_path):
+    path = _tuning(tmp_path / "tuning.json", {"model": "vicuna"})
+    out = _script("compare.py", f"tuned_from={path}", 'contenders=["policy=static policy.gamma=2","policy=ddd"]',
+                  f"out_dir={tmp_path / 'h2h'}", tmp_path=tmp_path)  # the models are absent: nothing loads before
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: tuned_from={path} was tuned for another setup than this run's (the file's vs this run's: model: "
+        "'vicuna' vs 'embedded'); tune for this one (python scripts/tune_policies.py); accept_mismatch=true runs it "
+        "anyway, recorded in the results")
+
+
+def test_a_tuned_file_records_the_drafter_weights_it_was_tuned_with():
+    from types import SimpleNamespace
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.cost import weights_sha256
+    from ldlp.bench.loaders import run_setup
+
+    drafter = torch.nn.Linear(3, 2)
+    pair = SimpleNamespace(candidates=SimpleNamespace(drafter=drafter))
+    model = OmegaConf.create({"name": "tiny", "dtype": "float32", "drafter_kind": "eagle"})
+    assert run_setup(model, pair)["drafter_sha256"] == weights_sha256(drafter) is not None
+    assert run_setup(model, SimpleNamespace(candidates=None))["drafter_sha256"] is None
+
+
+def test_an_accepted_mismatch_is_stated_below_the_pages_title():
+    from ldlp.bench.loaders import with_mismatch_lines
+
+    md = "### Head to head (tiny)\n\nsome text\n\n| table |\n"
+    assert with_mismatch_lines(md, {"accepted_mismatches": []}) == md
+    result = {"accepted_mismatches": ["tuned_from=t.json was tuned for another setup"]}
+    page = with_mismatch_lines(md, result)
+    assert page == ("### Head to head (tiny)\n\n**Accepted mismatch** (accept_mismatch=true): tuned_from=t.json was "
+                    "tuned for another setup\n\nsome text\n\n| table |\n")
+    assert with_mismatch_lines(page, result) == page  # a page that states it already
+
+
 # ---- the remaining raw errors ------------------------------------------------------------------------------
 
 

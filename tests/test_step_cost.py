@@ -269,3 +269,34 @@ def test_a_cost_model_measured_on_another_setup_is_refused(tmp_path, t32, eagle3
         else:
             BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=1, policy=pol)
             assert pol.pricing.costs.key == fitted
+
+
+
+def test_a_cost_model_of_another_setup_is_taken_with_accept_mismatch_and_recorded(tmp_path, t32, eagle32):
+    """``accept_mismatch=true``: the cost model of another setup prices the steps, with a warning, and the run's
+    results record the message the refusal would have given."""
+    from test_load_aware import table
+
+    from eagle_backbone.cost import cost_key
+    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.errors import accept_mismatches, accepted_mismatches
+    from ldlp.policies.load_aware import LoadAwareStep
+
+    key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
+    path = tmp_path / "cost.json"
+    table(0.05, 0.5, key=key).save(path)
+    model = OnlineCostModel(frozen=True)
+    model.theta[:] = 1.0
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**model.to_dict(), "key": {**key, "dtype": "bfloat16"}}))
+    pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), max_gamma=2,
+                        cost_model=str(other))
+    accept_mismatches(True)
+    try:
+        BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=1, policy=pol)
+        assert pol.pricing.costs.key["dtype"] == "bfloat16"
+        assert accepted_mismatches() == [f"load_aware policy: cost_model={other} was measured on another setup "
+                                         "than this engine's (dtype: 'bfloat16' vs 'float32'); fit one on this setup "
+                                         "(scripts/bench_batch.py writes step_costs.json)"]
+    finally:
+        accept_mismatches(False)

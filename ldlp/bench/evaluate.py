@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from eagle_backbone.cost import table_record
 from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.errors import accepted_mismatches
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.metrics import total
 from eagle_backbone.runtime import resolve_dtype, set_threads
@@ -38,11 +39,13 @@ from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import (
     apply_tuned,
     build_policy,
+    check_tuned,
     config_key,
     load_pair_cached,
     load_tokenizer_cached,
     machine_info,
     prepare_cost_tables,
+    run_setup,
     sampling_config,
 )
 from ldlp.bench.runners import (
@@ -87,10 +90,13 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     questions = load_questions(cfg.data, load_tokenizer_cached(cfg.model))
     prompts = questions.first_prompts()
     prompt_info = dict(questions.info)
-    policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name)
+    # a tuned file made for another model, dtype or drafter kind is refused here, before any weights load
+    policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name, run_setup(cfg.model))
     policy = build_policy(policy_cfg)
     policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
     pair = load_pair_cached(cfg.model)
+    if tuned:  # and one tuned with other drafter weights, once they are loaded
+        check_tuned(cfg.tuned_from, {"drafter_sha256": run_setup(cfg.model, pair)["drafter_sha256"]})
 
     if is_peer(policy):  # another implementation runs in place of this engine (ldlp.bench.peer.PeerSpec)
         policy.check(str(cfg.model.drafter_kind), sampling.greedy, policy_name)
@@ -197,6 +203,8 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "policy_config": OmegaConf.to_container(policy_cfg, resolve=True),
         "cost_table": None if is_peer(policy) else table_record(policy.pricing),  # the costs it planned with, if any
         "tuned_from": str(cfg.tuned_from) if tuned else None,
+        # learned files made for another setup that accept_mismatch=true let drive this run, each as refused
+        "accepted_mismatches": accepted_mismatches(),
         "seed": seed,
         "machine": machine_info(),
         # data.turns=all on MT-bench-format files: own_answers (later turns prompted with the model's own answers)

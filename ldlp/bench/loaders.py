@@ -99,6 +99,21 @@ def skipped_note(result: dict) -> str:
             "log names the first)") if k else ""
 
 
+def mismatch_lines(result: dict) -> list[str]:
+    """A page's lines for the learned files made for another setup that ``accept_mismatch=true`` let drive the run
+    (``accepted_mismatches``, eagle_backbone/errors.py), each its message; none when it accepted none."""
+    return [f"**Accepted mismatch** (accept_mismatch=true): {m}" for m in result.get("accepted_mismatches") or []]
+
+
+def with_mismatch_lines(md: str, result: dict) -> str:
+    """A page ``md`` with :func:`mismatch_lines` below its title (first line), those it does not show already."""
+    lines = [line for line in mismatch_lines(result) if line not in md]
+    if not lines:
+        return md
+    title, _, rest = md.partition("\n")
+    return "\n\n".join([title, *lines]) + ("\n" + rest if rest.startswith("\n") else "\n\n" + rest)
+
+
 def load_prompts(data_cfg, tokenizer) -> PromptSet:
     """(conversation id, prompt token ids) for the prompt set ``data_cfg`` (its first ``limit`` items), as a
     :class:`PromptSet` whose ``info`` identifies the set and counts the prompts dropped for length."""
@@ -288,9 +303,54 @@ def build_policy(policy_cfg):
     return PerSlot.of(policy) if isinstance(policy, DraftLengthPolicy) else policy
 
 
-def apply_tuned(policy_cfg, tuned_from, policy_name: str | None):
+_DIGESTS: dict[int, tuple] = {}  # id of a loaded pair's candidate generator -> (it, its drafter's digest)
+TUNED_FIELDS = ("model", "dtype", "drafter_kind", "drafter_sha256")  # what a tuned file must match, where both know it
+
+
+def run_setup(model_cfg, pair=None) -> dict:
+    """What a run drives a tuned policy file with (a tuning.json records it as ``made_for``): the model's name, the
+    dtype it loads in, the drafter kind, and with ``pair`` loaded the drafter weights' digest."""
+    from eagle_backbone.cost import drafter_sha256
+    from eagle_backbone.runtime import resolve_dtype
+
+    kind = model_cfg.get("drafter_kind")
+    setup = {"model": str(model_cfg.get("name", "")),
+             "dtype": resolve_dtype(model_cfg.get("dtype"), str(model_cfg.get("device") or "cpu")),
+             "drafter_kind": None if kind is None else str(kind)}
+    if pair is not None:  # hashed once per loaded pair (the pairs live as long as the process: _PAIRS)
+        held = _DIGESTS.get(id(pair.candidates))
+        if held is None or held[0] is not pair.candidates:
+            held = _DIGESTS[id(pair.candidates)] = (pair.candidates, drafter_sha256(pair.candidates))
+        setup["drafter_sha256"] = held[1]
+    return setup
+
+
+def check_tuned(tuned_from, run: dict | None) -> None:
+    """A tuning.json made for another setup than ``run`` (:func:`run_setup`) is refused in one line naming the file
+    and both sides (or, with accept_mismatch=true, taken and recorded: eagle_backbone/errors.py). A file of before
+    the record (no ``made_for``), or a field either side does not know, is taken as it is."""
+    from eagle_backbone.errors import mismatch
+
+    if not tuned_from or run is None:
+        return
+    try:
+        made_for = json.loads(Path(tuned_from).read_text()).get("made_for")
+    except (OSError, ValueError, AttributeError):
+        return  # apply_tuned names an unreadable file
+    if not isinstance(made_for, dict):
+        log.debug("tuned_from=%s records no setup (a file of before the record): taken as it is", tuned_from)
+        return
+    wrong = [f"{k}: {made_for[k]!r} vs {run[k]!r}" for k in TUNED_FIELDS
+             if made_for.get(k) is not None and run.get(k) is not None and made_for[k] != run[k]]
+    if wrong:  # thresholds tuned on another model's acceptance or another dtype's costs: silently off here
+        mismatch(f"tuned_from={tuned_from} was tuned for another setup than this run's (the file's vs this run's: "
+                 f"{'; '.join(wrong)}); tune for this one (python scripts/tune_policies.py)")
+
+
+def apply_tuned(policy_cfg, tuned_from, policy_name: str | None, run: dict | None = None):
     """``policy_cfg`` with the best replay-tuned setting of ``policy_name`` from ``tuned_from`` (the
-    tuning.json of scripts/tune_policies.py) merged in; (config, the applied setting or None)."""
+    tuning.json of scripts/tune_policies.py) merged in; (config, the applied setting or None). ``run``
+    (:func:`run_setup`): a file applied must have been tuned for it (:func:`check_tuned`)."""
     if not tuned_from or not policy_name:
         return policy_cfg, None
     path = Path(tuned_from)
@@ -305,6 +365,7 @@ def apply_tuned(policy_cfg, tuned_from, policy_name: str | None):
     best = best_per_policy(results).get(policy_name)
     if best is None or policy_name in ("static", "oracle"):
         return policy_cfg, None
+    check_tuned(tuned_from, run)  # only where the file is applied
     log.info("policy %s: tuned setting %s from %s", policy_name, best["params"], tuned_from)
     return OmegaConf.merge(policy_cfg, best["params"]), best["params"]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from eagle_backbone.cost import CostTable, cost_key, load_or_profile
+from eagle_backbone.errors import mismatch
 from eagle_backbone.step_cost import OnlineCostModel, key_mismatch
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,9 @@ class StepPricing:
             self.costs = OnlineCostModel.load(self.cost_model_path)
             wrong = key_mismatch(self.costs.key, getattr(self.table, "key", None))
             if wrong:  # costs measured on another setup would price this one's steps wrong, silently
-                raise ValueError(f"{self.policy} policy: cost_model={self.cost_model_path} was measured on another "
-                                 f"setup than this engine's ({'; '.join(wrong[:4])}); fit one on this setup "
-                                 "(scripts/bench_batch.py writes step_costs.json)")
+                mismatch(f"{self.policy} policy: cost_model={self.cost_model_path} was measured on another setup "
+                         f"than this engine's ({'; '.join(wrong[:4])}); fit one on this setup "
+                         "(scripts/bench_batch.py writes step_costs.json)")
             if engine.cost_model is None:  # the engine records the frozen model's predictions
                 engine.cost_model = self.costs
         elif not self.online:
