@@ -95,9 +95,9 @@ class CpuDecider:
             self.by_token, self.embed = {}, embed
         row = self.by_token.get(tok)
         if row is None:
-            e = embed(torch.tensor([tok], device=feature.device))[0].float().numpy()  # once per token
+            e = embed(torch.tensor([tok], device=feature.device))[0].detach().float().numpy()  # once per token
             row = self.by_token[tok] = self.w1_e @ e + self.b1
-        return row + self.w1_f @ feature.float().numpy()[0]
+        return row + self.w1_f @ feature.detach().float().numpy()[0]
 
     def survival(self, **inputs) -> np.ndarray:
         z = self._first_layer(**inputs)
