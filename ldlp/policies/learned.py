@@ -246,7 +246,8 @@ class LearnedPolicy(DraftPolicy):
     def plan(self, rows: Rows) -> torch.Tensor | list[int]:
         device = rows.features.device
         one_cpu = (len(rows) == 1 and device.type == "cpu" and self.rule == "cost" and self.fixed is None
-                   and self.record is None and hasattr(self.predictor, "survival_tensor"))
+                   and self.record is None and hasattr(self.predictor, "survival_tensor")
+                   and getattr(getattr(self.predictor, "config", None), "head", None) == "distribution")
         if one_cpu and self.groups == ("ef",):  # [e; f] alone: no feature vector to build
             return [self._one_row_cpu(rows)]
         x = step_features(rows, self.groups, self._draft_prev(len(rows), device) if "draft_prev" in self.groups else None)
@@ -272,7 +273,7 @@ class LearnedPolicy(DraftPolicy):
     def _one_row_cpu(self, rows: Rows, x: torch.Tensor | None = None) -> int:
         """γ of one row on a CPU, in numpy: the same network and rule, but right after the target's forward the
         caches are cold and each torch op pays its dispatch (about 10 µs), so the torch path cost ~400 µs a step
-        (3% of a step here); with the first layer's [e] part kept per token, this costs about a third of that."""
+        (3% of a step here); with the first layer's [e] part kept per token, this costs about half of that."""
         if self._cpu is None or self._cpu.ldlp is not self.predictor:
             # a snapshot of the weights (checking their versions every step costs 30 µs): a policy's predictor is
             # frozen while it decides; a changed predictor is a new policy (or predictor attribute)
