@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from eagle_backbone.errors import ConfigError, accepted_mismatches
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
-from ldlp.bench.loaders import apply_tuned, policy_config, run_setup, with_mismatch_lines
+from ldlp.bench.loaders import policy_config, with_mismatch_lines
 from ldlp.pipeline.processes import out_dir_lock
 
 
@@ -27,9 +27,6 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
     with out_dir_lock(out):  # one run at a time writes the folder
         contenders = [policy_config(cfg, str(c).split()) for c in _contenders(cfg)]
-        run = run_setup(cfg.model)
-        for name, pcfg in contenders:  # a tuned file made for another model, dtype or drafter kind: before any load
-            apply_tuned(pcfg, cfg.get("tuned_from"), name, run)
         result = head_to_head(cfg, contenders, int(cfg.rounds), int(cfg.bootstrap))
         result["accepted_mismatches"] = accepted_mismatches()  # accept_mismatch=true: what it let drive the run
         md = with_mismatch_lines(head_to_head_markdown(result), result)  # on the page, below its title

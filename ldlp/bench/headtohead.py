@@ -63,8 +63,11 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     if rounds < 1 or len(contenders) < 2:
         raise ValueError(f"head to head needs at least 2 contenders and 1 round, got {len(contenders)} and {rounds}")
     int_setting("generation.max_new_tokens", cfg.generation.max_new_tokens, 1)  # no page of NaN from no tokens
-    from ldlp.bench.loaders import load_tokenizer_cached
+    from ldlp.bench.loaders import load_tokenizer_cached, run_setup
 
+    # the replay-tuned settings, before anything loads: a file tuned for another model, dtype or drafter kind is refused
+    run = run_setup(cfg.model)
+    contenders = [(name, apply_tuned(pcfg, cfg.get("tuned_from"), name, run)[0]) for name, pcfg in contenders]
     prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))  # the prompt file before the weights
     pair = load_pair_cached(cfg.model)
     prompts = [ids for _, ids in prompt_set]
@@ -72,7 +75,6 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     n, seed = int(cfg.generation.max_new_tokens), int(cfg.seed)
     runners, labels, settings, adaptive, policies = [], [], [], [], []
     for name, pcfg in contenders:
-        pcfg, _ = apply_tuned(pcfg, cfg.get("tuned_from"), name)
         policy = build_policy(pcfg)
         prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
         label = _label(name, policy)
