@@ -91,9 +91,20 @@ def test_the_lossless_check_reads_the_targets_own_greedy_decoding(tiny_models, p
 
         monkeypatch.setattr(peer, "hf_generate", off_by_one)
     else:
-        true_greedy = TargetModel.reference_greedy
-        monkeypatch.setattr(TargetModel, "reference_greedy",
-                            lambda self, p, n: [_other(true_greedy(self, p, n)[0])] + true_greedy(self, p, n)[1:])
+        import ldlp.bench.evaluate as evaluate_module
+
+        true_greedy, calls = TargetModel.reference_greedy, []
+
+        def off_by_one(self, p, n):
+            calls.append(1)
+            return [_other(true_greedy(self, p, n)[0])] + true_greedy(self, p, n)[1:]
+
+        monkeypatch.setattr(TargetModel, "reference_greedy", off_by_one)
+        # the first run's reference is kept for the process (a sweep's jobs decode it once): the same run again
+        # reads it, and the wrong reference is seen only by a process that has not decoded it yet
+        again = evaluate(cfg, policy_name="static")
+        assert again["lossless"] is True and not calls
+        monkeypatch.setattr(evaluate_module, "_REFERENCE", {})
     result = evaluate(cfg, policy_name="static")
     assert result["ar_impl"] == ar and result["lossless"] is False
 

@@ -64,6 +64,9 @@ from ldlp.bench.stats import median
 
 log = logging.getLogger(__name__)
 
+# the reference greedy decodings per (pair, prompts, generation, seed), kept for the process (see evaluate)
+_REFERENCE: dict = {}
+
 RESULT_KEYS = ("policy", "gamma", "dataset", "n_prompts", "temperature", "new_tokens", "wall_s", "tokens_per_s",
                "ar_tokens_per_s", "speedup", "tau", "target_forwards", "drafted_tokens", "wasted_tokens", "draft_s",
                "target_s", "policy_s", "lossless")
@@ -132,8 +135,13 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     check = sampling.greedy and bool(ev.check_lossless)
     ref_runs = ar_runs
     if check and ar_info["impl"] != "transformers":
-        ref_runs = [[dialogue.run(reference_runner(pair.target), q, max_new_tokens, seed + k)
-                     for k, q in enumerate(questions)]]
+        # the target's own greedy decoding of these prompts does not depend on the policy: a sweep's jobs in one
+        # process (a multirun) decode it once, not once per policy (it cost a third of each job's time)
+        ref_key = (ar_key, seed)
+        if ref_key not in _REFERENCE:
+            _REFERENCE[ref_key] = [[dialogue.run(reference_runner(pair.target), q, max_new_tokens, seed + k)
+                                    for k, q in enumerate(questions)]]
+        ref_runs = _REFERENCE[ref_key]
     qrows = question_rows(questions, spec_runs, ar_runs, check, ref_runs)
     late = sum(r["n_dropped"] for r in qrows)  # later turns whose prompt, own answers included, is too long
     if late:

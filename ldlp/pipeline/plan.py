@@ -75,6 +75,7 @@ def validate(cfg) -> None:
     _list_setting(cfg, "sweep.static_gammas", gamma, "an integer γ >= 1", empty_ok=True)
     _list_setting(cfg, "sweep.adaptive", _known_policy, "a policy of conf/policy/", empty_ok=True)
     if _setting(cfg, "peer.enabled"):
+        _int_setting(cfg, "peer.rounds", 1, default=1)
         _list_setting(cfg, "peer.static_gammas", gamma, "an integer γ >= 1", empty_ok=True)
         _list_setting(cfg, "peer.policies", _known_policy, "a policy of conf/policy/", empty_ok=True)
     if _setting(cfg, "head_to_head.enabled"):
@@ -193,15 +194,15 @@ def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
 
 
 def _sweeps(cfg, stages, model, pair, overrides, checkpoints, tuned, costs, attn) -> list[Stage]:
-    """``sweep.rounds`` rounds of the static and the adaptive sweep (and the peer sweeps on the draft LM), each a
-    Hydra multirun of scripts/evaluate.py."""
+    """``sweep.rounds`` rounds of the static and the adaptive sweep (and, in the first ``peer.rounds`` of them, the
+    peer sweeps on the draft LM), each a Hydra multirun of scripts/evaluate.py."""
     common = list(cfg.sweep.overrides) + thread_args(cfg)
     runs, out_stages = Path(cfg.paths.runs), []
     for r in range(1, int(cfg.sweep.rounds) + 1):
         sweeps = [("static", model, ["policy=static", f"policy.gamma={list_arg(cfg.sweep.static_gammas)}"], ()),
                   ("adaptive", model, [f"policy={list_arg(cfg.sweep.adaptive)}"] + checkpoint_args(cfg)
                    + ([f"tuned_from={tuned}"] if tuned else []), checkpoints + (("tune",) if tuned else ()))]
-        if cfg.peer.enabled:
+        if cfg.peer.enabled and r <= int(cfg.peer.get("rounds") or 1):
             if cfg.peer.static_gammas:
                 sweeps.append(("peer_static", cfg.peer.model,
                                ["policy=static", f"policy.gamma={list_arg(cfg.peer.static_gammas)}"], ()))
