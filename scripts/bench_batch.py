@@ -34,6 +34,7 @@ def main(cfg: DictConfig) -> None:
         prompts_meta,
         sweep,
     )
+    from ldlp.bench.memory import RssSampler
     from ldlp.bench.loaders import (
         build_policy,
         check_turns_kept,
@@ -136,14 +137,20 @@ def main(cfg: DictConfig) -> None:
             candidates = make_candidates(candidates.kind, pair.drafter, pair.target, str(cfg.attn))
         prepare_cost_tables(probes.values(), pair.target, candidates, str(cfg.attn), max(cfg.concurrency))
         meta["load_average"] = round(os.getloadavg()[0], 2)  # the machine's state: one minute's load at the start
-        result = sweep(pair.target, candidates, prompts, contenders,
-                       [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens), sampling_config(cfg.generation),
-                       rounds=int(cfg.rounds), seed=int(cfg.seed), attn=str(cfg.attn),
-                       checkpoint=lambda r: write({**r, "skipped": skipped + r["skipped"]}, out, meta, with_plot=False),
-                       log=log.info,
-                       categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
-                       bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
+        # the resident memory over the run, sampled beside it: the page states its peak and growth (a long sweep
+        # must stay flat)
+        with RssSampler(every_s=float(cfg.rss_every_s)) as rss:
+            result = sweep(pair.target, candidates, prompts, contenders,
+                           [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens),
+                           sampling_config(cfg.generation), rounds=int(cfg.rounds), seed=int(cfg.seed),
+                           attn=str(cfg.attn),
+                           checkpoint=lambda r: write({**r, "skipped": skipped + r["skipped"], "memory": rss.summary()},
+                                                      out, meta, with_plot=False),
+                           log=log.info,
+                           categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
+                           bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
         result["skipped"] = skipped + result["skipped"]
+        result["memory"] = rss.summary()
         meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]  # at the start and the end
         if accepted_mismatches():  # files made for another setup that accept_mismatch=true let drive it: on the page
             meta["accepted_mismatches"] = accepted_mismatches()
@@ -158,6 +165,7 @@ def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads
 
     from eagle_backbone.candidates import make_candidates
     from ldlp.bench.loaders import load_pair_cached, machine_info, prepare_cost_tables, sampling_config
+    from ldlp.bench.memory import RssSampler
     from ldlp.bench.serving import serve
     from ldlp.pipeline.processes import out_dir_lock
     from ldlp.report.serving import OUTPUT_FILES, write
@@ -182,10 +190,13 @@ def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads
         def save(result, with_plot=False):
             write({**result, "skipped": skipped + result.get("skipped", [])}, out, meta, with_plot)
 
-        result = serve(pair.target, candidates, prompts, mine, traces, int(cfg.generation.max_new_tokens),
-                       sampling_config(cfg.generation), rounds=int(sv.rounds), warmup_rounds=int(sv.warmup_rounds),
-                       slots=int(sv.slots), seed=int(cfg.seed), attn=str(cfg.attn), log=log.info, checkpoint=save,
-                       bootstrap=int(cfg.bootstrap))
+        with RssSampler(every_s=float(cfg.rss_every_s)) as rss:
+            result = serve(pair.target, candidates, prompts, mine, traces, int(cfg.generation.max_new_tokens),
+                           sampling_config(cfg.generation), rounds=int(sv.rounds), warmup_rounds=int(sv.warmup_rounds),
+                           slots=int(sv.slots), seed=int(cfg.seed), attn=str(cfg.attn), log=log.info,
+                           checkpoint=lambda r, with_plot=False: save({**r, "memory": rss.summary()}, with_plot),
+                           bootstrap=int(cfg.bootstrap))
+        result["memory"] = rss.summary()
         meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]
         save(result, with_plot=True)
     print(Path(out, "serving.md").read_text())

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from eagle_backbone.errors import ConfigError, accepted_mismatches
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
-from ldlp.bench.loaders import policy_config, with_mismatch_lines
+from ldlp.bench.loaders import policy_config
 from ldlp.pipeline.processes import out_dir_lock
 
 
@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> None:
         contenders = [policy_config(cfg, str(c).split()) for c in _contenders(cfg)]
         result = head_to_head(cfg, contenders, int(cfg.rounds), int(cfg.bootstrap))
         result["accepted_mismatches"] = accepted_mismatches()  # accept_mismatch=true: what it let drive the run
-        md = with_mismatch_lines(head_to_head_markdown(result), result)  # on the page, below its title
+        md = head_to_head_markdown(result)
         atomic_write_json(out / "head_to_head.json", result, default=str)
         atomic_write_text(out / "head_to_head.md", md)
     print(md)

@@ -15,7 +15,7 @@ from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder, autoregressive_generate
 from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json
@@ -164,6 +164,11 @@ def test_policy_is_lossless_and_replays_exactly(mimic, trained):
         assert res.drafted == sum(s.drafted_tokens for s in stats), threshold
         assert res.accepted == sum(s.accepted_tokens for s in stats)
         assert res.steps == sum(s.target_forwards - 1 for s in stats)
+        # batch 1 decides on host floats (_one_row_cpu), four rows on tensors: the same draft lengths
+        engine = BatchedSpeculativeEngine(target, drafter, "eagle", slots=4, policy=AcceptancePolicy(str(head_dir),
+                                                                                                    threshold, cap))
+        batched = engine.generate(test_prompts, BUDGET)
+        assert [o.stats.draft_lengths for o in batched] == [s.draft_lengths for s in stats], threshold
     lengths = [n for s in stats for n in s.draft_lengths]
     assert len(set(lengths)) > 1  # the head stopped drafts at different depths
 
@@ -254,3 +259,12 @@ def test_a_head_refuses_another_kinds_drafter_states(mimic, trained, tmp_path):
     with pytest.raises(ValueError, match="trained on eagle3 drafter states and this pair's drafter is eagle") as e:
         AcceptancePolicy(str(other)).check_pair(target, eagle)
     one_line(e)
+    # accept_mismatch=true: taken, and the message recorded for the run's results
+    from eagle_backbone.errors import accept_mismatches, accepted_mismatches
+
+    accept_mismatches(True)
+    try:
+        AcceptancePolicy(str(other)).check_pair(target, eagle)
+        assert [m.split(":")[0] for m in accepted_mismatches()] == ["acceptance policy"]
+    finally:
+        accept_mismatches(False)

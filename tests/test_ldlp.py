@@ -179,8 +179,17 @@ def test_one_position_path_matches_the_batched_forward(head):
     batched = model.predict_length(e, f)
     assert len(set(batched.tolist())) >= 3
     assert [model.predict_length(e[i], f[i]) for i in range(50)] == batched.tolist()
+    # the numpy snapshot the policies decide one row with on a CPU: from [e; f], and from a token id, whose
+    # first-layer half it keeps per token (asked twice: the kept row gives the same answer)
+    net = model.numpy_decoder()
+    assert [net.length(x=torch.cat((e[i], f[i])).numpy()) for i in range(50)] == batched.tolist()
+    embed = torch.nn.Embedding.from_pretrained(e.float())
+    for _ in range(2):
+        assert [net.length(token=(i, embed), feature=f[i][None]) for i in range(50)] == batched.tolist()
     model.set_normalization(torch.zeros(2 * d), torch.ones(2 * d))  # in-place change: the folded copy follows
     assert [model.predict_length(e[i], f[i]) for i in range(50)] == model.predict_length(e, f).tolist()
+    assert [model.numpy_decoder().length(x=torch.cat((e[i], f[i])).numpy()) for i in range(50)] == \
+        model.predict_length(e, f).tolist()
 
 
 def test_checkpoint_round_trip_and_dimension_errors(tmp_path):

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -257,6 +258,26 @@ def test_a_tuned_file_for_another_setup_is_refused_naming_the_file_and_both_side
     assert accepted_mismatches() == []
     with pytest.raises(ValueError, match="^accept_mismatch must be true or false, got 'maybe'$"):
         accepting("maybe")
+
+
+def test_the_contenders_stage_refuses_a_tuning_for_another_setup(tmp_path):
+    """The main command's contenders stage chooses from the tuning as compare.py applies it: the same check."""
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.errors import ConfigError, Mismatch
+    from ldlp.pipeline.contenders import tuned_best
+
+    model = OmegaConf.create({"name": "embedded", "dtype": "float32", "device": "cpu", "drafter_kind": "eagle"})
+    other = Path(_tuning(tmp_path / "other.json", {"model": "vicuna"}))
+    with pytest.raises(Mismatch, match=f"^tuned_from={other} was tuned for another setup .*model: 'vicuna' vs "
+                                       "'embedded'"):
+        tuned_best(other, model)
+    same = Path(_tuning(tmp_path / "same.json", {"model": "embedded", "dtype": "float32"}))
+    assert tuned_best(same, model)["ddd"]["params"] == {"threshold": -4.0}
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=f"^tuned_from={bad}: not a tuning.json of scripts/tune_policies.py"):
+        tuned_best(bad, model)
 
 
 def test_the_head_to_head_refuses_a_tuned_file_for_another_model_before_anything_loads(tmp_path):

@@ -35,6 +35,7 @@ from ldlp.bench.loaders import (
     prepare_cost_tables,
     sampling_config,
     skipped_note,
+    with_mismatch_lines,
 )
 from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
 from ldlp.bench.conversation import prompt_categories
@@ -280,7 +281,8 @@ def head_to_head_markdown(result: dict) -> str:
     cats = runs_by_category_markdown(result["rows"])
     if cats:
         lines += ["", "Speedup over AR per category (prompts in each), from the same turns:", "", cats.rstrip("\n")]
-    return "\n".join(lines) + "\n"
+    # below its title, the files made for another setup that accept_mismatch=true let drive the run
+    return with_mismatch_lines("\n".join(lines) + "\n", result)
 
 
 # -- several head-to-head runs, pooled ---------------------------------------------------------------------

@@ -35,13 +35,23 @@ def shipped_unfit(policy: str, predictor_dir, target_dir) -> str | None:
     return None if hidden == d else f"{path.parent} reads features of size {d}, this target's are {hidden}"
 
 
-def tuned_best(tuned: Path | None) -> dict:
-    """{policy: its best replay-tuned result} from a tuning.json ({} when no tuning ran)."""
+def tuned_best(tuned: Path | None, model_cfg=None) -> dict:
+    """{policy: its best replay-tuned result} from a tuning.json ({} when no tuning ran). With ``model_cfg`` the
+    file must have been tuned for that setup (its ``made_for``: ldlp.bench.loaders.check_tuned), as compare.py
+    checks it when it applies the settings: a choice made on another model's or dtype's tuning is refused here."""
     if tuned is None or not tuned.is_file():
         return {}
+    from ldlp.bench.loaders import check_tuned, run_setup
     from ldlp.bench.replay import best_per_policy
 
-    return best_per_policy(json.loads(tuned.read_text())["results"])
+    try:
+        results = json.loads(tuned.read_text(encoding="utf-8"))["results"]
+        best = best_per_policy(results)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"tuned_from={tuned}: not a tuning.json of scripts/tune_policies.py ({e!r})") from None
+    if model_cfg is not None:
+        check_tuned(tuned, run_setup(model_cfg))  # eagle_backbone.errors.Mismatch, one line naming both sides
+    return best
 
 
 def static_contenders(cfg, best_swept: int, tuned_best: dict) -> list[int]:
@@ -79,7 +89,7 @@ def choose(cfg, sweep_dirs, tuned_from: str | Path | None, name: str) -> dict:
         raise ConfigError(f"contenders: the sweeps have no {missing} of model {name} (a row with a speedup over AR) "
                           "to choose the head to head's contenders from; set head_to_head.enabled=false, or check "
                           "the sweeps' results.json")
-    tuned = tuned_best(Path(tuned_from) if tuned_from else None)
+    tuned = tuned_best(Path(tuned_from) if tuned_from else None, cfg.model)
     gammas = static_contenders(cfg, int(head["best_static"]["gamma"]), tuned)
     policies = adaptive_contenders(cfg, name, {"rows": rows}, tuned)
     shipped = []

@@ -24,18 +24,17 @@ from ldlp.pipeline.stage import (FINGERPRINT, Stage, changed_inputs, fingerprint
 # expected seconds per stage (by stage name, sweeps by kind; "start": a process that loads the models and exits) where this machine has no stage_seconds.json yet,
 # on an idle 2-core CPU, per the dtype model.dtype resolves to (docs/pipeline.md#how-long-it-takes).
 # bfloat16: a CPU with bf16 matmuls, the committed run's stage_seconds.json (the load sweep and the head to head
-# scaled to their present sizes). float32: a CPU without them (AMD EPYC Zen 3), projected: the oracle from its
-# 773 s in bf16 there and the 2.4x float32 gain measured on it, the decoding stages from its 2.3x lower
-# tokens/s at static γ=6 (results/embedded/batch1_parity_float32) than the bf16 machine's sweep. cost: the
-# profiling of slot counts 1-16 (docs/batched.md#the-cost-table: 13 s for 1-8 and 31 s for 1-32 in bf16, 91 s for
-# 1-32 in float32, under load), which the load sweep's first run did before; contenders loads no model.
+# scaled to their present sizes). float32: the main command measured in float32 on a 2-core AMD EPYC with torch's
+# kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, as on a CPU without AVX-512 or bf16 matmuls; a fresh clone,
+# docs/pipeline.md#how-long-it-takes); the oracle as one collector (two side by side took 109 s). cost: the
+# profiling of slot counts 1-16, which the load sweep's first run did before; contenders loads no model.
 EXPECTED_S = {
     "bfloat16": {"start": 6, "corpus": 20, "oracle": 108, "ldlp": 22, "acceptance": 13, "cost": 20, "tune": 24,
                  "sweep:static": 59, "sweep:adaptive": 58, "sweep:peer_static": 12, "sweep:peer": 39,
                  "bench_batch": 125, "contenders": 3, "head_to_head": 205},
-    "float32": {"start": 8, "corpus": 21, "oracle": 326, "ldlp": 50, "acceptance": 30, "cost": 50, "tune": 55,
-                "sweep:static": 136, "sweep:adaptive": 133, "sweep:peer_static": 28, "sweep:peer": 90,
-                "bench_batch": 290, "contenders": 3, "head_to_head": 470},
+    "float32": {"start": 8, "corpus": 8, "oracle": 186, "ldlp": 31, "acceptance": 13, "cost": 25, "tune": 27,
+                "sweep:static": 64, "sweep:adaptive": 62, "sweep:peer_static": 20, "sweep:peer": 48,
+                "bench_batch": 97, "contenders": 8, "head_to_head": 256},
 }
 
 

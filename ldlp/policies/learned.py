@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.special import expit
 
 from eagle_backbone.policy import GO, Depth, DraftPolicy, Rows, int_at_least
 from eagle_backbone.runtime import to_device
@@ -70,43 +69,12 @@ def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = Non
 
 
 class CpuDecider:
-    """An LDLP's decision for one row in numpy (:meth:`LearnedPolicy._one_row_cpu`): the folded network of
-    ``LDLP._decoding_weights`` and the rule's linear terms. For a model on ``[e; f]`` alone the first layer's
-    ``[e]`` half and its bias are kept per token on first sight (``W_e e + b``; at most the vocabulary's rows),
-    so a step reads one row instead of the token's embedding and a (hidden x d) block."""
+    """An LDLP's cost-rule decision for one row in numpy (:meth:`LearnedPolicy._one_row_cpu`): the network as
+    :class:`~ldlp.models.predictor.NumpyLDLP` and the rule's linear terms (:func:`_step_terms`)."""
 
     def __init__(self, ldlp):
-        self.ldlp, self.weights = ldlp, ldlp._decoding_weights()
-        w1, b1, blocks, w_out, b_out, _ = self.weights
-        d = ldlp.config.feature_dim
-        self.w1, self.b1 = w1.numpy(), b1.numpy()
-        self.w1_e, self.w1_f = np.ascontiguousarray(self.w1[:, :d]), np.ascontiguousarray(self.w1[:, d:])
-        self.blocks = [(w.numpy(), b.numpy()) for w, b in blocks]
-        self.w_out, self.b_out = w_out.numpy(), b_out.numpy()
-        self.by_token: dict[int, np.ndarray] = {}
-        self.embed = None
+        self.ldlp, self.net = ldlp, ldlp.numpy_decoder()
         self._terms = None
-
-    def _first_layer(self, x=None, token=None, feature=None) -> np.ndarray:
-        if token is None:
-            return self.w1 @ np.asarray(x, dtype=np.float32) + self.b1
-        tok, embed = token
-        if embed is not self.embed and embed != self.embed:  # another target's embeddings: start again
-            self.by_token, self.embed = {}, embed
-        row = self.by_token.get(tok)
-        if row is None:
-            e = embed(torch.tensor([tok], device=feature.device))[0].detach().float().numpy()  # once per token
-            row = self.by_token[tok] = self.w1_e @ e + self.b1
-        return row + self.w1_f @ feature.detach().float().numpy()[0]
-
-    def survival(self, **inputs) -> np.ndarray:
-        z = self._first_layer(**inputs)
-        h = z * expit(z)  # SiLU
-        for w, b in self.blocks:
-            z = w @ h + b
-            h = h + z * expit(z)
-        out = (self.w_out @ h + self.b_out).astype(np.float64)
-        return np.exp(np.cumsum(-np.logaddexp(0.0, -out)))  # the distribution head: Π sigmoid
 
     def gamma(self, terms: tuple, token_s: float, cap: int, **inputs) -> int:
         """``terms``: :func:`_step_terms` (torch, on the CPU; their numpy views kept while they stand)."""
@@ -114,7 +82,7 @@ class CpuDecider:
             self._terms = (terms, terms[0].numpy(), terms[1].numpy())
         _, W, c = self._terms
         K = W.shape[0]
-        both = self.survival(**inputs)[:K] @ W + c
+        both = self.net.survival(**inputs)[:K] @ W + c
         gain = both[: K + 1] - both[K + 1:] / token_s
         return int(np.argmax(gain[: cap + 1]))
 

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_backbone.errors import mismatch
 from eagle_backbone.policy import DROP, GO, Depth, DraftPolicy, Rows, int_at_least
 from ldlp.models.calibration import EPS, OnlineLogitCalibration
 from ldlp.policies.allocation import allocate_depth, allocate_depth_host
@@ -244,8 +245,8 @@ class _PerSlotEstimates(LoadAwarePolicy):
             self.head = load_head_for_temperature(self.estimator_spec, self.temperature).to(target.device)
             kind = (self.head.config.meta or {}).get("drafter_kind")
             if kind is not None and kind != engine.candidates.kind:  # same width, states of another meaning
-                raise ValueError(f"load_aware policy: {self.estimator_spec} was trained on {kind} drafter states and "
-                                 f"this pair's drafter is {engine.candidates.kind}: train heads on its labels")
+                mismatch(f"load_aware policy: {self.estimator_spec} was trained on {kind} drafter states and this "
+                         f"pair's drafter is {engine.candidates.kind}: train heads on its labels")
             if self.head.config.hidden_size != target.hidden_size:
                 raise ValueError(f"load_aware policy: {self.estimator_spec} was trained for hidden size "
                                  f"{self.head.config.hidden_size}, the target has {target.hidden_size}")

@@ -24,12 +24,15 @@ policies in :mod:`ldlp.policies.load_aware`, trees in :mod:`ldlp.policies.trees`
 from __future__ import annotations
 
 import copy
+import math
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from eagle_backbone.policy import Depth, DraftContext, DraftLengthPolicy, DraftPolicy, Rows, go_while, int_at_least
+from eagle_backbone.errors import mismatch
+from eagle_backbone.policy import (GO, STOP, Depth, DraftContext, DraftLengthPolicy, DraftPolicy, Rows, go_while,
+                                   int_at_least)
 from ldlp.models.acceptance import MIN_LOG_P
 
 __all__ = ["LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy", "AcceptancePolicy",
@@ -87,6 +90,7 @@ class LDLPPolicy(DraftPolicy):
         if not isinstance(offset, int) or isinstance(offset, bool):
             raise ValueError(f"ldlp policy: offset must be an integer, got {offset!r}")
         self.offset = offset  # added to the prediction (AdaEAGLE drafts the predicted length; +1 hedges)
+        self._cpu = None  # the one-row numpy path (_one_row_cpu), per model object
 
     def check_pair(self, target, candidates) -> None:
         d = self.model.config.feature_dim
@@ -101,8 +105,19 @@ class LDLPPolicy(DraftPolicy):
         n = (self.model.predict_length(embeddings.float(), features.float()).to(torch.long) + self.offset).clamp_min(0)
         return n if self.max_gamma is None else n.clamp_max(self.max_gamma)
 
-    def plan(self, rows: Rows) -> torch.Tensor:
+    def plan(self, rows: Rows) -> torch.Tensor | list[int]:
+        if len(rows) == 1 and rows.features.device.type == "cpu" and not self.model.training:
+            return [self._one_row_cpu(rows)]
         return self.predict(rows.embeddings, rows.features)
+
+    def _one_row_cpu(self, rows: Rows) -> int:
+        """The same prediction in numpy (:class:`~ldlp.models.predictor.NumpyLDLP`): a dozen torch ops on cold
+        caches cost 2-3% of a step here; this about a third of that."""
+        if self._cpu is None or self._cpu.ldlp is not self.model:
+            self._cpu = self.model.numpy_decoder()
+        tok = rows.last_ids[0] if rows.last_ids is not None else rows.last_tokens.tolist()[0]
+        n = max(self._cpu.length(token=(int(tok), rows.embed), feature=rows.features) + self.offset, 0)
+        return n if self.max_gamma is None else min(n, self.max_gamma)
 
 
 class DDDPolicy(DraftPolicy):
@@ -141,7 +156,8 @@ class LDLPDDDPolicy(DraftPolicy):
 
     def plan(self, rows: Rows) -> list[int]:
         lengths = self._length.at(rows.slots, rows.features.device)
-        lengths[torch.as_tensor(rows.slots, device=lengths.device)] = self.ldlp.plan(rows)
+        lengths[torch.as_tensor(rows.slots, device=lengths.device)] = torch.as_tensor(self.ldlp.plan(rows),
+                                                                                     device=lengths.device)
         return super().plan(rows)  # every row drafts to the cap; stop() decides
 
     def stop(self, d: Depth) -> torch.Tensor:
@@ -218,6 +234,7 @@ class AcceptancePolicy(DraftPolicy):
         self.threshold = float(threshold)
         self.max_gamma = int_at_least(self.name, "max_gamma", max_gamma, 1)
         self._cum = None  # per row of the step: the sum of its chain's clipped log-probabilities
+        self._one = False  # this step is one row on a CPU: decided on the host (_one_row_cpu)
 
     def check_pair(self, target, candidates) -> None:
         drafter = getattr(candidates, "drafter", None)
@@ -227,9 +244,8 @@ class AcceptancePolicy(DraftPolicy):
                              f"{type(candidates).__name__} offers none: use an EAGLE drafter (model.drafter_kind=eagle)")
         kind, theirs = (self.head.config.meta or {}).get("drafter_kind"), getattr(candidates, "kind", None)
         if kind is not None and theirs is not None and kind != theirs:  # same width, states of another meaning
-            raise ValueError(f"acceptance policy: {self.path} was trained on {kind} drafter states and this pair's "
-                             f"drafter is {theirs}: train one on its labels (python scripts/train_acceptance.py) or "
-                             "point policy.path at it")
+            mismatch(f"acceptance policy: {self.path} was trained on {kind} drafter states and this pair's drafter is "
+                     f"{theirs}: train one on its labels (python scripts/train_acceptance.py) or point policy.path at it")
         if self.head.config.hidden_size != width:
             raise ValueError(f"acceptance policy: {self.path}/config.json has hidden_size="
                              f"{self.head.config.hidden_size} but this drafter's states have size {width}: the head "
@@ -241,14 +257,25 @@ class AcceptancePolicy(DraftPolicy):
         if d.states is None:
             raise ValueError("acceptance policy: no drafter state to read. It needs an EAGLE drafter (a standalone "
                              "draft LM offers none) or, in replay, oracle rows collected with store_draft_states=true")
+        if d.depth == 1:  # every row of the step that drafts at all drafts depth 1: the step's mode is set here
+            self._one = len(d.rows) == 1 and d.probs.device.type == "cpu"
+            self._cum = 0.0 if self._one else torch.zeros(max(d.rows) + 1, dtype=torch.float64, device=d.probs.device)
+        if self._one:
+            return [self._one_row_cpu(d)]
         p = d.probs.gather(1, d.tokens[:, None])[:, 0].double()
         log_p = torch.where(p > 1e-6, torch.log(p), torch.full_like(p, MIN_LOG_P))  # as clip_log_p
         idx = torch.as_tensor(d.rows, device=p.device)
-        if d.depth == 1:  # every row of the step that drafts at all drafts depth 1
-            self._cum = torch.zeros(max(d.rows) + 1, dtype=torch.float64, device=p.device)
         self._cum[idx] += log_p
         stats = torch.stack([log_p, self._cum[idx], torch.full_like(log_p, d.depth)], -1)
         return go_while(self.head(d.states, stats) >= self.threshold)
+
+    def _one_row_cpu(self, d: Depth) -> int:
+        """One row on a CPU, on host floats and the head's dot product (:meth:`AcceptanceHead.probability`): the
+        dozen torch ops of the batched rule cost ~100 µs a depth on cold caches, 3% of a step here."""
+        p = float(d.probs[0, int(d.tokens[0])])
+        log_p = math.log(p) if p > 1e-6 else MIN_LOG_P  # as clip_log_p
+        self._cum += log_p
+        return GO if self.head.probability(d.states[0], log_p, self._cum, d.depth) >= self.threshold else STOP
 
 
 class HeuristicPolicy(DraftLengthPolicy):

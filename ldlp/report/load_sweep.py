@@ -30,6 +30,7 @@ from ldlp.bench.load_aggregate import (
     throughput_table,
     verdicts,
 )
+from ldlp.bench.memory import memory_line
 from ldlp.bench.peer_rows import peer_table, versus_static
 from ldlp.report import step_costs as step_cost_page
 from ldlp.report.serving import learner_table
@@ -304,6 +305,8 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     if meta:
         lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
         lines += _drain_lines(meta)
+    if memory_line(result.get("memory")):  # a long run's resident memory: its peak, and whether it grew
+        lines += [memory_line(result["memory"]), ""]
     for s in result.get("skipped", []):
         at = "" if s.get("temperature") is None else f" at T={s['temperature']:g}"
         lines += [f"Skipped {s['contender']}{at}: {s['why']}.", ""]

@@ -356,10 +356,7 @@ def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft
     md = sweep_markdown(rows, heads, title)
     if head_to_head is not None:
         from ldlp.bench.headtohead import head_to_head_markdown
-        from ldlp.bench.loaders import with_mismatch_lines
-
-        # below its title, the files made for another setup that accept_mismatch=true let drive it
-        md += "\n" + with_mismatch_lines(head_to_head_markdown(head_to_head), head_to_head)
+        md += "\n" + head_to_head_markdown(head_to_head)
         heads.setdefault(head_to_head.get("model"), {})["head_to_head"] = head_to_head
     atomic_write_text(out / "results.md", md)
     write_csv(rows, out / "results.csv")
