@@ -17,6 +17,7 @@ owns its per-slot caches.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 
@@ -57,7 +58,10 @@ class CandidateGenerator:
     def bound(self, engine) -> CandidateGenerator:
         """A shallow copy bound to ``engine`` (its slots, capacity and buffers), with its own caches."""
         out = copy.copy(self)
-        out.engine = engine
+        # a weak reference: the engine owns its generator, not the other way round. A strong one made a cycle
+        # (engine -> generator -> engine) that only the cyclic collector frees, so a benchmark building an engine
+        # per run kept finished engines and their KV caches alive for minutes (8 GB on the long prompts)
+        out.engine = weakref.proxy(engine)
         out.bind(engine)
         return out
 

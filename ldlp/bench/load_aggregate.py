@@ -381,12 +381,12 @@ def saved_rows(result: dict) -> list[dict]:
 def runs_record(result: dict, meta: dict | None = None) -> dict:
     """batch_bench_runs.json: meta, the run's status, the cost tables used, findings per temperature, greedy
     differences, skipped contenders, every (round, block) run, the profiled pass, the step-cost rows and the goodput
-    learners."""
+    learners, and the process's resident memory over the run."""
     by_t = {str(t): findings(result["rows"], temperature=t) for t in temperatures_of(result["rows"])}
     return {"meta": meta or {}, **run_status(result), "cost_tables": result.get("cost_tables") or {}, "findings": by_t,
             "differences": result.get("differences", []), "skipped": result.get("skipped", []),
             "runs": result["runs"], "profiles": result.get("profiles") or [], "step_costs": result.get("step_costs") or [],
-            "learners": result.get("learners") or {}}
+            "learners": result.get("learners") or {}, "memory": result.get("memory")}
 
 
 def read_result(folder: str | Path) -> tuple[dict, dict]:
@@ -396,7 +396,7 @@ def read_result(folder: str | Path) -> tuple[dict, dict]:
     rows = json.loads((folder / "batch_bench.json").read_text())
     raw = json.loads((folder / "batch_bench_runs.json").read_text())
     result = {k: raw.get(k) for k in ("complete", "rounds_done", "rounds", "cost_tables", "differences", "skipped",
-                                      "runs", "profiles", "step_costs", "learners")}
+                                      "runs", "profiles", "step_costs", "learners", "memory")}
     result["rows"] = [{k: v for k, v in r.items() if k != "complete"} for r in rows]
     if (folder / "step_costs.json").is_file():
         result["hindsight"] = json.loads((folder / "step_costs.json").read_text())
