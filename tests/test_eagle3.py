@@ -390,3 +390,23 @@ def test_the_cost_profiler_and_a_load_aware_policy_run_on_an_eagle3_drafter(t3, 
     outs = eng.generate(prompts, 10)
     assert [o.tokens for o in outs] == [t3.reference_greedy(p, 10) for p in prompts]
     assert pol.pricing.table is not None and pol.pricing.table.key["drafter_kind"] == "eagle3" and eng.cost_model.seen > 0
+
+
+def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same_prompts():
+    """scripts/bench_drafters.py's library on the embedded pair, a few prompts: every drafter at every γ and AR,
+    lossless, and each comparison a paired ratio with its interval (the point inside it)."""
+    from conftest import compose_config
+
+    from ldlp.bench.drafters import bench_drafters
+
+    cfg = compose_config("bench_drafters", ["data=embedded_test", "data.limit=4", "generation.max_new_tokens=8",
+                                            "gammas=[3,4]", "tau_gamma=3", "temperatures=[0.0]", "rounds=1",
+                                            "bootstrap=200", "evaluation.progress=false", "threads=1",
+                                            "model.dtype=float32"])
+    cell = bench_drafters(cfg)["by_temperature"]["0.0"]
+    assert cell["lossless"] is True
+    assert cell["labels"] == ["eagle1 γ=3", "eagle1 γ=4", "eagle3 γ=3", "eagle3 γ=4", "ar_ours"]
+    for comparison in (cell["tau_vs_reference"]["eagle3"], cell["best_static_vs_reference"]["eagle3"],
+                       *cell["same_gamma_vs_reference"]["eagle3"].values()):
+        lo, hi = comparison["ci95"]
+        assert lo <= comparison["ratio"] <= hi and comparison["ratio"] > 0

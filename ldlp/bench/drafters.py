@@ -30,18 +30,18 @@ from eagle_backbone.loading import check_drafter_fits, load_drafter, load_target
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.sampling import SamplingConfig
-from eagle_backbone.timing import interleaved
+from eagle_backbone.timing import interleaved, paired_ratio
 from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 
 log = logging.getLogger(__name__)
 
 
-def _boot(num: np.ndarray, den: np.ndarray, ref_num: np.ndarray, ref_den: np.ndarray, boot_k: np.ndarray):
-    """(Σ num / Σ den) / (Σ ref_num / Σ ref_den) over prompts, and its bootstrap 95% interval (per-prompt arrays)."""
-    point = (num.sum() / den.sum()) / (ref_num.sum() / ref_den.sum())
-    b = (num[boot_k].sum(1) / den[boot_k].sum(1)) / (ref_num[boot_k].sum(1) / ref_den[boot_k].sum(1))
-    return float(point), [float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))]
+def _vs(num, den, ref_num, ref_den, bootstrap: int, seed: int) -> tuple[float, list[float] | None]:
+    """(Σ num / Σ den) / (Σ ref_num / Σ ref_den) over prompts and its paired bootstrap 95% interval
+    (:func:`~eagle_backbone.timing.paired_ratio`: the same resampled prompts for every comparison of a run)."""
+    r = paired_ratio(num, den, ref_num, ref_den, bootstrap=bootstrap, seed=seed)
+    return r["ratio"], r["ci95"]
 
 
 def bench_drafters(cfg) -> dict:
@@ -67,8 +67,6 @@ def bench_drafters(cfg) -> dict:
         tie_drafter_embedding(drafter, target)
         gens[name] = make_candidates(d.drafter_kind, drafter, target, attn)
     n, seed, B = int(cfg.generation.max_new_tokens), int(cfg.seed), int(cfg.bootstrap)
-    rng = np.random.default_rng(seed)
-    boot_k = rng.integers(0, len(prompts), size=(B, len(prompts)))
     result = {"drafters": {k: dict(cfg.drafters[k]) for k in names}, "reference": names[0], "gammas": gammas,
               "tau_gamma": tau_gamma, "n_prompts": len(prompts), "max_new_tokens": n,
               "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "model": str(cfg.model.name),
@@ -126,7 +124,7 @@ def bench_drafters(cfg) -> dict:
         cell["tau_vs_reference"] = {}
         for name in names[1:]:
             i = labels.index(f"{name} γ={tau_gamma}")
-            point, ci = _boot(tau_p[0][i], tau_p[1][i], tau_p[0][ref_tau], tau_p[1][ref_tau], boot_k)
+            point, ci = _vs(tau_p[0][i], tau_p[1][i], tau_p[0][ref_tau], tau_p[1][ref_tau], B, seed)
             cell["tau_vs_reference"][name] = {"gamma": tau_gamma, "tau": rows[i]["tau"], "reference_tau": rows[ref_tau]["tau"],
                                               "ratio": point, "ci95": ci}
         if greedy:
@@ -148,22 +146,24 @@ def bench_drafters(cfg) -> dict:
             r0 = best[names[0]]
             for name in names[1:]:
                 b = best[name]
-                point, ci = _boot(tok_p[b], sec_p[b], tok_p[r0], sec_p[r0], boot_k)
+                point, ci = _vs(tok_p[b], sec_p[b], tok_p[r0], sec_p[r0], B, seed)
                 faster = int((tokens[b].sum(1) / secs[b].sum(1) > tokens[r0].sum(1) / secs[r0].sum(1)).sum())
                 cell["best_static_vs_reference"][name] = {"gamma": contenders[b][1], "reference_gamma": contenders[r0][1],
                                                           "ratio": point, "ci95": ci, "rounds_faster": faster}
                 # and at every γ: the same γ for both drafters
                 cell.setdefault("same_gamma_vs_reference", {})[name] = {
-                    g: dict(zip(("ratio", "ci95"), _boot(tok_p[labels.index(f"{name} γ={g}")],
-                                                         sec_p[labels.index(f"{name} γ={g}")],
-                                                         tok_p[labels.index(f"{names[0]} γ={g}")],
-                                                         sec_p[labels.index(f"{names[0]} γ={g}")], boot_k)))
+                    g: dict(zip(("ratio", "ci95"), _vs(tok_p[labels.index(f"{name} γ={g}")],
+                                                       sec_p[labels.index(f"{name} γ={g}")],
+                                                       tok_p[labels.index(f"{names[0]} γ={g}")],
+                                                       sec_p[labels.index(f"{names[0]} γ={g}")], B, seed)))
                     for g in gammas}
         result["by_temperature"][str(T)] = cell
     return result
 
 
 def _ci(x: dict) -> str:
+    if not x.get("ci95"):  # one prompt: no interval
+        return f"{x['ratio']:.3f}"
     return f"{x['ratio']:.3f} ({x['ci95'][0]:.3f}–{x['ci95'][1]:.3f})"
 
 
