@@ -140,13 +140,15 @@ def main(cfg: DictConfig) -> None:
         # the resident memory over the run, sampled beside it: the page states its peak and growth (a long sweep
         # must stay flat)
         with RssSampler(every_s=float(cfg.rss_every_s)) as rss:
+            def save(r: dict) -> None:  # after every (T, C): the rows so far; warm once the first round has run
+                if r["rounds"] > 1 and r["rounds_done"] >= 1:
+                    rss.mark_warm()
+                write({**r, "skipped": skipped + r["skipped"], "memory": rss.summary()}, out, meta, with_plot=False)
+
             result = sweep(pair.target, candidates, prompts, contenders,
                            [int(c) for c in cfg.concurrency], int(cfg.generation.max_new_tokens),
                            sampling_config(cfg.generation), rounds=int(cfg.rounds), seed=int(cfg.seed),
-                           attn=str(cfg.attn),
-                           checkpoint=lambda r: write({**r, "skipped": skipped + r["skipped"], "memory": rss.summary()},
-                                                      out, meta, with_plot=False),
-                           log=log.info,
+                           attn=str(cfg.attn), checkpoint=save, log=log.info,
                            categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
                            bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
         result["skipped"] = skipped + result["skipped"]

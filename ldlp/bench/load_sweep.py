@@ -49,6 +49,7 @@ from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
 from ldlp.bench.load_aggregate import aggregate_runs
+from ldlp.bench.memory import release_freed_memory
 from ldlp.bench.step_costs import hindsight_model, run_step_costs, step_cost_rows
 from ldlp.bench.workload import run_workload
 from ldlp.policies.goodput import adopt
@@ -309,6 +310,7 @@ class _Run:
             outs, summ = c.runner.run(ps, C, self.max_new_tokens, sd, samp, self.target.eos_token_ids)
         else:
             outs, summ = self._engine_run(c, C, samp, idx)
+            release_freed_memory()  # the run's engine is gone: its pages back to the system, outside the clock
         same = self._greedy_check(c, C, idx, outs, ref)
         T = samp.temperature
         self.runs.append({"round": r, "block": bi, "contender": c.label, "policy": c.policy, "gamma": c.gamma,
