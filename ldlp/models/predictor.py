@@ -376,10 +376,10 @@ class NumpyLDLP:
         self.ldlp, self.config = ldlp, ldlp.config
         w1, b1, blocks, w_out, b_out, self.log_threshold = ldlp._decoding_weights()
         d = ldlp.config.feature_dim
-        self.w1, self.b1 = w1.cpu().numpy(), b1.cpu().numpy()
+        self.w1, self.b1 = w1.numpy(force=True), b1.numpy(force=True)
         self.w1_e, self.w1_f = np.ascontiguousarray(self.w1[:, :d]), np.ascontiguousarray(self.w1[:, d:])
-        self.blocks = [(w.cpu().numpy(), b.cpu().numpy()) for w, b in blocks]
-        self.w_out, self.b_out = w_out.cpu().numpy(), b_out.cpu().numpy()
+        self.blocks = [(w.numpy(force=True), b.numpy(force=True)) for w, b in blocks]
+        self.w_out, self.b_out = w_out.numpy(force=True), b_out.numpy(force=True)
         self.by_token: dict[int, np.ndarray] = {}
         self.embed = None
 
@@ -394,6 +394,16 @@ class NumpyLDLP:
             e = embed(torch.tensor([tok], device=feature.device))[0].detach().float().numpy()  # once per token
             row = self.by_token[tok] = self.w1_e @ e + self.b1
         return row + self.w1_f @ feature.detach().float().numpy().reshape(-1)
+
+    @staticmethod
+    def ef_inputs(rows) -> dict:
+        """The ``[e; f]`` inputs of a step's one row (an :class:`~eagle_backbone.policy.Rows`): its last token id
+        where the engine holds it on the host (the first layer's half then comes from the per-token cache), else
+        the embedding the engine computes (no read of the token: planning ahead, it is still on the device)."""
+        if rows.last_ids is not None:
+            return {"token": (int(rows.last_ids[0]), rows.embed), "feature": rows.features}
+        return {"x": np.concatenate([rows.embeddings[0].float().numpy(force=True),
+                                     rows.features[0].float().numpy(force=True)])}
 
     def output(self, x=None, token=None, feature=None) -> np.ndarray:
         """The head's raw outputs for one row: ``x`` a feature vector of ``config.inputs``, or for ``[e; f]``

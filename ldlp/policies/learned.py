@@ -249,9 +249,7 @@ class LearnedPolicy(DraftPolicy):
         K = min(self.predictor.config.k_max, self.seconds().shape[0] - 1)
         terms = self._terms(K, torch.device("cpu"))[1]
         if x is None:  # [e; f] alone
-            tok = rows.last_ids[0] if rows.last_ids is not None else rows.last_tokens.tolist()[0]
-            return self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, token=(int(tok), rows.embed),
-                                   feature=rows.features)
+            return self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, **self._cpu.net.ef_inputs(rows))
         return self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, x=x)
 
     def stop(self, d: Depth) -> torch.Tensor:
