@@ -1,7 +1,10 @@
 """The decoding core: target, drafters (EAGLE-1, draft LM), the compact Llama forward on per-slot KV caches
-(``llama``), candidate generation, sampling and verification, the engine (S slots at once; batch 1 is one slot),
-the draft-length policy interface, the measured step cost model and its profiler (``cost``), metrics, loading,
-I/O, runtime settings and timing (``timing``: the one interleaved runner every comparison of timings uses).
+(``llama``, ``ragged``), candidate generation, sampling and verification, the engine (S slots at once,
+``batched_engine``, its phases' records in ``step_records``, its prefill scheduling in ``prefill``, its tree
+phases in ``tree_step``; batch 1 is one slot, ``decoder``; ``engine`` re-exports the public names), the
+draft-length policy interface, the measured step cost model and its profiler (``cost``), metrics, loading,
+I/O, runtime settings and timing (``timing``: the one interleaved runner every comparison of timings uses,
+and the engine's clocks).
 
 May import torch, transformers, safetensors and omegaconf; never ``ldlp``. No module here imports matplotlib
 or writes Markdown: benchmarks, workloads, statistics, pages and plots live in ``ldlp.bench``. Subpackages:

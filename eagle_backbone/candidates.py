@@ -21,7 +21,8 @@ import weakref
 
 import torch
 
-from eagle_backbone.llama import BatchedEagleDrafter, BatchedLlama, RaggedBatch, SlotCache, Span
+from eagle_backbone.llama import BatchedEagleDrafter, BatchedLlama
+from eagle_backbone.ragged import RaggedBatch, SlotCache, Span
 from eagle_backbone.runtime import to_device
 from eagle_backbone.target import TargetModel
 
@@ -32,7 +33,7 @@ class CandidateGenerator:
     The engine calls, in a step, for the slots it runs:
 
     1. ``prefill(slots, tokens, batch, first, hidden)`` once when prompts are admitted: their tokens
-       flattened (N,) as the rows of ``batch`` (a :class:`~eagle_backbone.llama.RaggedBatch`: one row a
+       flattened (N,) as the rows of ``batch`` (a :class:`~eagle_backbone.ragged.RaggedBatch`: one row a
        prompt, from position 0), their first generated tokens (P,) and the target's hidden states (N, d);
     2. ``start(slots, tlens) -> (logits, states)``: the distribution of draft 1 (R, V) after the target's
        last accepted tokens (``tlens``: host ints, the position of each slot's last token), and the states

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.llama import RaggedBatch
+from eagle_backbone.ragged import RaggedBatch
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.io import atomic_write_json
 
@@ -302,7 +302,7 @@ def _median_ms(fns: dict, reps: int, spread: dict | None = None) -> dict:
 def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT, context: int = 128,
                   reps: int = 7, seed: int = 0, log=print) -> CostTable:
     """Measure a :class:`CostTable` with engines from ``engine_factory(slots, policy)`` (a
-    :class:`~eagle_backbone.engine.BatchedSpeculativeEngine` with a drafter)."""
+    :class:`~eagle_backbone.batched_engine.BatchedSpeculativeEngine` with a drafter)."""
     from eagle_backbone.policy import StaticPolicy
 
     import os

@@ -297,7 +297,7 @@ class Eagle3Drafter(nn.Module):
 
 
 class BatchedEagle3Drafter:
-    """An :class:`Eagle3Drafter` run on a :class:`~eagle_backbone.llama.SlotCache` over ragged batches (one
+    """An :class:`Eagle3Drafter` run on a :class:`~eagle_backbone.ragged.SlotCache` over ragged batches (one
     layer), as :class:`~eagle_backbone.llama.BatchedEagleDrafter` runs EAGLE-1's."""
 
     def __init__(self, drafter: Eagle3Drafter, capacity: int, attn: str = "eager", linear: str = "auto"):
@@ -316,7 +316,7 @@ class BatchedEagle3Drafter:
         self.kv_heads, self.head_dim = a.k_proj.weight.shape[0] // a.head_dim, a.head_dim
 
     def new_cache(self, slots: int):
-        from eagle_backbone.llama import SlotCache
+        from eagle_backbone.ragged import SlotCache
 
         return SlotCache(1, slots, self.capacity, self.kv_heads, self.head_dim, self.dtype, self.device)
 

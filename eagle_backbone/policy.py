@@ -30,7 +30,7 @@ adaptive policy, ``adaptive``).
 verification carries the accept counts, the emitted tokens, the drafted counts and a planned-ahead γ.
 Where a device read is no synchronisation (a CPU), the engine also reads the stop codes after each depth
 to skip the rows that stopped (``early_exit``); on a GPU it drafts every row to its cap with the codes as
-masks and verifies up to the caps (see :class:`~eagle_backbone.engine.BatchedSpeculativeEngine`).
+masks and verifies up to the caps (see :class:`~eagle_backbone.batched_engine.BatchedSpeculativeEngine`).
 
 **The per-sequence path.** A :class:`DraftLengthPolicy` (``gamma(ctx)``, ``keep_drafting(ctx, i, token,
 probs)``, ``observe(ctx, drafted, accepted)`` on host values) runs through :class:`PerSlot`, one copy per slot.

@@ -1,6 +1,6 @@
 """What a step costs, measured as the engine runs: one online, monotone step-cost model.
 
-Every step the engine (:class:`~eagle_backbone.engine.BatchedSpeculativeEngine`) records its wall time next to
+Every step the engine (:class:`~eagle_backbone.batched_engine.BatchedSpeculativeEngine`) records its wall time next to
 its shape (:class:`StepShape`: running rows, scored tokens, attended keys, draft depths and drafting rows,
 tokens the drafter caught up on, prompt tokens joined, a tree). :class:`OnlineCostModel` fits a few costs to
 those records:

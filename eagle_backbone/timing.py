@@ -5,12 +5,18 @@ things compared here, so every comparison runs its contenders in turns: for each
 item (a prompt, or one step), every runner once, in an order that changes with the round and the
 item (:data:`ORDERS`). :func:`interleaved` is that loop, used by the evaluation, the head to head,
 the choice of the AR baseline, the replay tuner's cost fit, the model card and the target benchmark.
+
+The engine's own clocks live here too: :class:`ComponentProfile` (per-component seconds in profiled mode)
+and :class:`StepClock` (each step's milliseconds for the step-cost records).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
+
+import torch
 
 from eagle_backbone.runtime import Clock
 
@@ -101,3 +107,77 @@ def paired_ratio(num_tokens, num_seconds, den_tokens, den_seconds, bootstrap: in
     lo, hi = (float(np.quantile(boot, q)) for q in ((1 - level) / 2, (1 + level) / 2))
     out.update(ci95=[lo, hi], half_width=(hi - lo) / 2, resolves_5pct=(hi - lo) / 2 <= 0.05)
     return out
+
+
+class ComponentProfile:
+    """Per-component seconds in profiled mode only (the timed mode never marks). On a GPU, CUDA events
+    recorded at each mark and read once at the end of the step (one synchronisation a step, not one a
+    component); on a CPU, perf_counter (the work is done when the call returns)."""
+
+    def __init__(self, device, on: bool):
+        self.on, self.cuda = on, device.type == "cuda"
+        self.s: dict[str, float] = {}
+        self._t = None
+        self._events: list[tuple[str, object, object]] = []
+
+    def start(self):
+        if not self.on:
+            return
+        if self.cuda:
+            self._t = torch.cuda.Event(enable_timing=True)
+            self._t.record()
+        else:
+            self._t = time.perf_counter()
+
+    def mark(self, name: str):
+        if not self.on:
+            return
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self._events.append((name, self._t, e))
+            self._t = e
+        else:
+            t = time.perf_counter()
+            self.s[name] = self.s.get(name, 0.0) + t - self._t
+            self._t = t
+
+    def flush(self):
+        """Add the step's CUDA event intervals (one synchronisation)."""
+        if self.on and self._events:
+            self._events[-1][2].synchronize()
+            for name, a, b in self._events:
+                self.s[name] = self.s.get(name, 0.0) + a.elapsed_time(b) / 1e3
+            self._events = []
+
+
+class StepClock:
+    """A step's milliseconds for the step-cost records: on a CPU a wall clock and the thread's CPU clock read
+    at the start and the end (torch on one thread computes on this thread; another process on the core
+    stretches the wall time, not the CPU time); on a GPU a CUDA event at the start and one just before the
+    step's host read, read after it (the read has synchronised, so no extra synchronisation), plus the host's
+    time after the read, and no CPU time."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self._t0 = self._t_read = self._c0 = 0.0
+        self._ev = None
+
+    def start(self):
+        self._t0 = time.perf_counter()
+        self._c0 = time.thread_time()
+        if self.cuda:
+            self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._ev[0].record()
+
+    def before_read(self):
+        if self.cuda:
+            self._ev[1].record()
+            self._t_read = time.perf_counter()
+
+    def ms(self) -> tuple[float, float | None]:
+        """(wall ms, CPU ms or None on a GPU)."""
+        now = time.perf_counter()
+        if self.cuda:  # the events finished before the host read returned
+            return self._ev[0].elapsed_time(self._ev[1]) + 1e3 * (now - self._t_read), None
+        return 1e3 * (now - self._t0), 1e3 * (time.thread_time() - self._c0)

@@ -9,7 +9,7 @@ target scores too). Each row holds K node slots, padded:
 
 Nodes are in topological order: a node's parent has a smaller index (``parents[r, i] < i``). The order
 among siblings is the order verification tries them in. A chain is ``parents = i - 1``, exactly the
-engine's :class:`~eagle_backbone.engine.DraftRecord`. The target scores ``[root, node 0, ..., node K-1]``,
+engine's :class:`~eagle_backbone.step_records.DraftRecord`. The target scores ``[root, node 0, ..., node K-1]``,
 so everything indexed by "verification position" has 1 + K entries, position 0 being the root.
 
 Everything here is device tensor ops with no host reads: Python loops run over node slots or over
@@ -157,7 +157,7 @@ class DraftTree:
 
     @classmethod
     def from_record(cls, rec) -> DraftTree:
-        """From a :class:`~eagle_backbone.engine.DraftRecord` (its ``lengths`` nodes per row come first)."""
+        """From a :class:`~eagle_backbone.step_records.DraftRecord` (its ``lengths`` nodes per row come first)."""
         K = rec.tokens.shape[1]
         return cls(rec.tokens, rec.parents, torch.arange(K, device=rec.tokens.device)[None] < rec.lengths[:, None])
 

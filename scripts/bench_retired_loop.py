@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.bench.load_sweep import near_tie
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy

@@ -20,7 +20,7 @@ def main(cfg: DictConfig) -> None:
         profile_costs,
         table_path,
     )
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from ldlp.report.load_sweep import check_markdown
     from ldlp.bench.loaders import load_pair_cached
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eagle_backbone.engine import autoregressive_generate
+from eagle_backbone.decoder import autoregressive_generate
 from eagle_backbone.target import TargetModel
 from ldlp.labels.oracle import oracle_labels
 

@@ -15,7 +15,8 @@ from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
-from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json

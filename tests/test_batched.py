@@ -1,4 +1,4 @@
-"""The batched engine (eagle_backbone/engine.py, eagle_backbone/llama.py; the workload in ldlp/bench/workload.py): greedy identity with each sequence's own batch-1 output,
+"""The batched engine (eagle_backbone/batched_engine.py, eagle_backbone/llama.py, eagle_backbone/ragged.py; the workload in ldlp/bench/workload.py): greedy identity with each sequence's own batch-1 output,
 sampling exactness in a batch, per-slot cache rollback, continuous batching and bad input.
 
 Tiny float32 Llamas (tests/conftest.py); the embedded pair, where present, gives an EAGLE drafter whose
@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from eagle_backbone import sampling as bsampling
-from eagle_backbone.engine import BatchedSpeculativeEngine
-from eagle_backbone.llama import BatchedLlama, RaggedBatch
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.llama import BatchedLlama
+from eagle_backbone.ragged import RaggedBatch
 from ldlp.bench.workload import run_workload
 from eagle_backbone.candidates import (
     DraftModelCandidateGenerator,
     EagleCandidateGenerator,
 )
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 
@@ -555,7 +556,7 @@ def test_the_dense_block_rule_is_per_dtype_and_keeps_each_rows_logits(t32):
     """Rows with about 130 keys of padding a row run alone in float32 and as one dense block in bfloat16
     (the per-row route's fixed cost is larger there: DENSE_SLACK); an explicit slack overrides both. In
     bfloat16 the dense block's logits are the per-row route's to bf16 rounding, with the same greedy tokens."""
-    from eagle_backbone.llama import DENSE_SLACK, dense_slack
+    from eagle_backbone.ragged import DENSE_SLACK, dense_slack
 
     assert dense_slack(torch.float32) < 133 < dense_slack(torch.bfloat16) and dense_slack(torch.float16) == 64
     assert set(DENSE_SLACK) == {torch.float32, torch.bfloat16}

@@ -20,7 +20,7 @@ from ldlp.bench.load_aggregate import (
 )
 from ldlp.bench.load_sweep import Contender, split_blocks, sweep
 from eagle_backbone.candidates import EagleCandidateGenerator
-from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
 from ldlp.bench.stats import paired_ratio
 from ldlp.policies.threshold import HeuristicPolicy
@@ -570,7 +570,7 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
         slots_for,
         table_path,
     )
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.errors import ConfigError
 
     def factory_of(drafter, kind="eagle", attn="eager"):
@@ -620,7 +620,7 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
 
 def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, eagle32, tmp_path):
     from eagle_backbone.cost import cost_key, load_or_profile
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from ldlp.policies.load_aware import LoadAwareMarginal
 
     cand = EagleCandidateGenerator(eagle32, t32)

@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.drafter import EagleDrafter
-from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.loading import tie_drafter_embedding
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy

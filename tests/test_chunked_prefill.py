@@ -1,4 +1,4 @@
-"""Chunked prefill (eagle_backbone/engine.py, ``prefill="chunked"``): prompts longer than ``max_batched_tokens``
+"""Chunked prefill (eagle_backbone/prefill.py, ``prefill="chunked"``): prompts longer than ``max_batched_tokens``
 read in chunks beside the decoding rows of the same target forward. Greedy output equals the target's own
 greedy decoding with the shipped EAGLE-1 and EAGLE-3 heads (float32, and bfloat16 where the CPU has bf16
 matmuls, as the shipped config runs), chains and trees; a seeded sampled run gives the tokens joined prefill
@@ -14,7 +14,7 @@ import torch
 from conftest import one_line
 from test_tree_engine import SPECS, TreePolicy
 
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.bench.workload import run_workload
@@ -51,7 +51,8 @@ def pairs():
 def long_prompts(tokenizer) -> list[list[int]]:
     """Real text (this repository's own source, which the embedded pair's corpus resembles), short and long
     prompts mixed so that long ones are admitted while others decode."""
-    text = (REPO / "eagle_backbone" / "engine.py").read_text().splitlines()
+    text = [line for name in ("batched_engine.py", "prefill.py", "tree_step.py")  # the engine's source
+            for line in (REPO / "eagle_backbone" / name).read_text().splitlines()]
     spans = [(40, 44), (100, 112), (130, 131), (300, 318), (420, 424), (470, 490), (610, 612), (700, 716)]
     return [tokenizer.encode("\n".join(text[a:b]))[:90] for a, b in spans]
 

@@ -17,8 +17,9 @@ from test_tree_engine import SPECS, TreePolicy, decode
 
 from eagle_backbone.candidates import Eagle3CandidateGenerator
 from eagle_backbone.eagle3 import Eagle3Drafter, default_layer_ids
-from eagle_backbone.engine import BatchedSpeculativeEngine
-from eagle_backbone.llama import BatchedLlama, RaggedBatch
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.llama import BatchedLlama
+from eagle_backbone.ragged import RaggedBatch
 from eagle_backbone.loading import load_drafter, tie_drafter_embedding
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig

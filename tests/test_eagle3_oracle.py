@@ -14,7 +14,7 @@ from test_eagle3 import make_eagle3
 from test_oracle import CONVS, VAL, LabelPolicy, assert_same_rows
 
 from eagle_backbone.candidates import Eagle3CandidateGenerator
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from ldlp.labels.oracle import oracle_labels
 from ldlp.labels.oracle import oracle_labels_eagle3_sequential
 
@@ -85,7 +85,7 @@ def eagle3_dirs(tmp_path_factory):
 def test_collector_and_ldlp_run_on_an_eagle3_pair(eagle3_dirs, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.loading import load_pair
     from eagle_backbone.paths import REPO_ROOT
     from ldlp.labels.collect import collect_oracle

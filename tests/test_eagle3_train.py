@@ -14,7 +14,7 @@ from conftest import make_target, pair_overrides, save_tiny_pair
 from omegaconf import OmegaConf
 
 from eagle_backbone.eagle3 import BatchedEagle3Drafter, Eagle3Drafter
-from eagle_backbone.llama import RaggedBatch
+from eagle_backbone.ragged import RaggedBatch
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.train.eagle3 import DistilledData, Eagle3Module, distill, distilled_records, ttt_loss
 from eagle_backbone.train.lm import fit_resumable

@@ -126,7 +126,7 @@ def test_the_engines_target_is_batch_invariant_on_this_cpu(dtype, packed, monkey
 @pytest.mark.skipif(not SHIPPED, reason="the embedded models are not in data/embedded yet")
 def test_shipped_pair_is_lossless_on_held_out_prompts(embedded_corpus):
     from eagle_backbone.data.conversations import build_prompts, load_conversations
-    from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+    from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
     from eagle_backbone.loading import load_pair
     from eagle_backbone.policy import StaticPolicy
 

@@ -11,7 +11,7 @@ from eagle_backbone.candidates import (
     DraftModelCandidateGenerator,
     EagleCandidateGenerator,
 )
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 
 

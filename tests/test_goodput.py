@@ -14,7 +14,7 @@ from test_batched import ar, prompts_of
 from test_load_aware import table
 
 from eagle_backbone.cost import cost_key
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from ldlp.policies.goodput import PLAN, GoodputFeedback, bucket_label, goodput_of, load_bucket
 from ldlp.policies.load_aware import LoadAwareMarginal, LoadAwareStep
 from ldlp.policies.trees import TreeBudgetPolicy

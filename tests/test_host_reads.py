@@ -15,7 +15,7 @@ from test_batched import ar, prompts_of
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable, cost_key
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = {"hf_confidence", "hf_heuristic"}  # transformers' own generate loop, not this engine

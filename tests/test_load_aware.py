@@ -16,7 +16,8 @@ from test_batched import _chi2_pvalue, _pair_distribution, ar, noisy_copy, promp
 import ldlp.policies.load_aware as la
 from eagle_backbone.cost import CostTable, check_costs, cost_key, profile_costs, table_path
 from eagle_backbone.candidates import EagleCandidateGenerator
-from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import Depth, DraftContext, OneRow, Rows
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.models.calibration import OnlineLogitCalibration

@@ -53,7 +53,7 @@ def two_turn_run(tiny_models, question_file, tmp_path_factory):
 
 def test_second_turn_is_prompted_with_the_models_own_first_answer_and_equals_ar(tiny_models, question_file):
     from eagle_backbone.data.conversations import encode_chat
-    from eagle_backbone.engine import SpeculativeDecoder
+    from eagle_backbone.decoder import SpeculativeDecoder
     from eagle_backbone.policy import StaticPolicy
     from eagle_backbone.sampling import SamplingConfig
     from ldlp.bench.conversation import Dialogue, load_questions
@@ -176,7 +176,7 @@ def test_summary_rows_carry_the_categories(two_turn_run, tmp_path):
 
 
 def test_sampling_keeps_one_stream_per_conversation(tiny_models, question_file):
-    from eagle_backbone.engine import autoregressive_generate
+    from eagle_backbone.decoder import autoregressive_generate
     from ldlp.bench.evaluate import evaluate
     from ldlp.bench.loaders import load_pair_cached
 

@@ -12,7 +12,7 @@ from conftest import make_drafter, make_target, one_line
 from oracle_helpers import greedy_oracle
 
 from eagle_backbone.candidates import EagleCandidateGenerator
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.errors import MissingInput
 from eagle_backbone.policy import DraftLengthPolicy
 from ldlp.labels.oracle import oracle_labels, oracle_labels_sequential, recompute_features

@@ -15,7 +15,8 @@ from test_bench_load import prompts_of
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator
 from eagle_backbone.cost import CostTable, cost_key
-from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.bench.load_aggregate import ORACLES, findings

@@ -12,7 +12,8 @@ from conftest import step_ldlp
 from hydra.utils import instantiate
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
-from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftContext, DraftPolicy, OneRow
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.policies.threshold import ConfidencePolicy, DDDPolicy, EntropyPolicy, HeuristicPolicy, LDLPDDDPolicy, LDLPPolicy

@@ -12,7 +12,7 @@ from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
-from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.sampling import confidence
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.models.features import GROUPS, feature_names, history_features

@@ -7,7 +7,7 @@ from oracle_helpers import greedy_oracle
 from test_oracle import mimic_pair
 
 from eagle_backbone.candidates import EagleCandidateGenerator
-from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.cost import CostTable

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from eagle_backbone import sampling as S
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
-from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 
@@ -191,7 +191,7 @@ def test_seeded_sampling_on_the_targets_device(tiny_eagle_pair):
     and the sampled sequences still follow the target's distribution."""
     import copy
 
-    from eagle_backbone.engine import autoregressive_generate
+    from eagle_backbone.decoder import autoregressive_generate
 
     cpu_target, cpu_drafter, folder = tiny_eagle_pair
     target, drafter = copy.deepcopy(cpu_target).to("cuda"), copy.deepcopy(cpu_drafter).to("cuda")

@@ -14,7 +14,7 @@ from test_load_aware import table
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.cost import cost_key
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.policy import StaticPolicy
 from ldlp.bench.load_sweep import Contender

@@ -118,7 +118,7 @@ def test_hindsight_fit_of_records():
 def test_the_engine_records_its_steps_and_the_policy_plans_with_its_model(t32, eagle32, tmp_path):
     """Every speculative step is recorded with its shape; a cost-driven policy plans with the engine's online
     model, warm-started from its table, which learns from those steps; the output stays the target's."""
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from ldlp.policies.load_aware import LoadAwareStep
     from test_batched import ar, prompts_of
 
@@ -147,7 +147,7 @@ def test_the_engine_records_its_steps_and_the_policy_plans_with_its_model(t32, e
 
 
 def test_joined_prompts_and_plain_steps_are_in_the_shape(t32, eagle32):
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.policy import StaticPolicy
     from test_batched import prompts_of
 
@@ -201,7 +201,7 @@ def test_a_gpu_engine_times_its_steps_with_cuda_events(t32, eagle32):
     recorded with a positive time, and the output stays the target's."""
     import copy
 
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.policy import StaticPolicy
     from test_batched import prompts_of
 
@@ -241,7 +241,7 @@ def test_a_cost_model_measured_on_another_setup_is_refused(tmp_path, t32, eagle3
     from test_load_aware import table
 
     from eagle_backbone.cost import cost_key
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from ldlp.policies.load_aware import LoadAwareStep
 
     key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
@@ -278,7 +278,7 @@ def test_a_cost_model_of_another_setup_is_taken_with_accept_mismatch_and_recorde
     from test_load_aware import table
 
     from eagle_backbone.cost import cost_key
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.errors import accept_mismatches, accepted_mismatches
     from ldlp.policies.load_aware import LoadAwareStep
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_backbone.llama import BatchedEagleDrafter, BatchedLlama, RaggedBatch
+from eagle_backbone.llama import BatchedEagleDrafter, BatchedLlama
+from eagle_backbone.ragged import RaggedBatch
 
 torch.set_num_threads(1)
 

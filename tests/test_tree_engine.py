@@ -1,4 +1,4 @@
-"""Draft trees in the batched engine (eagle_backbone/engine.py ``_tree_phases``, eagle_backbone/tree_draft.py):
+"""Draft trees in the batched engine (eagle_backbone/tree_step.py, eagle_backbone/tree_draft.py):
 greedy identity with the target's own decoding for dynamic (EAGLE-2) and static trees, both candidate kinds,
 one and three slots with prompts admitted mid-run, eager and sdpa attention; early_exit on and off agree; a
 width-1 tree is the chain; partial and empty selections; the capacity edge; EOS inside an accepted path;
@@ -18,7 +18,7 @@ from test_batched import ar, noisy_copy, prompts_of
 from test_sampling import _chi2_pvalue, _exact_sequence_distribution
 
 from eagle_backbone import tree as btree
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import DraftPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.tree import MC_SIM_7B_63, DraftTree, top_nodes

@@ -12,7 +12,7 @@ import torch
 from test_batched import ar, prompts_of
 
 from eagle_backbone.cost import CostTable
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from ldlp.policies.trees import Eagle2TreePolicy, StaticTreePolicy, TreeBudgetPolicy
 
 torch.set_num_threads(1)

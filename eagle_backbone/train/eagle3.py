@@ -40,7 +40,7 @@ def distill(target: TargetModel, prompts: list[tuple[str, list[int]]], max_new_t
             seed: int, slots: int = 16) -> list[dict]:
     """The target's own responses to ``prompts`` ([(id, ids)]): greedy (temperature 0) or sampled with seed
     ``seed * 1_000_003 + i`` for prompt i, in batches of ``slots`` (the batched engine, no drafter)."""
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.sampling import SamplingConfig
 
     sampling = SamplingConfig(temperature=temperature)

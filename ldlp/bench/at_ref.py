@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.timing import paired_ratio

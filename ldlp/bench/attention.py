@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from eagle_backbone.linear import Projection
-from eagle_backbone.llama import BatchedLlama, RaggedBatch, attend
+from eagle_backbone.llama import BatchedLlama, attend
+from eagle_backbone.ragged import RaggedBatch
 
 ROUTES = ("gather", "copy", "per_row_qkT", "per_row", "dense", "flex")
 
@@ -229,7 +230,7 @@ def elementwise_kernels(lm: BatchedLlama, tokens=(1, 16, 64, 256), reps: int = 1
 def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_new_tokens: int = 48) -> list[dict]:
     """Batched AR over ``prompts`` at each C, prefill in its own forward: CPU-seconds split into prefill and
     decoding (the share from the engine's profiled mode), tokens per CPU-second with and without the prefill."""
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 
     from ldlp.bench.workload import run_workload
 

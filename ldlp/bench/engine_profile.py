@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from ldlp.bench.workload import run_workload
 
 
@@ -22,7 +22,8 @@ def prefill_join_cost(target, concurrency=(2, 4, 8, 16, 32), prompt_len: int = 4
     target forward (then the C-1 running slots' verification forward), or joined to that step's forward
     (one ragged batch: projections and MLPs over all tokens at once, attention per row)? Median
     process-CPU ms of each, interleaved, per C."""
-    from eagle_backbone.llama import BatchedLlama, RaggedBatch
+    from eagle_backbone.llama import BatchedLlama
+    from eagle_backbone.ragged import RaggedBatch
 
     g = torch.Generator().manual_seed(seed)
     lm = BatchedLlama(target.model, context + prompt_len + gamma + 4)

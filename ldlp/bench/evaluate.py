@@ -30,7 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.errors import accepted_mismatches
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.metrics import total

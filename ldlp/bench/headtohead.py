@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.engine import SpeculativeDecoder
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import (

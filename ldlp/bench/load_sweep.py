@@ -5,7 +5,7 @@ For every round, every temperature T, every C and every block of the prompts (``
 when a block would hold fewer prompts than C), every contender runs the block through
 :func:`~ldlp.bench.workload.run_workload` with C streams in flight, in turns (the order rotating
 between rounds, T, C and blocks, so that a slow phase of a shared machine hits all alike). Every contender
-runs on the one engine (:class:`~eagle_backbone.engine.BatchedSpeculativeEngine`) with one candidate
+runs on the one engine (:class:`~eagle_backbone.batched_engine.BatchedSpeculativeEngine`) with one candidate
 generator. Rows report each round's blocks summed, medians over rounds.
 
 Each (round, block) is one paired measurement: per (C, T) every adaptive contender's ratio of tokens/s to
@@ -43,7 +43,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.engine import MAX_BATCHED_TOKENS, BatchedSpeculativeEngine, check_prefill
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.prefill import MAX_BATCHED_TOKENS, check_prefill
 from eagle_backbone.policy import as_draft_policy
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig

@@ -215,7 +215,7 @@ def cost_engine_factory(target, candidates, attn: str | None = None, capacity: i
     """``factory(R, policy=None)``: a batched engine of R slots over this pair, as the load-aware policies build them
     to profile their cost table (ldlp/policies/load_aware.py); ``attn`` None: the target's default, as
     ``SpeculativeDecoder`` uses it."""
-    from eagle_backbone.engine import BatchedSpeculativeEngine
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 
     def factory(R: int, policy=None):
         return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=capacity, attn=attn, policy=policy)

@@ -23,7 +23,7 @@ import torch
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.data.conversations import build_prompts, encode_chat, load_conversations, to_messages
 from eagle_backbone.drafter import EagleDrafter
-from eagle_backbone.engine import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.loading import load_tokenizer
 from eagle_backbone.metrics import total
@@ -140,7 +140,7 @@ def eagle3_step_cost(target: TargetModel, head, prompt: list[int], reps: int = 2
     batched drafter's forward on its slot cache and its logits over the target's vocabulary), interleaved;
     with ``eagle1`` (an EAGLE-1 drafter) its step too, timed as :func:`step_costs` times it, in the same loop."""
     from eagle_backbone.eagle3 import BatchedEagle3Drafter
-    from eagle_backbone.llama import RaggedBatch
+    from eagle_backbone.ragged import RaggedBatch
 
     ids = torch.tensor([prompt])
     n = ids.shape[1]

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle_backbone.engine import BatchedSpeculativeEngine, GenerationOutput
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.step_records import GenerationOutput
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.step_cost import OnlineCostModel
 from ldlp.bench.workload import percentile

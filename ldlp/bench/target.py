@@ -92,7 +92,7 @@ def engine_batch_invariance(lm, contexts=(3, 40, 124, 251, 383), tokens: int = 8
 
     Returns ``{case: {"positions", "bitwise_equal", "max_abs_diff"}}``: the engine is batch-invariant on this
     CPU and dtype when every case has ``bitwise_equal == positions``."""
-    from eagle_backbone.llama import RaggedBatch
+    from eagle_backbone.ragged import RaggedBatch
 
     g = torch.Generator().manual_seed(seed)
     vocab = lm.lm_head.weight.shape[0]

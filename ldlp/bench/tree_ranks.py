@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle_backbone.engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import DraftPolicy, TreeOutcome
 from eagle_backbone.tree_draft import TreeSpec
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from eagle_backbone.engine import GenerationOutput
+from eagle_backbone.step_records import GenerationOutput
 from eagle_backbone.metrics import GenerationStats, total
 
 

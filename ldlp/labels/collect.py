@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_backbone.engine import autoregressive_generate
+from eagle_backbone.decoder import autoregressive_generate
 from eagle_backbone.io import atomic_write_text, remove_leftovers
 from eagle_backbone.runtime import Clock, resolve_dtype, set_threads
 from ldlp.labels.oracle import oracle_labels

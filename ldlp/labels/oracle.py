@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from eagle_backbone.candidates import check_eagle_pair
-from eagle_backbone.llama import RaggedBatch, SlotCache
+from eagle_backbone.ragged import RaggedBatch, SlotCache
 from eagle_backbone.eagle3 import Eagle3Drafter
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
@@ -273,7 +273,7 @@ def recompute_features(target: TargetModel, input_ids, prompt_len: int) -> torch
 #
 # The same rows as :func:`oracle_labels` (see the module docstring), computed with the
 # engine's own EAGLE-3 code (:class:`~eagle_backbone.eagle3.BatchedEagle3Drafter` on a
-# :class:`~eagle_backbone.llama.SlotCache`), so a label is what
+# :class:`~eagle_backbone.ragged.SlotCache`), so a label is what
 # :class:`~eagle_backbone.candidates.Eagle3CandidateGenerator` drafts at that position:
 #
 # * the drafter reads the true pairs ``(s[j+1], fc(a_j))``, ``a_j`` the target's states entering its layers

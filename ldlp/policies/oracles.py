@@ -246,7 +246,8 @@ def accepted_lengths(target, candidates, prompt_ids: list[int], max_new_tokens: 
     the first step of the prompt with the output's first p - 1 tokens appended (its prefill emits token p - 1),
     ``slots`` of them at a time in one engine; ``every_position=False``: the replay's positions only (all that
     the chain oracle, drafting exactly what is accepted, ever visits)."""
-    from eagle_backbone.engine import BatchedSpeculativeEngine, SpeculativeDecoder
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+    from eagle_backbone.decoder import SpeculativeDecoder
 
     prompt = list(prompt_ids)
     recorder = AcceptedAtRecorder(k_max)

@@ -113,7 +113,7 @@ class StepPricing:
             self.costs = engine.attach_costs(self.table, **self.model_options)
 
     def _table(self, target, candidates, attn: str) -> CostTable:
-        from eagle_backbone.engine import BatchedSpeculativeEngine
+        from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 
         def factory(R: int, policy=None):
             return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=256, attn=attn, policy=policy)
