@@ -382,3 +382,13 @@ def test_engine_module_keeps_its_public_names():
     assert engine.autoregressive_generate is decoder.autoregressive_generate
     assert engine.GenerationOutput is step_records.GenerationOutput
 
+
+
+def test_no_module_outgrows_its_package_limit():
+    """A file that outgrows its room is split at its seams (eagle_backbone: the engine's step records, prefill, tree
+    phases, clocks and front doors each have a module): at most 600 lines in eagle_backbone/, 500 in ldlp/."""
+    limits = {"eagle_backbone": 600, "ldlp": 500}
+    over = [f"{f.relative_to(REPO_ROOT)}: {n} lines (limit {limits[pkg]})" for pkg in limits
+            for f in sorted((REPO_ROOT / pkg).rglob("*.py"))
+            if (n := len(f.read_text(encoding="utf-8").splitlines())) > limits[pkg]]
+    assert not over, over
