@@ -275,6 +275,7 @@ class _Run:
                 e = BatchedSpeculativeEngine(self.target, self.candidates, slots=2, policy=c.make, sampling=samp,
                                              capacity=self.capacity, attn=self.attn, **c.engine)
                 run_workload(e, self.prompts[:2], 2, min(8, self.max_new_tokens), self.seeds[:2])
+        release_freed_memory()  # the replays' and warm-ups' engines are gone
         return samp, cs, ref
 
     def _replayed(self, c: Contender, samp: SamplingConfig) -> Contender | None:
