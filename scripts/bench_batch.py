@@ -140,9 +140,10 @@ def main(cfg: DictConfig) -> None:
         # the resident memory over the run, sampled beside it: the page states its peak and growth (a long sweep
         # must stay flat)
         with RssSampler(every_s=float(cfg.rss_every_s)) as rss:
-            def save(r: dict) -> None:  # after every (T, C): the rows so far; warm once the first round has run
-                if r["rounds"] > 1 and r["rounds_done"] >= 1:
-                    rss.mark_warm()
+            def save(r: dict) -> None:  # after every (T, C): the rows so far; the memory by round
+                at = int(r["rounds_done"]) + 1  # the round the next cell belongs to (rounds + 1: they are done)
+                if len(rss.marks) < at:
+                    rss.mark(f"round {at}" if at <= r["rounds"] else "after the rounds")
                 write({**r, "skipped": skipped + r["skipped"], "memory": rss.summary()}, out, meta, with_plot=False)
 
             result = sweep(pair.target, candidates, prompts, contenders,

@@ -338,3 +338,27 @@ def test_files_and_keys_that_raised_raw_errors_are_named_in_one_line(tmp_path):
         load_schedule(schedule)
     with pytest.raises(ValueError, match="^static_tree policy: paths is empty; give a shape"):
         StaticTreePolicy(paths=[])
+
+
+# ---- memory that stays flat ----------------------------------------------------------------------------------
+
+
+def test_the_memory_summary_compares_rounds_peak_with_peak_and_floor_with_floor():
+    """A run's resident memory swings with what it runs: growth compares the last complete round with the first,
+    peak with peak and floor with floor, never a C = 32 moment with a between-runs one. (That a finished engine is
+    freed at once: tests/test_batched.py.)"""
+    from ldlp.bench.memory import RssSampler, memory_line
+
+    gb = 2 ** 30
+    rss = RssSampler(every_s=10)
+    rss.samples = [(0, 2.7 * gb), (100, 1.1 * gb), (150, 2.8 * gb), (200, 1.1 * gb), (250, 2.9 * gb),
+                   (300, 1.2 * gb), (320, 1.0 * gb)]
+    rss.marks = [(90, "round 1"), (190, "round 2"), (310, "after the rounds")]
+    out = rss.summary()
+    assert [g["label"] for g in out["segments"]] == ["warm-up", "round 1", "round 2", "after the rounds"]
+    assert out["compared"] == ["round 1", "round 2"]
+    assert out["growth"] == pytest.approx(2.9 / 2.8 - 1) and out["floor_growth"] == pytest.approx(0.0)
+    assert "round 2 against round 1: peak +3.6%, floor +0.0%" in memory_line(out)
+    one = RssSampler(every_s=10)
+    one.samples, one.marks = [(0, gb), (50, 2 * gb)], [(10, "round 1")]
+    assert "growth" not in one.summary()  # one round, still running: nothing to compare

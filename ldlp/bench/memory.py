@@ -2,8 +2,8 @@
 
 A benchmark that runs for many minutes must not grow: :class:`RssSampler` reads the resident set size (Linux
 ``/proc/self/statm``; elsewhere only the peak, from ``getrusage``) every ``every_s`` seconds, and
-:meth:`RssSampler.summary` gives the peak, the value after warm-up (the first sample past ``warmup_s``) and at the
-end, and the growth from warm-up to the end, which the load sweep's page states."""
+:meth:`RssSampler.summary` gives the peak and, per round of the run, its peak and floor, and the growth from the
+first round to the last, which the load sweep's page states."""
 
 from __future__ import annotations
 
@@ -56,28 +56,33 @@ def peak_rss_bytes() -> int:
 
 class RssSampler:
     """``with RssSampler(every_s=5) as rss: ...``; then ``rss.summary()``. A daemon thread: it stops with the
-    block (or the process), and reading /proc costs microseconds, so the timings beside it do not feel it."""
+    block (or the process), and reading /proc costs microseconds, so the timings beside it do not feel it.
 
-    def __init__(self, every_s: float = 5.0, warmup_s: float = 60.0):
+    A run's resident memory swings with what it runs (a load sweep's C = 32 run on long prompts holds twice what it
+    holds between runs), so two samples taken at different moments say little: the run :meth:`mark` s where its
+    rounds begin, and the summary compares like with like, each round's peak and floor (the lowest sample: what
+    stays live between runs)."""
+
+    def __init__(self, every_s: float = 5.0):
         if not every_s > 0:
             raise ValueError(f"RssSampler: every_s must be > 0, got {every_s!r}")
-        self.every_s, self.warmup_s = float(every_s), float(warmup_s)
+        self.every_s = float(every_s)
         self.samples: list[tuple[float, int]] = []  # (seconds since the start, bytes)
+        self.marks: list[tuple[float, str]] = []  # (seconds since the start, the segment that begins there)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
-        self.warm_at: float | None = None  # seconds since the start when the run said it was warm (mark_warm)
 
     def _sample(self) -> None:
         value = rss_bytes()
         if value is not None:
             self.samples.append((round(time.perf_counter() - self._t0, 3), value))
 
-    def mark_warm(self) -> None:
-        """The run is past its warm-up (e.g. every concurrency seen once): the growth is measured from here."""
-        if self.warm_at is None:
-            self._sample()
-            self.warm_at = self.samples[-1][0] if self.samples else 0.0
+    def mark(self, label: str) -> None:
+        """A segment of the run begins now (e.g. "round 2"); what came before it is the previous segment (the
+        first: "warm-up")."""
+        self._sample()
+        self.marks.append((self.samples[-1][0] if self.samples else 0.0, label))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -96,30 +101,48 @@ class RssSampler:
             self._thread.join()
         self._sample()
 
+    def segments(self) -> list[dict]:
+        """Per segment (warm-up, then one per :meth:`mark`): its label, start, peak and floor in bytes."""
+        bounds = [(0.0, "warm-up")] + self.marks
+        out = []
+        for i, (t0, label) in enumerate(bounds):
+            t1 = bounds[i + 1][0] if i + 1 < len(bounds) else float("inf")
+            vals = [v for t, v in self.samples if t0 <= t <= t1]
+            if vals:
+                out.append({"label": label, "start_s": t0, "peak_bytes": max(vals), "floor_bytes": min(vals),
+                            "complete": i + 1 < len(bounds)})
+        return out
+
     def summary(self) -> dict:
-        """Bytes: ``peak`` (getrusage's, the whole process so far), ``after_warmup`` (the sample at :meth:`mark_warm`,
-        else the first at or past ``warmup_s``, else the first), ``end``, ``growth`` (end / after_warmup - 1), and
-        the samples themselves."""
-        warmup = self.warm_at if self.warm_at is not None else self.warmup_s
-        out = {"peak_bytes": peak_rss_bytes(), "every_s": self.every_s, "warmup_s": warmup,
-               "warm_marked": self.warm_at is not None, "samples": [list(s) for s in self.samples]}
-        if self.samples:
-            warm = next((v for t, v in self.samples if t >= warmup), self.samples[0][1])
-            end = self.samples[-1][1]
-            out.update(after_warmup_bytes=warm, end_bytes=end, max_sampled_bytes=max(v for _, v in self.samples),
-                       growth=end / warm - 1 if warm else None, seconds=self.samples[-1][0])
+        """``peak_bytes`` (getrusage's, the whole process), the samples, the :meth:`segments`, and where at least
+        two segments follow the warm-up, ``growth``: the last complete one's peak over the first's, less 1, and
+        ``floor_growth`` the same for the floors."""
+        segs = self.segments()
+        out = {"peak_bytes": peak_rss_bytes(), "every_s": self.every_s, "segments": segs,
+               "seconds": self.samples[-1][0] if self.samples else 0.0,
+               "samples": [list(x) for x in self.samples]}
+        rounds = [g for g in segs[1:] if g["complete"]] or []
+        if len(rounds) >= 2:
+            first, last = rounds[0], rounds[-1]
+            out.update(growth=last["peak_bytes"] / first["peak_bytes"] - 1,
+                       floor_growth=last["floor_bytes"] / first["floor_bytes"] - 1,
+                       compared=[first["label"], last["label"]])
         return out
 
 
 def memory_line(summary: dict | None) -> str | None:
-    """One line for a page: the peak, and the growth from warm-up to the end where sampled."""
+    """One line for a page: the peak, each measured segment's peak and floor, and the growth between rounds."""
     if not summary:
         return None
-    gb = lambda b: f"{b / 2 ** 30:.2f} GB"  # noqa: E731
-    line = f"Memory (resident): peak {gb(summary['peak_bytes'])}"
-    if summary.get("after_warmup_bytes"):
-        warm = "the first round" if summary.get("warm_marked") else "warm-up"
-        line += (f"; {gb(summary['after_warmup_bytes'])} after {summary['warmup_s']:.0f} s ({warm}), "
-                 f"{gb(summary['end_bytes'])} at the end ({summary['seconds'] / 60:.1f} min), "
-                 f"{100 * summary['growth']:+.1f}% (sampled every {summary['every_s']:g} s)")
-    return line + "."
+    gb = lambda b: f"{b / 2 ** 30:.2f}"  # noqa: E731
+    line = f"Memory (resident, GB): peak {gb(summary['peak_bytes'])} over {summary.get('seconds', 0) / 60:.1f} min"
+    segs = summary.get("segments") or []
+    if segs:
+        line += "; peak / floor per segment: " + ", ".join(
+            f"{g['label']} {gb(g['peak_bytes'])} / {gb(g['floor_bytes'])}" + ("" if g["complete"] else " (so far)")
+            for g in segs)
+    if summary.get("growth") is not None:
+        a, b = summary["compared"]
+        line += (f"; {b} against {a}: peak {100 * summary['growth']:+.1f}%, floor "
+                 f"{100 * summary['floor_growth']:+.1f}%")
+    return line + f" (sampled every {summary['every_s']:g} s)."
