@@ -338,7 +338,7 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
                      "Paired ratios", "Per engine step", "Greedy identity", "## Step costs"):
         assert headline in page, headline
     assert res.stdout.strip().splitlines()[-1].endswith("batch_bench.png, batch_bench_ratio.png, step_costs.json, "
-                                                         "step_costs.png, step_costs_by_gamma.png")
+                                                         "step_costs.png, step_costs_by_gamma.png, memory.png")
     # the online step-cost model's accuracy per (contender, C, T), and the costs measured in hindsight
     acc = {(r["contender"], r["concurrency"], r["temperature"]) for r in runs["step_costs"]}
     assert ("static γ=2", 2, 0.0) in acc and ("ar", 1, 1.0) in acc

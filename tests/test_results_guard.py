@@ -347,7 +347,8 @@ def test_the_memory_summary_compares_rounds_peak_with_peak_and_floor_with_floor(
     """A run's resident memory swings with what it runs: growth compares the last complete round with the first,
     peak with peak and floor with floor, never a C = 32 moment with a between-runs one. (That a finished engine is
     freed at once: tests/test_batched.py.)"""
-    from ldlp.bench.memory import RssSampler, memory_line
+    from ldlp.bench.memory import RssSampler
+    from ldlp.report.memory import memory_line
 
     gb = 2 ** 30
     rss = RssSampler(every_s=10)

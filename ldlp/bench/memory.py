@@ -128,21 +128,3 @@ class RssSampler:
                        floor_growth=last["floor_bytes"] / first["floor_bytes"] - 1,
                        compared=[first["label"], last["label"]])
         return out
-
-
-def memory_line(summary: dict | None) -> str | None:
-    """One line for a page: the peak, each measured segment's peak and floor, and the growth between rounds."""
-    if not summary:
-        return None
-    gb = lambda b: f"{b / 2 ** 30:.2f}"  # noqa: E731
-    line = f"Memory (resident, GB): peak {gb(summary['peak_bytes'])} over {summary.get('seconds', 0) / 60:.1f} min"
-    segs = summary.get("segments") or []
-    if segs:
-        line += "; peak / floor per segment: " + ", ".join(
-            f"{g['label']} {gb(g['peak_bytes'])} / {gb(g['floor_bytes'])}" + ("" if g["complete"] else " (so far)")
-            for g in segs)
-    if summary.get("growth") is not None:
-        a, b = summary["compared"]
-        line += (f"; {b} against {a}: peak {100 * summary['growth']:+.1f}%, floor "
-                 f"{100 * summary['floor_growth']:+.1f}%")
-    return line + f" (sampled every {summary['every_s']:g} s)."

@@ -397,13 +397,12 @@ class NumpyLDLP:
 
     @staticmethod
     def ef_inputs(rows) -> dict:
-        """The ``[e; f]`` inputs of a step's one row (an :class:`~eagle_backbone.policy.Rows`): its last token id
-        where the engine holds it on the host (the first layer's half then comes from the per-token cache), else
-        the embedding the engine computes (no read of the token: planning ahead, it is still on the device)."""
-        if rows.last_ids is not None:
-            return {"token": (int(rows.last_ids[0]), rows.embed), "feature": rows.features}
-        return {"x": np.concatenate([rows.embeddings[0].float().numpy(force=True),
-                                     rows.features[0].float().numpy(force=True)])}
+        """The ``[e; f]`` inputs of a step's one row (an :class:`~eagle_backbone.policy.Rows` on a CPU): its last
+        token id, from the host list where the engine has one, else from the CPU tensor's memory (planning ahead;
+        as the feature is, by numpy: no device transfer, so no read the engine would wait for), and its feature.
+        The first layer's half for the token then comes from the per-token cache."""
+        tok = rows.last_ids[0] if rows.last_ids is not None else rows.last_tokens.numpy()[0]
+        return {"token": (int(tok), rows.embed), "feature": rows.features}
 
     def output(self, x=None, token=None, feature=None) -> np.ndarray:
         """The head's raw outputs for one row: ``x`` a feature vector of ``config.inputs``, or for ``[e; f]``

@@ -30,15 +30,15 @@ from ldlp.bench.load_aggregate import (
     throughput_table,
     verdicts,
 )
-from ldlp.bench.memory import memory_line
 from ldlp.bench.peer_rows import peer_table, versus_static
 from ldlp.report import step_costs as step_cost_page
+from ldlp.report.memory import memory_line, plot_memory
 from ldlp.report.serving import learner_table
 
 BASELINE_TITLES = {"ar": "batched AR", "best_static": "best static γ at (C, T)",
                    "batch1_static": "batch-1 best static γ", "oracle": "oracle"}
 OUTPUT_FILES = ("batch_bench.json", "batch_bench_runs.json", "batch_bench.md", "batch_bench.png",
-                "batch_bench_ratio.png", "step_costs.json", "step_costs.png", "step_costs_by_gamma.png")
+                "batch_bench_ratio.png", "step_costs.json", "step_costs.png", "step_costs_by_gamma.png", "memory.png")
 
 
 def _fmt(x, spec: str = ".2f") -> str:
@@ -305,8 +305,7 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     if meta:
         lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
         lines += _drain_lines(meta)
-    if memory_line(result.get("memory")):  # a long run's resident memory: its peak, and whether it grew
-        lines += [memory_line(result["memory"]), ""]
+    lines += [m, ""] if (m := memory_line(result.get("memory"))) else []  # a long run's memory: peak, growth
     for s in result.get("skipped", []):
         at = "" if s.get("temperature") is None else f" at T={s['temperature']:g}"
         lines += [f"Skipped {s['contender']}{at}: {s['why']}.", ""]
@@ -482,6 +481,7 @@ def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot
         done.append(plot_ratios(result, out / "batch_bench_ratio.png"))
         done.append(step_cost_page.plot(result, out / "step_costs.png"))
         done.append(step_cost_page.plot_by_gamma(result, out / "step_costs_by_gamma.png"))
+        done.append(plot_memory(result.get("memory"), out / "memory.png"))
     for name in OUTPUT_FILES:  # an older run's file this write did not replace
         if out / name not in done + kept:
             (out / name).unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
-from ldlp.bench.memory import memory_line
+from ldlp.report.memory import memory_line
 from ldlp.policies.goodput import PLAN, load_bucket
 from ldlp.report.vllm_schedule import ratio_text
 
@@ -43,8 +43,7 @@ def markdown(result: dict, meta: dict) -> str:
              "seconds are where it differs). TTFT: arrival to first token (queueing included); "
              "TPOT: (last − first token) / (tokens − 1); E2E: arrival to last token. Ratios: paired over rounds, "
              "95% bootstrap intervals.", ""]
-    if memory_line(result.get("memory")):
-        lines += [memory_line(result["memory"]), ""]
+    lines += [m, ""] if (m := memory_line(result.get("memory"))) else []
     for name, spec in result.get("traces", {}).items():
         rate = "–".join(f"{r:g}" for r in spec["rate"])
         lines += [f"## Trace `{name}`: {spec['requests']} requests, {spec['shape']} rate {rate}/s, burstiness "
