@@ -23,15 +23,15 @@ from ldlp.pipeline.stage import (FINGERPRINT, Stage, changed_inputs, fingerprint
 
 # expected seconds per stage (by stage name, sweeps by kind; "start": a process that loads the models and exits) where this machine has no stage_seconds.json yet,
 # on an idle 2-core CPU, per the dtype model.dtype resolves to (docs/pipeline.md#how-long-it-takes).
-# bfloat16: a CPU with bf16 matmuls, the committed run's stage_seconds.json (the load sweep and the head to head
-# scaled to their present sizes). float32: the main command measured in float32 on a 2-core AMD EPYC with torch's
+# bfloat16: a CPU with bf16 matmuls, the committed run's stage_seconds.json (the oracle as one collector; the cost
+# stage as profiling, which that run skipped, its table there). float32: the main command measured in float32 on a 2-core AMD EPYC with torch's
 # kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, as on a CPU without AVX-512 or bf16 matmuls; a fresh clone,
 # docs/pipeline.md#how-long-it-takes); the oracle as one collector (two side by side took 109 s). cost: the
 # profiling of slot counts 1-16, which the load sweep's first run did before; contenders loads no model.
 EXPECTED_S = {
-    "bfloat16": {"start": 6, "corpus": 20, "oracle": 108, "ldlp": 22, "acceptance": 13, "cost": 20, "tune": 24,
-                 "sweep:static": 59, "sweep:adaptive": 58, "sweep:peer_static": 12, "sweep:peer": 39,
-                 "bench_batch": 125, "contenders": 3, "head_to_head": 205},
+    "bfloat16": {"start": 6, "corpus": 20, "oracle": 146, "ldlp": 33, "acceptance": 13, "cost": 20, "tune": 23,
+                 "sweep:static": 61, "sweep:adaptive": 60, "sweep:peer_static": 22, "sweep:peer": 52,
+                 "bench_batch": 93, "contenders": 5, "head_to_head": 224},
     "float32": {"start": 8, "corpus": 8, "oracle": 186, "ldlp": 31, "acceptance": 13, "cost": 25, "tune": 27,
                 "sweep:static": 64, "sweep:adaptive": 62, "sweep:peer_static": 20, "sweep:peer": 48,
                 "bench_batch": 97, "contenders": 8, "head_to_head": 256},
