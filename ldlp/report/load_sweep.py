@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
+from eagle_backbone.io import atomic_write_json, atomic_write_text
 from ldlp.bench.load_aggregate import (
     BASELINES,
     ORACLES,
@@ -32,6 +32,7 @@ from ldlp.bench.load_aggregate import (
 )
 from ldlp.bench.peer_rows import peer_table, versus_static
 from ldlp.report import step_costs as step_cost_page
+from ldlp.report.figures import pyplot, save_figure
 from ldlp.report.memory import memory_line, plot_memory
 from ldlp.report.serving import learner_table
 
@@ -373,15 +374,6 @@ def check_markdown(rows: list[dict]) -> str:
 # -- plots ---------------------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return matplotlib, plt
-
-
 def _log2_axis(ax, matplotlib, Cs):
     ax.set_xscale("log", base=2)
     ax.set_xticks(Cs)
@@ -390,18 +382,10 @@ def _log2_axis(ax, matplotlib, Cs):
     ax.grid(alpha=0.3)
 
 
-def _save(fig, plt, path) -> Path:
-    fig.tight_layout()
-    with atomic_path(path, keep_suffix=True) as tmp:  # keeps the suffix: matplotlib picks the format by it
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    return Path(path)
-
-
 def plot_tokens_per_s(result: dict, path: str | Path) -> Path:
     """Tokens/s against C, one line per contender, one panel per temperature (side by side, one y scale
     each), the best static γ at each C marked with a red star."""
-    matplotlib, plt = _pyplot()
+    matplotlib, plt = pyplot()
     ts = temperatures_of(result["rows"])
     fig, axes = plt.subplots(1, len(ts), figsize=(7.5 if len(ts) == 1 else 5.6 * len(ts), 4.8), squeeze=False)
     for ax, t in zip(axes[0], ts):
@@ -420,7 +404,7 @@ def plot_tokens_per_s(result: dict, path: str | Path) -> Path:
         ax.legend(fontsize=7, ncol=2)
     if len(ts) > 1:
         fig.suptitle("Batched speculative decoding against concurrency (red star: best static γ at each C)", fontsize=11)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def plot_ratios(result: dict, path: str | Path, baseline: str = "best_static") -> Path | None:
@@ -429,7 +413,7 @@ def plot_ratios(result: dict, path: str | Path, baseline: str = "best_static") -
     rows = [r for r in result["rows"] if (r.get("vs") or {}).get(baseline)]
     if not rows:
         return None
-    matplotlib, plt = _pyplot()
+    matplotlib, plt = pyplot()
     ts = [t for t in temperatures_of(result["rows"]) if any(r["temperature"] == t for r in rows)]
     fig, axes = plt.subplots(1, len(ts), figsize=(5.6 * len(ts), 4.4), squeeze=False, sharey=True)
     labels = list(dict.fromkeys(r["contender"] for r in rows))
@@ -451,7 +435,7 @@ def plot_ratios(result: dict, path: str | Path, baseline: str = "best_static") -
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel(f"tokens/s / {BASELINE_TITLES[baseline]} (paired, 95% interval)")
     fig.suptitle(f"Adaptive policies against the {BASELINE_TITLES[baseline]} (grey: ±5%)", fontsize=11)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 # -- the results folder --------------------------------------------------------------------------------------

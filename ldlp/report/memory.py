@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle_backbone.io import atomic_path
+from ldlp.report.figures import pyplot, save_figure
 
 
 def plot_memory(summary: dict | None, path: str | Path) -> Path | None:
@@ -13,11 +13,7 @@ def plot_memory(summary: dict | None, path: str | Path) -> Path | None:
     samples = (summary or {}).get("samples") or []
     if len(samples) < 2:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    _, plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.plot([t / 60 for t, _ in samples], [v / 2 ** 30 for _, v in samples], lw=1.2)
     for seg in (summary.get("segments") or [])[1:]:
@@ -27,11 +23,7 @@ def plot_memory(summary: dict | None, path: str | Path) -> Path | None:
     ax.set_ylabel("resident memory (GB)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    with atomic_path(path, keep_suffix=True) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def memory_line(summary: dict | None) -> str | None:

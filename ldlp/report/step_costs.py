@@ -3,8 +3,8 @@ and where the gap to the best static γ comes from, written from ``ldlp.bench.st
 
 from __future__ import annotations
 
-from eagle_backbone.io import atomic_path
 from ldlp.bench.step_costs import HINDSIGHT, WARMUP, decomposition, summary
+from ldlp.report.figures import pyplot, save_figure
 
 
 def _pct(x) -> str:
@@ -85,10 +85,7 @@ def plot(result: dict, path) -> object | None:
             pts.setdefault(r["contender"], []).append((m, p))
     if not pts:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    _, plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.2, 5.6))
     lo = min(min(m, p) for v in pts.values() for m, p in v)
@@ -104,11 +101,7 @@ def plot(result: dict, path) -> object | None:
     ax.set_title("Step costs: predicted against measured (grey: ±10%)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, markerscale=2)
-    fig.tight_layout()
-    with atomic_path(path, keep_suffix=True) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_by_gamma(result: dict, path) -> object | None:
@@ -117,10 +110,7 @@ def plot_by_gamma(result: dict, path) -> object | None:
     rows = [r for r in result.get("step_costs") or [] if r.get("gamma") is not None and r.get("median_error") is not None]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    _, plt = pyplot()
 
     temps = sorted({r["temperature"] for r in rows})
     fig, axes = plt.subplots(1, len(temps), figsize=(5.2 * len(temps), 4.2), squeeze=False)
@@ -136,8 +126,4 @@ def plot_by_gamma(result: dict, path) -> object | None:
         ax.set_title(f"Step-cost model error by (C, γ), T={T:g}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path, keep_suffix=True) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
