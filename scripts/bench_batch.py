@@ -75,6 +75,8 @@ def main(cfg: DictConfig) -> None:
     # the raw values, checked before anything loads (a 1.5 is refused, not truncated); None: the generation's T
     temperatures = check_sweep_args(list(cfg.concurrency), cfg.get("temperatures"), cfg.blocks, cfg.rounds,
                                     cfg.generation.max_new_tokens, cfg.bootstrap)
+    if isinstance(cfg.rss_every_s, bool) or not isinstance(cfg.rss_every_s, (int, float)) or not cfg.rss_every_s > 0:
+        raise ConfigError(f"rss_every_s must be a number of seconds > 0, got {cfg.rss_every_s!r} (conf/bench_batch.yaml)")
     # the prompts (tokenizer only) and the contenders before any weights load
     prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
     check_turns_kept(cfg.data, prompt_set, "bench_batch")

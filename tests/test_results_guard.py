@@ -363,3 +363,10 @@ def test_the_memory_summary_compares_rounds_peak_with_peak_and_floor_with_floor(
     one = RssSampler(every_s=10)
     one.samples, one.marks = [(0, gb), (50, 2 * gb)], [(10, "round 1")]
     assert "growth" not in one.summary()  # one round, still running: nothing to compare
+
+
+def test_a_bad_memory_sampling_interval_is_one_line_before_anything_loads(tmp_path):
+    out = _script("bench_batch.py", "rss_every_s=0", f"out_dir={tmp_path / 'lb'}", tmp_path=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == ("error: rss_every_s must be a number of seconds > 0, got 0 "
+                                                   "(conf/bench_batch.yaml)")

@@ -121,7 +121,7 @@ class RssSampler:
         out = {"peak_bytes": peak_rss_bytes(), "every_s": self.every_s, "segments": segs,
                "seconds": self.samples[-1][0] if self.samples else 0.0,
                "samples": [list(x) for x in self.samples]}
-        rounds = [g for g in segs[1:] if g["complete"]] or []
+        rounds = [g for g in segs[1:] if g["complete"]]
         if len(rounds) >= 2:
             first, last = rounds[0], rounds[-1]
             out.update(growth=last["peak_bytes"] / first["peak_bytes"] - 1,
