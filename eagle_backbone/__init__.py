@@ -1,4 +1,4 @@
-"""The decoding core: target, drafters (EAGLE-1, draft LM), the compact Llama forward on per-slot KV caches
+"""The decoding core: target, drafters (EAGLE-1, EAGLE-3, draft LM), the compact Llama forward on per-slot KV caches
 (``llama``, ``ragged``), candidate generation, sampling and verification, the engine (S slots at once,
 ``batched_engine``, its phases' records in ``step_records``, its prefill scheduling in ``prefill``, its tree
 phases in ``tree_step``; batch 1 is one slot, ``decoder``; ``engine`` re-exports the public names), the

@@ -6,8 +6,8 @@ and entropy per step are stored), and drafting k tokens there keeps ``min(label,
 moves ``min(label, k) + 1`` positions on. :func:`replay` therefore walks each collected sequence the
 way the engine would, asking the *real* policy objects (``gamma``, ``keep_drafting``, ``observe``), and
 counts target forwards, drafted and accepted tokens exactly, without running a model. Only time is
-modelled, by the one cost model of a step, :class:`~eagle_backbone.cost.CostTable` (the table the
-load-aware policies plan with), read at one slot through its step formula (``CostTable.step_ms``,
+modelled, by a step's profiled cost table, :class:`~eagle_backbone.cost.CostTable` (the table the
+cost-driven policies start from before the engine's online model refits it), read at one slot through its step formula (``CostTable.step_ms``,
 :func:`step_seconds`). ``scripts/tune_policies.py`` prices by this setup's measured table (profiled at one
 slot when missing); :meth:`CostTable.linear <eagle_backbone.cost.CostTable.linear>` builds a synthetic
 linear one.

@@ -21,6 +21,7 @@ import torch
 
 from eagle_backbone.policy import GO, Depth, DraftPolicy, Rows, int_at_least
 from eagle_backbone.runtime import to_device
+from ldlp.models.calibration import OnlineLogitCalibration, logit
 from ldlp.models.features import DRAFT_PREV_DEPTHS, GROUPS, step_features
 
 
@@ -76,15 +77,64 @@ class CpuDecider:
         self.ldlp, self.net = ldlp, ldlp.numpy_decoder()
         self._terms = None
 
-    def gamma(self, terms: tuple, token_s: float, cap: int, **inputs) -> int:
-        """``terms``: :func:`_step_terms` (torch, on the CPU; their numpy views kept while they stand)."""
+    def gamma(self, terms: tuple, token_s: float, cap: int, wc: tuple[float, float] = (1.0, 0.0),
+              **inputs) -> tuple[int, np.ndarray]:
+        """γ and the head's raw hazard logits (for :class:`HazardCalibration`); ``terms``: :func:`_step_terms`
+        (torch, on the CPU; their numpy views kept while they stand); ``wc``: the online correction."""
         if self._terms is None or self._terms[0] is not terms:
             self._terms = (terms, terms[0].numpy(), terms[1].numpy())
         _, W, c = self._terms
         K = W.shape[0]
-        both = self.net.survival(**inputs)[:K] @ W + c
+        z = self.net.output(**inputs)[:K]
+        S = np.exp(np.cumsum(-np.logaddexp(0.0, -(wc[0] * z + wc[1]))))  # Π sigmoid of the corrected logits
+        both = S @ W + c
         gain = both[: K + 1] - both[K + 1:] / token_s
-        return int(np.argmax(gain[: cap + 1]))
+        return int(np.argmax(gain[: cap + 1])), z
+
+
+class HazardCalibration:
+    """Online Platt correction of a survival head's hazards, learnt from the accepted lengths the policy sees.
+
+    A distribution head predicts, per depth m, the hazard logit z_m of P(draft m kept | drafts 1..m-1 kept). Off the
+    labels' conditions (sampling at T > 0, where a draft is kept with probability min(1, p/q) and the head learnt
+    greedy agreement; another domain) the level and the spread of those logits are wrong. Each verified step says,
+    for every drafted depth up to the first rejection, whether the event happened, an unbiased target at any
+    temperature; :class:`~ldlp.models.calibration.OnlineLogitCalibration` fits sigmoid(w·z + c) to them. Where the
+    head carries no information w falls towards 0 and the policy drafts the running rate's best uniform γ; where it
+    is right (w, c) stay near (1, 0).
+
+    The hazards of each plan wait per slot until the step they decided is observed: a policy that plans ahead has
+    planned the next step by then, so each slot keeps a short queue."""
+
+    def __init__(self, decay: float = 0.98, prior: float = 4.0, update_every: int = 32):
+        self.fit = OnlineLogitCalibration(decay=decay, prior=prior)
+        self.update_every = int(update_every)
+        self.wc = (1.0, 0.0)
+        self._planned: dict[int, list[np.ndarray]] = {}  # slot -> hazard logits of its plans not yet observed
+        self._pending: tuple[list[float], list[float]] = ([], [])
+
+    def reset(self, slot: int) -> None:
+        self._planned.pop(slot, None)
+
+    def planned(self, slot: int, z: np.ndarray) -> None:
+        self._planned.setdefault(slot, []).append(z)
+
+    def observed(self, slot: int, drafted: int, accepted: int) -> None:
+        queue = self._planned.get(slot)
+        if not queue:
+            return
+        z = queue.pop(0)
+        est, kept = self._pending
+        for m in range(min(drafted, accepted + 1, len(z))):  # depths reached: kept up to accepted, then one rejection
+            est.append(float(z[m]))
+            kept.append(1.0 if m < accepted else 0.0)
+        if len(est) >= self.update_every:  # a Newton step per batch of outcomes, not per step
+            self.fit.update(torch.sigmoid(torch.tensor(est, dtype=torch.float64)), torch.tensor(kept))
+            self.wc = tuple(float(v) for v in self.fit.params.tolist())
+            self._pending = ([], [])
+
+    def state(self) -> dict:
+        return self.fit.state()
 
 
 def step_seconds(costs, drafted: int, accepted: int) -> float:
@@ -127,13 +177,17 @@ class LearnedPolicy(DraftPolicy):
 
     def __init__(self, path: str | None = None, max_gamma: int = 8, rule: str = "cost", token_ratio: float | None = None,
                  cost_dir: str | None = None, model: str | None = None, cost_table: str | None = None,
-                 profile_if_missing: bool = True, online_costs: bool = True, *, predictor=None, groups=None,
+                 profile_if_missing: bool = True, online_costs: bool = True, recalibrate: bool = False,
+                 *, predictor=None, groups=None,
                  seconds=None, token_s: float | None = None, record: list | None = None, fixed: int | None = None):
         from ldlp.policies.pricing import StepPricing
 
         if rule not in self.RULES:
             raise ValueError(f"learned policy: rule must be one of {list(self.RULES)}, got {rule!r}")
         self.rule, self.max_gamma = rule, int_at_least(self.name, "max_gamma", max_gamma, 0)
+        if not isinstance(recalibrate, bool):
+            raise ValueError(f"learned policy: recalibrate must be true or false, got {recalibrate!r}")
+        self.calibration = HazardCalibration() if recalibrate else None
         self.record, self.fixed = record, fixed
         if path is not None:
             if not (Path(path) / "config.json").is_file():
@@ -210,6 +264,8 @@ class LearnedPolicy(DraftPolicy):
 
     def begin(self, slot: int, prompt_ids: list[int], max_new_tokens: int | None = None) -> None:
         self._depths = []  # replay's last step of the previous sequence (the engine's plan ahead has used its own)
+        if self.calibration is not None:
+            self.calibration.reset(slot)
 
     def plan(self, rows: Rows) -> torch.Tensor | list[int]:
         device = rows.features.device
@@ -232,11 +288,23 @@ class LearnedPolicy(DraftPolicy):
             S = self.predictor.survival_tensor(x)
         else:  # a study model (numpy)
             S = torch.as_tensor(self.predictor.survival(x.cpu().numpy()), device=device)
+        if self.calibration is not None:
+            S = self._recalibrated(rows, S)
         if self.rule == "median":
             return (S >= 0.5).sum(-1).clamp(max=cap).long()
         K = min(S.shape[1], self.seconds().shape[0] - 1)
         table, terms = self._terms(K, device)
         return gamma_by_cost(S[:, :K], table, self.token_seconds(), cap, terms, monotone).reshape(-1)
+
+    def _recalibrated(self, rows: Rows, S: torch.Tensor) -> torch.Tensor:
+        """The survival curves with :class:`HazardCalibration`'s correction; each row's raw hazard logits queued."""
+        S = torch.cummin(S.double().clamp(1e-12, 1.0), dim=1).values
+        h = S / torch.cat([torch.ones_like(S[:, :1]), S[:, :-1]], dim=1)
+        z = logit(h).double()
+        for slot, row in zip(rows.slots, z.cpu().numpy()):
+            self.calibration.planned(slot, row)
+        w, c = self.calibration.wc
+        return torch.cumprod(torch.sigmoid(w * z + c), dim=1)
 
     def _one_row_cpu(self, rows: Rows, x: torch.Tensor | None = None) -> int:
         """γ of one row on a CPU, in numpy: the same network and rule, but right after the target's forward the
@@ -248,9 +316,13 @@ class LearnedPolicy(DraftPolicy):
             self._cpu = CpuDecider(self.predictor)
         K = min(self.predictor.config.k_max, self.seconds().shape[0] - 1)
         terms = self._terms(K, torch.device("cpu"))[1]
-        if x is None:  # [e; f] alone
-            return self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, **self._cpu.net.ef_inputs(rows))
-        return self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, x=x)
+        inputs = self._cpu.net.ef_inputs(rows) if x is None else {"x": x}  # x None: [e; f] alone
+        cal = self.calibration
+        g, z = self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, (1.0, 0.0) if cal is None else cal.wc,
+                               **inputs)
+        if cal is not None:
+            cal.planned(rows.slots[0], z)
+        return g
 
     def stop(self, d: Depth) -> torch.Tensor:
         if d.depth <= DRAFT_PREV_DEPTHS:
@@ -258,6 +330,9 @@ class LearnedPolicy(DraftPolicy):
         return torch.full_like(d.tokens, GO)
 
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
+        if self.calibration is not None:
+            for slot, d, a in zip(rows.slots, drafted, accepted):
+                self.calibration.observed(slot, d, a)
         if self.token_s is not None or self.fixed is not None:
             return  # a fixed token worth, or a recorder: nothing to learn
         seconds = self.seconds()
