@@ -44,6 +44,7 @@ def main(cfg: DictConfig) -> None:
         machine_info,
         missing_checkpoint,
         policy_config,
+        engine_cost_key,
         prepare_cost_tables,
         sampling_config,
     )
@@ -153,7 +154,8 @@ def main(cfg: DictConfig) -> None:
                            sampling_config(cfg.generation), rounds=int(cfg.rounds), seed=int(cfg.seed),
                            attn=str(cfg.attn), checkpoint=save, log=log.info,
                            categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
-                           bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
+                           bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps),
+                           cost_key=engine_cost_key(cfg.model.name, pair.target, candidates, str(cfg.attn)))
         result["skipped"] = skipped + result["skipped"]
         result["memory"] = rss.summary()
         meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]  # at the start and the end

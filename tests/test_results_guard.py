@@ -195,6 +195,32 @@ def test_a_cost_model_file_with_bad_values_is_refused_naming_the_file_and_key(tm
     assert OnlineCostModel.load(path).stretch == pytest.approx(1.0)
 
 
+def test_the_costs_measured_in_hindsight_record_the_setup_where_no_contender_read_a_cost_table(t32, eagle32, tmp_path):
+    """A load sweep of static contenders reads no cost table; its step_costs.json still records the setup it was
+    measured on (a file without a key is taken as it is, on any setup: a bfloat16 fit priced a float32 run)."""
+    import torch
+
+    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.policy import StaticPolicy
+    from eagle_backbone.step_cost import OnlineCostModel, key_mismatch
+    from ldlp.bench.load_sweep import Contender, sweep
+    from ldlp.bench.loaders import engine_cost_key
+
+    torch.set_num_threads(1)
+    cand = EagleCandidateGenerator(eagle32, t32)
+    key = engine_cost_key("tiny", t32, cand, "eager")
+    assert (key["model"], key["dtype"], key["drafter_kind"], key["attn"]) == ("tiny", "float32", "eagle", "eager")
+    assert key["drafter_sha256"] and key["threads"] == 1 and engine_cost_key("tiny", t32, None) is None
+    static = [Contender("ar", "ar", 0, None), Contender("static γ=2", "static", 2, lambda: StaticPolicy(2))]
+    result = sweep(t32, cand, [[5, 9, 11, 7], [4, 8, 6]], static, [1], 6, rounds=1, log=lambda *_: None,
+                   bootstrap=10, cost_key=key)
+    path = tmp_path / "step_costs.json"
+    path.write_text(json.dumps(result["hindsight"]))
+    fitted = OnlineCostModel.load(path)
+    assert fitted.seen > 0 and fitted.key == key
+    assert key_mismatch(fitted.key, {**key, "dtype": "bfloat16"}) == ["dtype: 'float32' vs 'bfloat16'"]
+
+
 # ---- a tuned policy file: made for one setup; accept_mismatch ----------------------------------------------
 
 

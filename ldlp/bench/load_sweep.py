@@ -387,7 +387,7 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
           rounds: int = 2, seed: int = 0, attn: str = "eager",
           checkpoint: Callable[[dict], None] | None = None, log: Callable[[str], None] = print,
           categories: list | None = None, temperatures: list[float] | None = None, blocks: int = 1,
-          bootstrap: int = 2000, profile_steps: bool = False) -> dict:
+          bootstrap: int = 2000, profile_steps: bool = False, cost_key: dict | None = None) -> dict:
     """Run the sweep over temperature T and concurrency C on ``target`` with ``candidates`` (a
     :class:`~eagle_backbone.candidates.CandidateGenerator`, e.g. ``pair.candidates``; None: no drafts, every
     contender then decodes as batched AR); returns {"rows": [...], "differences": [...],
@@ -407,7 +407,9 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     and running rows per step. ``profile_steps``: after the timed rounds, one untimed pass of the engine's
     profiled mode per contender at every (C, T) on the first block (:func:`profile_pass`), whose component
     seconds per engine step give ``verify_ms_per_step``, ``draft_ms_per_step`` and ``profile`` (``profiles``
-    in the result)."""
+    in the result). ``cost_key``: the setup's cost key (``ldlp.bench.loaders.engine_cost_key``), recorded by the
+    costs measured in hindsight (``hindsight``, step_costs.json) even where no contender read a cost table, so a
+    policy on another setup refuses the file (None: the key of a contender's table, if any)."""
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts: give one per prompt")
     sampling = sampling or SamplingConfig()
@@ -440,7 +442,7 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     result["complete"] = True
     if run.records:
         keys = [t.get("key") for t in run.cost_tables.values() if t.get("key")]  # the setup the steps ran on
-        result["hindsight"] = hindsight_model(run.records, keys[0] if keys else None)
+        result["hindsight"] = hindsight_model(run.records, cost_key or (keys[0] if keys else None))
     return result
 
 
