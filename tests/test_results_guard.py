@@ -345,6 +345,33 @@ def test_an_accepted_mismatch_is_stated_below_the_pages_title():
     assert with_mismatch_lines(page, result) == page  # a page that states it already
 
 
+def test_skipped_records_are_stated_on_the_load_sweep_and_drafters_pages(tmp_path):
+    """data.on_error=skip: the malformed records skipped are on the load sweep's page (and its JSON) and the drafters
+    page beside the prompt count, as on the results and head-to-head pages, not only in the log."""
+    from ldlp.bench.drafters import drafters_markdown
+    from ldlp.bench.load_aggregate import read_result
+    from ldlp.bench.load_sweep import prompts_meta
+    from ldlp.bench.loaders import PromptSet, prompt_set_info
+    from ldlp.report.load_sweep import write
+
+    prompts = PromptSet((f"c{i}", [1, 2, 3]) for i in range(4))
+    prompts.info = prompt_set_info({"path": str(tmp_path / "absent.json")}, n_skipped=3)
+    meta = prompts_meta(prompts, [1], 1)
+    assert meta["n_skipped_records"] == 3
+    write({"rows": [], "runs": [], "skipped": []}, tmp_path / "out", meta)
+    assert read_result(tmp_path / "out")[1]["n_skipped_records"] == 3
+    page = (tmp_path / "out" / "batch_bench.md").read_text()
+    assert "**3 malformed records of the prompt file skipped** (data.on_error=skip" in page
+    prompts.info = prompt_set_info({"path": str(tmp_path / "absent.json")})
+    assert "n_skipped_records" not in prompts_meta(prompts, [1], 1)  # none skipped: the header as before
+    result = {"reference": "eagle1", "drafters": {"eagle1": {"drafter_kind": "eagle"}}, "model": "m", "dtype": "float32",
+              "n_prompts": 40, "dataset": "sharegpt", "max_new_tokens": 8, "by_temperature": {},
+              "n_dropped": 1, "dropped_reason": "longer than max_prompt_tokens=64", "n_skipped_records": 2}
+    page = drafters_markdown(result)
+    assert "40 prompts of sharegpt (1 dropped: longer than max_prompt_tokens=64" in page
+    assert "**2 malformed records of the prompt file skipped**" in page
+
+
 # ---- the remaining raw errors ------------------------------------------------------------------------------
 
 

@@ -114,14 +114,22 @@ def _is_int(x) -> bool:
 
 
 def prompts_meta(prompt_set, concurrency, blocks: int) -> dict:
-    """What a result's header says about its prompts: the file, its SHA-256 and the prompts dropped for length (as
-    evaluate.py records them), and the blocks the run makes at each C (:func:`split_blocks`: fewer than asked
+    """What a result's header says about its prompts: the file, its SHA-256, the prompts dropped for length and the
+    malformed records skipped (as evaluate.py records them), and the blocks the run makes at each C (:func:`split_blocks`: fewer than asked
     where a block would hold fewer prompts than C), so the header agrees with the rows' ``blocks``."""
     info = dict(getattr(prompt_set, "info", {}) or {})
     n = len(prompt_set)
     return {"data_path": info.get("data_path"), "data_sha256": info.get("data_sha256"),
             "n_dropped": int(info.get("n_dropped") or 0), "dropped_reason": info.get("dropped_reason"),
+            **skipped_records(prompt_set),
             "blocks_asked": int(blocks), "blocks": {int(c): len(split_blocks(n, int(c), int(blocks))) for c in concurrency}}
+
+
+def skipped_records(prompt_set) -> dict:
+    """``{"n_skipped_records": N}`` where the prompt file was read with ``data.on_error=skip`` and N malformed records
+    were skipped (the page says so, not only the log); empty otherwise."""
+    k = int((getattr(prompt_set, "info", None) or {}).get("n_skipped_records") or 0)
+    return {"n_skipped_records": k} if k else {}
 
 
 def check_sweep_args(concurrency, temperatures=None, blocks: int = 1, rounds: int = 1, max_new_tokens: int = 1,
