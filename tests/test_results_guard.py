@@ -393,6 +393,49 @@ def test_files_and_keys_that_raised_raw_errors_are_named_in_one_line(tmp_path):
         StaticTreePolicy(paths=[])
 
 
+def test_an_eagle3_head_for_another_verifier_is_refused_before_anything_loads(tmp_path, accepting):
+    """speculators' config names the target the head was trained for (verifier.name_or_path, what vLLM serves it
+    on): another model is refused in one line naming both, from the config files alone; the same model elsewhere,
+    or a hub id named like the target's folder, is taken; accept_mismatch=true takes the rest, recorded."""
+    from eagle_backbone.errors import Mismatch, accepted_mismatches
+    from eagle_backbone.loading import check_drafter_fits
+
+    shipped = json.loads((REPO_ROOT / "data" / "embedded" / "eagle3" / "config.json").read_text())
+    target = tmp_path / "Llama-Tiny"
+    target.mkdir()
+    (target / "config.json").write_text((REPO_ROOT / "data" / "embedded" / "target" / "config.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(json.loads((target / "config.json").read_text())
+                                                  | {"num_hidden_layers": 3}))
+    head = tmp_path / "head"
+    head.mkdir()
+
+    def verifier(name):
+        cfg = json.loads(json.dumps(shipped))
+        if name is None:
+            del cfg["speculators_config"]["verifier"]
+        else:
+            cfg["speculators_config"]["verifier"]["name_or_path"] = name
+        (head / "config.json").write_text(json.dumps(cfg))
+
+    # taken: the target itself, the same model in another folder (the shipped name, relative to the repository),
+    # a hub id named like the target's folder, no record
+    for name in (str(target), "data/embedded/target", "org/llama-tiny", None):
+        verifier(name)
+        check_drafter_fits("eagle3", head, target)
+    for name, why in ((str(other), f"the folder {other}, whose config.json differs: num_hidden_layers 3 vs 8"),
+                      ("org/another-model", "no folder here, and not named 'Llama-Tiny'")):
+        verifier(name)
+        with pytest.raises(Mismatch) as e:
+            check_drafter_fits("eagle3", head, target)
+        assert str(e.value).startswith(f"{head / 'config.json'}: speculators_config.verifier.name_or_path is "
+                                       f"{name!r} ({why}), but this run's target is {target}; ") and "\n" not in str(e.value)
+    accepting(True)
+    check_drafter_fits("eagle3", head, target)
+    assert accepted_mismatches() and "org/another-model" in accepted_mismatches()[0]
+
+
 # ---- memory that stays flat ----------------------------------------------------------------------------------
 
 
