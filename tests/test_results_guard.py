@@ -116,6 +116,12 @@ def test_the_main_command_refuses_a_run_of_no_tokens_and_a_bad_contender_in_its_
         ('bench_batch.contenders=["policy=static policy.gamma=-1"]',
          "bench_batch.contenders holds 'policy=static policy.gamma=-1': static policy: gamma must be an integer "
          ">= 0, got -1"),
+        # a policy key in a stage's overrides replaced the stage's own choice (a static sweep of γ=3 alone: Hydra
+        # keeps an override's last value) or failed minutes later (-1)
+        ("sweep.overrides=['policy.gamma=3']", "sweep.overrides holds 'policy.gamma=3': the stages choose their "
+                                               "policies"),
+        ("head_to_head.overrides=['policy.gamma=-1']", "head_to_head.overrides holds 'policy.gamma=-1': the stages"),
+        ("bench_batch.overrides=['policy=static']", "bench_batch.overrides holds 'policy=static': the stages"),
     ]:
         with pytest.raises(ConfigError) as e:
             plan(_compose_pipeline([f"paths.outputs={tmp_path}", override]))
