@@ -442,6 +442,19 @@ def test_an_eagle3_head_for_another_verifier_is_refused_before_anything_loads(tm
     assert accepted_mismatches() and "org/another-model" in accepted_mismatches()[0]
 
 
+def test_no_script_leaves_a_log_file_in_the_folder_it_runs_in():
+    """A script whose Hydra run directory is the working directory (``hydra.run.dir: .``) logs to the console:
+    Hydra's default file handler would leave ``<script>.log`` at the repository root (as build_corpus.log was)."""
+    import yaml
+
+    for path in sorted((REPO_ROOT / "conf").glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text()) or {}
+        if str(((raw.get("hydra") or {}).get("run") or {}).get("dir")) != ".":
+            continue
+        defaults = [d for d in raw.get("defaults") or [] if isinstance(d, dict)]
+        assert {"override hydra/job_logging": "stdout"} in defaults, path.name
+
+
 # ---- memory that stays flat ----------------------------------------------------------------------------------
 
 
