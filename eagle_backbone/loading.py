@@ -53,12 +53,57 @@ def check_drafter_fits(kind: str, drafter: str | Path, target: str | Path) -> No
         raw_d, raw_t = (json.loads(f.read_text()) for f in files)
     except (OSError, ValueError):
         return  # an unreadable config is the loader's to report
-    raw_d = raw_d.get("transformer_layer_config") or raw_d  # speculators' layout nests the layer's config
+    layer = raw_d.get("transformer_layer_config") or raw_d  # speculators' layout nests the layer's config
     for key in ("hidden_size", "vocab_size"):
-        d, t = raw_d.get(key), raw_t.get(key)
+        d, t = layer.get(key), raw_t.get(key)
         if d is not None and t is not None and d != t:
             raise ValueError(f"{files[0]}: {key} {d} differs from the target's {t} ({files[1]}); an {kind} drafter "
                              f"needs the target's {key}")
+    check_verifier(files[0], raw_d, target, raw_t)
+
+
+# what tells two targets apart in their config.json (a folder of the same model elsewhere has the same)
+_MODEL_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size", "max_position_embeddings")
+
+
+def check_verifier(config_file: Path, raw: dict, target: str | Path, raw_target: dict) -> None:
+    """An EAGLE-3 head in speculators' layout names the target it was trained for (``speculators_config.verifier
+    .name_or_path``, what ``vllm serve <head>`` loads as its target): it must be this run's. The name is this target
+    when it resolves (absolute, or relative to the repository root, the working directory or the head's folder) to
+    the target's folder or to a folder whose config.json describes the same model; a name that is no folder here (a
+    hub id) when its last part is the target folder's name. Otherwise the head is refused in one line naming both
+    (:func:`~eagle_backbone.errors.mismatch`: ``accept_mismatch=true`` takes it, recorded). A head without the record
+    (EAGLE's layout) is taken as it is."""
+    from eagle_backbone.errors import mismatch
+    from eagle_backbone.paths import REPO_ROOT
+
+    name = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if not name or not isinstance(name, str):
+        return
+    target = Path(target)
+    tried = [Path(name)] if Path(name).is_absolute() else [REPO_ROOT / name, Path.cwd() / name,
+                                                             config_file.parent / name]
+    local = next((p for p in tried if (p / "config.json").is_file()), None)
+    if local is not None:
+        if local.resolve() == target.resolve():
+            return
+        try:
+            theirs = json.loads((local / "config.json").read_text())
+        except (OSError, ValueError):
+            theirs = {}
+        differ = [f"{k} {theirs.get(k)!r} vs {raw_target.get(k)!r}" for k in _MODEL_FIELDS
+                  if theirs.get(k) != raw_target.get(k)]
+        if theirs and not differ:
+            return  # the same model in another folder
+        why = f"the folder {local}, whose config.json differs: {'; '.join(differ[:3]) or 'unreadable'}"
+    else:
+        if Path(name.rstrip("/")).name.lower() == target.resolve().name.lower():
+            return
+        why = f"no folder here, and not named {target.resolve().name!r}"
+    mismatch(f"{config_file}: speculators_config.verifier.name_or_path is {name!r} ({why}), but this run's target is "
+             f"{target}; an EAGLE-3 head drafts for the target it was trained on: give its own target (model.target) "
+             "or a head trained for this one")
 
 
 def tie_drafter_embedding(drafter, target: TargetModel) -> bool:

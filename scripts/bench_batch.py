@@ -32,6 +32,7 @@ def main(cfg: DictConfig) -> None:
         engine_label,
         engine_settings,
         prompts_meta,
+        skipped_records,
         sweep,
     )
     from ldlp.bench.memory import RssSampler
@@ -44,6 +45,7 @@ def main(cfg: DictConfig) -> None:
         machine_info,
         missing_checkpoint,
         policy_config,
+        engine_cost_key,
         prepare_cost_tables,
         sampling_config,
     )
@@ -125,7 +127,7 @@ def main(cfg: DictConfig) -> None:
                         int(cfg.generation.max_new_tokens))
     out = cfg.out_dir or HydraConfig.get().runtime.output_dir
     if serving:
-        return serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads)
+        return serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads, skipped_records(prompt_set))
     # one run at a time writes the folder (the page it prints is its own): taken once the settings and the
     # prompts are checked, before anything loads
     with out_dir_lock(out):
@@ -155,7 +157,8 @@ def main(cfg: DictConfig) -> None:
                            sampling_config(cfg.generation), rounds=int(cfg.rounds), seed=int(cfg.seed),
                            attn=str(cfg.attn), checkpoint=save, log=log.info,
                            categories=categories, temperatures=temperatures, blocks=int(cfg.blocks),
-                           bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps))
+                           bootstrap=int(cfg.bootstrap), profile_steps=bool(cfg.profile_steps),
+                           cost_key=engine_cost_key(cfg.model.name, pair.target, candidates, str(cfg.attn)))
         result["skipped"] = skipped + result["skipped"]
         result["memory"] = rss.summary()
         meta["load_average"] = [meta["load_average"], round(os.getloadavg()[0], 2)]  # at the start and the end
@@ -166,8 +169,9 @@ def main(cfg: DictConfig) -> None:
         print(f"wrote {out}/" + ", ".join(written(out)))
 
 
-def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads) -> None:
-    """``serving=...``: every contender of this engine on the arrival traces (ldlp/bench/serving.py)."""
+def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads, records=None) -> None:
+    """``serving=...``: every contender of this engine on the arrival traces (ldlp/bench/serving.py); ``records``:
+    the malformed records of the prompt file skipped (``ldlp.bench.load_sweep.skipped_records``), on the page."""
     import sys
 
     from eagle_backbone.candidates import make_candidates
@@ -188,7 +192,7 @@ def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads
             candidates = make_candidates(candidates.kind, pair.drafter, pair.target, str(cfg.attn))
         prepare_cost_tables(probes.values(), pair.target, candidates, str(cfg.attn), int(sv.slots))
         meta = {"model": cfg.model.name, "data": cfg.data.get("name"), "dtype": str(pair.target.dtype).split(".")[-1],
-                "prompts": len(prompts), "max_new_tokens": int(cfg.generation.max_new_tokens),
+                "prompts": len(prompts), **(records or {}), "max_new_tokens": int(cfg.generation.max_new_tokens),
                 "temperature": float(cfg.generation.get("temperature", 0.0)), "slots": int(sv.slots),
                 "rounds": int(sv.rounds), "warmup_rounds": int(sv.warmup_rounds), "threads": threads,
                 "cpu": machine_info().get("cpu"), "load_average": round(os.getloadavg()[0], 2),

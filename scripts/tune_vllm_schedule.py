@@ -167,7 +167,7 @@ def main(cfg: DictConfig) -> None:
         log.info("the target's greedy decoding of %d prompts: %.0f s", len(used), time.perf_counter() - t0)
     root = Path(cfg.paths.outputs) / "vllm_peer"
     if kind == "eagle3":
-        check_eagle3_head(cfg.model.drafter)
+        check_eagle3_head(cfg.model.drafter, cfg.model.target)
         drafter = Path(cfg.model.drafter)
     else:
         drafter = convert_drafter(cfg.model.drafter, cfg.model.target, root / "drafters")

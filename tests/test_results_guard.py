@@ -116,6 +116,12 @@ def test_the_main_command_refuses_a_run_of_no_tokens_and_a_bad_contender_in_its_
         ('bench_batch.contenders=["policy=static policy.gamma=-1"]',
          "bench_batch.contenders holds 'policy=static policy.gamma=-1': static policy: gamma must be an integer "
          ">= 0, got -1"),
+        # a policy key in a stage's overrides replaced the stage's own choice (a static sweep of γ=3 alone: Hydra
+        # keeps an override's last value) or failed minutes later (-1)
+        ("sweep.overrides=['policy.gamma=3']", "sweep.overrides holds 'policy.gamma=3': the stages choose their "
+                                               "policies"),
+        ("head_to_head.overrides=['policy.gamma=-1']", "head_to_head.overrides holds 'policy.gamma=-1': the stages"),
+        ("bench_batch.overrides=['policy=static']", "bench_batch.overrides holds 'policy=static': the stages"),
     ]:
         with pytest.raises(ConfigError) as e:
             plan(_compose_pipeline([f"paths.outputs={tmp_path}", override]))
@@ -193,6 +199,32 @@ def test_a_cost_model_file_with_bad_values_is_refused_naming_the_file_and_key(tm
     path.write_text(json.dumps(good))
     StepPricing("load_aware", str(tmp_path), "tiny", cost_model=str(path))
     assert OnlineCostModel.load(path).stretch == pytest.approx(1.0)
+
+
+def test_the_costs_measured_in_hindsight_record_the_setup_where_no_contender_read_a_cost_table(t32, eagle32, tmp_path):
+    """A load sweep of static contenders reads no cost table; its step_costs.json still records the setup it was
+    measured on (a file without a key is taken as it is, on any setup: a bfloat16 fit priced a float32 run)."""
+    import torch
+
+    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.policy import StaticPolicy
+    from eagle_backbone.step_cost import OnlineCostModel, key_mismatch
+    from ldlp.bench.load_sweep import Contender, sweep
+    from ldlp.bench.loaders import engine_cost_key
+
+    torch.set_num_threads(1)
+    cand = EagleCandidateGenerator(eagle32, t32)
+    key = engine_cost_key("tiny", t32, cand, "eager")
+    assert (key["model"], key["dtype"], key["drafter_kind"], key["attn"]) == ("tiny", "float32", "eagle", "eager")
+    assert key["drafter_sha256"] and key["threads"] == 1 and engine_cost_key("tiny", t32, None) is None
+    static = [Contender("ar", "ar", 0, None), Contender("static γ=2", "static", 2, lambda: StaticPolicy(2))]
+    result = sweep(t32, cand, [[5, 9, 11, 7], [4, 8, 6]], static, [1], 6, rounds=1, log=lambda *_: None,
+                   bootstrap=10, cost_key=key)
+    path = tmp_path / "step_costs.json"
+    path.write_text(json.dumps(result["hindsight"]))
+    fitted = OnlineCostModel.load(path)
+    assert fitted.seen > 0 and fitted.key == key
+    assert key_mismatch(fitted.key, {**key, "dtype": "bfloat16"}) == ["dtype: 'float32' vs 'bfloat16'"]
 
 
 # ---- a tuned policy file: made for one setup; accept_mismatch ----------------------------------------------
@@ -319,6 +351,33 @@ def test_an_accepted_mismatch_is_stated_below_the_pages_title():
     assert with_mismatch_lines(page, result) == page  # a page that states it already
 
 
+def test_skipped_records_are_stated_on_the_load_sweep_and_drafters_pages(tmp_path):
+    """data.on_error=skip: the malformed records skipped are on the load sweep's page (and its JSON) and the drafters
+    page beside the prompt count, as on the results and head-to-head pages, not only in the log."""
+    from ldlp.bench.drafters import drafters_markdown
+    from ldlp.bench.load_aggregate import read_result
+    from ldlp.bench.load_sweep import prompts_meta
+    from ldlp.bench.loaders import PromptSet, prompt_set_info
+    from ldlp.report.load_sweep import write
+
+    prompts = PromptSet((f"c{i}", [1, 2, 3]) for i in range(4))
+    prompts.info = prompt_set_info({"path": str(tmp_path / "absent.json")}, n_skipped=3)
+    meta = prompts_meta(prompts, [1], 1)
+    assert meta["n_skipped_records"] == 3
+    write({"rows": [], "runs": [], "skipped": []}, tmp_path / "out", meta)
+    assert read_result(tmp_path / "out")[1]["n_skipped_records"] == 3
+    page = (tmp_path / "out" / "batch_bench.md").read_text()
+    assert "**3 malformed records of the prompt file skipped** (data.on_error=skip" in page
+    prompts.info = prompt_set_info({"path": str(tmp_path / "absent.json")})
+    assert "n_skipped_records" not in prompts_meta(prompts, [1], 1)  # none skipped: the header as before
+    result = {"reference": "eagle1", "drafters": {"eagle1": {"drafter_kind": "eagle"}}, "model": "m", "dtype": "float32",
+              "n_prompts": 40, "dataset": "sharegpt", "max_new_tokens": 8, "by_temperature": {},
+              "n_dropped": 1, "dropped_reason": "longer than max_prompt_tokens=64", "n_skipped_records": 2}
+    page = drafters_markdown(result)
+    assert "40 prompts of sharegpt (1 dropped: longer than max_prompt_tokens=64" in page
+    assert "**2 malformed records of the prompt file skipped**" in page
+
+
 # ---- the remaining raw errors ------------------------------------------------------------------------------
 
 
@@ -338,6 +397,62 @@ def test_files_and_keys_that_raised_raw_errors_are_named_in_one_line(tmp_path):
         load_schedule(schedule)
     with pytest.raises(ValueError, match="^static_tree policy: paths is empty; give a shape"):
         StaticTreePolicy(paths=[])
+
+
+def test_an_eagle3_head_for_another_verifier_is_refused_before_anything_loads(tmp_path, accepting):
+    """speculators' config names the target the head was trained for (verifier.name_or_path, what vLLM serves it
+    on): another model is refused in one line naming both, from the config files alone; the same model elsewhere,
+    or a hub id named like the target's folder, is taken; accept_mismatch=true takes the rest, recorded."""
+    from eagle_backbone.errors import Mismatch, accepted_mismatches
+    from eagle_backbone.loading import check_drafter_fits
+
+    shipped = json.loads((REPO_ROOT / "data" / "embedded" / "eagle3" / "config.json").read_text())
+    target = tmp_path / "Llama-Tiny"
+    target.mkdir()
+    (target / "config.json").write_text((REPO_ROOT / "data" / "embedded" / "target" / "config.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(json.loads((target / "config.json").read_text())
+                                                  | {"num_hidden_layers": 3}))
+    head = tmp_path / "head"
+    head.mkdir()
+
+    def verifier(name):
+        cfg = json.loads(json.dumps(shipped))
+        if name is None:
+            del cfg["speculators_config"]["verifier"]
+        else:
+            cfg["speculators_config"]["verifier"]["name_or_path"] = name
+        (head / "config.json").write_text(json.dumps(cfg))
+
+    # taken: the target itself, the same model in another folder (the shipped name, relative to the repository),
+    # a hub id named like the target's folder, no record
+    for name in (str(target), "data/embedded/target", "org/llama-tiny", None):
+        verifier(name)
+        check_drafter_fits("eagle3", head, target)
+    for name, why in ((str(other), f"the folder {other}, whose config.json differs: num_hidden_layers 3 vs 8"),
+                      ("org/another-model", "no folder here, and not named 'Llama-Tiny'")):
+        verifier(name)
+        with pytest.raises(Mismatch) as e:
+            check_drafter_fits("eagle3", head, target)
+        assert str(e.value).startswith(f"{head / 'config.json'}: speculators_config.verifier.name_or_path is "
+                                       f"{name!r} ({why}), but this run's target is {target}; ") and "\n" not in str(e.value)
+    accepting(True)
+    check_drafter_fits("eagle3", head, target)
+    assert accepted_mismatches() and "org/another-model" in accepted_mismatches()[0]
+
+
+def test_no_script_leaves_a_log_file_in_the_folder_it_runs_in():
+    """A script whose Hydra run directory is the working directory (``hydra.run.dir: .``) logs to the console:
+    Hydra's default file handler would leave ``<script>.log`` at the repository root (as build_corpus.log was)."""
+    import yaml
+
+    for path in sorted((REPO_ROOT / "conf").glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text()) or {}
+        if str(((raw.get("hydra") or {}).get("run") or {}).get("dir")) != ".":
+            continue
+        defaults = [d for d in raw.get("defaults") or [] if isinstance(d, dict)]
+        assert {"override hydra/job_logging": "stdout"} in defaults, path.name
 
 
 # ---- memory that stays flat ----------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.timing import interleaved, paired_ratio
-from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
+from ldlp.bench.headtohead import dropped_note
+from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info, skipped_note
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def bench_drafters(cfg) -> dict:
     n, seed, B = int(cfg.generation.max_new_tokens), int(cfg.seed), int(cfg.bootstrap)
     result = {"drafters": {k: dict(cfg.drafters[k]) for k in names}, "reference": names[0], "gammas": gammas,
               "tau_gamma": tau_gamma, "n_prompts": len(prompts), "max_new_tokens": n,
+              **{k: (prompt_set.info or {}).get(k) for k in ("n_dropped", "dropped_reason", "n_skipped_records")},
               "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "model": str(cfg.model.name),
               "dtype": resolve_dtype(cfg.model.get("dtype"), device), "machine": machine_info(), "by_temperature": {}}
 
@@ -167,12 +169,21 @@ def _ci(x: dict) -> str:
     return f"{x['ratio']:.3f} ({x['ci95'][0]:.3f}–{x['ci95'][1]:.3f})"
 
 
+def _prompt_notes(result: dict) -> str:
+    """The prompts dropped for length and the malformed records skipped (``data.on_error=skip``), after the prompt
+    count as the head to head states them; nothing for a result of before they were recorded."""
+    if "n_dropped" not in result:
+        return ""
+    return dropped_note(result) + skipped_note(result)
+
+
 def drafters_markdown(result: dict) -> str:
     ref = result["reference"]
     kinds = ", ".join(f"`{k}` ({v.get('drafter_kind')})" for k, v in result["drafters"].items())
     lines = [f"### Drafters head to head ({result['model']}, {result['dtype']})", "",
              f"Drafters {kinds} on one "
-             f"target; {result['n_prompts']} prompts of {result['dataset']}, {result['max_new_tokens']} new tokens at "
+             f"target; {result['n_prompts']} prompts of {result['dataset']}{_prompt_notes(result)}, "
+             f"{result['max_new_tokens']} new tokens at "
              f"most. Ratios are against `{ref}` on the same prompts, with a bootstrap 95% interval over prompts.", ""]
     for T, cell in result["by_temperature"].items():
         greedy = float(T) == 0.0

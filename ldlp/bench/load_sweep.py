@@ -114,14 +114,22 @@ def _is_int(x) -> bool:
 
 
 def prompts_meta(prompt_set, concurrency, blocks: int) -> dict:
-    """What a result's header says about its prompts: the file, its SHA-256 and the prompts dropped for length (as
-    evaluate.py records them), and the blocks the run makes at each C (:func:`split_blocks`: fewer than asked
+    """What a result's header says about its prompts: the file, its SHA-256, the prompts dropped for length and the
+    malformed records skipped (as evaluate.py records them), and the blocks the run makes at each C (:func:`split_blocks`: fewer than asked
     where a block would hold fewer prompts than C), so the header agrees with the rows' ``blocks``."""
     info = dict(getattr(prompt_set, "info", {}) or {})
     n = len(prompt_set)
     return {"data_path": info.get("data_path"), "data_sha256": info.get("data_sha256"),
             "n_dropped": int(info.get("n_dropped") or 0), "dropped_reason": info.get("dropped_reason"),
+            **skipped_records(prompt_set),
             "blocks_asked": int(blocks), "blocks": {int(c): len(split_blocks(n, int(c), int(blocks))) for c in concurrency}}
+
+
+def skipped_records(prompt_set) -> dict:
+    """``{"n_skipped_records": N}`` where the prompt file was read with ``data.on_error=skip`` and N malformed records
+    were skipped (the page says so, not only the log); empty otherwise."""
+    k = int((getattr(prompt_set, "info", None) or {}).get("n_skipped_records") or 0)
+    return {"n_skipped_records": k} if k else {}
 
 
 def check_sweep_args(concurrency, temperatures=None, blocks: int = 1, rounds: int = 1, max_new_tokens: int = 1,
@@ -387,7 +395,7 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
           rounds: int = 2, seed: int = 0, attn: str = "eager",
           checkpoint: Callable[[dict], None] | None = None, log: Callable[[str], None] = print,
           categories: list | None = None, temperatures: list[float] | None = None, blocks: int = 1,
-          bootstrap: int = 2000, profile_steps: bool = False) -> dict:
+          bootstrap: int = 2000, profile_steps: bool = False, cost_key: dict | None = None) -> dict:
     """Run the sweep over temperature T and concurrency C on ``target`` with ``candidates`` (a
     :class:`~eagle_backbone.candidates.CandidateGenerator`, e.g. ``pair.candidates``; None: no drafts, every
     contender then decodes as batched AR); returns {"rows": [...], "differences": [...],
@@ -407,7 +415,9 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     and running rows per step. ``profile_steps``: after the timed rounds, one untimed pass of the engine's
     profiled mode per contender at every (C, T) on the first block (:func:`profile_pass`), whose component
     seconds per engine step give ``verify_ms_per_step``, ``draft_ms_per_step`` and ``profile`` (``profiles``
-    in the result)."""
+    in the result). ``cost_key``: the setup's cost key (``ldlp.bench.loaders.engine_cost_key``), recorded by the
+    costs measured in hindsight (``hindsight``, step_costs.json) even where no contender read a cost table, so a
+    policy on another setup refuses the file (None: the key of a contender's table, if any)."""
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts: give one per prompt")
     sampling = sampling or SamplingConfig()
@@ -440,7 +450,7 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     result["complete"] = True
     if run.records:
         keys = [t.get("key") for t in run.cost_tables.values() if t.get("key")]  # the setup the steps ran on
-        result["hindsight"] = hindsight_model(run.records, keys[0] if keys else None)
+        result["hindsight"] = hindsight_model(run.records, cost_key or (keys[0] if keys else None))
     return result
 
 

@@ -222,6 +222,18 @@ def cost_engine_factory(target, candidates, attn: str | None = None, capacity: i
     return factory
 
 
+def engine_cost_key(model_name: str, target, candidates, attn: str | None = None) -> dict | None:
+    """This setup's cost key (:func:`~eagle_backbone.cost.cost_key` completed by an engine's drafter kind and weights
+    and attention: the key a cost table profiled for it carries), what a step-cost model fitted on its steps records
+    so that a policy on another setup refuses it; None without a candidate generator (nothing is priced)."""
+    from eagle_backbone.cost import cost_key, full_key
+
+    if candidates is None:
+        return None
+    key = cost_key(model_name, target.dtype, target.device, torch.get_num_threads())
+    return full_key(key, cost_engine_factory(target, candidates, attn))
+
+
 def load_cost_table(cost_dir, model_name: str, target, candidates, attn: str | None = None, slots=(1,),
                     path=None, profile_if_missing: bool = True):
     """The :class:`~eagle_backbone.cost.CostTable` of this setup, found as the load-aware policies find theirs:

@@ -174,11 +174,16 @@ def contender_label(k: int | None, method: str | None = "eagle", schedule=None) 
     return "vllm ar" if k is None else f"vllm {method or 'eagle'} k={k}"
 
 
-def check_eagle3_head(folder: str | Path) -> None:
+def check_eagle3_head(folder: str | Path, target: str | Path | None = None) -> None:
     """Raise a one-line ValueError unless vLLM can serve the EAGLE-3 head at ``folder`` as it is: speculators'
     layout (``speculators_model_type: eagle3``) and, with a full draft vocabulary, no ``d2t`` in the weights
-    (vLLM's model then has no map to load it into and stops)."""
+    (vLLM's model then has no map to load it into and stops); with ``target``, its sizes and the verifier it names
+    are that target's (:func:`eagle_backbone.loading.check_drafter_fits`)."""
     folder = Path(folder)
+    if target is not None:
+        from eagle_backbone.loading import check_drafter_fits
+
+        check_drafter_fits("eagle3", folder, target)
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise ValueError(f"vLLM EAGLE-3: {folder} has no config.json")
@@ -307,7 +312,7 @@ class VllmRunner:
                      "trace_steps": bool(trace_steps), "enforce_eager": bool(enforce_eager),
                      "gpu_memory_utilization": gpu_memory_utilization}
         if k is not None and method == "eagle3":  # speculators' folder, read by vLLM as it is
-            check_eagle3_head(drafter_dir)
+            check_eagle3_head(drafter_dir, target_dir)
             self.base.update(drafter=str(Path(drafter_dir).resolve()), method="eagle3")
         elif k is not None:
             self.base.update(drafter=str(convert_drafter(drafter_dir, target_dir, cache_root).resolve()), method="eagle")
@@ -435,7 +440,7 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
                          + (" (model=embedded_eagle3 for the embedded pair)" if method == "eagle3" else
                             " (spec.method=eagle3 for an EAGLE-3 head)" if kind == "eagle3" else ""))
     if k is not None and method == "eagle3":
-        check_eagle3_head(model_cfg.drafter)
+        check_eagle3_head(model_cfg.drafter, model_cfg.target)
     python = (vllm_cfg or {}).get("python") or sys.executable
     if not vllm_available(python):
         raise ValueError(f"engine=vllm: {python} cannot import vllm; install it (pip install -e '.[vllm]') or "

@@ -103,7 +103,14 @@ def validate(cfg) -> None:
     _int_setting(cfg, "generation.max_new_tokens", 1, default=1)
     for group in ("sweep", "head_to_head", "bench_batch", "peer"):
         for o in _setting(cfg, f"{group}.overrides") or []:
-            if override_key(str(o)) == "generation.max_new_tokens":
+            key = override_key(str(o))
+            if key == "policy" or key.startswith("policy."):  # it would replace the stage's own choice of policies:
+                # `policy.gamma=3` made the static sweep one γ (Hydra keeps the last value), -1 failed minutes later
+                raise ConfigError(f"pipeline: {group}.overrides holds {o!r}: the stages choose their policies "
+                                  "(sweep.static_gammas, sweep.adaptive, peer.policies, bench_batch.contenders, the "
+                                  "contenders stage); give a policy's keys in a bench_batch.contenders entry or its "
+                                  "conf/policy/NAME.yaml (conf/pipeline.yaml)")
+            if key == "generation.max_new_tokens":
                 value = str(o).split("=", 1)[1]
                 if not value.isdigit() or int(value) < 1:
                     raise ConfigError(f"pipeline: {group}.overrides holds {o!r}: generation.max_new_tokens must "

@@ -305,6 +305,7 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     lines = ["# Batched speculative decoding: tokens/s against concurrency", "", status_line(result), ""]
     if meta:
         lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+        lines += _skipped_records_lines(meta)
         lines += _drain_lines(meta)
     lines += [m, ""] if (m := memory_line(result.get("memory"))) else []  # a long run's memory: peak, growth
     for s in result.get("skipped", []):
@@ -329,6 +330,13 @@ def markdown(result: dict, meta: dict | None = None) -> str:
     lines += step_cost_page.markdown_lines(result)
     lines += step_cost_page.decomposition_lines(rows)
     return "\n".join(lines) + "\n"
+
+
+def _skipped_records_lines(meta: dict) -> list[str]:
+    """The malformed records of the prompt file that ``data.on_error=skip`` dropped, stated on the page."""
+    k = int(meta.get("n_skipped_records") or 0)
+    return [f"**{k} malformed record{'s' if k != 1 else ''} of the prompt file skipped** (data.on_error=skip; the "
+            "log names the first).", ""] if k else []
 
 
 def _drain_lines(meta: dict) -> list[str]:
