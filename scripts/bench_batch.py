@@ -114,8 +114,8 @@ def main(cfg: DictConfig) -> None:
             label += " (hindsight costs)"
         elif pcfg.get("online_costs") is False:  # the same policy on the profiled table as it is
             label += " (profiled table)"
-        if pcfg.get("recalibrate") is True and name == "learned":  # its hazards corrected online
-            label += " (recalibrated)"
+        if name == "learned" and pcfg.get("recalibrate") is not None:  # its hazards corrected online, or not
+            label += " (recalibrated)" if pcfg.recalibrate else " (not recalibrated)"
         if "goodput" in pcfg and not (pcfg.goodput.get("enabled", True) if OmegaConf.is_dict(pcfg.goodput)
                                       else pcfg.goodput):  # the ablation: the plan alone
             label += " (no feedback)"

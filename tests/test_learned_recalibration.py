@@ -62,7 +62,7 @@ def test_an_observation_is_paired_with_the_plan_that_decided_it():
 
 
 def test_recalibrate_takes_only_a_boolean():
-    with pytest.raises(ValueError, match="recalibrate must be true or false"):
+    with pytest.raises(ValueError, match="recalibrate must be true, false or null"):
         LearnedPolicy(predictor=object(), recalibrate="maybe")
 
 
@@ -102,3 +102,18 @@ def test_recalibrated_decoding_is_lossless_and_learns(pair_and_ldlp):
     for policy in (one, many):
         assert policy.calibration.state()["observations"] > 0
         assert policy.calibration.wc != (1.0, 0.0)
+
+
+def test_null_recalibrates_only_a_sampling_engine(pair_and_ldlp):
+    """The predictor's labels are greedy: by default it corrects its hazards only where the engine samples."""
+    from eagle_backbone.sampling import SamplingConfig
+
+    target, drafter, ldlp = pair_and_ldlp
+    seconds = step_seconds_table(CostTable.linear(10.0, 1.5), 8)
+    for sampling, on in ((None, False), (SamplingConfig(temperature=1.0), True)):
+        policy = LearnedPolicy(predictor=ldlp, groups=("ef",), seconds=seconds, token_s=0.004)
+        engine = BatchedSpeculativeEngine(target, drafter, "eagle", slots=2, policy=policy, sampling=sampling)
+        run_workload(engine, PROMPTS[:2], 2, 12)
+        assert (policy.calibration is not None) == on
+        if on:
+            assert policy.calibration.outcomes > 0

@@ -110,6 +110,7 @@ class HazardCalibration:
         self.fit = OnlineLogitCalibration(decay=decay, prior=prior)
         self.update_every = int(update_every)
         self.wc = (1.0, 0.0)
+        self.outcomes = 0  # observed depths so far (the fit has taken those of its completed batches)
         self._planned: dict[int, list[np.ndarray]] = {}  # slot -> hazard logits of its plans not yet observed
         self._pending: tuple[list[float], list[float]] = ([], [])
 
@@ -128,13 +129,14 @@ class HazardCalibration:
         for m in range(min(drafted, accepted + 1, len(z))):  # depths reached: kept up to accepted, then one rejection
             est.append(float(z[m]))
             kept.append(1.0 if m < accepted else 0.0)
+            self.outcomes += 1
         if len(est) >= self.update_every:  # a Newton step per batch of outcomes, not per step
             self.fit.update(torch.sigmoid(torch.tensor(est, dtype=torch.float64)), torch.tensor(kept))
             self.wc = tuple(float(v) for v in self.fit.params.tolist())
             self._pending = ([], [])
 
     def state(self) -> dict:
-        return self.fit.state()
+        return {**self.fit.state(), "outcomes": self.outcomes}
 
 
 def step_seconds(costs, drafted: int, accepted: int) -> float:
@@ -177,7 +179,7 @@ class LearnedPolicy(DraftPolicy):
 
     def __init__(self, path: str | None = None, max_gamma: int = 8, rule: str = "cost", token_ratio: float | None = None,
                  cost_dir: str | None = None, model: str | None = None, cost_table: str | None = None,
-                 profile_if_missing: bool = True, online_costs: bool = True, recalibrate: bool = False,
+                 profile_if_missing: bool = True, online_costs: bool = True, recalibrate: bool | None = None,
                  *, predictor=None, groups=None,
                  seconds=None, token_s: float | None = None, record: list | None = None, fixed: int | None = None):
         from ldlp.policies.pricing import StepPricing
@@ -185,8 +187,9 @@ class LearnedPolicy(DraftPolicy):
         if rule not in self.RULES:
             raise ValueError(f"learned policy: rule must be one of {list(self.RULES)}, got {rule!r}")
         self.rule, self.max_gamma = rule, int_at_least(self.name, "max_gamma", max_gamma, 0)
-        if not isinstance(recalibrate, bool):
-            raise ValueError(f"learned policy: recalibrate must be true or false, got {recalibrate!r}")
+        if recalibrate is not None and not isinstance(recalibrate, bool):
+            raise ValueError(f"learned policy: recalibrate must be true, false or null (when sampling), got {recalibrate!r}")
+        self.recalibrate = recalibrate
         self.calibration = HazardCalibration() if recalibrate else None
         self.record, self.fixed = record, fixed
         if path is not None:
@@ -226,6 +229,12 @@ class LearnedPolicy(DraftPolicy):
 
     def bind(self, engine) -> None:
         super().bind(engine)
+        if self.recalibrate is None:  # null: only off the labels' conditions (greedy labels, a sampling engine)
+            sampling = getattr(engine, "sampling", None)
+            if sampling is None or sampling.greedy:
+                self.calibration = None
+            elif self.calibration is None:
+                self.calibration = HazardCalibration()
         if self.pricing is not None:
             self.pricing.bind(engine)
 
