@@ -191,6 +191,11 @@ class DraftPolicy:
         """Called after each verification with the step's drafted and accepted counts per row, and the
         host values of :meth:`reads` (``extra``, by name)."""
 
+    def report(self) -> dict:
+        """What the policy learnt while decoding, as plain numbers for the result files (read after a run; a
+        host read is allowed here). Default: nothing."""
+        return {}
+
     def timed(self, ms: float, shape) -> None:
         """The step's wall milliseconds and its :class:`~eagle_backbone.step_cost.StepShape`, after ``observe``
         (called only for a policy that overrides it: goodput feedback measures what its choices earn)."""

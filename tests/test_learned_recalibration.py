@@ -102,6 +102,8 @@ def test_recalibrated_decoding_is_lossless_and_learns(pair_and_ldlp):
     for policy in (one, many):
         assert policy.calibration.state()["observations"] > 0
         assert policy.calibration.wc != (1.0, 0.0)
+        report = policy.report()["recalibration"]  # what the result files keep
+        assert (report["w"], report["c"]) == policy.calibration.wc and report["outcomes"] > 0
 
 
 def test_null_recalibrates_only_a_sampling_engine(pair_and_ldlp):

@@ -345,6 +345,8 @@ class _Run:
         summ["step_costs"] = run_step_costs(eng.step_log, age)
         self.records.extend(eng.step_log)
         summ["policy_s"] = eng.policy_s  # the policy's own seconds in the run
+        if learnt := eng.policy.report():  # what it learnt in the run (the learned policy's correction)
+            summ["policy_report"] = learnt
         summ.update(step_counters(res.outputs, eng.steps))
         used = table_record(eng.policy.pricing)
         if used is not None and c.label not in self.cost_tables:

@@ -338,6 +338,9 @@ class LearnedPolicy(DraftPolicy):
             self._depths.append((d.depth, list(d.rows), d.probs.max(-1).values))
         return torch.full_like(d.tokens, GO)
 
+    def report(self) -> dict:
+        return {} if self.calibration is None else {"recalibration": self.calibration.state()}
+
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
         if self.calibration is not None:
             for slot, d, a in zip(rows.slots, drafted, accepted):
