@@ -119,3 +119,28 @@ def test_null_recalibrates_only_a_sampling_engine(pair_and_ldlp):
         assert (policy.calibration is not None) == on
         if on:
             assert policy.calibration.outcomes > 0
+
+
+def test_the_load_sweep_carries_one_correction_per_contender_across_its_runs(t32, eagle32):
+    """A benchmark builds a policy per run; a server keeps its policy: the sweep hands each new learned policy the
+    correction the earlier runs fitted, so the runs' reports count ever more outcomes (at T = 1, where null
+    recalibrates)."""
+    from ldlp.bench.load_sweep import Contender, sweep
+
+    torch.manual_seed(0)
+    d = t32.hidden_size
+    ldlp = LDLP(LDLPConfig(input_dim=2 * d, hidden_dim=16, k_max=8, head="distribution", inputs=["ef"])).eval()
+    seconds = step_seconds_table(CostTable.linear(10.0, 1.5), 8)
+    made = []
+
+    def make():
+        made.append(LearnedPolicy(predictor=ldlp, groups=("ef",), seconds=seconds, token_s=0.004))
+        return made[-1]
+
+    result = sweep(t32, EagleCandidateGenerator(eagle32, t32), [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12], [2, 8, 1]],
+                   [Contender("ar", "ar", 0, None), Contender("learned", "learned", None, make)], [1, 2], 10,
+                   rounds=2, blocks=1, log=lambda m: None, bootstrap=20, temperatures=[1.0])
+    runs = [r for r in result["runs"] if r["contender"] == "learned"]
+    seen = [r["policy_report"]["recalibration"]["outcomes"] for r in runs]
+    assert len(runs) == 4 and seen == sorted(seen) and seen[0] < seen[-1]
+    assert len({id(p.calibration) for p in made[-4:]}) == 1

@@ -54,6 +54,7 @@ from ldlp.bench.memory import release_freed_memory
 from ldlp.bench.step_costs import hindsight_model, run_step_costs, step_cost_rows
 from ldlp.bench.workload import run_workload
 from ldlp.policies.goodput import adopt
+from ldlp.policies.learned import adopt_calibration
 
 
 @dataclass
@@ -263,6 +264,7 @@ class _Run:
     records: list[StepRecord] = field(default_factory=list)  # every timed step, for the costs in hindsight
     # each contender's goodput learner per T (ldlp/policies/goodput.py), kept across its runs like the costs
     learners: dict = field(default_factory=dict)
+    calibrations: dict = field(default_factory=dict)  # the learned policy's hazard correction per T, likewise
 
     def __post_init__(self):
         self.seeds = [self.seed + i for i in range(len(self.prompts))]
@@ -340,6 +342,9 @@ class _Run:
         learner = adopt(eng.policy, self.learners.get(key))
         if learner is not None:
             self.learners[key] = learner
+        # the learned policy's hazard correction lives across its runs too (as a server's policy would)
+        if (cal := adopt_calibration(eng.policy, self.calibrations.get(key))) is not None:
+            self.calibrations[key] = cal
         res = run_workload(eng, [self.prompts[i] for i in idx], C, self.max_new_tokens, [self.seeds[i] for i in idx])
         summ = res.summary()
         summ["step_costs"] = run_step_costs(eng.step_log, age)

@@ -355,6 +355,19 @@ class LearnedPolicy(DraftPolicy):
             self._ema = ((1 - self.EMA) * self._ema[0] + self.EMA * s, (1 - self.EMA) * self._ema[1] + self.EMA * n)
 
 
+def adopt_calibration(policy, held: HazardCalibration | None) -> HazardCalibration | None:
+    """Give ``policy`` (a learned policy that recalibrates) the correction another instance of it has been fitting
+    (a benchmark builds a policy per run; a server keeps one): returns the correction it now holds, or None for a
+    policy without one. Plans still waiting are the old run's: dropped."""
+    own = getattr(policy, "calibration", None)
+    if own is None or not isinstance(policy, LearnedPolicy):
+        return None
+    if held is not None and held is not own:
+        held._planned.clear()
+        policy.calibration = held
+    return policy.calibration
+
+
 def _load_ldlp(path: str):
     from ldlp.policies.threshold import load_ldlp
 
