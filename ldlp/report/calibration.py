@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ldlp.report.figures import pyplot, save_figure
+
 EPS = 1e-7
 
 
@@ -68,14 +70,8 @@ def scores(p: np.ndarray, beta: np.ndarray, n_bins: int = 10) -> dict:
 
 def plot_reliability(curves: dict, path: str | Path, title: str) -> Path:
     """One reliability diagram: ``curves`` maps a legend label to a :func:`reliability` dict; written
-    atomically (``eagle_backbone.io.atomic_path``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from eagle_backbone.io import atomic_path
-
+    atomically (:func:`~ldlp.report.figures.save_figure`)."""
+    _, plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.2, 5.0))
     ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls=":", label="perfectly calibrated")
     for label, r in curves.items():
@@ -87,13 +83,8 @@ def plot_reliability(curves: dict, path: str | Path, title: str) -> Path:
     ax.set_ylabel("label mean (beta; greedy: kept)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    return path
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path, dpi=110)
 
 
 def _fmt(v, nd=3) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ldlp.report.figures import pyplot, save_figure
+
 
 def _pct(v) -> str:
     return "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{100 * v:+.1f}%"
@@ -20,11 +22,7 @@ HEAD = ("| {} | training examples | MAE | AUC, first draft | AUC, mean m = 1..K 
 
 
 def learning_curve_plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    _, plt = pyplot()
     runs = sorted(runs, key=lambda r: r["train_examples"])
     n = [r["train_examples"] for r in runs]
     fig, ax = plt.subplots(1, 3, figsize=(12, 3.4))
@@ -41,9 +39,7 @@ def learning_curve_plot(runs: list[dict], path: Path) -> None:
         a.set_xscale("log")
         a.set_xlabel("training examples (steps)")
         a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _positions(oracle) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle_backbone.io import atomic_path, atomic_write_json, atomic_write_text
+from eagle_backbone.io import atomic_write_json, atomic_write_text
+from ldlp.report.figures import pyplot, save_figure
 from ldlp.report.memory import memory_line
 from ldlp.policies.goodput import PLAN, load_bucket
 from ldlp.report.vllm_schedule import ratio_text
@@ -92,11 +93,7 @@ def plot_learners(result: dict, path: str | Path) -> Path | None:
     learners = result.get("learners") or {}
     if not runs or not learners:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    _, plt = pyplot()
     keys = sorted(runs)
     fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
@@ -118,11 +115,7 @@ def plot_learners(result: dict, path: str | Path) -> Path | None:
         ax2.set_ylabel("running rows")
         fig.colorbar(sc, ax=ax, label="load bucket", pad=0.08)
     axes[-1, 0].set_xlabel("step of the run")
-    fig.tight_layout()
-    with atomic_path(path, keep_suffix=True) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
 def render(folder: str | Path) -> Path:

@@ -19,6 +19,7 @@ from pathlib import Path
 from eagle_backbone.io import atomic_path, atomic_write_text
 from ldlp.bench.categories import category_markdown, merge_runs
 from ldlp.bench.stats import headroom_captured, median, percent
+from ldlp.report.figures import pyplot, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -318,17 +319,8 @@ def plot_figure(rows: list[dict]):
 
 def plot(rows: list[dict], path: str | Path) -> Path:
     """:func:`plot_figure` saved as a PNG (matplotlib's Agg backend: no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = plot_figure(rows)
-    path = Path(path)
-    with atomic_path(path, keep_suffix=True) as tmp:  # matplotlib picks the format by the suffix
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    return path
+    pyplot()
+    return save_figure(plot_figure(rows), path, dpi=120)
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
