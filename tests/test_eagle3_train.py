@@ -77,6 +77,33 @@ def test_distilled_records_mix_greedy_and_sampled_answers_and_are_made_once(tmp_
             distilled_records(cfg, t, None, "train")
 
 
+def test_kept_answers_serve_fewer_prompts_and_extend_to_more(tmp_path, monkeypatch):
+    """Answers to the first n prompts serve a smaller count and are extended, not remade, for a larger one; the
+    extension (saved every save_every prompts) equals distilling all the prompts at once; other settings remake."""
+    from eagle_backbone.data import conversations
+    from eagle_backbone.train import eagle3
+
+    t = make_target(dtype=torch.float32)
+    prompts = [("a", [1, 5, 9, 7]), ("b", [1, 30, 2, 8, 8]), ("c", [1, 11]), ("d", [1, 4, 4]), ("e", [1, 60, 3])]
+    monkeypatch.setattr(conversations, "load_conversations", lambda path, limit=None: prompts)
+    monkeypatch.setattr(conversations, "build_prompts", lambda tok, convs, n: convs)
+    cfg = OmegaConf.create({"train_path": "train.json", "validation_path": "val.json", "distill": {
+        "dir": str(tmp_path), "prompts": 2, "validation_prompts": 2, "max_prompt_tokens": 16, "max_new_tokens": 6,
+        "temperatures": [1.0], "seed": 4, "slots": 2, "save_every": 2}})
+    whole = distill(t, prompts, 6, 1.0, seed=4, slots=3)
+    assert distilled_records(cfg, t, None, "train") == whole[:2]
+    calls = []
+    real = eagle3.distill
+    monkeypatch.setattr(eagle3, "distill", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    cfg.distill.prompts = 9  # more than there are: all five
+    assert distilled_records(cfg, t, None, "train") == whole
+    assert calls == [2, 1]  # prompts 2..3, then 4: saved between
+    cfg.distill.prompts = 3
+    assert distilled_records(cfg, t, None, "train") == whole[:3] and calls == [2, 1]
+    cfg.distill.max_new_tokens = 5
+    assert [len(r["response_ids"]) <= 5 for r in distilled_records(cfg, t, None, "train")] == [True] * 3
+
+
 def _fit(root, records, max_steps, ckpt, resume, schedule=6):
     torch.manual_seed(0)  # the run's seed (run_eagle3_training: seed_everything), before the head is made
     module = Eagle3Module(str(root / "target"), ttt_steps=3, lr=3e-3, warmup_steps=2, schedule_steps=schedule,

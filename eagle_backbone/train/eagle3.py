@@ -37,9 +37,11 @@ from eagle_backbone.target import TargetModel
 
 
 def distill(target: TargetModel, prompts: list[tuple[str, list[int]]], max_new_tokens: int, temperature: float,
-            seed: int, slots: int = 16) -> list[dict]:
+            seed: int, slots: int = 16, start: int = 0) -> list[dict]:
     """The target's own responses to ``prompts`` ([(id, ids)]): greedy (temperature 0) or sampled with seed
-    ``seed * 1_000_003 + i`` for prompt i, in batches of ``slots`` (the batched engine, no drafter)."""
+    ``seed * 1_000_003 + start + i`` for prompt i, in batches of ``slots`` (the batched engine, no drafter).
+    ``start`` is the first prompt's index in a longer list: distilling a list's tail with ``start`` = the head's
+    length gives what distilling the whole list gives (the engine is batch-invariant, seeds are per prompt)."""
     from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.sampling import SamplingConfig
 
@@ -49,7 +51,7 @@ def distill(target: TargetModel, prompts: list[tuple[str, list[int]]], max_new_t
         chunk = prompts[a: a + slots]
         engine = BatchedSpeculativeEngine(target, slots=len(chunk), sampling=sampling)
         gens = engine.generate([p for _, p in chunk], max_new_tokens,
-                               seeds=[seed * 1_000_003 + a + i for i in range(len(chunk))])
+                               seeds=[seed * 1_000_003 + start + a + i for i in range(len(chunk))])
         out += [{"id": cid, "prompt_ids": p, "response_ids": g.tokens} for (cid, p), g in zip(chunk, gens)]
     return out
 
@@ -223,8 +225,11 @@ class DistilledData(L.LightningDataModule):
 def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[dict]:
     """The distilled records of ``split`` (train | validation): the target's response to every prompt at each
     of ``cfg.distill.temperatures`` (EAGLE-3's self-distillation: greedy and sampled answers), concatenated in
-    that order. Each temperature's records are made once and kept in ``cfg.distill.dir`` as
-    ``<split>-T<temperature>.jsonl`` beside their settings; other settings make them again."""
+    that order. Each temperature's records are kept in ``cfg.distill.dir`` as ``<split>-T<temperature>.jsonl``
+    beside their settings: the answers to the first n prompts, made in that order. A file made with the same
+    other settings serves any count up to n, and a larger count extends it (the answers to prompts n.. are what
+    one run over all of them gives, :func:`distill`'s ``start``), saved every ``distill.save_every`` prompts so
+    an interrupted run resumes there; other settings make them again."""
     from eagle_backbone.data.conversations import build_prompts, load_conversations
 
     d = cfg.distill
@@ -238,21 +243,37 @@ def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[d
                     "prompts": int(d.prompts if split == "train" else d.validation_prompts),
                     "max_prompt_tokens": int(d.max_prompt_tokens), "max_new_tokens": int(d.max_new_tokens),
                     "temperature": temperature, "seed": int(d.seed)}
+        want = settings["prompts"]
         out = Path(d.dir) / f"{split}-T{temperature:g}.jsonl"
-        meta = out.with_suffix(".settings.json")
-        if out.exists() and meta.exists() and json.loads(meta.read_text()) == settings:
-            records += [json.loads(line) for line in out.read_text().splitlines()]
-            continue
-        if prompts is None:
-            convs = load_conversations(settings["path"], limit=None)
-            prompts = build_prompts(tokenizer, convs, settings["max_prompt_tokens"])[: settings["prompts"]]
-        made = distill(target, list(prompts), settings["max_new_tokens"], temperature,
-                       settings["seed"] + (0 if split == "train" else 1), int(d.slots))
-        with atomic_path(out) as tmp:
-            Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in made))
-        atomic_write_json(meta, settings, newline=False)
-        records += made
+        have = _kept_records(out, settings)
+        if len(have) < want:
+            if prompts is None:
+                convs = load_conversations(settings["path"], limit=None)
+                prompts = build_prompts(tokenizer, convs, settings["max_prompt_tokens"])
+            want = min(want, len(prompts))  # every prompt the file has: no more to distil
+            every = max(1, int(d.get("save_every") or want))
+            while len(have) < want:
+                n = len(have)
+                have += distill(target, list(prompts[n: min(want, n + every)]), settings["max_new_tokens"], temperature,
+                                settings["seed"] + (0 if split == "train" else 1), int(d.slots), start=n)
+                with atomic_path(out) as tmp:
+                    Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in have))
+                atomic_write_json(out.with_suffix(".settings.json"), {**settings, "prompts": len(have)}, newline=False)
+        records += have[:want]
     return records
+
+
+def _kept_records(out: Path, settings: dict) -> list[dict]:
+    """The records kept in ``out`` when its settings equal ``settings`` but for the count (a prefix of one
+    order), else none."""
+    meta = out.with_suffix(".settings.json")
+    if not (out.exists() and meta.exists()):
+        return []
+    kept = json.loads(meta.read_text())
+    if {k: v for k, v in kept.items() if k != "prompts"} != {k: v for k, v in settings.items() if k != "prompts"}:
+        return []
+    lines = out.read_text().splitlines()
+    return [json.loads(line) for line in lines[: int(kept.get("prompts", len(lines)))]]
 
 
 def run_eagle3_training(root_cfg) -> dict:
@@ -271,6 +292,9 @@ def run_eagle3_training(root_cfg) -> dict:
                           bool(cfg.train_lm_head), cfg.target_dtype)
     target = module.target
     train, val = distilled_records(cfg, target, tokenizer, "train"), distilled_records(cfg, target, tokenizer, "validation")
+    if cfg.get("distill_only"):  # the data alone (a long job of its own; training reuses it)
+        return {"kind": "eagle3", "distilled_train_records": len(train), "distilled_val_records": len(val),
+                "distill_dir": str(cfg.distill.dir)}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dm = DistilledData(train, val, cfg.block_size, cfg.batch_size, root_cfg.seed, steps, pad)
     trainer, val_metrics, seconds = fit_resumable(module, dm, root_cfg.trainer, root_cfg.logger, cfg.ckpt_dir,
