@@ -34,6 +34,7 @@ from eagle_backbone.llama import rotate
 from eagle_backbone.io import atomic_path, atomic_write_json
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.target import TargetModel
+from eagle_backbone.train.eagle3_curve import learning_curve
 
 
 def distill(target: TargetModel, prompts: list[tuple[str, list[int]]], max_new_tokens: int, temperature: float,
@@ -141,12 +142,13 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
 class Eagle3Module(L.LightningModule):
     """The frozen target (features and distributions on the fly) and the EAGLE-3 head it trains. The head's
     embedding and LM head start as the target's (restricted to the draft vocabulary); the embedding stays
-    frozen, the LM head trains when ``train_lm_head``."""
+    frozen, the LM head trains when ``train_lm_head``. ``init_from``: a head folder whose weights it starts
+    from instead (more training for a trained head)."""
 
     def __init__(self, target_path: str, ttt_steps: int = 7, decay: float = 0.8, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 50, schedule_steps: int = 1000,
                  draft_vocab_size: int | None = None, layer_ids=None, train_lm_head: bool = False,
-                 target_dtype: str = "float32", draft_ids: list[int] | None = None):
+                 target_dtype: str = "float32", draft_ids: list[int] | None = None, init_from: str | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.target = TargetModel.from_pretrained(target_path, dtype=target_dtype)
@@ -159,6 +161,8 @@ class Eagle3Module(L.LightningModule):
             self.drafter.embed_tokens.weight.copy_(self.target.embed_tokens.weight.float())
             self.drafter.lm_head.weight.copy_(self.target.lm_head.weight.float()[self.drafter.draft_to_target()])
             self.drafter.norm.weight.copy_(self.target.model.model.norm.weight.float())
+            if init_from:  # continue a trained head (its draft vocabulary and layers must be these)
+                self.drafter.load_state_dict(Eagle3Drafter.from_pretrained(init_from, "float32").state_dict())
         self.drafter.lm_head.weight.requires_grad_(train_lm_head)
         self.layers = self.drafter.aux_layers(cfg.num_hidden_layers)
 
@@ -263,6 +267,27 @@ def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[d
     return records
 
 
+def corpus_records(path, tokenizer, limit: int, max_prompt_tokens: int) -> list[dict]:
+    """Off-policy records: the first ``limit`` conversations' first user turn (its chat prompt) and the answer
+    the data gives it (``source: corpus``), in the distilled records' form. Conversations without an answer
+    after their first user turn, or with a longer prompt, are left out."""
+    from eagle_backbone.data.conversations import encode_chat, load_conversations, to_messages
+
+    out = []
+    for conv in load_conversations(str(path), limit=None) if limit > 0 else []:
+        msgs = to_messages(conv["conversations"])
+        i = next((k for k, m in enumerate(msgs) if m["role"] == "user"), None)
+        if i is None or i + 1 >= len(msgs) or msgs[i + 1]["role"] != "assistant":
+            continue
+        prompt, full = encode_chat(tokenizer, msgs[: i + 1], add_generation_prompt=True), encode_chat(tokenizer, msgs[: i + 2])
+        if len(prompt) > max_prompt_tokens or full[: len(prompt)] != prompt:
+            continue
+        out.append({"id": str(conv.get("id")), "prompt_ids": prompt, "response_ids": full[len(prompt):], "source": "corpus"})
+        if len(out) >= limit:
+            break
+    return out
+
+
 def _kept_records(out: Path, settings: dict) -> list[dict]:
     """The records kept in ``out`` when its settings equal ``settings`` but for the count (a prefix of one
     order), else none."""
@@ -288,19 +313,25 @@ def run_eagle3_training(root_cfg) -> dict:
     tokenizer = load_tokenizer(cfg.tokenizer)
     steps = int(root_cfg.trainer.max_steps)
     module = Eagle3Module(cfg.target, cfg.ttt_steps, cfg.decay, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
-                          int(cfg.get("schedule_steps") or steps), cfg.get("draft_vocab_size"), cfg.get("layer_ids"),
-                          bool(cfg.train_lm_head), cfg.target_dtype)
+                          int(cfg.get("schedule_steps") or steps), cfg.get("draft_vocab_size"),
+                          None if cfg.get("layer_ids") is None else [int(i) for i in cfg.layer_ids],  # plain: last.ckpt's hparams load weights-only
+                          bool(cfg.train_lm_head), cfg.target_dtype, init_from=cfg.get("init_from"))
     target = module.target
     train, val = distilled_records(cfg, target, tokenizer, "train"), distilled_records(cfg, target, tokenizer, "validation")
     if cfg.get("distill_only"):  # the data alone (a long job of its own; training reuses it)
         return {"kind": "eagle3", "distilled_train_records": len(train), "distilled_val_records": len(val),
                 "distill_dir": str(cfg.distill.dir)}
+    distilled = len(train)
+    train = train + corpus_records(cfg.train_path, tokenizer, int(cfg.get("corpus_text") or 0), int(cfg.distill.max_prompt_tokens))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dm = DistilledData(train, val, cfg.block_size, cfg.batch_size, root_cfg.seed, steps, pad)
+    curve = learning_curve(cfg, tokenizer, int(cfg.batch_size) * int(cfg.block_size), int(root_cfg.seed))
     trainer, val_metrics, seconds = fit_resumable(module, dm, root_cfg.trainer, root_cfg.logger, cfg.ckpt_dir,
-                                                  root_cfg.resume, every_n_steps=int(cfg.get("checkpoint_every", 50)))
+                                                  root_cfg.resume, every_n_steps=int(cfg.get("checkpoint_every", 50)),
+                                                  callbacks=[curve] if curve else [])
     summary = {"kind": "eagle3", "steps": trainer.global_step, "ttt_steps": cfg.ttt_steps, "layers": list(module.layers),
-               "train_records": len(train), "val_records": len(val),
+               "train_records": len(train), "distilled_records": distilled, "corpus_records": len(train) - distilled,
+               "init_from": cfg.get("init_from"), "val_records": len(val),
                "distill_temperatures": [float(t) for t in cfg.distill.temperatures], "train_seconds_this_run": seconds,
                "seed": root_cfg.seed, "params": sum(p.numel() for n, p in module.drafter.named_parameters()
                                                     if not n.startswith("embed"))}
