@@ -420,6 +420,8 @@ def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same
     page = drafters_markdown(result)
     assert f"- prompt set mt_bench skipped: {tmp_path / 'absent.jsonl'} does not exist (prompt_sets.mt_bench.path)" in page
     assert "| embedded_test | 0 | 4 | eagle3 |" in page
+    cell["costs"]["eagle3"] = {"step_ms": 0.0, "draft_ms": 1.0, "c": None}  # one γ alone fits no step cost
+    assert "fitted costs of eagle3" not in drafters_markdown(result)
 
 
 def test_the_drafters_bench_names_its_prompt_sets_and_refuses_none_left(tmp_path):

@@ -211,6 +211,14 @@ def test_a_head_continues_on_distilled_and_corpus_text_with_its_learning_curve(t
     run(tmp_path / "second", 4, *curve)  # resumed from step 2: only step 4's points are new
     rows = [json.loads(x) for x in (tmp_path / "ckpt2" / "curve.jsonl").read_text().splitlines()]
     assert [(x["drafter"], x["step"]) for x in rows[6:]] == [("head", 4), ("head", 4)]
+    from ldlp.report.eagle3_curve import write_curve_page
+
+    page = write_curve_page(tmp_path / "ckpt2" / "curve.jsonl", tmp_path / "page", "tiny", offset_tokens=1000)
+    lines = page["markdown"].splitlines()
+    assert "| step | block tokens (M) | embedded_test T=0 | embedded_test T=1 |" in lines
+    assert [x.split(" | ")[0] for x in lines if x.startswith("| ") and x[2].isdigit()] == ["| 0", "| 2", "| 4"]
+    assert any(x.startswith("| eagle1 (reference) |") and "(1.000)" in x for x in lines)
+    assert (tmp_path / "page" / "curve.png").stat().st_size > 0
 
 
 def test_corpus_records_are_first_answers_of_the_data(embedded_corpus):

@@ -275,8 +275,8 @@ def _set_markdown(by_temperature: dict, ref: str) -> list[str]:
                 lines.append(f"- tokens/s at the same γ, {name} vs {ref}: "
                              + ", ".join(f"γ={g}: {_ci(x)}" for g, x in per.items()))
             for name, lin in cell.get("costs", {}).items():
-                if lin:
+                if lin and lin.get("c") is not None:  # one γ alone fits no step cost (step_ms 0): no c
                     lines.append(f"- fitted costs of {name}: {lin['step_ms']:.2f} ms a target pass (a step's fixed cost), "
-                                 f"{lin['draft_ms']:.2f} ms a drafted token: c = {lin['draft_ms'] / lin['step_ms']:.3f}")
+                                 f"{lin['draft_ms']:.2f} ms a drafted token: c = {lin['c']:.3f}")
         lines.append("")
     return lines
