@@ -405,7 +405,8 @@ def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same
                                             "gammas=[3,4]", "tau_gamma=3", "temperatures=[0.0]", "rounds=1",
                                             "bootstrap=200", "evaluation.progress=false", "threads=1",
                                             "model.dtype=float32", "sets=[embedded_test,mt_bench]",
-                                            f"prompt_sets.mt_bench.path={tmp_path / 'absent.jsonl'}"])
+                                            f"prompt_sets.mt_bench.path={tmp_path / 'absent.jsonl'}",
+                                            "pairs=[[eagle1,eagle3]]"])
     result = bench_drafters(cfg)
     assert list(result["sets"]) == ["embedded_test"] and list(result["skipped"]) == ["mt_bench"]
     cell = result["sets"]["embedded_test"]["by_temperature"]["0.0"]
@@ -417,7 +418,11 @@ def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same
         assert lo <= comparison["ratio"] <= hi and comparison["ratio"] > 0
     [row] = result["summary"]
     assert (row["set"], row["temperature"], row["tau"]) == ("embedded_test", 0.0, cell["tau_vs_reference"]["eagle3"]["tau"])
+    [pair] = result["pairs"]  # eagle1 over eagle3: the reference's ratio inverted, on the same resampled prompts
+    assert (pair["drafter"], pair["over"]) == ("eagle1", "eagle3")
+    assert pair["ratio"] == pytest.approx(1 / row["ratio"]) and pair["ci95"][0] <= pair["ratio"] <= pair["ci95"][1]
     page = drafters_markdown(result)
+    assert "| embedded_test | 0 | eagle1 | eagle3 |" in page
     assert f"- prompt set mt_bench skipped: {tmp_path / 'absent.jsonl'} does not exist (prompt_sets.mt_bench.path)" in page
     assert "| embedded_test | 0 | 4 | eagle3 |" in page
     cell["costs"]["eagle3"] = {"step_ms": 0.0, "draft_ms": 1.0, "c": None}  # one γ alone fits no step cost

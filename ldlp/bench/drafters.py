@@ -106,7 +106,31 @@ def bench_drafters(cfg) -> dict:
         cell["by_temperature"] = bench_one_set(cfg, [ids for _, ids in prompt_set], target, gens, set_name)
         result["sets"][set_name] = cell
     result["summary"] = summary_rows(result)
+    result["pairs"] = pair_rows(result, list(cfg.get("pairs") or []), int(cfg.bootstrap), int(cfg.seed))
     return result
+
+
+def pair_rows(result: dict, pairs: list, bootstrap: int, seed: int) -> list[dict]:
+    """τ at tau_gamma of drafter a over drafter b (``pairs``: ``[[a, b], ...]``, neither need be the reference), per
+    set and T, paired over prompts with a bootstrap 95% interval: e.g. a new head against the shipped one."""
+    import numpy as np
+
+    g = result["tau_gamma"]
+    rows = []
+    for pair in pairs:
+        a, b = (str(x) for x in pair)
+        for name in (a, b):
+            if name not in result["drafters"]:
+                raise ValueError(f"pairs: {name!r} is not one of the drafters {list(result['drafters'])}")
+        for set_name, cell in result["sets"].items():
+            for T, t_cell in cell["by_temperature"].items():
+                i, j = t_cell["labels"].index(f"{a} γ={g}"), t_cell["labels"].index(f"{b} γ={g}")
+                tok, fwd = np.asarray(t_cell["tokens"])[:, 0], np.asarray(t_cell["target_forwards"])[:, 0]
+                ratio, ci = _vs(tok[i], fwd[i], tok[j], fwd[j], bootstrap, seed)
+                rows.append({"set": set_name, "temperature": float(T), "drafter": a, "over": b, "gamma": g,
+                             "tau": float(tok[i].sum() / fwd[i].sum()), "over_tau": float(tok[j].sum() / fwd[j].sum()),
+                             "ratio": ratio, "ci95": ci})
+    return rows
 
 
 def summary_rows(result: dict) -> list[dict]:
@@ -243,6 +267,12 @@ def drafters_markdown(result: dict) -> str:
         lines.append(f"| {r['set']} | {r['temperature']:g} | {r['n_prompts']} | {r['drafter']} | {r['tau']:.2f} | "
                      f"{r['reference_tau']:.2f} | {_ci(r)} | {lossless} |")
     lines.append("")
+    if result.get("pairs"):
+        lines += [f"#### τ of one drafter over another at γ = {result['tau_gamma']}", "",
+                  "| prompt set | T | drafter | over | τ | τ | ratio (95% interval) |", "|---|---:|---|---|---:|---:|---|"]
+        lines += [f"| {r['set']} | {r['temperature']:g} | {r['drafter']} | {r['over']} | {r['tau']:.2f} | "
+                  f"{r['over_tau']:.2f} | {_ci(r)} |" for r in result["pairs"]]
+        lines.append("")
     for name, cell in result["sets"].items():
         lines += [f"### {name}: {cell['n_prompts']} prompts of {cell['dataset']}", ""]
         lines += _set_markdown(cell["by_temperature"], ref)
