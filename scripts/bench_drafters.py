@@ -22,8 +22,8 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out_dir or HydraConfig.get().runtime.output_dir)
     with out_dir_lock(out):  # one run at a time writes the folder
         result = bench_drafters(cfg)
+        atomic_write_json(out / "drafters.json", result, default=str)  # the measurements first: a page can be remade
         md = drafters_markdown(result)
-        atomic_write_json(out / "drafters.json", result, default=str)
         atomic_write_text(out / "drafters.md", md)
     print(md)
     print(f"wrote {out / 'drafters.md'}")

@@ -393,21 +393,53 @@ def test_the_cost_profiler_and_a_load_aware_policy_run_on_an_eagle3_drafter(t3, 
     assert pol.pricing.table is not None and pol.pricing.table.key["drafter_kind"] == "eagle3" and eng.cost_model.seen > 0
 
 
-def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same_prompts():
+def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same_prompts(tmp_path):
     """scripts/bench_drafters.py's library on the embedded pair, a few prompts: every drafter at every γ and AR,
-    lossless, and each comparison a paired ratio with its interval (the point inside it)."""
+    lossless, and each comparison a paired ratio with its interval (the point inside it); a prompt set whose file
+    is missing is skipped with one line on the page, the others measured."""
     from conftest import compose_config
 
-    from ldlp.bench.drafters import bench_drafters
+    from ldlp.bench.drafters import bench_drafters, drafters_markdown
 
-    cfg = compose_config("bench_drafters", ["data=embedded_test", "data.limit=4", "generation.max_new_tokens=8",
+    cfg = compose_config("bench_drafters", ["data.limit=4", "generation.max_new_tokens=8",
                                             "gammas=[3,4]", "tau_gamma=3", "temperatures=[0.0]", "rounds=1",
                                             "bootstrap=200", "evaluation.progress=false", "threads=1",
-                                            "model.dtype=float32"])
-    cell = bench_drafters(cfg)["by_temperature"]["0.0"]
-    assert cell["lossless"] is True
+                                            "model.dtype=float32", "sets=[embedded_test,mt_bench]",
+                                            f"prompt_sets.mt_bench.path={tmp_path / 'absent.jsonl'}",
+                                            "pairs=[[eagle1,eagle3]]"])
+    result = bench_drafters(cfg)
+    assert list(result["sets"]) == ["embedded_test"] and list(result["skipped"]) == ["mt_bench"]
+    cell = result["sets"]["embedded_test"]["by_temperature"]["0.0"]
+    assert cell["lossless"] is True and result["sets"]["embedded_test"]["n_prompts"] == 4
     assert cell["labels"] == ["eagle1 γ=3", "eagle1 γ=4", "eagle3 γ=3", "eagle3 γ=4", "ar_ours"]
     for comparison in (cell["tau_vs_reference"]["eagle3"], cell["best_static_vs_reference"]["eagle3"],
                        *cell["same_gamma_vs_reference"]["eagle3"].values()):
         lo, hi = comparison["ci95"]
         assert lo <= comparison["ratio"] <= hi and comparison["ratio"] > 0
+    [row] = result["summary"]
+    assert (row["set"], row["temperature"], row["tau"]) == ("embedded_test", 0.0, cell["tau_vs_reference"]["eagle3"]["tau"])
+    [pair] = result["pairs"]  # eagle1 over eagle3: the reference's ratio inverted, on the same resampled prompts
+    assert (pair["drafter"], pair["over"]) == ("eagle1", "eagle3")
+    assert pair["ratio"] == pytest.approx(1 / row["ratio"]) and pair["ci95"][0] <= pair["ratio"] <= pair["ci95"][1]
+    page = drafters_markdown(result)
+    assert "| embedded_test | 0 | eagle1 | eagle3 |" in page
+    assert f"- prompt set mt_bench skipped: {tmp_path / 'absent.jsonl'} does not exist (prompt_sets.mt_bench.path)" in page
+    assert "| embedded_test | 0 | 4 | eagle3 |" in page
+    cell["costs"]["eagle3"] = {"step_ms": 0.0, "draft_ms": 1.0, "c": None}  # one γ alone fits no step cost
+    assert "fitted costs of eagle3" not in drafters_markdown(result)
+
+
+def test_the_drafters_bench_names_its_prompt_sets_and_refuses_none_left(tmp_path):
+    """Unknown set names and a run whose every set is missing are one-line errors, before anything loads;
+    sets=[] is the data node alone."""
+    from conftest import compose_config
+
+    from ldlp.bench.drafters import prompt_sets
+
+    cfg = compose_config("bench_drafters", ["sets=[]", "data=mt_bench", f"data.path={tmp_path / 'q.jsonl'}"])
+    assert list(prompt_sets(cfg)[0]) == ["mt_bench"]
+    with pytest.raises(ValueError, match=r"^sets: \['nope'\] not in prompt_sets"):
+        prompt_sets(compose_config("bench_drafters", ["sets=[nope]"]))
+    absent = [f"prompt_sets.{n}.path={tmp_path / n}" for n in ("mt_bench", "sharegpt")]
+    with pytest.raises(ValueError, match="^no prompt set to measure: every one of"):
+        prompt_sets(compose_config("bench_drafters", ["sets=[mt_bench,sharegpt]", *absent]))

@@ -77,6 +77,33 @@ def test_distilled_records_mix_greedy_and_sampled_answers_and_are_made_once(tmp_
             distilled_records(cfg, t, None, "train")
 
 
+def test_kept_answers_serve_fewer_prompts_and_extend_to_more(tmp_path, monkeypatch):
+    """Answers to the first n prompts serve a smaller count and are extended, not remade, for a larger one; the
+    extension (saved every save_every prompts) equals distilling all the prompts at once; other settings remake."""
+    from eagle_backbone.data import conversations
+    from eagle_backbone.train import eagle3
+
+    t = make_target(dtype=torch.float32)
+    prompts = [("a", [1, 5, 9, 7]), ("b", [1, 30, 2, 8, 8]), ("c", [1, 11]), ("d", [1, 4, 4]), ("e", [1, 60, 3])]
+    monkeypatch.setattr(conversations, "load_conversations", lambda path, limit=None: prompts)
+    monkeypatch.setattr(conversations, "build_prompts", lambda tok, convs, n: convs)
+    cfg = OmegaConf.create({"train_path": "train.json", "validation_path": "val.json", "distill": {
+        "dir": str(tmp_path), "prompts": 2, "validation_prompts": 2, "max_prompt_tokens": 16, "max_new_tokens": 6,
+        "temperatures": [1.0], "seed": 4, "slots": 2, "save_every": 2}})
+    whole = distill(t, prompts, 6, 1.0, seed=4, slots=3)
+    assert distilled_records(cfg, t, None, "train") == whole[:2]
+    calls = []
+    real = eagle3.distill
+    monkeypatch.setattr(eagle3, "distill", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    cfg.distill.prompts = 9  # more than there are: all five
+    assert distilled_records(cfg, t, None, "train") == whole
+    assert calls == [2, 1]  # prompts 2..3, then 4: saved between
+    cfg.distill.prompts = 3
+    assert distilled_records(cfg, t, None, "train") == whole[:3] and calls == [2, 1]
+    cfg.distill.max_new_tokens = 5
+    assert [len(r["response_ids"]) <= 5 for r in distilled_records(cfg, t, None, "train")] == [True] * 3
+
+
 def _fit(root, records, max_steps, ckpt, resume, schedule=6):
     torch.manual_seed(0)  # the run's seed (run_eagle3_training: seed_everything), before the head is made
     module = Eagle3Module(str(root / "target"), ttt_steps=3, lr=3e-3, warmup_steps=2, schedule_steps=schedule,
@@ -138,3 +165,71 @@ def test_the_script_trains_and_exports_both_layouts(tmp_path, embedded_corpus):
     assert pair.candidates.kind == "eagle3" and pair.candidates.feature_layers == (0, 1, 2)
     assert (tmp_path / "eagle_layout" / "model.safetensors").exists()
     assert (head / "training_summary.json").exists()
+
+
+def test_a_head_continues_on_distilled_and_corpus_text_with_its_learning_curve(tmp_path, embedded_corpus):
+    """``drafter_training.init_from`` starts from a trained head, ``corpus_text=N`` mixes N corpus answers in, and
+    ``curve.every`` writes τ of the head (and once of the reference) per step, set and T into ckpt_dir/curve.jsonl;
+    a missing set is left out; a rerun with more steps resumes and adds only the new steps' points."""
+    import json
+
+    save_tiny_pair(tmp_path, vocab=4096, layers=3)
+    over = [o for o in pair_overrides(tmp_path, "float32") if not o.startswith(("model.drafter", "model.name"))]
+
+    def run(head, steps, *extra):
+        cmd = [sys.executable, "scripts/train_drafter.py", "drafter=eagle3", *over, f"model.drafter={head}",
+               f"trainer.max_steps={steps}", "trainer.precision=32-true", "trainer.limit_val_batches=1",
+               "trainer.enable_progress_bar=false", "drafter_training.layer_ids=[0,1,2]",
+               f"drafter_training.distill.dir={tmp_path / 'distill'}", "drafter_training.distill.prompts=8",
+               "drafter_training.distill.validation_prompts=2", "drafter_training.distill.max_new_tokens=8",
+               "drafter_training.batch_size=2", "drafter_training.block_size=64", "drafter_training.ttt_steps=2",
+               f"hydra.run.dir={tmp_path / 'run'}", f"data.path={embedded_corpus / 'train.json'}",
+               f"drafter_training.validation_path={embedded_corpus / 'validation.json'}", *extra]
+        r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    run(tmp_path / "first", 1, f"drafter_training.ckpt_dir={tmp_path / 'ckpt1'}")
+    curve = [f"drafter_training.ckpt_dir={tmp_path / 'ckpt2'}", f"drafter_training.init_from={tmp_path / 'first'}",
+             "drafter_training.checkpoint_every=1",
+             "drafter_training.corpus_text=5", "drafter_training.curve.every=2", "drafter_training.curve.prompts=2",
+             "drafter_training.curve.max_new_tokens=6", "drafter_training.curve.temperatures=[0.0,1.0]",
+             f"drafter_training.curve.sets.embedded_test={embedded_corpus / 'test.json'}",
+             f"drafter_training.curve.sets.mt_bench={tmp_path / 'absent.jsonl'}",
+             f"drafter_training.curve.reference.path={tmp_path / 'drafter'}"]
+    r = run(tmp_path / "second", 2, *curve)
+    assert "prompt set mt_bench skipped" in r.stdout + r.stderr
+    summary = json.loads((tmp_path / "second" / "training_summary.json").read_text())
+    assert (summary["corpus_records"], summary["distilled_records"]) == (5, 16)
+    assert summary["init_from"] == str(tmp_path / "first")
+    rows = [json.loads(x) for x in (tmp_path / "ckpt2" / "curve.jsonl").read_text().splitlines()]
+    key = [(x["drafter"], x["step"], x["set"], x["temperature"]) for x in rows]
+    assert key == [("eagle1", None, "embedded_test", 0.0), ("eagle1", None, "embedded_test", 1.0),
+                   ("head", 0, "embedded_test", 0.0), ("head", 0, "embedded_test", 1.0),
+                   ("head", 2, "embedded_test", 0.0), ("head", 2, "embedded_test", 1.0)]
+    assert all(1.0 <= x["tau"] <= 3 and x["prompts"] == 2 for x in rows)  # γ = 6, 6 tokens: at most 3 per forward... or fewer
+    run(tmp_path / "second", 4, *curve)  # resumed from step 2: only step 4's points are new
+    rows = [json.loads(x) for x in (tmp_path / "ckpt2" / "curve.jsonl").read_text().splitlines()]
+    assert [(x["drafter"], x["step"]) for x in rows[6:]] == [("head", 4), ("head", 4)]
+    from ldlp.report.eagle3_curve import write_curve_page
+
+    page = write_curve_page(tmp_path / "ckpt2" / "curve.jsonl", tmp_path / "page", "tiny", offset_tokens=1000)
+    lines = page["markdown"].splitlines()
+    assert "| step | block tokens (M) | embedded_test T=0 | embedded_test T=1 |" in lines
+    assert [x.split(" | ")[0] for x in lines if x.startswith("| ") and x[2].isdigit()] == ["| 0", "| 2", "| 4"]
+    assert any(x.startswith("| eagle1 (reference) |") and "(1.000)" in x for x in lines)
+    assert (tmp_path / "page" / "curve.png").stat().st_size > 0
+
+
+def test_corpus_records_are_first_answers_of_the_data(embedded_corpus):
+    from eagle_backbone.data.conversations import encode_chat, load_conversations, to_messages
+    from eagle_backbone.loading import load_tokenizer
+    from eagle_backbone.train.eagle3 import corpus_records
+
+    tok = load_tokenizer(str(REPO_ROOT / "data" / "embedded" / "tokenizer"))
+    recs = corpus_records(embedded_corpus / "train.json", tok, 3, 128)
+    conv = load_conversations(str(embedded_corpus / "train.json"), limit=1)[0]
+    msgs = to_messages(conv["conversations"])[:2]
+    assert len(recs) == 3 and recs[0]["source"] == "corpus"
+    assert recs[0]["prompt_ids"] + recs[0]["response_ids"] == encode_chat(tok, msgs)
+    assert corpus_records(embedded_corpus / "train.json", tok, 0, 128) == []

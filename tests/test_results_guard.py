@@ -370,12 +370,13 @@ def test_skipped_records_are_stated_on_the_load_sweep_and_drafters_pages(tmp_pat
     assert "**3 malformed records of the prompt file skipped** (data.on_error=skip" in page
     prompts.info = prompt_set_info({"path": str(tmp_path / "absent.json")})
     assert "n_skipped_records" not in prompts_meta(prompts, [1], 1)  # none skipped: the header as before
+    info = {"n_dropped": 1, "dropped_reason": "longer than max_prompt_tokens=64", "n_skipped_records": 2}
     result = {"reference": "eagle1", "drafters": {"eagle1": {"drafter_kind": "eagle"}}, "model": "m", "dtype": "float32",
-              "n_prompts": 40, "dataset": "sharegpt", "max_new_tokens": 8, "by_temperature": {},
-              "n_dropped": 1, "dropped_reason": "longer than max_prompt_tokens=64", "n_skipped_records": 2}
-    page = drafters_markdown(result)
-    assert "40 prompts of sharegpt (1 dropped: longer than max_prompt_tokens=64" in page
-    assert "**2 malformed records of the prompt file skipped**" in page
+              "max_new_tokens": 8, "tau_gamma": 6, "summary": [], "skipped": {},
+              "sets": {"sharegpt": {"dataset": "sharegpt", "n_prompts": 40, "prompt_set": info, "by_temperature": {}}}}
+    page = drafters_markdown(result)  # each prompt set states its own, in the list of sets and in its section
+    assert page.count("40 prompts of sharegpt (1 dropped: longer than max_prompt_tokens=64") == 2
+    assert page.count("**2 malformed records of the prompt file skipped**") == 2
 
 
 # ---- the remaining raw errors ------------------------------------------------------------------------------

@@ -34,12 +34,15 @@ from eagle_backbone.llama import rotate
 from eagle_backbone.io import atomic_path, atomic_write_json
 from eagle_backbone.runtime import set_threads
 from eagle_backbone.target import TargetModel
+from eagle_backbone.train.eagle3_curve import learning_curve
 
 
 def distill(target: TargetModel, prompts: list[tuple[str, list[int]]], max_new_tokens: int, temperature: float,
-            seed: int, slots: int = 16) -> list[dict]:
+            seed: int, slots: int = 16, start: int = 0) -> list[dict]:
     """The target's own responses to ``prompts`` ([(id, ids)]): greedy (temperature 0) or sampled with seed
-    ``seed * 1_000_003 + i`` for prompt i, in batches of ``slots`` (the batched engine, no drafter)."""
+    ``seed * 1_000_003 + start + i`` for prompt i, in batches of ``slots`` (the batched engine, no drafter).
+    ``start`` is the first prompt's index in a longer list: distilling a list's tail with ``start`` = the head's
+    length gives what distilling the whole list gives (the engine is batch-invariant, seeds are per prompt)."""
     from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.sampling import SamplingConfig
 
@@ -49,7 +52,7 @@ def distill(target: TargetModel, prompts: list[tuple[str, list[int]]], max_new_t
         chunk = prompts[a: a + slots]
         engine = BatchedSpeculativeEngine(target, slots=len(chunk), sampling=sampling)
         gens = engine.generate([p for _, p in chunk], max_new_tokens,
-                               seeds=[seed * 1_000_003 + a + i for i in range(len(chunk))])
+                               seeds=[seed * 1_000_003 + start + a + i for i in range(len(chunk))])
         out += [{"id": cid, "prompt_ids": p, "response_ids": g.tokens} for (cid, p), g in zip(chunk, gens)]
     return out
 
@@ -139,12 +142,13 @@ def ttt_loss(drafter: Eagle3Drafter, aux: torch.Tensor, input_ids: torch.Tensor,
 class Eagle3Module(L.LightningModule):
     """The frozen target (features and distributions on the fly) and the EAGLE-3 head it trains. The head's
     embedding and LM head start as the target's (restricted to the draft vocabulary); the embedding stays
-    frozen, the LM head trains when ``train_lm_head``."""
+    frozen, the LM head trains when ``train_lm_head``. ``init_from``: a head folder whose weights it starts
+    from instead (more training for a trained head)."""
 
     def __init__(self, target_path: str, ttt_steps: int = 7, decay: float = 0.8, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 50, schedule_steps: int = 1000,
                  draft_vocab_size: int | None = None, layer_ids=None, train_lm_head: bool = False,
-                 target_dtype: str = "float32", draft_ids: list[int] | None = None):
+                 target_dtype: str = "float32", draft_ids: list[int] | None = None, init_from: str | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.target = TargetModel.from_pretrained(target_path, dtype=target_dtype)
@@ -157,6 +161,8 @@ class Eagle3Module(L.LightningModule):
             self.drafter.embed_tokens.weight.copy_(self.target.embed_tokens.weight.float())
             self.drafter.lm_head.weight.copy_(self.target.lm_head.weight.float()[self.drafter.draft_to_target()])
             self.drafter.norm.weight.copy_(self.target.model.model.norm.weight.float())
+            if init_from:  # continue a trained head (its draft vocabulary and layers must be these)
+                self.drafter.load_state_dict(Eagle3Drafter.from_pretrained(init_from, "float32").state_dict())
         self.drafter.lm_head.weight.requires_grad_(train_lm_head)
         self.layers = self.drafter.aux_layers(cfg.num_hidden_layers)
 
@@ -223,8 +229,11 @@ class DistilledData(L.LightningDataModule):
 def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[dict]:
     """The distilled records of ``split`` (train | validation): the target's response to every prompt at each
     of ``cfg.distill.temperatures`` (EAGLE-3's self-distillation: greedy and sampled answers), concatenated in
-    that order. Each temperature's records are made once and kept in ``cfg.distill.dir`` as
-    ``<split>-T<temperature>.jsonl`` beside their settings; other settings make them again."""
+    that order. Each temperature's records are kept in ``cfg.distill.dir`` as ``<split>-T<temperature>.jsonl``
+    beside their settings: the answers to the first n prompts, made in that order. A file made with the same
+    other settings serves any count up to n, and a larger count extends it (the answers to prompts n.. are what
+    one run over all of them gives, :func:`distill`'s ``start``), saved every ``distill.save_every`` prompts so
+    an interrupted run resumes there; other settings make them again."""
     from eagle_backbone.data.conversations import build_prompts, load_conversations
 
     d = cfg.distill
@@ -238,21 +247,58 @@ def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[d
                     "prompts": int(d.prompts if split == "train" else d.validation_prompts),
                     "max_prompt_tokens": int(d.max_prompt_tokens), "max_new_tokens": int(d.max_new_tokens),
                     "temperature": temperature, "seed": int(d.seed)}
+        want = settings["prompts"]
         out = Path(d.dir) / f"{split}-T{temperature:g}.jsonl"
-        meta = out.with_suffix(".settings.json")
-        if out.exists() and meta.exists() and json.loads(meta.read_text()) == settings:
-            records += [json.loads(line) for line in out.read_text().splitlines()]
-            continue
-        if prompts is None:
-            convs = load_conversations(settings["path"], limit=None)
-            prompts = build_prompts(tokenizer, convs, settings["max_prompt_tokens"])[: settings["prompts"]]
-        made = distill(target, list(prompts), settings["max_new_tokens"], temperature,
-                       settings["seed"] + (0 if split == "train" else 1), int(d.slots))
-        with atomic_path(out) as tmp:
-            Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in made))
-        atomic_write_json(meta, settings, newline=False)
-        records += made
+        have = _kept_records(out, settings)
+        if len(have) < want:
+            if prompts is None:
+                convs = load_conversations(settings["path"], limit=None)
+                prompts = build_prompts(tokenizer, convs, settings["max_prompt_tokens"])
+            want = min(want, len(prompts))  # every prompt the file has: no more to distil
+            every = max(1, int(d.get("save_every") or want))
+            while len(have) < want:
+                n = len(have)
+                have += distill(target, list(prompts[n: min(want, n + every)]), settings["max_new_tokens"], temperature,
+                                settings["seed"] + (0 if split == "train" else 1), int(d.slots), start=n)
+                with atomic_path(out) as tmp:
+                    Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in have))
+                atomic_write_json(out.with_suffix(".settings.json"), {**settings, "prompts": len(have)}, newline=False)
+        records += have[:want]
     return records
+
+
+def corpus_records(path, tokenizer, limit: int, max_prompt_tokens: int) -> list[dict]:
+    """Off-policy records: the first ``limit`` conversations' first user turn (its chat prompt) and the answer
+    the data gives it (``source: corpus``), in the distilled records' form. Conversations without an answer
+    after their first user turn, or with a longer prompt, are left out."""
+    from eagle_backbone.data.conversations import encode_chat, load_conversations, to_messages
+
+    out = []
+    for conv in load_conversations(str(path), limit=None) if limit > 0 else []:
+        msgs = to_messages(conv["conversations"])
+        i = next((k for k, m in enumerate(msgs) if m["role"] == "user"), None)
+        if i is None or i + 1 >= len(msgs) or msgs[i + 1]["role"] != "assistant":
+            continue
+        prompt, full = encode_chat(tokenizer, msgs[: i + 1], add_generation_prompt=True), encode_chat(tokenizer, msgs[: i + 2])
+        if len(prompt) > max_prompt_tokens or full[: len(prompt)] != prompt:
+            continue
+        out.append({"id": str(conv.get("id")), "prompt_ids": prompt, "response_ids": full[len(prompt):], "source": "corpus"})
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _kept_records(out: Path, settings: dict) -> list[dict]:
+    """The records kept in ``out`` when its settings equal ``settings`` but for the count (a prefix of one
+    order), else none."""
+    meta = out.with_suffix(".settings.json")
+    if not (out.exists() and meta.exists()):
+        return []
+    kept = json.loads(meta.read_text())
+    if {k: v for k, v in kept.items() if k != "prompts"} != {k: v for k, v in settings.items() if k != "prompts"}:
+        return []
+    lines = out.read_text().splitlines()
+    return [json.loads(line) for line in lines[: int(kept.get("prompts", len(lines)))]]
 
 
 def run_eagle3_training(root_cfg) -> dict:
@@ -267,16 +313,25 @@ def run_eagle3_training(root_cfg) -> dict:
     tokenizer = load_tokenizer(cfg.tokenizer)
     steps = int(root_cfg.trainer.max_steps)
     module = Eagle3Module(cfg.target, cfg.ttt_steps, cfg.decay, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
-                          int(cfg.get("schedule_steps") or steps), cfg.get("draft_vocab_size"), cfg.get("layer_ids"),
-                          bool(cfg.train_lm_head), cfg.target_dtype)
+                          int(cfg.get("schedule_steps") or steps), cfg.get("draft_vocab_size"),
+                          None if cfg.get("layer_ids") is None else [int(i) for i in cfg.layer_ids],  # plain: last.ckpt's hparams load weights-only
+                          bool(cfg.train_lm_head), cfg.target_dtype, init_from=cfg.get("init_from"))
     target = module.target
     train, val = distilled_records(cfg, target, tokenizer, "train"), distilled_records(cfg, target, tokenizer, "validation")
+    if cfg.get("distill_only"):  # the data alone (a long job of its own; training reuses it)
+        return {"kind": "eagle3", "distilled_train_records": len(train), "distilled_val_records": len(val),
+                "distill_dir": str(cfg.distill.dir)}
+    distilled = len(train)
+    train = train + corpus_records(cfg.train_path, tokenizer, int(cfg.get("corpus_text") or 0), int(cfg.distill.max_prompt_tokens))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dm = DistilledData(train, val, cfg.block_size, cfg.batch_size, root_cfg.seed, steps, pad)
+    curve = learning_curve(cfg, tokenizer, int(cfg.batch_size) * int(cfg.block_size), int(root_cfg.seed))
     trainer, val_metrics, seconds = fit_resumable(module, dm, root_cfg.trainer, root_cfg.logger, cfg.ckpt_dir,
-                                                  root_cfg.resume, every_n_steps=int(cfg.get("checkpoint_every", 50)))
+                                                  root_cfg.resume, every_n_steps=int(cfg.get("checkpoint_every", 50)),
+                                                  callbacks=[curve] if curve else [])
     summary = {"kind": "eagle3", "steps": trainer.global_step, "ttt_steps": cfg.ttt_steps, "layers": list(module.layers),
-               "train_records": len(train), "val_records": len(val),
+               "train_records": len(train), "distilled_records": distilled, "corpus_records": len(train) - distilled,
+               "init_from": cfg.get("init_from"), "val_records": len(val),
                "distill_temperatures": [float(t) for t in cfg.distill.temperatures], "train_seconds_this_run": seconds,
                "seed": root_cfg.seed, "params": sum(p.numel() for n, p in module.drafter.named_parameters()
                                                     if not n.startswith("embed"))}

@@ -143,16 +143,17 @@ def run_lm_training(cfg) -> dict:
     return summary
 
 
-def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume: bool, every_n_steps: int = 50):
+def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume: bool, every_n_steps: int = 50,
+                  callbacks=()):
     """Fit with a ``last.ckpt`` every ``every_n_steps`` steps in ``ckpt_dir``, resuming from it when asked; then
-    validate. Returns (trainer, validation metrics, seconds this run)."""
+    validate. ``callbacks``: more Lightning callbacks. Returns (trainer, validation metrics, seconds this run)."""
     import hydra
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     ckpt_dir = Path(ckpt_dir)
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every_n_steps, save_top_k=0)
     trainer = hydra.utils.instantiate(trainer_cfg, logger=hydra.utils.instantiate(logger_cfg),
-                                      callbacks=[ckpt, LearningRateMonitor("step")])
+                                      callbacks=[ckpt, LearningRateMonitor("step"), *callbacks])
     last = ckpt_dir / "last.ckpt"
     if resume and last.exists():
         check_checkpoint(last)  # a torn one: one line, not PytorchStreamReader's traceback

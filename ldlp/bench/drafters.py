@@ -15,6 +15,12 @@ with all its rounds):
   reference's best;
 * the draft-cost ratio c as the timed generations give it: milliseconds per drafted token over milliseconds
   per target pass, fitted to each drafter's static-γ generations (:func:`ldlp.bench.replay.fit_costs`).
+
+**Prompt sets side by side.** ``sets`` names entries of ``prompt_sets`` (each a ``conf/data`` node: the
+embedded test split, in domain, and the shared MT-bench and ShareGPT prompts, out of domain); every set is
+measured in turn on the one loaded target, and the page opens with one table of τ per set and temperature. A
+set whose file is missing on this machine is skipped with one line (and listed under ``skipped``), never an
+error unless every set is; ``sets=[]`` measures the ``data`` node alone.
 """
 
 from __future__ import annotations
@@ -45,17 +51,39 @@ def _vs(num, den, ref_num, ref_den, bootstrap: int, seed: int) -> tuple[float, l
     return r["ratio"], r["ci95"]
 
 
-def bench_drafters(cfg) -> dict:
-    from ldlp.bench.replay import fit_costs
+def prompt_sets(cfg) -> tuple[dict, dict]:
+    """({name: data node} to measure, {name: why skipped}): the ``sets`` entries of ``prompt_sets`` (or the
+    ``data`` node alone for ``sets=[]``), those whose file is missing on this machine skipped, each with one
+    warning line. Refuses an unknown name, and a run with every set skipped."""
+    names = list(cfg.get("sets") or [])
+    if not names:
+        return {str(cfg.data.get("name") or "data"): cfg.data}, {}
+    known = cfg.get("prompt_sets") or {}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"sets: {unknown} not in prompt_sets (known: {sorted(known)})")
+    use, skipped = {}, {}
+    for name in names:
+        node = known[name]
+        path = node.get("path")
+        if path and not Path(str(path)).is_file() and not node.get("build_if_missing"):
+            skipped[name] = f"{path} does not exist (prompt_sets.{name}.path)"
+            log.warning("prompt set %s skipped: %s", name, skipped[name])
+        else:
+            use[name] = node
+    if not use:
+        raise ValueError(f"no prompt set to measure: every one of {names} is missing ({'; '.join(skipped.values())})")
+    return use, skipped
 
+
+def bench_drafters(cfg) -> dict:
     names = list(cfg.drafters)
     if len(names) < 2:
         raise ValueError(f"drafters: give at least two (the first is the reference), got {names}")
-    gammas = [int(g) for g in cfg.gammas]
-    tau_gamma = int(cfg.tau_gamma)
     int_setting("generation.max_new_tokens", cfg.generation.max_new_tokens, 1)  # no page of NaN from no tokens
-    prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
-    prompts = [ids for _, ids in prompt_set]
+    sets, skipped = prompt_sets(cfg)
+    tokenizer = load_tokenizer_cached(cfg.model)
+    prompts_of = {name: load_prompts(node, tokenizer) for name, node in sets.items()}  # bad input: before loading
     for name in names:  # each EAGLE drafter's sizes against the target's, before anything loads
         check_drafter_fits(cfg.drafters[name].drafter_kind, cfg.drafters[name].drafter, cfg.model.target)
     target = load_target(cfg.model)
@@ -67,13 +95,66 @@ def bench_drafters(cfg) -> dict:
         drafter = load_drafter(d.drafter_kind, d.drafter, cfg.model.dtype, device)
         tie_drafter_embedding(drafter, target)
         gens[name] = make_candidates(d.drafter_kind, drafter, target, attn)
-    n, seed, B = int(cfg.generation.max_new_tokens), int(cfg.seed), int(cfg.bootstrap)
-    result = {"drafters": {k: dict(cfg.drafters[k]) for k in names}, "reference": names[0], "gammas": gammas,
-              "tau_gamma": tau_gamma, "n_prompts": len(prompts), "max_new_tokens": n,
-              **{k: (prompt_set.info or {}).get(k) for k in ("n_dropped", "dropped_reason", "n_skipped_records")},
-              "dataset": str(cfg.data.get("name", Path(str(cfg.data.path)).stem)), "model": str(cfg.model.name),
-              "dtype": resolve_dtype(cfg.model.get("dtype"), device), "machine": machine_info(), "by_temperature": {}}
+    result = {"drafters": {k: dict(cfg.drafters[k]) for k in names}, "reference": names[0],
+              "gammas": [int(g) for g in cfg.gammas], "tau_gamma": int(cfg.tau_gamma),
+              "max_new_tokens": int(cfg.generation.max_new_tokens), "model": str(cfg.model.name),
+              "dtype": resolve_dtype(cfg.model.get("dtype"), device), "machine": machine_info(),
+              "sets": {}, "skipped": skipped}
+    for set_name, node in sets.items():
+        prompt_set = prompts_of[set_name]
+        cell = {"dataset": str(node.get("name", Path(str(node.path)).stem)), "n_prompts": len(prompt_set),
+                "prompt_set": dict(getattr(prompt_set, "info", {}) or {})}
+        cell["by_temperature"] = bench_one_set(cfg, [ids for _, ids in prompt_set], target, gens, set_name)
+        result["sets"][set_name] = cell
+    result["summary"] = summary_rows(result)
+    result["pairs"] = pair_rows(result, list(cfg.get("pairs") or []), int(cfg.bootstrap), int(cfg.seed))
+    return result
 
+
+def pair_rows(result: dict, pairs: list, bootstrap: int, seed: int) -> list[dict]:
+    """τ at tau_gamma of drafter a over drafter b (``pairs``: ``[[a, b], ...]``, neither need be the reference), per
+    set and T, paired over prompts with a bootstrap 95% interval: e.g. a new head against the shipped one."""
+    import numpy as np
+
+    g = result["tau_gamma"]
+    rows = []
+    for pair in pairs:
+        a, b = (str(x) for x in pair)
+        for name in (a, b):
+            if name not in result["drafters"]:
+                raise ValueError(f"pairs: {name!r} is not one of the drafters {list(result['drafters'])}")
+        for set_name, cell in result["sets"].items():
+            for T, t_cell in cell["by_temperature"].items():
+                i, j = t_cell["labels"].index(f"{a} γ={g}"), t_cell["labels"].index(f"{b} γ={g}")
+                tok, fwd = np.asarray(t_cell["tokens"])[:, 0], np.asarray(t_cell["target_forwards"])[:, 0]
+                ratio, ci = _vs(tok[i], fwd[i], tok[j], fwd[j], bootstrap, seed)
+                rows.append({"set": set_name, "temperature": float(T), "drafter": a, "over": b, "gamma": g,
+                             "tau": float(tok[i].sum() / fwd[i].sum()), "over_tau": float(tok[j].sum() / fwd[j].sum()),
+                             "ratio": ratio, "ci95": ci})
+    return rows
+
+
+def summary_rows(result: dict) -> list[dict]:
+    """One row per (prompt set, T, drafter other than the reference): τ at tau_gamma of both, the paired ratio."""
+    rows = []
+    for set_name, cell in result["sets"].items():
+        for T, t_cell in cell["by_temperature"].items():
+            for name, x in t_cell["tau_vs_reference"].items():
+                rows.append({"set": set_name, "temperature": float(T), "n_prompts": cell["n_prompts"], "drafter": name,
+                             "gamma": x["gamma"], "tau": x["tau"], "reference_tau": x["reference_tau"],
+                             "ratio": x["ratio"], "ci95": x["ci95"], "lossless": t_cell["lossless"]})
+    return rows
+
+
+def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: str = "") -> dict:
+    """Every temperature's cell (module docstring) on one prompt set: {str(T): cell}."""
+    from ldlp.bench.replay import fit_costs
+
+    names = list(gens)
+    gammas = [int(g) for g in cfg.gammas]
+    tau_gamma = int(cfg.tau_gamma)
+    n, seed, B = int(cfg.generation.max_new_tokens), int(cfg.seed), int(cfg.bootstrap)
+    by_temperature = {}
     for T in [float(t) for t in cfg.temperatures]:
         sampling = SamplingConfig(temperature=T)
         greedy = sampling.greedy
@@ -91,7 +172,7 @@ def bench_drafters(cfg) -> dict:
         fwds = np.zeros((len(runners), rounds, len(prompts)))
         outputs = [[None] * len(prompts) for _ in runners]
         stats_of = {name: [] for name in names}
-        bar = progress_bar(rounds * len(prompts), f"drafters T={T}", bool(cfg.evaluation.get("progress", True)))
+        bar = progress_bar(rounds * len(prompts), f"drafters {set_name} T={T}", bool(cfg.evaluation.get("progress", True)))
 
         def turn(i, prompt, k, r):
             out, st = runners[i].run(prompt, n, seed + k)
@@ -159,8 +240,8 @@ def bench_drafters(cfg) -> dict:
                                                        tok_p[labels.index(f"{names[0]} γ={g}")],
                                                        sec_p[labels.index(f"{names[0]} γ={g}")], B, seed)))
                     for g in gammas}
-        result["by_temperature"][str(T)] = cell
-    return result
+        by_temperature[str(T)] = cell
+    return by_temperature
 
 
 def _ci(x: dict) -> str:
@@ -177,15 +258,46 @@ def _prompt_notes(result: dict) -> str:
     return dropped_note(result) + skipped_note(result)
 
 
+def _set_notes(cell: dict) -> str:
+    """:func:`_prompt_notes` of one prompt set's cell (its loader's info, with the count it kept)."""
+    return _prompt_notes({**(cell.get("prompt_set") or {}), "n_prompts": cell["n_prompts"]})
+
+
 def drafters_markdown(result: dict) -> str:
     ref = result["reference"]
     kinds = ", ".join(f"`{k}` ({v.get('drafter_kind')})" for k, v in result["drafters"].items())
+    sets = ", ".join(f"{name} ({c['n_prompts']} prompts of {c['dataset']}{_set_notes(c)})"
+                     for name, c in result["sets"].items())
     lines = [f"### Drafters head to head ({result['model']}, {result['dtype']})", "",
-             f"Drafters {kinds} on one "
-             f"target; {result['n_prompts']} prompts of {result['dataset']}{_prompt_notes(result)}, "
-             f"{result['max_new_tokens']} new tokens at "
-             f"most. Ratios are against `{ref}` on the same prompts, with a bootstrap 95% interval over prompts.", ""]
-    for T, cell in result["by_temperature"].items():
+             f"Drafters {kinds} on one target; prompt sets {sets}; {result['max_new_tokens']} new tokens at most. "
+             f"Ratios are against `{ref}` on the same prompts, with a bootstrap 95% interval over prompts.", ""]
+    lines += [f"- prompt set {name} skipped: {why}" for name, why in result.get("skipped", {}).items()]
+    if result.get("skipped"):
+        lines.append("")
+    lines += [f"#### τ at static γ = {result['tau_gamma']}, every prompt set", "",
+              f"| prompt set | T | prompts | drafter | τ | {ref} τ | ratio (95% interval) | lossless |",
+              "|---|---:|---:|---|---:|---:|---|---|"]
+    for r in result["summary"]:
+        lossless = "" if r["lossless"] is None else ("yes" if r["lossless"] else "**no**")
+        lines.append(f"| {r['set']} | {r['temperature']:g} | {r['n_prompts']} | {r['drafter']} | {r['tau']:.2f} | "
+                     f"{r['reference_tau']:.2f} | {_ci(r)} | {lossless} |")
+    lines.append("")
+    if result.get("pairs"):
+        lines += [f"#### τ of one drafter over another at γ = {result['tau_gamma']}", "",
+                  "| prompt set | T | drafter | over | τ | τ | ratio (95% interval) |", "|---|---:|---|---|---:|---:|---|"]
+        lines += [f"| {r['set']} | {r['temperature']:g} | {r['drafter']} | {r['over']} | {r['tau']:.2f} | "
+                  f"{r['over_tau']:.2f} | {_ci(r)} |" for r in result["pairs"]]
+        lines.append("")
+    for name, cell in result["sets"].items():
+        lines += [f"### {name}: {cell['n_prompts']} prompts of {cell['dataset']}{_set_notes(cell)}",
+                  ""]
+        lines += _set_markdown(cell["by_temperature"], ref)
+    return "\n".join(lines)
+
+
+def _set_markdown(by_temperature: dict, ref: str) -> list[str]:
+    lines = []
+    for T, cell in by_temperature.items():
         greedy = float(T) == 0.0
         lines += [f"#### T = {T}" + (f" (lossless: {cell['lossless']})" if greedy else ""), "",
                   f"{cell['rounds']} round(s), contenders in turns on every prompt (rotating order).", "",
@@ -209,8 +321,8 @@ def drafters_markdown(result: dict) -> str:
                 lines.append(f"- tokens/s at the same γ, {name} vs {ref}: "
                              + ", ".join(f"γ={g}: {_ci(x)}" for g, x in per.items()))
             for name, lin in cell.get("costs", {}).items():
-                if lin:
+                if lin and lin.get("c") is not None:  # one γ alone fits no step cost (step_ms 0): no c
                     lines.append(f"- fitted costs of {name}: {lin['step_ms']:.2f} ms a target pass (a step's fixed cost), "
-                                 f"{lin['draft_ms']:.2f} ms a drafted token: c = {lin['draft_ms'] / lin['step_ms']:.3f}")
+                                 f"{lin['draft_ms']:.2f} ms a drafted token: c = {lin['c']:.3f}")
         lines.append("")
-    return "\n".join(lines)
+    return lines

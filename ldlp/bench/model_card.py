@@ -198,8 +198,9 @@ def eagle3_entry(cfg, root: Path, target: TargetModel, val_prompt: list[int], pr
                                       list(cfg.gammas), cfg.max_new_tokens, cfg.repeats)
     top1 = [summary[f"val_top1_{k}"] for k in range(int(summary.get("ttt_steps", 0))) if f"val_top1_{k}" in summary]
     return {"params": sum(p.numel() for n, p in head.named_parameters() if not n.startswith("embed")),
-            "layers": summary.get("layers"), "steps": summary.get("steps"), "seed": summary.get("seed", 0),
-            "train_seconds_this_run": summary.get("train_seconds_this_run"), "val_top1_by_depth": top1,
+            "layers": summary.get("layers"), "steps": summary.get("total_steps", summary.get("steps")),
+            "seed": summary.get("seed", 0), "train_seconds_this_run": summary.get("train_seconds_this_run"),
+            "train_seconds_total": summary.get("total_train_seconds"), "val_top1_by_depth": top1,  # a continued head: both runs
             "costs": costs, "decoding": {**decode, "dtype": cfg.decode.dtype,
                                          "attn_implementation": cfg.decode.attn_implementation,
                                          "n_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
@@ -374,7 +375,7 @@ def render_card(c: dict) -> str:
     ]
     if e3:
         lines.append(f"| EAGLE-3 head (layers {e3.get('layers')}) | {e3['params'] / 1e6:.2f}M (fc, layer, norm, LM head) | "
-                     f"{e3.get('steps', 'n/a')} | – | {hours(e3.get('train_seconds_this_run'))} + distillation | — | — | "
+                     f"{e3.get('steps', 'n/a')} | – | {hours(e3.get('train_seconds_total') or e3.get('train_seconds_this_run'))} + distillation | — | — | "
                      f"{e3.get('seed', 0)} |")
     lines += [
         "",
