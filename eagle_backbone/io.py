@@ -12,6 +12,7 @@ write to the path :func:`atomic_path` yields.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -138,3 +139,19 @@ def check_checkpoint(path: str | Path) -> None:
     if problem:
         raise ValueError(f"{path}: torn or corrupt checkpoint ({problem}); delete it to train from the start, or "
                          "pass resume=false")
+
+
+_FILE_SHA: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: a multi-GB file is read once per process
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes (read in 16 MiB blocks), kept for the process while its size and mtime hold."""
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_SHA:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        _FILE_SHA[key] = h.hexdigest()
+    return _FILE_SHA[key]

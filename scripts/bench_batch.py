@@ -107,7 +107,7 @@ def main(cfg: DictConfig) -> None:
             log.warning("skipping %s: %s", spec, e)
             skipped.append({"contender": str(spec), "temperature": None, "why": str(e)})
             continue
-        probe = build_policy(pcfg)
+        probe = build_policy(pcfg, cfg.model)
         gamma = None if is_peer(probe) else probe.fixed_gamma
         label = f"static γ={gamma}" if gamma is not None else name
         if pcfg.get("cost_model"):  # the same policy on costs measured in hindsight (a frozen step_costs.json)
@@ -175,6 +175,7 @@ def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads
     import sys
 
     from eagle_backbone.candidates import make_candidates
+    from eagle_backbone.made_for import run_made_for
     from ldlp.bench.loaders import load_pair_cached, machine_info, prepare_cost_tables, sampling_config
     from ldlp.bench.memory import RssSampler
     from ldlp.bench.serving import serve
@@ -196,7 +197,9 @@ def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads
                 "temperature": float(cfg.generation.get("temperature", 0.0)), "slots": int(sv.slots),
                 "rounds": int(sv.rounds), "warmup_rounds": int(sv.warmup_rounds), "threads": threads,
                 "cpu": machine_info().get("cpu"), "load_average": round(os.getloadavg()[0], 2),
-                "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:])}
+                "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:]),
+                # what the learners' schedules were measured on (their files carry it: eagle_backbone/made_for.py)
+                "made_for": run_made_for(cfg.model, costs=True)}
 
         def save(result, with_plot=False):
             write({**result, "skipped": skipped + result.get("skipped", [])}, out, meta, with_plot)

@@ -139,6 +139,7 @@ def main(cfg: DictConfig) -> None:
         vllm_available,
         vllm_build,
     )
+    from eagle_backbone.made_for import run_made_for
     from ldlp.bench.vllm_schedule import snippet
     from ldlp.bench.vllm_tune import tune, write_schedule
 
@@ -192,6 +193,7 @@ def main(cfg: DictConfig) -> None:
                    "threads": threads, "cpu": machine_info().get("cpu"),
                    "data": f"{cfg.data.name} (split {cfg.data.get('split', '?')}, {len(used)} prompts)",
                    "max_new_tokens": max_new}
+    rec["made_for"] = {**run_made_for(cfg.model, costs=True), "dtype": str(cfg.vllm.dtype)}  # vLLM's dtype
     rec["drafter_folder"] = str(drafter)
     rec["snippet"] = snippet(rec["schedule"], rec["k_max"], kind)
     rec["settings"] = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)

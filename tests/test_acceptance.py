@@ -115,6 +115,7 @@ def test_training_writes_a_head_that_beats_the_drafter_probabilities(trained):
     _, out, metrics = trained
     head = AcceptanceHead.from_pretrained(out)
     assert head.config.hidden_size == 32 and head.config.k_max == K_MAX
+    assert set(head.config.meta["made_for"]) == {"model", "dtype", "drafter_kind", "drafter_weights"}  # from the labels' manifest
     val = metrics["validation"]
     assert val["acceptance_head"]["examples"] == val["drafter_probabilities_only"]["examples"] > 50
     assert 0 < val["acceptance_head"]["positive_rate"] < 1

@@ -97,6 +97,7 @@ def test_head_batched_forward_equals_rows_and_needs_no_host_read():
              + head.bias)
         torch.testing.assert_close(torch.sigmoid(z), out[r])
     assert head.temperature == 0.7
+    assert set(head.config.meta["made_for"]) == {"model", "dtype", "drafter_kind", "drafter_weights"}  # from the labels' manifest
     # on the meta device nothing can be read back: a host sync (.item(), float(), .tolist()) would raise
     meta = random_head().to("meta")
     res = meta(states.to("meta"), probs.to("meta"), depth.to("meta"))

@@ -273,7 +273,7 @@ def test_a_tuned_file_for_another_model_is_refused_before_loading_or_taken_and_r
     # tuned with other drafter weights: refused once the pair is loaded
     path.write_text(json.dumps({"made_for": {**run_setup(cfg.model), "drafter_sha256": "0" * 64}, "results": [
         {"policy": "ddd", "params": {"threshold": -4.0}, "tokens_per_s": 12.0}]}))
-    with pytest.raises(Mismatch, match=f"^tuned_from={path} .*: drafter_sha256: '{'0' * 64}' vs '[0-9a-f]{{64}}'\\)"):
+    with pytest.raises(Mismatch, match=f"^tuned_from={path} .*: drafter_sha256: '{'0' * 12}' vs '[0-9a-f]{{12}}'\\)"):
         evaluate(cfg, policy_name="ddd")
 
 

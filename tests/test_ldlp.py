@@ -334,6 +334,7 @@ def test_train_script_tiny_run(script_inputs):
     ldlp = LDLP.from_pretrained(out)
     assert ldlp.config.input_dim == 64 and ldlp.config.k_max == K_MAX
     assert ldlp.config.meta["target"] == str(target)
+    assert set(ldlp.config.meta["made_for"]) == {"model", "dtype", "drafter_kind", "drafter_weights"}  # from the labels' manifest
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["results"]) == {"LDLP (regression)", "constant", "linear", "logistic", "hgb"}
     for m in metrics["results"].values():

@@ -267,7 +267,7 @@ def test_a_tuned_file_for_another_setup_is_refused_naming_the_file_and_both_side
                                 "results")
     # the drafter's weights, where the run knows them (its pair loaded)
     path = _tuning(tmp_path / "weights.json", same)
-    with pytest.raises(Mismatch, match=f"^tuned_from={path} .*drafter_sha256: '{'ab' * 32}' vs '{'cd' * 32}'\)"):
+    with pytest.raises(Mismatch, match=f"^tuned_from={path} .*drafter_sha256: '{'ab' * 6}' vs '{'cd' * 6}'\)"):
         apply_tuned(base, path, "ddd", {**run, "drafter_sha256": "cd" * 32})
     assert apply_tuned(base, path, "ddd", {**run, "drafter_sha256": "ab" * 32})[1] == {"threshold": -4.0}
     # a file not applied (a static γ is never tuned) is not refused; nor one without a run to check against
@@ -441,6 +441,129 @@ def test_an_eagle3_head_for_another_verifier_is_refused_before_anything_loads(tm
     accepting(True)
     check_drafter_fits("eagle3", head, target)
     assert accepted_mismatches() and "org/another-model" in accepted_mismatches()[0]
+
+
+# ---- learned files: LDLP checkpoints, the shipped predictor, acceptance heads, vLLM schedules -------------------
+
+
+def _learned(folder, made_for=None, meta=None):
+    """A learned folder's config.json as the trainers write it (only ``meta`` is read before anything loads)."""
+    folder.mkdir(parents=True)
+    record = {"made_for": made_for} if made_for else {}
+    (folder / "config.json").write_text(json.dumps({"kind": "acceptance_head", "meta": {**(meta or {}), **record}}))
+    return folder
+
+
+def _drafter(folder, payload=b"weights"):
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(payload)
+    (folder / "config.json").write_text("{}")  # not a weight file: not in the digest
+    return folder
+
+
+def test_a_learned_file_made_for_another_setup_is_refused_before_anything_loads(tmp_path, accepting):
+    """An LDLP checkpoint, acceptance head or folder of draft-acceptance heads records what it was made for; the
+    policy's folder is checked against the run's model (its name, drafter kind and drafter weight files) before
+    any weights load: another is refused in one line naming the file and both sides, the dtype only recorded."""
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.errors import Mismatch, accepted_mismatches
+    from eagle_backbone.made_for import run_made_for
+    from ldlp.bench.loaders import check_learned_files
+
+    model = OmegaConf.create({"name": "embedded", "dtype": "float32", "device": "cpu", "drafter_kind": "eagle",
+                              "drafter": str(_drafter(tmp_path / "drafter"))})
+    run = run_made_for(model)
+    assert run["drafter_weights"] and run["dtype"] == "float32" and "cpu_caps" not in run
+    assert run_made_for(OmegaConf.merge(model, {"drafter": str(_drafter(tmp_path / "d2"))}))["drafter_weights"] == \
+        run["drafter_weights"]  # the same weight bytes elsewhere: the same drafter
+    same = _learned(tmp_path / "same", {**run, "dtype": "bfloat16"})  # labels of another dtype: taken
+    old = _learned(tmp_path / "old")  # no record: taken as it is
+    for folder in (same, old, tmp_path / "absent"):
+        check_learned_files(OmegaConf.create({"path": str(folder)}), model)
+    other = _learned(tmp_path / "other", {**run, "drafter_weights": "ab" * 32})
+    with pytest.raises(Mismatch) as e:
+        check_learned_files(OmegaConf.create({"path": str(other)}), model)
+    assert str(e.value).startswith(f"policy.path={other} was made for another setup than this run's (the file's vs "
+                                   f"this run's: drafter_weights: {'ab' * 6!r} vs {run['drafter_weights'][:12]!r}); ")
+    assert "\n" not in str(e.value)
+    # a folder of draft-acceptance heads (t<T>/): each head is checked
+    heads = tmp_path / "heads"
+    _learned(heads / "t0", run)
+    _learned(heads / "t1", {**run, "model": "vicuna", "drafter_kind": "eagle3"})
+    with pytest.raises(Mismatch, match=f"^policy.estimator={heads / 't1'} was made for .*model: 'vicuna' vs "
+                                       "'embedded'; drafter_kind: 'eagle3' vs 'eagle'\\)"):
+        check_learned_files(OmegaConf.create({"estimator": str(heads)}), model)
+    check_learned_files(OmegaConf.create({"estimator": "confidence"}), model)
+    accepting(True)
+    check_learned_files(OmegaConf.create({"path": str(other)}), model)
+    assert len(accepted_mismatches()) == 1 and accepted_mismatches()[0].startswith(f"policy.path={other} ")
+
+
+def test_the_shipped_predictor_is_checked_by_its_labels_identity(tmp_path):
+    """The shipped predictor records its labels' identity (dtype, drafter kind, drafter files): taken on the pair
+    it was trained for, refused on the EAGLE-3 head's, through a script, before any weights load."""
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.made_for import made_for_of
+    from ldlp.bench.loaders import check_learned_files
+
+    shipped = REPO_ROOT / "data" / "embedded" / "predictor"
+    made_for = made_for_of(json.loads((shipped / "config.json").read_text())["meta"])
+    assert made_for["drafter_kind"] == "eagle" and made_for["drafter_weights"]
+    eagle1 = OmegaConf.create({"name": "embedded", "dtype": "float32", "device": "cpu", "drafter_kind": "eagle",
+                               "drafter": str(REPO_ROOT / "data" / "embedded" / "drafter")})
+    check_learned_files(OmegaConf.create({"path": str(shipped)}), eagle1)
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "evaluate.py"), "model=embedded_eagle3",
+                          "policy=learned", "data.limit=1", "generation.max_new_tokens=2",
+                          f"hydra.run.dir={tmp_path / 'eval'}"], capture_output=True, text=True, timeout=300,
+                         cwd=REPO_ROOT)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: policy.path={shipped} was made for another setup than this run's (the file's vs "
+                           "this run's: drafter_kind: 'eagle' vs 'eagle3'; drafter_weights: "), last
+    assert not (tmp_path / "eval" / "results.json").exists()
+
+
+def test_a_vllm_schedule_says_what_it_was_tuned_for_and_is_checked(tmp_path, accepting):
+    """The tuner's schedule.json records the model, vLLM's dtype, the drafter and the CPU's capabilities (a
+    schedule prices steps); a contender running it on another setup is refused naming the file and both sides.
+    schedule.yaml stays a config vLLM reads as it is; a file without the record is taken."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from eagle_backbone.errors import Mismatch
+    from eagle_backbone.made_for import run_made_for
+    from ldlp.bench.vllm_schedule import check_schedule_made_for, load_schedule
+    from ldlp.bench.vllm_tune import write_schedule
+
+    model = OmegaConf.create({"name": "embedded", "dtype": "float32", "device": "cpu", "drafter_kind": "eagle",
+                              "drafter": str(_drafter(tmp_path / "drafter"))})
+    tuned = {**run_made_for(model, costs=True), "dtype": "float32"}
+    write_schedule({"schedule": [[1, 4, 3], [5, 32, 1]], "k_max": 3, "made_for": tuned}, tmp_path / "s")
+    assert "made_for" not in yaml.safe_load((tmp_path / "s" / "schedule.yaml").read_text())
+    sch = load_schedule(tmp_path / "s" / "schedule.json", 3)
+    assert sch["made_for"] == json.loads(json.dumps(tuned)) and sch["ranges"] == [(1, 4, 3), (5, 32, 1)]
+    check_schedule_made_for(sch, model, "float32")
+    with pytest.raises(Mismatch, match=f"^spec.schedule={tmp_path / 's' / 'schedule.json'} was made for another "
+                                       "setup .*dtype: 'float32' vs 'bfloat16'\\); tune one for this setup"):
+        check_schedule_made_for(sch, model, "bfloat16")
+    other_cpu = {**sch, "made_for": {**tuned, "cpu_caps": {**tuned["cpu_caps"], "avx512": "other"}}}
+    with pytest.raises(Mismatch, match="cpu_caps: "):
+        check_schedule_made_for(other_cpu, model, "float32")
+    check_schedule_made_for(load_schedule(tmp_path / "s" / "schedule.yaml", 3), model, "bfloat16")  # no record
+
+
+def test_a_serving_runs_learned_schedules_carry_its_setup(tmp_path):
+    from ldlp.report.serving import write_learned_schedules
+
+    learners = {"load_aware_step": {"schedule": {"1": 4, "2": 3, "4": 2}}}
+    made_for = {"model": "embedded", "dtype": "bfloat16", "drafter_kind": "eagle", "cpu_caps": {"bf16": True}}
+    (tmp_path / "serving.json").write_text(json.dumps({"meta": {"made_for": made_for}, "learners": learners}))
+    (written,) = write_learned_schedules(tmp_path, made_for)
+    assert written.name == "learned_schedule_load_aware_step.json"
+    record = json.loads(written.read_text())
+    assert record["made_for"] == made_for and record["speculative_config"]["num_speculative_tokens"] == 4
 
 
 def test_no_script_leaves_a_log_file_in_the_folder_it_runs_in():

@@ -76,7 +76,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     n, seed = int(cfg.generation.max_new_tokens), int(cfg.seed)
     runners, labels, settings, adaptive, policies = [], [], [], [], []
     for name, pcfg in contenders:
-        policy = build_policy(pcfg)
+        policy = build_policy(pcfg, cfg.model)
         prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
         label = _label(name, policy)
         setting = {k: v for k, v in dict(pcfg).items() if k != "_target_"}

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from eagle_backbone.io import file_sha256
 from eagle_backbone.policy import DraftLengthPolicy, PerSlot
 from eagle_backbone.sampling import SamplingConfig
 
@@ -67,16 +68,6 @@ class PromptSet(list):
 
     info: dict = {}
     dropped: list = []
-
-
-def file_sha256(path: str | Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def prompt_set_info(data_cfg, n_dropped: int = 0, n_skipped: int = 0) -> dict:
@@ -297,12 +288,47 @@ def prepare_cost_tables(policies, target, candidates, attn: str | None, concurre
                         profile_if_missing=pr.profile_if_missing)
 
 
-def build_policy(policy_cfg):
+# a policy's keys that name a learned folder (config.json + model.safetensors, or t<T>/ subfolders of them)
+LEARNED_KEYS = ("path", "estimator")
+
+
+def check_learned_files(policy_cfg, model_cfg) -> None:
+    """The learned folders a policy would load (an LDLP checkpoint, the shipped predictor, an acceptance head, a
+    folder of draft-acceptance heads) checked against the run's model before any weights load: made for another
+    model or drafter (its ``meta.made_for``, :mod:`eagle_backbone.made_for`), one is refused in one line naming the
+    file and both sides. A folder not there is the policy's to report; one without the record is taken."""
+    from eagle_backbone.made_for import ACCEPTANCE_FIELDS, check_made_for, made_for_of, run_made_for
+
+    run = None
+    for key in LEARNED_KEYS:
+        value = policy_cfg.get(key)
+        if not isinstance(value, str) or not Path(value).is_dir():
+            continue
+        folder = Path(value)
+        configs = [folder / "config.json"] if (folder / "config.json").is_file() else sorted(folder.glob("*/config.json"))
+        for config in configs:
+            try:
+                meta = json.loads(config.read_text()).get("meta")
+            except (OSError, ValueError, AttributeError):
+                continue  # the loader names an unreadable file
+            made_for = made_for_of(meta if isinstance(meta, dict) else None)
+            if made_for is None:
+                continue
+            run = run or run_made_for(model_cfg)
+            check_made_for(f"policy.{key}={config.parent}", made_for, run, ACCEPTANCE_FIELDS,
+                           "train one on this pair's labels (docs/pipeline.md#learned-files) or point the policy at it")
+
+
+def build_policy(policy_cfg, model_cfg=None):
+    """The policy of ``policy_cfg`` (a conf/policy/*.yaml node); with ``model_cfg`` (the run's model) the learned
+    files it names are first checked against it (:func:`check_learned_files`)."""
     from hydra.utils import instantiate
 
     if "_target_" not in policy_cfg:
         raise ValueError("policy config has no _target_: pick one with policy=static|ldlp|ddd|... "
                          "(files under conf/policy/)")
+    if model_cfg is not None:
+        check_learned_files(policy_cfg, model_cfg)
     from hydra.errors import InstantiationException
 
     try:
@@ -341,7 +367,7 @@ def check_tuned(tuned_from, run: dict | None) -> None:
     """A tuning.json made for another setup than ``run`` (:func:`run_setup`) is refused in one line naming the file
     and both sides (or, with accept_mismatch=true, taken and recorded: eagle_backbone/errors.py). A file of before
     the record (no ``made_for``), or a field either side does not know, is taken as it is."""
-    from eagle_backbone.errors import mismatch
+    from eagle_backbone.made_for import check_made_for
 
     if not tuned_from or run is None:
         return
@@ -352,11 +378,9 @@ def check_tuned(tuned_from, run: dict | None) -> None:
     if not isinstance(made_for, dict):
         log.debug("tuned_from=%s records no setup (a file of before the record): taken as it is", tuned_from)
         return
-    wrong = [f"{k}: {made_for[k]!r} vs {run[k]!r}" for k in TUNED_FIELDS
-             if made_for.get(k) is not None and run.get(k) is not None and made_for[k] != run[k]]
-    if wrong:  # thresholds tuned on another model's acceptance or another dtype's costs: silently off here
-        mismatch(f"tuned_from={tuned_from} was tuned for another setup than this run's (the file's vs this run's: "
-                 f"{'; '.join(wrong)}); tune for this one (python scripts/tune_policies.py)")
+    # thresholds tuned on another model's acceptance or another dtype's costs: silently off here
+    check_made_for(f"tuned_from={tuned_from}", made_for, run, TUNED_FIELDS,
+                   "tune for this one (python scripts/tune_policies.py)", verb="tuned")
 
 
 def apply_tuned(policy_cfg, tuned_from, policy_name: str | None, run: dict | None = None):

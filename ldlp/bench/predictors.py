@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eagle_backbone.made_for import run_made_for
 from ldlp.bench.replay import OracleRows, replay
 from ldlp.bench.stats import headroom_captured
 from ldlp.bench.study_rows import load_split, oracle_record, rows_subset
@@ -471,4 +472,5 @@ def shipped_meta(cfg, ldlp, tr: Examples, va: Examples, train: OracleRows, costs
             "oracle_identity": [r["identity"] for r in records] if len(records) > 1 else records[0]["identity"],
             "costs": costs_record(costs),
             "train_examples": len(tr), "validation_examples": len(va), "seed": int(cfg.seed),
-            "validation": scores(ldlp.survival_of(va.x), va.label), "command": command}
+            "validation": scores(ldlp.survival_of(va.x), va.label), "command": command,
+            "made_for": run_made_for(cfg.model)}  # the pair it replayed on (eagle_backbone/made_for.py)

@@ -428,10 +428,11 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
     k, method = spec["k"], spec.get("method") or "eagle"
     schedule = None
     if spec.get("schedule"):  # read and checked before anything starts (ldlp/bench/vllm_schedule.py)
-        from ldlp.bench.vllm_schedule import load_schedule
+        from ldlp.bench.vllm_schedule import check_schedule_made_for, load_schedule
 
         sch = load_schedule(spec["schedule"], k)
         schedule, k = sch["ranges"], sch["k"]
+        check_schedule_made_for(sch, model_cfg, str((vllm_cfg or {}).get("dtype") or "float32"))
     kind = str(model_cfg.get("drafter_kind", "eagle"))
     if k is not None and kind != method:
         what = "spec.k" if method == "eagle" else f"spec.method={method} spec.k"

@@ -102,7 +102,8 @@ def load_schedule(path: str | Path, k_max: int | None = None) -> dict:
     """A schedule file (JSON or YAML: the ranges, ``{KEY: ranges, "num_speculative_tokens": K}`` or the whole
     ``speculative_config``), checked (:func:`check_schedule`) against ``k_max`` (the contender's ``spec.k``;
     None: the file's ``num_speculative_tokens``, else :data:`MAX_K`). Returns {"ranges", "k" (the
-    ``num_speculative_tokens`` to run: ``k_max``, the file's, else the largest K), "path"}."""
+    ``num_speculative_tokens`` to run: ``k_max``, the file's, else the largest K), "path"}, and "made_for" where
+    the file records what it was tuned for (:func:`check_schedule_made_for`)."""
     path = Path(path)
     where = f"schedule {path}"
     if not path.is_file():
@@ -126,7 +127,21 @@ def load_schedule(path: str | Path, k_max: int | None = None) -> dict:
     k = int(cap) if cap is not None else max(k for _, _, k in out)
     if k < 1:
         raise ValueError(f"{where}: every K is 0; a schedule needs K >= 1 somewhere")
-    return {"ranges": out, "k": k, "path": str(path)}
+    made_for = obj.get("made_for") if isinstance(obj, dict) else None  # beside speculative_config (tuned files)
+    return {"ranges": out, "k": k, "path": str(path), **({"made_for": made_for} if isinstance(made_for, dict) else {})}
+
+
+def check_schedule_made_for(schedule: dict, model_cfg, dtype: str) -> None:
+    """A schedule file (:func:`load_schedule`) that says what it was measured on (``made_for``: the model, the
+    dtype, the drafter and the CPU's capabilities: a schedule prices steps) checked against the run's model, vLLM's
+    ``dtype`` and this machine: another setup is refused in one line naming the file and both sides
+    (``accept_mismatch=true`` takes it, recorded). A file without the record is taken as it is."""
+    from eagle_backbone.made_for import COST_FIELDS, check_made_for, run_made_for
+
+    if schedule.get("made_for"):
+        check_made_for(f"spec.schedule={schedule['path']}", schedule["made_for"],
+                       {**run_made_for(model_cfg, costs=True), "dtype": dtype}, COST_FIELDS,
+                       "tune one for this setup (python scripts/tune_vllm_schedule.py)")
 
 
 def dense_lookup(ranges, max_batch: int, k_max: int) -> list[int]:

@@ -195,7 +195,10 @@ def write_schedule(record: dict, out: str | Path, method: str = "eagle", model: 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     snip = snippet(record["schedule"], record["k_max"], method, model)
-    (out / "schedule.json").write_text(json.dumps(snip, indent=2) + "\n")
+    # the JSON file says what the schedule was tuned for (model, vLLM's dtype, drafter, CPU: checked where it runs);
+    # the YAML stays a config vLLM reads as it is
+    made_for = {"made_for": record["made_for"]} if record.get("made_for") else {}
+    (out / "schedule.json").write_text(json.dumps({**snip, **made_for}, indent=2) + "\n")
     (out / "schedule.yaml").write_text(yaml.safe_dump(snip, default_flow_style=None, sort_keys=False))
     return [out / "schedule.json", out / "schedule.yaml"]
 

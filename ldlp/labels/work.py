@@ -4,18 +4,18 @@ and settings that ``manifest.json`` guards (:func:`folder_digest`, :func:`settin
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from eagle_backbone.data.conversations import build_prompts, held_out, load_conversations
+from eagle_backbone.io import file_sha256
+from eagle_backbone.made_for import WEIGHT_SUFFIXES
 
 # settings that change what the files contain; a rerun must agree on them to continue a collection
 IDENTITY_KEYS = ("seed", "k_max", "max_new_tokens", "store_features", "store_draft_states", "feature_dtype",
                  "stat_dtype", "full_target_prob", "max_rows_per_pass", "shard_size", "num_shards")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 MODEL_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
@@ -146,14 +146,6 @@ def plan_parts(items: list[WorkItem], shard_id: int, num_shards: int, shard_size
 # ---- files -----------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def folder_digest(folder, previous: dict | None = None, hash_weights: bool = True, tokenizer: bool = False) -> dict:
     """Weight and config files (or tokenizer files) of a folder with size and sha256; a hash is reused
     from ``previous`` while size and mtime agree, so reruns do not re-read multi-GB weights."""
@@ -170,7 +162,7 @@ def folder_digest(folder, previous: dict | None = None, hash_weights: bool = Tru
         if old.get("size") == st.st_size and old.get("mtime_ns") == st.st_mtime_ns and old.get("sha256"):
             entry["sha256"] = old["sha256"]
         elif hash_weights:
-            entry["sha256"] = _sha256(f)
+            entry["sha256"] = file_sha256(f)
         files[f.name] = entry
     return {"path": str(folder.resolve()), "files": files}
 

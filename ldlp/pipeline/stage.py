@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_backbone.io import atomic_write_json, tmp_owner
+from eagle_backbone.io import atomic_write_json, file_sha256, tmp_owner
 from eagle_backbone.paths import CONF_DIR, REPO_ROOT
 
 FINGERPRINT = "stage.json"  # next to every stage's output: the fingerprint of its inputs, and whether it finished
@@ -63,29 +63,14 @@ def override_key(override: str) -> str:
 
 # ---- fingerprints ------------------------------------------------------------------------------------------
 
-_content_hashes: dict[tuple, str] = {}
-
-
-def _file_sha256(path: Path) -> str:
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _content_hashes:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        _content_hashes[key] = h.hexdigest()
-    return _content_hashes[key]
-
-
 def content_digest(folder: str | Path) -> dict:
     """{file: sha256} of a model folder's files (weights, configs, tokenizer), hashed once per size and mtime."""
     folder = Path(folder)
     if folder.is_file():
-        return {folder.name: _file_sha256(folder)}
+        return {folder.name: file_sha256(folder)}
     if not folder.is_dir():
         return {}
-    return {str(f.relative_to(folder)): _file_sha256(f) for f in sorted(folder.rglob("*"))
+    return {str(f.relative_to(folder)): file_sha256(f) for f in sorted(folder.rglob("*"))
             if f.is_file() and not f.name.startswith(".") and f.suffix != ".md"}
 
 
@@ -101,7 +86,7 @@ def output_digest(folder: str | Path) -> dict:
         rel = f.relative_to(folder)
         if f.is_file() and not SKIP_IN_OUTPUTS & set(rel.parts) and not f.name.endswith(".tmp") and tmp_owner(f) is None:
             st = f.stat()
-            out[str(rel)] = _file_sha256(f) if st.st_size <= CONTENT_HASH_LIMIT else [st.st_size, st.st_mtime_ns]
+            out[str(rel)] = file_sha256(f) if st.st_size <= CONTENT_HASH_LIMIT else [st.st_size, st.st_mtime_ns]
     return out
 
 

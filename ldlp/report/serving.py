@@ -133,18 +133,28 @@ def render(folder: str | Path) -> Path:
     return write(rec, folder, meta)
 
 
+def write_learned_schedules(out: Path, made_for: dict | None) -> list[Path]:
+    """Each goodput learner's schedule in ``out``'s serving.json as a vLLM ``speculative_config``
+    (``learned_schedule_<contender>.json``), with the setup it was measured on (``made_for``, checked where
+    ``engine=vllm spec.schedule=FILE`` runs it)."""
+    from ldlp.bench.vllm_schedule import learned_schedules
+
+    files = []
+    for label, sched in learned_schedules(out).items():
+        slug = "".join(ch if ch.isalnum() else "_" for ch in label).strip("_")
+        files.append(out / f"learned_schedule_{slug}.json")
+        atomic_write_json(files[-1], {**sched["snippet"], **({"made_for": made_for} if made_for else {})})
+    return files
+
+
 def write(result: dict, out_dir: str | Path, meta: dict, with_plot: bool = True) -> Path:
     """serving.json, serving.md, the learners' plot and each learner's schedule as a vLLM ``speculative_config``
     (``learned_schedule_<contender>.json``: ``engine=vllm spec.schedule=FILE`` runs it)."""
-    from ldlp.bench.vllm_schedule import learned_schedules
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "serving.json", {"meta": meta, **result})
     atomic_write_text(out / "serving.md", markdown(result, meta))
-    for label, sched in learned_schedules(out).items():
-        slug = "".join(ch if ch.isalnum() else "_" for ch in label).strip("_")
-        atomic_write_json(out / f"learned_schedule_{slug}.json", sched["snippet"])
+    write_learned_schedules(out, meta.get("made_for"))
     if with_plot:
         plot_learners(result, out / "serving_learner.png")
     return out

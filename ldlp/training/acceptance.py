@@ -88,13 +88,14 @@ def train_acceptance_head(cfg) -> dict:
         raise ValueError(f"{cfg.oracle_dir}: the training examples have one outcome only; collect more labels")
     full = np.concatenate([X, S], 1)
     model = _fit(full[train], y[train], float(cfg.C), int(cfg.seed))
+    from eagle_backbone.made_for import manifest_made_for
     from ldlp.labels.store import read_manifest
 
     # the drafter the states came from: a policy refuses the head on another kind's states (same width, other meaning)
-    drafter_kind = ((read_manifest(cfg.oracle_dir).get("identity") or {}).get("model") or {}).get("drafter_kind")
+    made_for = manifest_made_for(read_manifest(cfg.oracle_dir))  # checked where a policy would load the head
     config = AcceptanceHeadConfig(hidden_size=X.shape[1], k_max=k, C=float(cfg.C),
                                   meta={"allow_partial": collection["allow_partial"], "oracle_collection": collection,
-                                        "drafter_kind": drafter_kind})
+                                        "drafter_kind": made_for["drafter_kind"], "made_for": made_for})
     head = AcceptanceHead.from_sklearn(model, config)
     out = Path(cfg.out_dir)
     head.save_pretrained(out)

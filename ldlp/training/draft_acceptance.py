@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from eagle_backbone.errors import ConfigError
+from eagle_backbone.made_for import manifest_made_for
 from ldlp.models.acceptance import (
     DRAFT_STAT_NAMES,
     DraftAcceptanceHead,
@@ -95,7 +96,8 @@ def load_labels(folder: str | Path, allow_partial: bool = False) -> dict:
                          "(python scripts/collect_acceptance.py)")
     data["k_max"] = int(manifest["k_max"])
     data["temperature"] = float(manifest["temperature"])
-    data["drafter_kind"] = ((manifest.get("identity") or {}).get("model") or {}).get("drafter_kind")
+    data["made_for"] = manifest_made_for(manifest)  # the setup the heads fitted on these labels were made for
+    data["drafter_kind"] = data["made_for"]["drafter_kind"]
     return data
 
 
@@ -167,6 +169,7 @@ def train_at_temperature(cfg, t: float) -> dict:
     config = DraftAcceptanceHeadConfig(hidden_size=train["states"].shape[1], temperature=float(t), k_max=data["k_max"],
                                        C=float(cfg.C), meta={"labels": str(labels),
                                                              "drafter_kind": data["drafter_kind"],
+                                                             "made_for": data["made_for"],
                                                              "train_examples": len(idx),
                                                              "stat_names": list(DRAFT_STAT_NAMES)})
     head = DraftAcceptanceHead.from_sklearn(model, config)

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from eagle_backbone.io import atomic_path, atomic_write_json, check_checkpoint
+from eagle_backbone.made_for import manifest_made_for
 from eagle_backbone.runtime import Clock, set_threads
 from ldlp.labels.store import (load_oracle_rows, load_oracle_sequences, read_manifest, require_columns,
                                split_by_conversation)
@@ -453,7 +454,8 @@ def run_ldlp_training(cfg) -> dict | None:
             "epochs": trainer.current_epoch, "steps": trainer.global_step, "seed": int(cfg.seed),
             "allow_partial": collection["allow_partial"], "oracle_collection": collection,
             # resume=true continues bit for bit (EpochShuffle, EpochSeed, last.ckpt written at epoch ends)
-            "resumed_from": str(last) if cfg.get("resume") and resumed else None}
+            "resumed_from": str(last) if cfg.get("resume") and resumed else None,
+            "made_for": manifest_made_for(manifest)}  # checked where a policy would load it (eagle_backbone/made_for.py)
     ldlp = load_best(module, ckpt.best_model_path or str(last), meta)
 
     ev = tc.evaluation
