@@ -566,6 +566,22 @@ def test_a_serving_runs_learned_schedules_carry_its_setup(tmp_path):
     assert record["made_for"] == made_for and record["speculative_config"]["num_speculative_tokens"] == 4
 
 
+def test_a_learned_file_with_a_nan_weight_is_refused_naming_the_file_and_key(tmp_path):
+    import torch
+
+    from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
+    from ldlp.models.predictor import LDLP, LDLPConfig
+
+    for model, folder in ((LDLP(LDLPConfig(input_dim=8, hidden_dim=4, k_max=3)), tmp_path / "ldlp"),
+                          (AcceptanceHead(AcceptanceHeadConfig(hidden_size=4, k_max=3)), tmp_path / "head")):
+        with torch.no_grad():
+            next(p for n, p in model.named_parameters() if n.endswith("weight")).fill_(float("nan"))
+        model.save_pretrained(folder)
+        with pytest.raises(ValueError, match=f"^{folder / 'model.safetensors'}: keys \\[.*weight.*\\] hold a NaN or an "
+                                             "infinity; train it again$"):
+            type(model).from_pretrained(folder)
+
+
 def test_no_script_leaves_a_log_file_in_the_folder_it_runs_in():
     """A script whose Hydra run directory is the working directory (``hydra.run.dir: .``) logs to the console:
     Hydra's default file handler would leave ``<script>.log`` at the repository root (as build_corpus.log was)."""

@@ -73,14 +73,18 @@ def read_folder(path: str | Path, what: str, how: str) -> tuple[dict, dict]:
 
 
 def check_state(path: str | Path, state: dict, expected: dict, implied_by: str = CONFIG_FILE) -> None:
-    """Refuse weights whose keys or shapes differ from the model ``config.json`` builds: one line naming the
-    file, the missing and unexpected keys and the wrong shapes."""
+    """Refuse weights whose keys or shapes differ from the model ``config.json`` builds, or that hold a NaN or an
+    infinity (a diverged fit would predict NaN and silently stop or max out drafting): one line naming the file,
+    the missing and unexpected keys and the wrong shapes, or the keys that are not finite."""
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong = [f"{k} {tuple(v.shape)} (config implies {tuple(expected[k].shape)})" for k, v in state.items()
              if k in expected and v.shape != expected[k].shape]
     if missing or unexpected or wrong:
         raise ValueError(f"{Path(path) / WEIGHTS_FILE} does not match {implied_by}: missing keys {missing}, "
                          f"unexpected keys {unexpected}, wrong shapes {wrong}")
+    bad = sorted(k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:
+        raise ValueError(f"{Path(path) / WEIGHTS_FILE}: keys {bad} hold a NaN or an infinity; train it again")
 
 
 def _versions(tensors) -> tuple:
