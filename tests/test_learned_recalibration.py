@@ -55,10 +55,13 @@ def test_an_observation_is_paired_with_the_plan_that_decided_it():
     cal.planned(4, first)
     cal.planned(4, second)  # the next step, planned ahead
     cal.observed(4, 2, 1)  # drafted 2, kept 1: depth 1 kept, depth 2 rejected
-    assert cal._pending == ([3.0, 3.0], [1.0, 0.0])
+    from scipy.special import expit
+
+    p = float(expit(3.0))  # the first plan's hazards, as probabilities
+    assert cal.fit.queued == ([p, p], [1.0, 0.0])
     cal.reset(4)  # a new sequence in the slot forgets the old plans
     cal.observed(4, 2, 2)
-    assert cal._pending == ([3.0, 3.0], [1.0, 0.0])
+    assert cal.fit.queued == ([p, p], [1.0, 0.0])
 
 
 def test_recalibrate_takes_only_a_boolean():

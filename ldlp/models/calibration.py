@@ -51,6 +51,7 @@ class OnlineLogitCalibration:
         self._params = torch.tensor([[1.0, 0.0]] * groups, device=device)  # (G, 2): (w, c) per group
         self._hessian = prior * torch.eye(2, device=device).repeat(groups, 1, 1)  # (G, 2, 2)
         self.observations = torch.zeros((), device=device)  # count of outcomes seen (a device scalar)
+        self.queued: tuple[list[float], list[float]] = ([], [])  # host outcomes :meth:`add` holds for the next step
 
     @property
     def params(self) -> torch.Tensor:
@@ -101,6 +102,19 @@ class OnlineLogitCalibration:
         new[:, 0] = new[:, 0].clamp(*self.w_range)
         self._params = new
         self.observations = self.observations + m.sum()
+
+    def add(self, p_est: list[float], kept: list[float], every: int, dtype: torch.dtype = torch.float32) -> bool:
+        """Queue raw probabilities and their outcomes as host floats; once ``every`` are queued, one Newton step
+        on them (:meth:`update`, in ``dtype``): a decoding loop steps the fit per batch of outcomes, not per
+        decoding step. True when it stepped (the caller's copy of (w, c) is then stale)."""
+        self.queued[0].extend(p_est)
+        self.queued[1].extend(kept)
+        if len(self.queued[0]) < every:
+            return False
+        dev = self._params.device
+        self.update(torch.tensor(self.queued[0], dtype=dtype, device=dev), torch.tensor(self.queued[1], device=dev))
+        self.queued = ([], [])
+        return True
 
     def state(self) -> dict:
         """(w, c) and the count of outcomes seen, as Python numbers (a host read: for reports only); with

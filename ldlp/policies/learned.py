@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.special import expit
 
 from eagle_backbone.policy import GO, Depth, DraftPolicy, Rows, int_at_least
 from eagle_backbone.runtime import to_device
@@ -112,7 +113,6 @@ class HazardCalibration:
         self.wc = (1.0, 0.0)
         self.outcomes = 0  # observed depths so far (the fit has taken those of its completed batches)
         self._planned: dict[int, list[np.ndarray]] = {}  # slot -> hazard logits of its plans not yet observed
-        self._pending: tuple[list[float], list[float]] = ([], [])
 
     def reset(self, slot: int) -> None:
         self._planned.pop(slot, None)
@@ -125,15 +125,12 @@ class HazardCalibration:
         if not queue:
             return
         z = queue.pop(0)
-        est, kept = self._pending
-        for m in range(min(drafted, accepted + 1, len(z))):  # depths reached: kept up to accepted, then one rejection
-            est.append(float(z[m]))
-            kept.append(1.0 if m < accepted else 0.0)
-            self.outcomes += 1
-        if len(est) >= self.update_every:  # a Newton step per batch of outcomes, not per step
-            self.fit.update(torch.sigmoid(torch.tensor(est, dtype=torch.float64)), torch.tensor(kept))
+        reached = min(drafted, accepted + 1, len(z))  # depths reached: kept up to accepted, then one rejection
+        kept = min(accepted, reached)
+        self.outcomes += reached
+        if self.fit.add(expit(z[:reached]).tolist(), [1.0] * kept + [0.0] * (reached - kept), self.update_every,
+                        torch.float64):
             self.wc = tuple(float(v) for v in self.fit.params.tolist())
-            self._pending = ([], [])
 
     def state(self) -> dict:
         return {**self.fit.state(), "outcomes": self.outcomes}

@@ -228,7 +228,6 @@ class _PerSlotEstimates(LoadAwarePolicy):
         self._wc = torch.tensor([1.0, 0.0], dtype=torch.float64)  # the online correction's (w, c), on the device
         self._wc_host = (1.0, 0.0)
         self._host_ok = False  # a CPU engine that reads each depth's codes (bind)
-        self._pending: tuple[list, list] = ([], [])  # outcomes not yet in the correction
         self.update_every = 32  # outcomes per Newton step of the correction
 
     def bind(self, engine) -> None:
@@ -280,13 +279,8 @@ class _PerSlotEstimates(LoadAwarePolicy):
     def _observe_estimates(self, est: list[float], kept: list[float]) -> None:
         if not self.recalibrate:
             return
-        self._pending[0].extend(est)
-        self._pending[1].extend(kept)
-        if len(self._pending[0]) >= self.update_every:  # a Newton step per batch of outcomes, not per step
-            dev = self._wc.device
-            self.calibration.update(torch.tensor(self._pending[0], device=dev), torch.tensor(self._pending[1], device=dev))
+        if self.calibration.add(est, kept, self.update_every):
             self._wc = self.calibration.params.to(torch.float64)  # stays on the device: no read
-            self._pending = ([], [])
             if self._host_ok:  # a CPU: the host copy for the host-float plans costs no synchronisation
                 self._wc_host = tuple(self._wc.tolist())
 
