@@ -280,3 +280,18 @@ def test_the_one_row_cpu_decision_is_the_torch_rules(setup, groups):
         runs.append([decoder.generate(p, BUDGET).stats.draft_lengths for p in PROMPTS])
     assert runs[0] == runs[1]
     assert len({g for walk in runs[0] for g in walk}) >= 3
+
+
+def test_replay_prices_a_deployed_learned_policy_by_its_own_table(setup, tmp_path):
+    """policy=learned prices its choices by the engine's step costs; replay (scripts/tune_policies.py) has no engine,
+    so it hands the policy the table that prices the replayed steps (it raised AttributeError on None before)."""
+    from ldlp.models.predictor import LDLP, LDLPConfig
+
+    target, _, _, rows = setup
+    LDLP(LDLPConfig(input_dim=2 * target.hidden_size, k_max=K_MAX, head="distribution", inputs=["ef"])
+         ).save_pretrained(tmp_path / "predictor")
+    table = CostTable.linear(10.0, 1.0)
+    policy = LearnedPolicy(str(tmp_path / "predictor"), max_gamma=K_MAX, cost_dir=str(tmp_path / "cost"), model="m")
+    result = replay(rows, policy, table, embed=target.embed, vocab_size=target.vocab_size)
+    assert policy.pricing.costs is table and result.steps > 0
+    np.testing.assert_allclose(policy.seconds(), step_seconds_table(table, K_MAX))

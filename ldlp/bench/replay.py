@@ -166,6 +166,9 @@ def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, cost
         d = np.asarray(c["feature"][0]).shape[-1]
         policy.check_pair(SimpleNamespace(hidden_size=d),
                           SimpleNamespace(drafter=SimpleNamespace(hidden_size=states.shape[-1])))
+    pricing = getattr(policy, "pricing", None)
+    if pricing is not None and pricing.costs is None:  # a policy that prices its choices as the engine does
+        pricing.costs = costs  # (policy=learned): by the table that prices replay's steps, no engine to bind
     if isinstance(policy, DraftPolicy):
         policy = OneRow(policy)  # a batched policy asked one sequence at a time
     for start, end in rows.sequences:
