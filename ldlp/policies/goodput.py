@@ -6,7 +6,13 @@ bucket* (the step's running rows, by powers of two: 1, 2, 3-4, 5-8, ...):
 
 * the arms are the static chains γ = 0..G and ``plan`` (the policy's own choice: its allocation, its tree);
 * each step's reward is measured: the tokens it emitted over its wall milliseconds (a step that also
-  prefilled prompt chunks has the cost model's price of the chunks taken off first);
+  prefilled prompt chunks has the cost model's price of the chunks taken off first). With ``reward:
+  expected`` a static chain's step is credited the tokens its drafts emit on average instead of those it did
+  emit: 1 + S_1 + … + S_d a row, S the survival curve of every step's drafts pooled (:class:`Survival`; a
+  greedy draft at depth m does not depend on how many follow it, so every chain measures the same hazards).
+  What the text at hand accepts then no longer decides which chain looks faster (one row's tokens a step swing
+  from 1 to γ + 1 with the text, its milliseconds a few percent). ``plan`` keeps its measured tokens (a
+  policy's own plan earns by choosing its rows and depths, which a pooled curve cannot credit);
 * an arm's rate is its discounted tokens over its discounted milliseconds, started at the cost model's
   prediction as ``prior_steps`` pseudo-steps (:meth:`choose`'s ``prior``), so a bucket starts where the
   model points and measurement takes over; every step in a bucket discounts that bucket's evidence by
@@ -58,10 +64,15 @@ class GoodputFeedback:
     {arm: (predicted tokens per ms, predicted ms a step)} from the cost model, for every arm); ``reward(tokens,
     ms)`` measures it. ``history`` keeps (step, rows, arm) of every choice, for the plots."""
 
+    REWARDS = ("measured", "expected")
+
     def __init__(self, max_gamma: int, discount: float = 0.995, bonus: float = 0.15, prior_steps: float = 4.0,
-                 neighbours: int = 1, plan_arm: bool = True, keep_history: bool = True):
+                 neighbours: int = 1, plan_arm: bool = True, keep_history: bool = True, reward: str = "measured"):
         if not 0 < discount <= 1:
             raise ValueError(f"goodput: discount must be in (0, 1], got {discount!r}")
+        if reward not in self.REWARDS:
+            raise ValueError(f"goodput: reward must be one of {list(self.REWARDS)}, got {reward!r}")
+        self.expected = reward == "expected"
         if bonus < 0 or prior_steps < 0 or neighbours < 0:
             raise ValueError(f"goodput: bonus, prior_steps and neighbours must be >= 0, got {bonus!r}, "
                              f"{prior_steps!r}, {neighbours!r}")
@@ -146,6 +157,11 @@ class GoodputFeedback:
         arm.ms += ms
         bucket.steps += 1
 
+    @property
+    def pending_chain(self) -> bool:
+        """The choice awaiting its reward is a static chain (not ``plan``)."""
+        return self._last is not None and self._last[1] != PLAN
+
     def skip(self) -> None:
         """The last choice gets no reward (a step that cannot be measured)."""
         self._last = None
@@ -187,19 +203,55 @@ def adopt(policy, learner: GoodputFeedback | None) -> GoodputFeedback | None:
     if own is None:
         return None
     if learner is not None and learner is not own:
-        policy.goodput, policy._reward = learner, StepReward(learner)
+        policy.goodput, policy._reward = learner, StepReward(learner, policy._reward.survival)
     return policy.goodput
 
 
+class Survival:
+    """The pooled survival curve of drafts, S_m = P(drafts 1..m kept), from discounted counts per depth: a row
+    that drafted d and kept a reached depths 1..min(d, a + 1) and kept 1..a. Each hazard starts at ``prior``
+    over ``prior_n`` pseudo-drafts; evidence fades by ``discount`` a step, as the bandit's does."""
+
+    def __init__(self, depth: int, discount: float = 0.995, prior: float = 0.7, prior_n: float = 2.0):
+        self.discount = float(discount)
+        self.reached = [prior_n] * (depth + 1)  # index m: depth m (0 unused)
+        self.kept = [prior * prior_n] * (depth + 1)
+
+    def tokens(self, drafted: list[int]) -> float:
+        """The tokens rows drafting ``drafted`` emit on average: 1 + S_1 + … + S_d a row."""
+        cum, s = [0.0], 1.0
+        for m in range(1, len(self.reached)):
+            s *= self.kept[m] / self.reached[m]
+            cum.append(cum[-1] + s)
+        return sum(1.0 + cum[min(d, len(cum) - 1)] for d in drafted)
+
+    def update(self, drafted: list[int], accepted: list[int]) -> None:
+        self.reached = [r * self.discount for r in self.reached]
+        self.kept = [k * self.discount for k in self.kept]
+        for d, a in zip(drafted, accepted):
+            for m in range(1, min(d, a + 1, len(self.reached) - 1) + 1):
+                self.reached[m] += 1.0
+                self.kept[m] += 1.0 if m <= a else 0.0
+
+
 class StepReward:
-    """The policy's side of the loop: the tokens a step emitted (from ``observe``) and its milliseconds (from the
-    engine's timing hook), the prompt chunks it also prefilled priced off by the cost model."""
+    """The policy's side of the loop: the tokens a step emitted (from ``observe``; with the feedback's ``reward:
+    expected``, a chain step's expected tokens by the pooled :class:`Survival` before this step's outcome) and its
+    milliseconds (from the engine's timing hook), the prompt chunks it also prefilled priced off by the cost
+    model."""
 
-    def __init__(self, feedback: GoodputFeedback):
+    def __init__(self, feedback: GoodputFeedback, survival: Survival | None = None):
         self.feedback, self._tokens = feedback, None
+        self.survival = survival if survival is not None else Survival(feedback.max_gamma, feedback.discount)
 
-    def observed(self, accepted: list[int]) -> None:
-        self._tokens = sum(a + 1 for a in accepted)
+    def observed(self, accepted: list[int], drafted: list[int] | None = None) -> None:
+        if drafted is None:
+            self._tokens = sum(a + 1 for a in accepted)
+            return
+        chain = self.feedback.pending_chain  # a tree's drafts are not a chain's depths: they stay out of the curve
+        self._tokens = self.survival.tokens(drafted) if chain and self.feedback.expected else sum(a + 1 for a in accepted)
+        if chain:
+            self.survival.update(drafted, accepted)
 
     def timed(self, ms: float, shape, costs) -> None:
         tokens, self._tokens = self._tokens, None
@@ -227,7 +279,7 @@ def goodput_of(policy: str, spec, max_gamma: int, plan_arm: bool = True) -> Good
         raise ValueError(f"{policy} policy: goodput must be true, false or a mapping, got {spec!r}") from None
     if not spec.pop("enabled", True):
         return None
-    known = {"discount", "bonus", "prior_steps", "neighbours"}
+    known = {"discount", "bonus", "prior_steps", "neighbours", "reward"}
     bad = sorted(set(spec) - known)
     if bad:
         raise ValueError(f"{policy} policy: goodput has unknown keys {bad}; known: enabled, {', '.join(sorted(known))}")

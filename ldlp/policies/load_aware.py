@@ -172,7 +172,7 @@ class LoadAwarePolicy(DraftPolicy):
         plan = self._plan
         self.feed.update(accepted)
         if self._reward is not None:
-            self._reward.observed(accepted)
+            self._reward.observed(accepted, drafted)
         if plan is None:
             if self.goodput is not None and any(drafted):  # a static chain chosen by the feedback: its outcomes
                 kept = sum(min(a, d) for a, d in zip(accepted, drafted))

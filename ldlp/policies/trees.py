@@ -245,7 +245,7 @@ class TreeBudgetPolicy(DraftPolicy):
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
         self.feed.update(accepted)
         if self._reward is not None:
-            self._reward.observed(accepted)
+            self._reward.observed(accepted, drafted)
         counts = (extra or {}).get("choices")
         if counts:  # a tree step: the first and second choices' outcomes
             kept, n, kept2, n2 = counts
