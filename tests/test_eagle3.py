@@ -429,6 +429,36 @@ def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same
     assert "fitted costs of eagle3" not in drafters_markdown(result)
 
 
+def test_the_drafters_bench_times_sampled_decoding_when_asked():
+    """sampled_timed=true: at T = 1 every drafter runs every γ beside AR in turns, as at T = 0, and the page gives
+    each drafter's best static γ with its paired tokens/s against the reference's; without it T = 1 is τ alone."""
+    from conftest import compose_config
+
+    from ldlp.bench.drafters import bench_drafters, drafters_markdown
+
+    base = ["data.limit=3", "generation.max_new_tokens=8", "gammas=[3,4]", "tau_gamma=3", "temperatures=[1.0]",
+            "sampled_rounds=2", "bootstrap=200", "evaluation.progress=false", "threads=1", "model.dtype=float32",
+            "sets=[embedded_test]"]
+    result = bench_drafters(compose_config("bench_drafters", [*base, "sampled_timed=true"]))
+    cell = result["sets"]["embedded_test"]["by_temperature"]["1.0"]
+    assert cell["labels"] == ["eagle1 γ=3", "eagle1 γ=4", "eagle3 γ=3", "eagle3 γ=4", "ar_ours"]
+    assert cell["rounds"] == 2 and cell["lossless"] is None  # greedy identity is checked at T = 0 only
+    best = cell["best_static_vs_reference"]["eagle3"]
+    lo, hi = best["ci95"]
+    assert lo <= best["ratio"] <= hi and best["gamma"] in (3, 4) and 0 <= best["rounds_faster"] <= 2
+    [row] = result["speed_summary"]
+    assert (row["set"], row["temperature"], row["ratio"]) == ("embedded_test", 1.0, best["ratio"])
+    assert row["tokens_per_s"] == cell["best_static"]["eagle3"]["tokens_per_s"]
+    page = drafters_markdown(result)
+    assert "tokens/s of each drafter's best static γ, every prompt set" in page and "| embedded_test | 1 | 3 × 2 | eagle3 |" in page
+    assert "- tokens/s, best static γ, eagle3" in page
+
+    untimed = bench_drafters(compose_config("bench_drafters", [*base, "sampled_rounds=1"]))
+    cell = untimed["sets"]["embedded_test"]["by_temperature"]["1.0"]
+    assert cell["labels"] == ["eagle1 γ=3", "eagle3 γ=3"] and "best_static" not in cell
+    assert untimed["speed_summary"] == [] and "best static γ" not in drafters_markdown(untimed)
+
+
 def test_the_drafters_bench_names_its_prompt_sets_and_refuses_none_left(tmp_path):
     """Unknown set names and a run whose every set is missing are one-line errors, before anything loads;
     sets=[] is the data node alone."""

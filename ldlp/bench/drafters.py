@@ -5,14 +5,16 @@ The head to head (:mod:`ldlp.bench.headtohead`) compares policies of one drafter
 generator on it. At T = 0 every (drafter, static γ) and the AR baseline take turns on every prompt in a
 rotating order for ``rounds`` rounds (the order moves every prompt, so a slow phase of a shared machine hits
 all alike); at T > 0 every drafter runs ``tau_gamma`` for ``sampled_rounds`` rounds (τ, the counters, is what
-is measured there; sampled sequences are seeded per prompt, seed + prompt index).
+is measured there; sampled sequences are seeded per prompt, seed + prompt index). ``sampled_timed=true`` times
+T > 0 as T = 0 is timed: every (drafter, static γ) and AR in turns, each drafter's best static γ and its paired
+tokens/s against the reference's (a sampled sequence draws the same tokens in every round: one seed per prompt).
 
 Paired against the first drafter (the reference), with a bootstrap 95% interval that resamples prompts (each
 with all its rounds):
 
 * τ at ``tau_gamma`` (new tokens over target forwards, summed over the prompts), per T;
-* tokens/s of each drafter's best static γ at T = 0 (chosen in hindsight on these runs), its ratio to the
-  reference's best;
+* tokens/s of each drafter's best static γ at T = 0 (and at T > 0 with ``sampled_timed``; chosen in hindsight on
+  these runs), its ratio to the reference's best;
 * the draft-cost ratio c as the timed generations give it: milliseconds per drafted token over milliseconds
   per target pass, fitted to each drafter's static-γ generations (:func:`ldlp.bench.replay.fit_costs`).
 
@@ -107,6 +109,7 @@ def bench_drafters(cfg) -> dict:
         cell["by_temperature"] = bench_one_set(cfg, [ids for _, ids in prompt_set], target, gens, set_name)
         result["sets"][set_name] = cell
     result["summary"] = summary_rows(result)
+    result["speed_summary"] = speed_rows(result)
     result["pairs"] = pair_rows(result, list(cfg.get("pairs") or []), int(cfg.bootstrap), int(cfg.seed))
     return result
 
@@ -146,6 +149,26 @@ def summary_rows(result: dict) -> list[dict]:
     return rows
 
 
+def speed_rows(result: dict) -> list[dict]:
+    """One row per (prompt set, timed T, drafter other than the reference): tokens/s of its best static γ and of
+    the reference's, each over AR, and the paired ratio of the two with its interval."""
+    rows = []
+    ref = result["reference"]
+    for set_name, cell in result["sets"].items():
+        for T, t_cell in cell["by_temperature"].items():
+            best = t_cell.get("best_static")
+            if not best:
+                continue
+            for name, x in t_cell["best_static_vs_reference"].items():
+                rows.append({"set": set_name, "temperature": float(T), "n_prompts": cell["n_prompts"],
+                             "rounds": t_cell["rounds"], "drafter": name, "gamma": x["gamma"],
+                             "tokens_per_s": best[name]["tokens_per_s"], "speedup_vs_ar": best[name]["speedup_vs_ar"],
+                             "reference_gamma": x["reference_gamma"], "reference_tokens_per_s": best[ref]["tokens_per_s"],
+                             "reference_speedup_vs_ar": best[ref]["speedup_vs_ar"], "ratio": x["ratio"], "ci95": x["ci95"],
+                             "rounds_faster": x["rounds_faster"]})
+    return rows
+
+
 def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: str = "") -> dict:
     """Every temperature's cell (module docstring) on one prompt set: {str(T): cell}."""
     from ldlp.bench.replay import fit_costs
@@ -154,14 +177,18 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
     gammas = [int(g) for g in cfg.gammas]
     tau_gamma = int(cfg.tau_gamma)
     n, seed, B = int(cfg.generation.max_new_tokens), int(cfg.seed), int(cfg.bootstrap)
+    sampled_timed = bool(cfg.get("sampled_timed", False))
+    if tau_gamma not in gammas and sampled_timed:
+        raise ValueError(f"sampled_timed: tau_gamma={tau_gamma} must be one of gammas={gammas}")
     by_temperature = {}
     for T in [float(t) for t in cfg.temperatures]:
         sampling = SamplingConfig(temperature=T)
         greedy = sampling.greedy
-        contenders = [(name, g) for name in names for g in (gammas if greedy else [tau_gamma])]
+        timed = greedy or sampled_timed  # every γ and AR in turns, the best static γ of each drafter
+        contenders = [(name, g) for name in names for g in (gammas if timed else [tau_gamma])]
         runners = [engine_runner(f"{name} γ={g}", SpeculativeDecoder(target, gens[name], StaticPolicy(g)), sampling)
                    for name, g in contenders]
-        if greedy:
+        if timed:
             runners.append(ar_runner("ours", target, sampling))
         labels = [r.name for r in runners]
         rounds = int(cfg.rounds if greedy else cfg.sampled_rounds)
@@ -197,7 +224,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
                          "tokens_per_s": float(tok_p[i].sum() / sec_p[i].sum()),
                          "tau": float(tau_p[0][i].sum() / tau_p[1][i].sum()),
                          "tokens_per_s_rounds": (tokens[i].sum(1) / secs[i].sum(1)).tolist()})
-        if greedy:
+        if timed:
             ar = rows[-1]["tokens_per_s"]
             for row in rows:
                 row["speedup_vs_ar"] = row["tokens_per_s"] / ar
@@ -210,7 +237,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
             point, ci = _vs(tau_p[0][i], tau_p[1][i], tau_p[0][ref_tau], tau_p[1][ref_tau], B, seed)
             cell["tau_vs_reference"][name] = {"gamma": tau_gamma, "tau": rows[i]["tau"], "reference_tau": rows[ref_tau]["tau"],
                                               "ratio": point, "ci95": ci}
-        if greedy:
+        if timed:
             best = {}
             for name in names:
                 idx = [i for i, (nm, _) in enumerate(contenders) if nm == name]
@@ -282,6 +309,15 @@ def drafters_markdown(result: dict) -> str:
         lines.append(f"| {r['set']} | {r['temperature']:g} | {r['n_prompts']} | {r['drafter']} | {r['tau']:.2f} | "
                      f"{r['reference_tau']:.2f} | {_ci(r)} | {lossless} |")
     lines.append("")
+    if result.get("speed_summary"):
+        lines += ["#### tokens/s of each drafter's best static γ, every prompt set (timed in turns)", "",
+                  f"| prompt set | T | prompts × rounds | drafter | γ | tokens/s (× AR) | {ref} γ | {ref} tokens/s (× AR) | "
+                  "ratio (95% interval) | rounds faster |", "|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
+        lines += [f"| {r['set']} | {r['temperature']:g} | {r['n_prompts']} × {r['rounds']} | {r['drafter']} | {r['gamma']} | "
+                  f"{r['tokens_per_s']:.1f} ({r['speedup_vs_ar']:.2f}) | {r['reference_gamma']} | "
+                  f"{r['reference_tokens_per_s']:.1f} ({r['reference_speedup_vs_ar']:.2f}) | {_ci(r)} | "
+                  f"{r['rounds_faster']}/{r['rounds']} |" for r in result["speed_summary"]]
+        lines.append("")
     if result.get("pairs"):
         lines += [f"#### τ of one drafter over another at γ = {result['tau_gamma']}", "",
                   "| prompt set | T | drafter | over | τ | τ | ratio (95% interval) |", "|---|---:|---|---|---:|---:|---|"]
@@ -299,18 +335,19 @@ def _set_markdown(by_temperature: dict, ref: str) -> list[str]:
     lines = []
     for T, cell in by_temperature.items():
         greedy = float(T) == 0.0
+        timed = "best_static" in cell  # T = 0, and T > 0 with sampled_timed: every γ and AR, timed
         lines += [f"#### T = {T}" + (f" (lossless: {cell['lossless']})" if greedy else ""), "",
                   f"{cell['rounds']} round(s), contenders in turns on every prompt (rotating order).", "",
-                  "| contender | τ | tokens/s |" + (" speedup vs AR |" if greedy else ""),
-                  "|---|---:|---:|" + ("---:|" if greedy else "")]
+                  "| contender | τ | tokens/s |" + (" speedup vs AR |" if timed else ""),
+                  "|---|---:|---:|" + ("---:|" if timed else "")]
         for row in cell["rows"]:
             lines.append(f"| {row['contender']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} |"
-                         + (f" {row['speedup_vs_ar']:.2f} |" if greedy else ""))
+                         + (f" {row['speedup_vs_ar']:.2f} |" if timed else ""))
         lines.append("")
         for name, x in cell["tau_vs_reference"].items():
             lines.append(f"- τ at γ={x['gamma']}: {name} {x['tau']:.2f} vs {ref} {x['reference_tau']:.2f}: "
                          f"ratio {_ci(x)}")
-        if greedy:
+        if timed:
             for name, b in cell["best_static"].items():
                 lines.append(f"- best static γ of {name}: γ={b['gamma']}, {b['tokens_per_s']:.1f} tokens/s "
                              f"({b['speedup_vs_ar']:.2f}× AR, τ {b['tau']:.2f})")

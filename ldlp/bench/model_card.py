@@ -393,7 +393,9 @@ def render_card(c: dict) -> str:
                      f"{len(top1)}: " + ", ".join(f"{x:.3f}" for x in top1) + "; step cost on the engine's drafting "
                      f"path {k3['eagle3_step_s'] * 1e3:.2f} ms against a target step of {k3['target_step_s'] * 1e3:.2f} ms: "
                      f"**c = {k3['c_eagle3']:.3f}** (docs/eagle3.md; goal <= 0.25: {ok(k3['c_eagle3'] <= 0.25)})"
-                     + (f"; the EAGLE-1 drafter in the same loop: c = {k3['c_eagle']:.3f}" if "c_eagle" in k3 else "")
+                     + (f"; the EAGLE-1 drafter in the same loop (timed apart, each step its own): "
+                        f"{k3['eagle_step_s'] * 1e3:.3f} ms, c = {k3['c_eagle']:.3f}, the EAGLE-3 step "
+                        f"{k3['eagle3_step_s'] / k3['eagle_step_s']:.3f}× it" if "c_eagle" in k3 else "")
                      + (", measured in its own run" if e3.get("measured_apart") else "") + ".")
     lines += [
         f"- Shipped size: {c['shipped_mb']:.1f} MB (safetensors, bfloat16).",
