@@ -119,8 +119,11 @@ def main(cfg: DictConfig) -> None:
         if "goodput" in pcfg and not (pcfg.goodput.get("enabled", True) if OmegaConf.is_dict(pcfg.goodput)
                                       else pcfg.goodput):  # the ablation: the plan alone
             label += " (no feedback)"
-        elif OmegaConf.is_dict(pcfg.get("goodput")) and pcfg.goodput.get("reward") == "expected":
-            label += " (expected reward)"  # chains credited their mean tokens by the pooled survival curve
+        elif OmegaConf.is_dict(pcfg.get("goodput")):  # the learner's ablations
+            if pcfg.goodput.get("reward") == "expected":
+                label += " (expected reward)"  # chains credited their mean tokens by the pooled survival curve
+            if pcfg.goodput.get("prefill") == "skip":
+                label += " (prefill steps skipped)"  # steps that also prefilled give no reward
         contenders.append(Contender(engine_label(label, own), name, gamma, lambda pcfg=pcfg: build_policy(pcfg),
                                     engine=settings))
         probes[label] = probe

@@ -214,3 +214,27 @@ def test_either_reward_finds_the_best_gamma_where_the_text_moves_acceptance(kind
     mean text (seeds 3-6 give 0.97-0.99 for each: on this synthetic the pooled curve buys no accuracy; what
     remains is the exploration among neighbours)."""
     assert min(_moving_text(kind, seed) for seed in (3, 4)) >= 0.96
+
+
+def test_a_step_that_also_prefilled_is_priced_off_or_skipped():
+    """prefill: price (the default) takes the cost model's price of the joined prompt chunks off the step's
+    milliseconds; prefill: skip gives such a step no reward at all (a longer γ finishes rows sooner, so more of its
+    steps carry the next prompt's prefill, and a mis-priced chunk would count against it)."""
+    from eagle_backbone.step_cost import StepShape
+    from ldlp.policies.goodput import StepReward
+
+    class Costs:  # 2 ms a prompt token joined into the step, 10 ms the rest
+        def predict(self, shape):
+            return 10.0 + 2.0 * shape.prefill
+
+    shape = StepShape(rows=2, scored=6, keys=100.0, depth_rows=(2, 2), prefill=5, prefill_keys=5.0)
+    for mode, tokens, ms in (("price", 4.0, 20.0), ("skip", 0.0, 0.0)):
+        fb = GoodputFeedback(G, plan_arm=False, prefill=mode)
+        reward = StepReward(fb)
+        g = fb.choose(2, {h: (1.0, 1.0) for h in range(G + 1)})
+        reward.observed([1, 1], [g, g])
+        reward.timed(30.0, shape, Costs())
+        arm = fb.buckets[load_bucket(2)].arms[g]
+        assert (arm.tokens, arm.ms) == (tokens, ms), mode
+    with pytest.raises(ValueError, match="prefill must be 'price' or 'skip'"):
+        goodput_of("load_aware", {"prefill": "never"}, 8)

@@ -67,12 +67,16 @@ class GoodputFeedback:
     REWARDS = ("measured", "expected")
 
     def __init__(self, max_gamma: int, discount: float = 0.995, bonus: float = 0.15, prior_steps: float = 4.0,
-                 neighbours: int = 1, plan_arm: bool = True, keep_history: bool = True, reward: str = "measured"):
+                 neighbours: int = 1, plan_arm: bool = True, keep_history: bool = True, reward: str = "measured",
+                 prefill: str = "price"):
         if not 0 < discount <= 1:
             raise ValueError(f"goodput: discount must be in (0, 1], got {discount!r}")
         if reward not in self.REWARDS:
             raise ValueError(f"goodput: reward must be one of {list(self.REWARDS)}, got {reward!r}")
         self.expected = reward == "expected"
+        if prefill not in ("price", "skip"):
+            raise ValueError(f"goodput: prefill must be 'price' or 'skip', got {prefill!r}")
+        self.skip_prefill = prefill == "skip"  # a step that also prefilled teaches nothing (no price taken off)
         if bonus < 0 or prior_steps < 0 or neighbours < 0:
             raise ValueError(f"goodput: bonus, prior_steps and neighbours must be >= 0, got {bonus!r}, "
                              f"{prior_steps!r}, {neighbours!r}")
@@ -259,7 +263,7 @@ class StepReward:
             self.feedback.skip()
             return
         if shape is not None and shape.prefill:
-            if costs is None or not hasattr(costs, "predict"):
+            if self.feedback.skip_prefill or costs is None or not hasattr(costs, "predict"):
                 self.feedback.skip()
                 return
             ms -= costs.predict(shape) - costs.predict(replace(shape, prefill=0, prefill_keys=0.0))
@@ -279,7 +283,7 @@ def goodput_of(policy: str, spec, max_gamma: int, plan_arm: bool = True) -> Good
         raise ValueError(f"{policy} policy: goodput must be true, false or a mapping, got {spec!r}") from None
     if not spec.pop("enabled", True):
         return None
-    known = {"discount", "bonus", "prior_steps", "neighbours", "reward"}
+    known = {"discount", "bonus", "prior_steps", "neighbours", "reward", "prefill"}
     bad = sorted(set(spec) - known)
     if bad:
         raise ValueError(f"{policy} policy: goodput has unknown keys {bad}; known: enabled, {', '.join(sorted(known))}")
