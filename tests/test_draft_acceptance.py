@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import one_line
+from conftest import REPO, one_line
 from omegaconf import OmegaConf
-from test_oracle import REPO, arrow_files, pair_dirs  # noqa: F401  (pair_dirs: a fixture)
+from oracle_helpers import arrow_files
 
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from ldlp.models.acceptance import (

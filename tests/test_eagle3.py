@@ -10,13 +10,11 @@ import json
 
 import pytest
 import torch
-from conftest import make_target
-from test_batched import prompts_of
-from test_sampling import _chi2_pvalue, _exact_sequence_distribution
-from test_tree_engine import SPECS, TreePolicy, decode
+from conftest import EAGLE3_VOCAB as V
+from conftest import SPECS, TreePolicy, chi2_pvalue, decode, exact_sequence_distribution, make_eagle3, make_target, prompts_of
 
 from eagle_backbone.candidates import Eagle3CandidateGenerator
-from eagle_backbone.eagle3 import Eagle3Drafter, default_layer_ids
+from eagle_backbone.eagle3 import default_layer_ids
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.llama import BatchedLlama
 from eagle_backbone.ragged import RaggedBatch
@@ -25,37 +23,6 @@ from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 
 torch.set_num_threads(1)
-
-
-def make_eagle3(target, seed=5, draft_vocab=None, layer_ids=(0, 1, 2), agree=True) -> Eagle3Drafter:
-    """A random EAGLE-3 head for ``target``; ``agree``: its LM head and norm are the target's and fc passes the
-    highest layer's state (on the 8-token target its drafts are then accepted now and then, so the tests reach
-    accepted paths as well as rollback)."""
-    torch.manual_seed(seed)
-    d = Eagle3Drafter.from_target_config(target.model.config, draft_vocab_size=draft_vocab, layer_ids=layer_ids)
-    d = d.to(target.dtype).eval()
-    with torch.no_grad():
-        d.embed_tokens.weight.copy_(target.embed_tokens.weight)
-        if draft_vocab is not None:  # every other token, then the rest up to the size
-            V = target.vocab_size
-            ids = (list(range(0, V, 2)) + list(range(1, V, 2)))[:draft_vocab]
-            d.set_vocab(torch.tensor(sorted(ids)))
-        if agree:
-            h = target.hidden_size
-            d.fc.weight.mul_(0.1)[:, -h:] += torch.eye(h, dtype=d.fc.weight.dtype)
-            d.midlayer.self_attn.o_proj.weight.mul_(0.1)
-            d.midlayer.mlp.down_proj.weight.mul_(0.1)
-            d.norm.weight.copy_(target.model.model.norm.weight)
-            d.lm_head.weight.copy_(target.lm_head.weight[d.draft_to_target()])
-    return d
-
-
-V = 8  # a small vocabulary: random drafts are accepted now and then
-
-
-@pytest.fixture(scope="module")
-def t3():
-    return make_target(seed=0, dtype=torch.float32, layers=3, vocab=V)
 
 
 def test_layer_states_are_transformers_hidden_states(t3):
@@ -117,7 +84,7 @@ def test_sampling_is_exact(draft_vocab):
     target.eos_token_ids = set()
     d = make_eagle3(target, draft_vocab=draft_vocab)
     cfg = SamplingConfig(temperature=1.0)
-    probs = _exact_sequence_distribution(target, TINY_PROMPT, 3, cfg)
+    probs = exact_sequence_distribution(target, TINY_PROMPT, 3, cfg)
     counts, accepted = {}, 0
     for start in range(0, SAMPLES, 600):
         eng = BatchedSpeculativeEngine(target, d, "eagle3", slots=600, policy=StaticPolicy(2), sampling=cfg,
@@ -126,7 +93,7 @@ def test_sampling_is_exact(draft_vocab):
             counts[tuple(o.tokens[:3])] = counts.get(tuple(o.tokens[:3]), 0) + 1
             accepted += o.stats.accepted_tokens
     assert accepted > SAMPLES // 2
-    assert _chi2_pvalue(counts, probs, SAMPLES) > 1e-3
+    assert chi2_pvalue(counts, probs, SAMPLES) > 1e-3
 
 
 def test_sampled_trees_are_exact():
@@ -134,14 +101,14 @@ def test_sampled_trees_are_exact():
     target.eos_token_ids = set()
     d = make_eagle3(target, draft_vocab=3)
     cfg = SamplingConfig(temperature=0.7)
-    probs = _exact_sequence_distribution(target, TINY_PROMPT, 3, cfg)
+    probs = exact_sequence_distribution(target, TINY_PROMPT, 3, cfg)
     counts = {}
     for start in range(0, SAMPLES, 600):
         eng = BatchedSpeculativeEngine(target, d, "eagle3", slots=600, policy=TreePolicy(SPECS["dyn2x3"], 3),
                                        sampling=cfg, capacity=24)
         for o in eng.generate([TINY_PROMPT] * 600, 5, seeds=range(start, start + 600)):
             counts[tuple(o.tokens[:3])] = counts.get(tuple(o.tokens[:3]), 0) + 1
-    assert _chi2_pvalue(counts, probs, SAMPLES) > 1e-3
+    assert chi2_pvalue(counts, probs, SAMPLES) > 1e-3
 
 
 # ---- checkpoints: EAGLE's layout and speculators' ----------------------------------------------------------

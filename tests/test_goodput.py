@@ -10,8 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_batched import ar, prompts_of
-from test_load_aware import table
+from conftest import ar, prompts_of, table
 
 from eagle_backbone.cost import cost_key
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine

@@ -9,8 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_batched import ar, prompts_of
-from test_load_aware import table
+from conftest import ar, prompts_of, table
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.cost import cost_key
