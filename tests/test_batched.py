@@ -1,5 +1,6 @@
 """The batched engine (eagle_backbone/batched_engine.py, eagle_backbone/llama.py, eagle_backbone/ragged.py; the workload in ldlp/bench/workload.py): greedy identity with each sequence's own batch-1 output,
-sampling exactness in a batch, per-slot cache rollback, continuous batching and bad input.
+sampling exactness in a batch, per-slot cache rollback, an EOS inside a chain's or a tree's draft, continuous
+batching and bad input.
 
 Tiny float32 Llamas (tests/conftest.py); the embedded pair, where present, gives an EAGLE drafter whose
 drafts the target actually accepts. No test reads a clock."""
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ar, noisy_copy, pair_distribution, pooled_chi2_pvalue, prompts_of
+from conftest import TreePolicy, ar, noisy_copy, pair_distribution, pooled_chi2_pvalue, prompts_of
 
 from eagle_backbone import sampling as bsampling
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
@@ -25,6 +26,7 @@ from eagle_backbone.candidates import (
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
+from eagle_backbone.tree_draft import TreeSpec
 
 torch.set_num_threads(1)
 EMBEDDED = Path(__file__).resolve().parent.parent / "data" / "embedded"
@@ -140,15 +142,21 @@ def test_greedy_identity_varying_gamma_and_early_stop(t32, draft_lm):
         assert o.stats.accept_lengths == ref.stats.accept_lengths
 
 
-def test_eos_inside_one_slots_draft(t32):
-    """A perfect drafter (the target itself) drafts past an EOS in slot 0; the others continue."""
+# a chain of γ = 4, and a tree 2 wide and 4 deep
+EOS_POLICIES = {"chain": lambda: StaticPolicy(4), "tree": lambda: TreePolicy(TreeSpec(2, 4))}
+
+
+@pytest.mark.parametrize("shape", EOS_POLICIES)
+def test_eos_inside_one_slots_draft(t32, shape):
+    """A perfect drafter (the target itself) drafts past an EOS in slot 0, along a chain or a tree's accepted path:
+    slot 0 stops there, the others continue."""
     prompts = prompts_of((5, 9, 7))
     target = copy.copy(t32)
     eos = ar(t32, prompts[:1], 12)[0][6]  # slot 0's 7th token becomes the EOS
     target.eos_token_ids = {eos}
     ref = ar(target, prompts, 20)
     assert ref[0][-1] == eos and len(ref[0]) <= 7
-    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=StaticPolicy(4))
+    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=EOS_POLICIES[shape]())
     out = engine.generate(prompts, 20)
     assert [o.tokens for o in out] == ref
     assert any(len(r) == 20 for r in ref[1:])  # another slot ran on past slot 0's end

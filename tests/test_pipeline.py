@@ -152,10 +152,12 @@ def test_publish_copies_the_run_and_writes_the_pages(tmp_path):
                "stage_seconds": {"oracle": 120.0, "sweep:static:1": 60.0}}
     publish(results, published, readme, summary, "m", "python scripts/pipeline.py publish=true")
     assert (published / "tuning" / "tuning.json").read_text() == "tuning/tuning.json"
-    page = (published / "README.md").read_text()
+    # what the page states of its figures' dtype and machine is the run's settings, published beside it
+    assert json.loads((published / "run_settings.json").read_text()) == json.loads(
+        (results / "run_settings.json").read_text())
+    page = (published / "README.md").read_text()  # the page's render check: its tables, plot, time and links
     assert "| 1 |" in page and "(tokens_per_s.png)" in page and "3.0 min" in page
     assert "(load_sweep/batch_bench.md)" in page and "(load_sweep/batch_bench.png)" in page  # the load sweep's
-    assert "Models in float32 on AMD EPYC (bf16 matmuls in hardware: no)." in page  # the dtype of its figures
     text = readme.read_text()
     assert "old" not in text and text.endswith("<!-- results:end -->\nrest\n")
     assert table_rows(text) == ["static γ=6", "ldlp"]  # one row per head-to-head contender, the AR row left out

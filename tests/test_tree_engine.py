@@ -1,12 +1,13 @@
 """Draft trees in the batched engine (eagle_backbone/tree_step.py, eagle_backbone/tree_draft.py):
 greedy identity with the target's own decoding for dynamic (EAGLE-2) and static trees, both candidate kinds,
 one and three slots with prompts admitted mid-run, eager and sdpa attention; early_exit on and off agree; a
-width-1 tree is the chain; partial and empty selections; the capacity edge; EOS inside an accepted path;
-lossless sampling (chi-square against the exact distribution, and its power against a broken sibling
-rejection); seeded runs repeat and do not depend on the batch.
+width-1 tree is the chain; partial and empty selections; the capacity edge; lossless sampling (chi-square
+against the exact distribution, and its power against a broken sibling rejection); seeded runs repeat and do
+not depend on the batch.
 
 Tiny float32 Llamas (tests/conftest.py); no test reads a clock. Per-policy host-read counting lives in
-tests/test_host_reads.py (it globs conf/policy), not here."""
+tests/test_host_reads.py (it globs conf/policy), and EOS inside a tree's accepted path in tests/test_batched.py
+(test_eos_inside_one_slots_draft, beside the chain's), not here."""
 
 from __future__ import annotations
 
@@ -117,21 +118,6 @@ def test_a_perfect_drafter_accepts_the_deepest_path(t32):
     for o in out:
         left = [24 - 1 - sum(a + 1 for a in o.stats.accept_lengths[:i]) for i in range(len(o.stats.accept_lengths))]
         assert o.stats.accept_lengths == [min(5, c - 1) for c in left]
-
-
-def test_eos_inside_an_accepted_path(t32):
-    """A perfect drafter's tree path runs past slot 0's EOS: slot 0 stops there, the others go on."""
-    prompts = prompts_of((5, 9, 7))
-    target = copy.copy(t32)
-    eos = ar(t32, prompts[:1], 12)[0][6]
-    target.eos_token_ids = {eos}
-    ref = ar(target, prompts, 20)
-    assert ref[0][-1] == eos and len(ref[0]) <= 7 and any(len(r) == 20 for r in ref[1:])
-    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=TreePolicy(TreeSpec(2, 4)))
-    out = engine.generate(prompts, 20)
-    assert [o.tokens for o in out] == ref
-    s = out[0].stats
-    assert s.accepted_tokens == sum(s.accept_lengths) and s.new_tokens == len(ref[0])
 
 
 # ---- early_exit on and off ------------------------------------------------------------------------------
