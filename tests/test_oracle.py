@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, one_line
+from conftest import REPO, compose_config, one_line
 from oracle_helpers import CONVS, LabelPolicy, arrow_files, assert_same_rows, greedy_oracle
 
 from eagle_backbone.candidates import EagleCandidateGenerator
@@ -111,17 +111,11 @@ def test_edge_cases(target, drafter):
 # ---- the collector -----------------------------------------------------------------------------------
 
 def compose(root, out_dir, *overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import eagle_backbone.paths  # noqa: F401
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("collect_oracle", overrides=[
-            f"model.target={root}/target", f"model.tokenizer={root}/target", f"model.drafter={root}/drafter",
-            f"data.path={root}/train.json", f"data.validation_path={root}/validation.json", "data.limit=null",
-            "data.validation_limit=null", "generation.max_new_tokens=10", "k_max=4", "shard_size=3", "progress=false",
-            f"out_dir={out_dir}", *overrides])
+    return compose_config("collect_oracle", [
+        f"model.target={root}/target", f"model.tokenizer={root}/target", f"model.drafter={root}/drafter",
+        f"data.path={root}/train.json", f"data.validation_path={root}/validation.json", "data.limit=null",
+        "data.validation_limit=null", "generation.max_new_tokens=10", "k_max=4", "shard_size=3", "progress=false",
+        f"out_dir={out_dir}", *overrides])
 
 
 def run(root, out_dir, *overrides):
