@@ -1,6 +1,9 @@
 """Tiny randomly initialised Llama targets and EAGLE drafters, built in float64 so that greedy ties
 between one-token and many-token forwards cannot flip an argmax."""
 
+import copy
+import itertools
+import json
 import os
 from pathlib import Path
 
@@ -17,7 +20,13 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from eagle_backbone.drafter import EagleDrafter  # noqa: E402
+from eagle_backbone.eagle3 import Eagle3Drafter  # noqa: E402
+from eagle_backbone.policy import DraftPolicy  # noqa: E402
 from eagle_backbone.target import TargetModel  # noqa: E402
+from eagle_backbone.tree import MC_SIM_7B_63  # noqa: E402
+from eagle_backbone.tree_draft import TreeSpec  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny_llama_config(vocab=64, d=32, layers=2, max_pos=256, eos=2, **kw):
@@ -161,3 +170,251 @@ def embedded_corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("embedded_corpus")
     write_corpus(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def mimic():
+    """A target and a drafter that is mostly a copy of it (:func:`oracle_helpers.mimic_pair`)."""
+    from oracle_helpers import mimic_pair
+
+    return mimic_pair()
+
+
+# ---- prompts, reference decoding and draft LMs (the batched engine's tests) ---------------------------------
+
+
+def prompts_of(lengths, seed=0, vocab=64):
+    """One random prompt of each length in ``lengths`` (tokens 4..vocab-1)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def random_prompts(n, seed=0, vocab=64):
+    """``n`` random prompts of 3..11 tokens (the load sweep's tests)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (int(k),), generator=g).tolist() for k in torch.randint(3, 12, (n,), generator=g)]
+
+
+def ar(target, prompts, n):
+    """The target's own greedy decoding of each prompt, ``n`` new tokens."""
+    from eagle_backbone.decoder import autoregressive_generate
+
+    return [autoregressive_generate(target, p, n).tokens for p in prompts]
+
+
+def noisy_copy(target, scale: float, seed: int = 3):
+    """A draft LM that agrees with the target often but not always."""
+    torch.manual_seed(seed)
+    m = copy.deepcopy(target.model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(scale * p.std() * torch.randn_like(p))
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def draft_lm(t32):
+    return noisy_copy(t32, 0.3)
+
+
+def table(target_per_token: float, draft: float, base: float = 10.0, key=None):
+    """A synthetic cost table: the target costs ``base`` + ``target_per_token`` per scored token past the first
+    a row; a draft depth ``draft`` ms whatever the rows."""
+    from eagle_backbone.cost import CostTable
+
+    slots, tokens = [1, 2, 4, 8, 16, 32], [1, 2, 3, 5, 9]
+    return CostTable(key or {}, slots, tokens,
+                     [[base + target_per_token * R * (t - 1) for t in tokens] for R in slots],
+                     [draft] * len(slots), [[draft] * len(tokens) for _ in slots], [0.0] * len(slots))
+
+
+# ---- exact distributions and chi-square tests (sampling is lossless) ---------------------------------------
+
+
+def exact_sequence_distribution(target, prompt, length, cfg):
+    """P(x_1..x_L | prompt) of the target itself, by enumerating every sequence (tiny vocabulary)."""
+    from eagle_backbone import sampling as S
+
+    V = target.vocab_size
+    probs = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(V), repeat=length):
+            logits, _ = target(torch.tensor([prompt + list(seq)]))
+            p = 1.0
+            for k, tok in enumerate(seq):
+                p *= float(S.probs_from_logits(logits[0, len(prompt) - 1 + k], cfg)[tok])
+            probs[seq] = p
+    return probs
+
+
+def chi2_pvalue(counts, probs, n):
+    """Pearson chi-square of sequence ``counts`` (a dict) against ``probs``, every cell of positive probability
+    its own; sampling a sequence of probability 0 fails."""
+    from scipy.stats import chisquare
+
+    assert all(counts.get(k, 0) == 0 for k in probs if probs[k] == 0), "sampled a sequence of probability 0"
+    keys = sorted(k for k in probs if probs[k] > 0)
+    total = sum(probs.values())
+    expected = [probs[k] / total * n for k in keys]
+    observed = [counts.get(k, 0) for k in keys]
+    return chisquare(observed, expected).pvalue
+
+
+def pair_distribution(target, prompt, temperature):
+    """Exact P(x1, x2) of the target's sampling, as a dict (x1, x2) -> probability."""
+    from eagle_backbone.sampling import SamplingConfig, probs_from_logits
+
+    cfg = SamplingConfig(temperature=temperature)
+    with torch.no_grad():
+        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], cfg).double()
+        exact = {}
+        for x1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
+            p2 = probs_from_logits(target.model(torch.tensor([prompt + [x1]])).logits[0, -1], cfg).double()
+            for x2 in torch.nonzero(p2 > 1e-9).flatten().tolist():
+                exact[(x1, x2)] = float(p1[x1] * p2[x2])
+    return exact
+
+
+def pooled_chi2_pvalue(samples, exact, n):
+    """Pearson chi-square of ``samples`` (a list) against ``exact``, cells with an expected count < 5 pooled."""
+    from scipy.stats import chi2
+
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    big = [k for k, v in exact.items() if v * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    return float(chi2.sf(stat, len(obs) - 1))
+
+
+# ---- EAGLE-3 heads -----------------------------------------------------------------------------------------
+
+EAGLE3_VOCAB = 8  # a small vocabulary: random drafts are accepted now and then
+
+
+def make_eagle3(target, seed=5, draft_vocab=None, layer_ids=(0, 1, 2), agree=True) -> Eagle3Drafter:
+    """A random EAGLE-3 head for ``target``; ``agree``: its LM head and norm are the target's and fc passes the
+    highest layer's state (on the 8-token target its drafts are then accepted now and then, so the tests reach
+    accepted paths as well as rollback)."""
+    torch.manual_seed(seed)
+    d = Eagle3Drafter.from_target_config(target.model.config, draft_vocab_size=draft_vocab, layer_ids=layer_ids)
+    d = d.to(target.dtype).eval()
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        if draft_vocab is not None:  # every other token, then the rest up to the size
+            V = target.vocab_size
+            ids = (list(range(0, V, 2)) + list(range(1, V, 2)))[:draft_vocab]
+            d.set_vocab(torch.tensor(sorted(ids)))
+        if agree:
+            h = target.hidden_size
+            d.fc.weight.mul_(0.1)[:, -h:] += torch.eye(h, dtype=d.fc.weight.dtype)
+            d.midlayer.self_attn.o_proj.weight.mul_(0.1)
+            d.midlayer.mlp.down_proj.weight.mul_(0.1)
+            d.norm.weight.copy_(target.model.model.norm.weight)
+            d.lm_head.weight.copy_(target.lm_head.weight[d.draft_to_target()])
+    return d
+
+
+@pytest.fixture(scope="module")
+def t3():
+    """A tiny float32 three-layer target of :data:`EAGLE3_VOCAB` tokens (an EAGLE-3 head reads three layers)."""
+    return make_target(seed=0, dtype=torch.float32, layers=3, vocab=EAGLE3_VOCAB)
+
+
+# ---- draft trees in the batched engine ---------------------------------------------------------------------
+
+SMALL = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # a small static shape: siblings at depths 1 and 2
+SPECS = {
+    "dyn2x3": TreeSpec(2, 3),
+    "dyn3x4": TreeSpec(3, 4),
+    "static_small": TreeSpec.static(SMALL),
+    "mc_sim_7b_63": TreeSpec.static(MC_SIM_7B_63),
+}
+TREE_PROMPTS = prompts_of((5, 12, 3, 8, 6, 1, 9))  # more prompts than slots: admissions join running tree steps
+TREE_N = 20
+
+
+class TreePolicy(DraftPolicy):
+    """A tree policy: depth cap ``g`` for every row (or ``caps(slot)``), ``sel(grown, rows)`` the selection
+    (default: every valid node); ``outcomes`` keeps what ``verified`` saw when ``record``."""
+
+    name = "tree_test"
+
+    def __init__(self, spec: TreeSpec, g: int = 8, sel=None, caps=None, record: bool = False):
+        self.tree, self.g, self.sel, self.caps, self.record = spec, g, sel, caps, record
+        self.outcomes = []
+
+    def plan(self, rows):
+        return [self.caps(b) if self.caps else self.g for b in rows.slots]
+
+    def select(self, grown, rows):
+        return grown.valid if self.sel is None else self.sel(grown, rows)
+
+    def verified(self, outcome):
+        if self.record:
+            self.outcomes.append(outcome)
+
+
+def decode(engine, prompts=TREE_PROMPTS, concurrency=None, n=TREE_N, seeds=None):
+    """The outputs of ``prompts`` run through ``engine`` at ``concurrency`` (default: its slots)."""
+    from ldlp.bench.workload import run_workload
+
+    return run_workload(engine, prompts, concurrency or engine.slots, n, seeds).outputs
+
+
+# ---- the oracle collector's inputs -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    """A tiny tokenizer, target and EAGLE drafter saved like the embedded pair, and two data files
+    (:data:`oracle_helpers.CONVS` and ``VAL``)."""
+    from oracle_helpers import CONVS, VAL
+    from transformers import LlamaForCausalLM
+
+    from eagle_backbone.data.tokenizer import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("pair")
+    texts = [t["value"] for c in CONVS + VAL for t in c["conversations"]] * 4 + ["A chat USER: ASSISTANT:"] * 4
+    tok = train_bpe_tokenizer(texts, 300, root / "target")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(vocab=len(tok), d=32, layers=2, max_pos=512))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(root / "target")
+    torch.manual_seed(1)
+    EagleDrafter.from_target_config(model.config).save_pretrained(root / "drafter")
+    (root / "train.json").write_text(json.dumps(CONVS))
+    (root / "validation.json").write_text(json.dumps(VAL))
+    return root
+
+
+# ---- a finished run's results folder (publishing) ----------------------------------------------------------
+
+
+def a_run(folder: Path, model: str = "m", tuning: bool = True, sweep_complete: bool | None = True) -> Path:
+    """A results folder as one pipeline run leaves it: the pages, the tuning when ``tuning``, the load sweep
+    (complete or not; none when ``sweep_complete`` is None) and the run manifest."""
+    from ldlp.report.publish import write_run_manifest
+
+    folder.mkdir(parents=True)
+    (folder / "results.md").write_text("| policy |\n")
+    (folder / "results.csv").write_text(f"model,policy\n{model},static\n")
+    (folder / "tokens_per_s.png").write_bytes(b"png")
+    (folder / "summary.json").write_text(json.dumps({"headline": {model: {}}, "rows": []}))
+    if tuning:
+        (folder / "tuning").mkdir()
+        (folder / "tuning" / "tuning.md").write_text("tuning")
+        (folder / "tuning" / "tuning.json").write_text("{}")
+    if sweep_complete is not None:
+        (folder / "load_sweep").mkdir()
+        for f in ("batch_bench.md", "batch_bench.png"):
+            (folder / "load_sweep" / f).write_text(f)
+        (folder / "load_sweep" / "batch_bench.json").write_text(json.dumps([{"complete": sweep_complete}]))
+        (folder / "load_sweep" / "batch_bench_runs.json").write_text(json.dumps({"meta": {"model": model}}))
+    stages = ["corpus", "oracle"] + (["tune"] if tuning else []) + (["bench_batch"] if sweep_complete is not None
+                                                                    else [])
+    write_run_manifest(folder, model, stages, {s: 10.0 for s in stages})
+    return folder

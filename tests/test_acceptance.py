@@ -2,7 +2,6 @@
 
 import json
 import math
-import random
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +9,7 @@ import pytest
 import torch
 from conftest import one_line
 from omegaconf import OmegaConf
-from oracle_helpers import greedy_oracle
-from test_oracle import mimic_pair
+from oracle_helpers import mimic_pair, prompts, write_collection
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
@@ -19,52 +17,10 @@ from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.replay import OracleRows, replay
-from ldlp.labels.store import rows_features, sequences_features, write_arrow, write_json
 from ldlp.policies.threshold import AcceptancePolicy
 from ldlp.training.acceptance import examples, load_rows, train_acceptance_head
 
 K_MAX, BUDGET = 8, 36
-
-
-def prompts(n, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(4, 64) for _ in range(rng.randrange(1, 6))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def mimic():
-    return mimic_pair()
-
-
-def write_collection(out: Path, target, drafter, train_prompts, val_prompts, store_states=True) -> Path:
-    """An oracle folder in the collector's layout (ldlp.labels.store): one part per split, the label rows of
-    each prompt's greedy response, drafter states flattened row-major."""
-    d = target.hidden_size
-    feats = rows_features(K_MAX, d, "float32", "float32", state_dim=d if store_states else None)
-    seq_id = 0
-    for split, ps in (("train", train_prompts), ("validation", val_prompts)):
-        rows = {c: [] for c in feats}
-        seqs = {c: [] for c in sequences_features()}
-        for p in ps:
-            response, lab = greedy_oracle(target, drafter, p, BUDGET, K_MAX)
-            r = len(lab["label"])
-            for c, v in (("seq_id", seq_id), ("conversation_id", f"{split}{seq_id}"), ("split", split)):
-                rows[c] += [v] * r
-            for c in rows.keys() - {"seq_id", "conversation_id", "split"}:
-                rows[c].append(lab[c].flatten(1).float().numpy() if lab[c].is_floating_point() else lab[c].numpy())
-            for c, v in (("seq_id", seq_id), ("conversation_id", f"{split}{seq_id}"), ("split", split),
-                         ("input_ids", p + response), ("prompt_len", len(p)), ("positions", r),
-                         ("eos", bool(response) and response[-1] in target.eos_token_ids)):
-                seqs[c].append(v)
-            seq_id += 1
-        rows.update({c: np.concatenate(v) for c, v in rows.items() if c not in ("seq_id", "conversation_id", "split")})
-        stem = out / split / "000-of-001.00000"
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        write_arrow(Path(str(stem) + ".rows.arrow"), rows, feats)
-        write_arrow(Path(str(stem) + ".seqs.arrow"), seqs, sequences_features())
-        write_json(Path(str(stem) + ".json"), {"split": split, "positions": len(rows["label"])})
-    write_json(out / "manifest.json", {"k_max": K_MAX, "max_new_tokens": BUDGET})
-    return out
 
 
 @pytest.fixture(scope="module")

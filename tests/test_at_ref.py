@@ -8,7 +8,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from test_batched import prompts_of
+from conftest import prompts_of
 
 from eagle_backbone.paths import REPO_ROOT
 

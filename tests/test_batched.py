@@ -1,5 +1,6 @@
 """The batched engine (eagle_backbone/batched_engine.py, eagle_backbone/llama.py, eagle_backbone/ragged.py; the workload in ldlp/bench/workload.py): greedy identity with each sequence's own batch-1 output,
-sampling exactness in a batch, per-slot cache rollback, continuous batching and bad input.
+sampling exactness in a batch, per-slot cache rollback, an EOS inside a chain's or a tree's draft, continuous
+batching and bad input.
 
 Tiny float32 Llamas (tests/conftest.py); the embedded pair, where present, gives an EAGLE drafter whose
 drafts the target actually accepts. No test reads a clock."""
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TreePolicy, ar, noisy_copy, pair_distribution, pooled_chi2_pvalue, prompts_of
 
 from eagle_backbone import sampling as bsampling
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
@@ -21,32 +23,13 @@ from eagle_backbone.candidates import (
     DraftModelCandidateGenerator,
     EagleCandidateGenerator,
 )
-from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
-from eagle_backbone.sampling import SamplingConfig, probs_from_logits
+from eagle_backbone.sampling import SamplingConfig
+from eagle_backbone.tree_draft import TreeSpec
 
 torch.set_num_threads(1)
 EMBEDDED = Path(__file__).resolve().parent.parent / "data" / "embedded"
-
-
-def noisy_copy(target, scale: float, seed: int = 3):
-    """A draft LM that agrees with the target often but not always."""
-    torch.manual_seed(seed)
-    m = copy.deepcopy(target.model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(scale * p.std() * torch.randn_like(p))
-    return m.eval()
-
-
-@pytest.fixture(scope="module")
-def draft_lm(t32):
-    return noisy_copy(t32, 0.3)
-
-
-def prompts_of(lengths, seed=0, vocab=64):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 class PromptGamma(DraftLengthPolicy):
@@ -71,10 +54,6 @@ class Varying(DraftLengthPolicy):
 
     def keep_drafting(self, ctx, i, token, probs):
         return float(probs.max()) > 0.05 or i < 2
-
-
-def ar(target, prompts, n):
-    return [autoregressive_generate(target, p, n).tokens for p in prompts]
 
 
 # ---- the compact forward ---------------------------------------------------------------------------
@@ -163,15 +142,21 @@ def test_greedy_identity_varying_gamma_and_early_stop(t32, draft_lm):
         assert o.stats.accept_lengths == ref.stats.accept_lengths
 
 
-def test_eos_inside_one_slots_draft(t32):
-    """A perfect drafter (the target itself) drafts past an EOS in slot 0; the others continue."""
+# a chain of γ = 4, and a tree 2 wide and 4 deep
+EOS_POLICIES = {"chain": lambda: StaticPolicy(4), "tree": lambda: TreePolicy(TreeSpec(2, 4))}
+
+
+@pytest.mark.parametrize("shape", EOS_POLICIES)
+def test_eos_inside_one_slots_draft(t32, shape):
+    """A perfect drafter (the target itself) drafts past an EOS in slot 0, along a chain or a tree's accepted path:
+    slot 0 stops there, the others continue."""
     prompts = prompts_of((5, 9, 7))
     target = copy.copy(t32)
     eos = ar(t32, prompts[:1], 12)[0][6]  # slot 0's 7th token becomes the EOS
     target.eos_token_ids = {eos}
     ref = ar(target, prompts, 20)
     assert ref[0][-1] == eos and len(ref[0]) <= 7
-    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=StaticPolicy(4))
+    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=EOS_POLICIES[shape]())
     out = engine.generate(prompts, 20)
     assert [o.tokens for o in out] == ref
     assert any(len(r) == 20 for r in ref[1:])  # another slot ran on past slot 0's end
@@ -245,33 +230,6 @@ def test_counter_uniforms_are_uniform_and_per_sequence():
     assert torch.equal(bsampling.uniforms(seeds[7:9], torch.zeros(2, dtype=torch.long), torch.arange(3)), u[7:9])
 
 
-def _pair_distribution(target, prompt, temperature):
-    """Exact P(x1, x2) of the target's sampling, as a dict (x1, x2) -> probability."""
-    cfg = SamplingConfig(temperature=temperature)
-    with torch.no_grad():
-        p1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], cfg).double()
-        exact = {}
-        for x1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
-            p2 = probs_from_logits(target.model(torch.tensor([prompt + [x1]])).logits[0, -1], cfg).double()
-            for x2 in torch.nonzero(p2 > 1e-9).flatten().tolist():
-                exact[(x1, x2)] = float(p1[x1] * p2[x2])
-    return exact
-
-
-def _chi2_pvalue(samples, exact, n):
-    """Pearson chi-square of ``samples`` against ``exact``, cells with an expected count < 5 pooled."""
-    from scipy.stats import chi2
-
-    counts = {}
-    for s in samples:
-        counts[s] = counts.get(s, 0) + 1
-    big = [k for k, v in exact.items() if v * n >= 5]
-    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
-    exp = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
-    return float(chi2.sf(stat, len(obs) - 1))
-
-
 def _sample_pairs(target, drafter, prompt, slots, runs, temperature):
     """The first two tokens of sequences decoded 4 tokens deep: the second comes from a verification
     step (γ up to 2 there), so it is a kept draft, a replacement or a bonus token."""
@@ -317,18 +275,18 @@ TEMP, RUNS = 0.3, 60
 
 def test_sampled_sequences_have_the_target_distribution(no_eos, rough_drafter):
     prompt = prompts_of((6,), seed=5)[0]
-    exact = _pair_distribution(no_eos, prompt, TEMP)
+    exact = pair_distribution(no_eos, prompt, TEMP)
     samples = _sample_pairs(no_eos, rough_drafter, prompt, 32, RUNS, TEMP)
-    assert _chi2_pvalue(samples, exact, len(samples)) > 1e-3
+    assert pooled_chi2_pvalue(samples, exact, len(samples)) > 1e-3
 
 
 def test_chi_square_has_power_against_a_broken_residual(no_eos, rough_drafter, monkeypatch):
     """Resampling from p instead of normalize(max(p - q, 0)) must be caught by the same test."""
     monkeypatch.setattr(bsampling, "residual", lambda p, q: p)
     prompt = prompts_of((6,), seed=5)[0]
-    exact = _pair_distribution(no_eos, prompt, TEMP)
+    exact = pair_distribution(no_eos, prompt, TEMP)
     samples = _sample_pairs(no_eos, rough_drafter, prompt, 32, RUNS, TEMP)
-    assert _chi2_pvalue(samples, exact, len(samples)) < 1e-5
+    assert pooled_chi2_pvalue(samples, exact, len(samples)) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["eagle", "draft_lm"])

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import one_line
-from test_tree_engine import SPECS, TreePolicy
+from conftest import SPECS, TreePolicy, one_line
 
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import StaticPolicy

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import one_line
+from conftest import REPO, compose_config, one_line
 from omegaconf import OmegaConf
-from test_oracle import REPO, arrow_files, pair_dirs  # noqa: F401  (pair_dirs: a fixture)
+from oracle_helpers import arrow_files
 
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from ldlp.models.acceptance import (
@@ -125,18 +125,12 @@ def test_head_files_round_trip_and_refuse_wrong_weights(tmp_path):
 
 
 def compose(root, out_dir, *overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import eagle_backbone.paths  # noqa: F401
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("collect_acceptance", overrides=[
-            f"model.target={root}/target", f"model.tokenizer={root}/target", f"model.drafter={root}/drafter",
-            "model.dtype=float32", "model.attn_implementation=eager",
-            f"data.path={root}/train.json", f"data.validation_path={root}/validation.json", "data.limit=null",
-            "data.validation_limit=null", "max_new_tokens=8", "k_max=3", "shard_size=3", "progress=false",
-            "temperature=0.7", f"out_dir={out_dir}", *overrides])
+    return compose_config("collect_acceptance", [
+        f"model.target={root}/target", f"model.tokenizer={root}/target", f"model.drafter={root}/drafter",
+        "model.dtype=float32", "model.attn_implementation=eager",
+        f"data.path={root}/train.json", f"data.validation_path={root}/validation.json", "data.limit=null",
+        "data.validation_limit=null", "max_new_tokens=8", "k_max=3", "shard_size=3", "progress=false",
+        "temperature=0.7", f"out_dir={out_dir}", *overrides])
 
 
 @pytest.fixture(scope="module")

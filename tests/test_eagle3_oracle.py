@@ -9,9 +9,8 @@ import json
 
 import pytest
 import torch
-from conftest import make_target, tiny_llama_config
-from test_eagle3 import make_eagle3
-from test_oracle import CONVS, VAL, LabelPolicy, assert_same_rows
+from conftest import decode, make_eagle3, tiny_llama_config
+from oracle_helpers import CONVS, VAL, LabelPolicy, assert_same_rows
 
 from eagle_backbone.candidates import Eagle3CandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
@@ -19,12 +18,6 @@ from ldlp.labels.oracle import oracle_labels
 from ldlp.labels.oracle import oracle_labels_eagle3_sequential
 
 torch.set_num_threads(1)
-V = 8
-
-
-@pytest.fixture(scope="module")
-def t3():
-    return make_target(seed=0, dtype=torch.float32, layers=3, vocab=V)
 
 
 def _sequence(target, prompt, n):
@@ -123,7 +116,5 @@ def test_collector_and_ldlp_run_on_an_eagle3_pair(eagle3_dirs, tmp_path):
                                    policy=LDLPPolicy(str(tmp_path / "ldlp"), max_gamma=4))
     assert eng.feat.shape[-1] == 3 * 32 and eng.last_feat.shape[-1] == 32
     prompt = [5, 9, 11, 3]
-    from test_tree_engine import decode
-
     outs = decode(eng, [prompt, prompt[:3]], n=8)
     assert [o.tokens for o in outs] == [pair.target.reference_greedy(p, 8) for p in (prompt, prompt[:3])]

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, step_ldlp
+from conftest import ar, compose_config, prompts_of, step_ldlp
 from hydra.utils import instantiate
-from test_batched import ar, prompts_of
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable, cost_key

@@ -1,7 +1,7 @@
 """The layout's rules, read from the source with ``ast``: no import cycles among the project's modules nor
 among its packages, no module importing another's private (``_name``) names, every stage package within what
-its ``__init__`` says it may import, no plots or Markdown in the decoding core, and reading labels or replaying
-policies without Lightning."""
+its ``__init__`` says it may import, no plots or Markdown in the decoding core, reading labels or replaying
+policies without Lightning, and no test module importing another."""
 
 from __future__ import annotations
 
@@ -206,6 +206,20 @@ def import_statement(doc: str, package: str) -> tuple[set[str], set[str]]:
     return names(may, False), names(never, True)
 
 
+def cross_test_imports(tests: Path) -> list[str]:
+    """Where a module under ``tests`` imports a test module (``test_*.py`` there), at any depth: shared helpers
+    live in ``conftest.py`` or a helper module, so that no test module runs another's module-level code or
+    depends on its layout."""
+    own = {f.stem for f in tests.glob("test_*.py")}
+    found = []
+    for f in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), str(f))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{f.name}:{node.lineno}: imports {n}" for n in names if n.split(".")[0] in own]
+    return found
+
+
 # -- the checker catches what it should --------------------------------------------------------------------
 
 
@@ -264,6 +278,19 @@ def test_package_checker_finds_a_cycle_between_packages_without_a_module_cycle(t
     assert imported_by(tmp_path, ("core", "method"), "core.engine") == ["core.sub.bench", "method.rules"]
 
 
+def test_test_import_checker(tmp_path):
+    _write(tmp_path, {
+        "conftest.py": "import json\n",
+        "helpers.py": "from conftest import json\n",
+        "test_a.py": "from helpers import json\nfrom conftest import json\n",
+        "test_b.py": "import test_a\n\n\ndef test_x():\n    from test_a import json\n",
+        "test_c.py": "from test_b import test_x  # noqa\n",
+        "helpers_bad.py": "import test_c.sub\n",
+    })
+    assert cross_test_imports(tmp_path) == ["helpers_bad.py:1: imports test_c.sub", "test_b.py:1: imports test_a",
+                                             "test_b.py:5: imports test_a", "test_c.py:1: imports test_b"]
+
+
 def test_plot_and_markdown_checker(tmp_path):
     _write(tmp_path, {
         "core/__init__.py": '"""Writes no README.md (a docstring may name one)."""\n',
@@ -309,6 +336,12 @@ def test_decoding_core_neither_plots_nor_writes_markdown():
     """Benchmarks, pages and plots live in ldlp.bench; no module under eagle_backbone/ imports matplotlib,
     defines a Markdown renderer or names a ``.md`` file."""
     assert plots_and_markdown(REPO_ROOT, CORE) == []
+
+
+def test_no_test_module_imports_another():
+    """Test modules share helpers and fixtures through ``tests/conftest.py`` and helper modules
+    (``tests/oracle_helpers.py``), never by importing one another."""
+    assert cross_test_imports(REPO_ROOT / "tests") == []
 
 
 def test_no_private_imports_across_modules(layout):

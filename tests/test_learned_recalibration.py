@@ -6,7 +6,7 @@ paths. No clock is read."""
 import numpy as np
 import pytest
 import torch
-from test_oracle import mimic_pair
+from oracle_helpers import mimic_pair
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable

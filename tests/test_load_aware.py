@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_batched import _chi2_pvalue, _pair_distribution, ar, noisy_copy, prompts_of
+from conftest import ar, noisy_copy, pair_distribution, pooled_chi2_pvalue, prompts_of, table
 
 import ldlp.policies.load_aware as la
 from eagle_backbone.cost import CostTable, check_costs, cost_key, profile_costs, table_path
@@ -29,15 +29,6 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 CLASSES = {"marginal": LoadAwareMarginal, "step": LoadAwareStep}
-
-
-def table(target_per_token: float, draft: float, base: float = 10.0, key=None) -> CostTable:
-    """A synthetic table: the target costs ``base`` + ``target_per_token`` per scored token past the first
-    a row; a draft depth ``draft`` ms whatever the rows."""
-    slots, tokens = [1, 2, 4, 8, 16, 32], [1, 2, 3, 5, 9]
-    return CostTable(key or {}, slots, tokens,
-                     [[base + target_per_token * R * (t - 1) for t in tokens] for R in slots],
-                     [draft] * len(slots), [[draft] * len(tokens) for _ in slots], [0.0] * len(slots))
 
 
 def policy(tmp_path, costs: CostTable, mode: str = "marginal", **kw) -> LoadAwarePolicy:
@@ -394,7 +385,7 @@ def test_sampled_sequences_have_the_target_distribution(tmp_path, t32):
     drafter = noisy_copy(t32, 0.6, seed=11)
     temp, runs, slots = 0.3, 60, 32
     prompt = prompts_of((6,), seed=5)[0]
-    exact = _pair_distribution(no_eos, prompt, temp)
+    exact = pair_distribution(no_eos, prompt, temp)
     key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
     samples, gammas = [], set()
     for r in range(runs):
@@ -405,7 +396,7 @@ def test_sampled_sequences_have_the_target_distribution(tmp_path, t32):
         samples += [tuple(o.tokens[:2]) for o in outs]
         gammas |= {d for o in outs for d in o.stats.draft_lengths}
     assert {0, 1, 2} <= gammas
-    assert _chi2_pvalue(samples, exact, len(samples)) > 1e-3
+    assert pooled_chi2_pvalue(samples, exact, len(samples)) > 1e-3
 
 
 # ---- cost table and calibration ----------------------------------------------------------------------

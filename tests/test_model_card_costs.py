@@ -8,8 +8,7 @@ from __future__ import annotations
 import time
 
 import torch
-from conftest import make_drafter, make_target
-from test_eagle3 import make_eagle3
+from conftest import make_drafter, make_eagle3, make_target
 
 from ldlp.bench.model_card import eagle3_step_cost
 

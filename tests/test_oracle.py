@@ -3,43 +3,18 @@ they say in the engine, and the sharded collection is resumable, splittable and 
 
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_drafter, make_target, one_line
-from oracle_helpers import greedy_oracle
+from conftest import REPO, compose_config, one_line
+from oracle_helpers import CONVS, LabelPolicy, arrow_files, assert_same_rows, greedy_oracle
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.errors import MissingInput
-from eagle_backbone.policy import DraftLengthPolicy
 from ldlp.labels.oracle import oracle_labels, oracle_labels_sequential, recompute_features
 from ldlp.labels.store import load_oracle_rows, load_oracle_sequences
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def mimic_pair(seed=3, alpha=0.2):
-    """A one-layer target and a drafter that is mostly a copy of it: drafts agree for a while, then
-    diverge, so labels cover 0..k_max (a random drafter almost never agrees: labels all 0)."""
-    target = make_target(seed=seed, layers=1)
-    with torch.no_grad():  # unit-RMS embeddings make the target's input norm (which EAGLE drops) a no-op
-        emb = target.embed_tokens.weight
-        emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6))  # the padding row stays 0
-    drafter = make_drafter(target)
-    with torch.no_grad():
-        d = drafter.hidden_size
-        drafter.embed_tokens.weight.copy_(target.embed_tokens.weight)
-        take_token = torch.zeros_like(drafter.fc.weight)
-        take_token[:, :d] = torch.eye(d)
-        drafter.fc.weight.mul_(alpha).add_((1 - alpha) * take_token)
-        drafter.fc.bias.mul_(alpha)
-        for name, value in target.model.model.layers[0].state_dict().items():
-            if not name.startswith("input_layernorm"):
-                drafter.layers[0].get_parameter(name).mul_(alpha).add_((1 - alpha) * value)
-    return target, drafter
 
 
 def perturbed_greedy(target, prompt, length, p_random=0.3, seed=0):
@@ -51,23 +26,6 @@ def perturbed_greedy(target, prompt, length, p_random=0.3, seed=0):
         logits, _ = target(torch.tensor([s]))
         s.append(rng.randrange(3, target.vocab_size) if rng.random() < p_random else int(logits[0, -1].argmax()))
     return s
-
-
-def assert_same_rows(a, b, atol=1e-6):
-    assert set(a) == set(b)
-    for key in a:
-        x, y = a[key], b[key]
-        assert x.shape == y.shape, key
-        if x.is_floating_point():
-            assert torch.equal(x.isnan(), y.isnan()), key
-            assert torch.allclose(x.double().nan_to_num(), y.double().nan_to_num(), atol=atol, rtol=0), key
-        else:
-            assert torch.equal(x, y), key
-
-
-@pytest.fixture(scope="module")
-def mimic():
-    return mimic_pair()
 
 
 @pytest.mark.parametrize("k_max, rows_per_pass, full", [(1, None, True), (4, None, True), (8, 5, True),
@@ -116,19 +74,6 @@ def test_target_prob_semantics(mimic):
             assert int(rows["draft_tokens"][r, a]) != s[int(rows["index"][r]) + a + 1]
 
 
-class LabelPolicy(DraftLengthPolicy):
-    """Drafts exactly the oracle label at each step and records what the engine showed it."""
-
-    name = "labels"
-
-    def __init__(self, label_at):
-        self.label_at, self.seen = label_at, []
-
-    def gamma(self, ctx):
-        self.seen.append(ctx)
-        return self.label_at(ctx)
-
-
 def test_labels_give_zero_waste_in_the_engine(mimic):
     """Drafting exactly the label at every step keeps the greedy output and wastes no draft, and the
     stored (last_token, feature) is what the engine's DraftContext holds at that step."""
@@ -165,59 +110,18 @@ def test_edge_cases(target, drafter):
 
 # ---- the collector -----------------------------------------------------------------------------------
 
-CONVS = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"What does function f{i} do?"},
-                                           {"from": "gpt", "value": f"It returns {i} plus x."},
-                                           {"from": "human", "value": "Show the code."}]} for i in range(7)]
-VAL = [{"id": f"v{i}", "conversations": [{"from": "human", "value": f"Explain g{i}."}]} for i in range(3)]
-
-
-@pytest.fixture(scope="module")
-def pair_dirs(tmp_path_factory):
-    """A tiny tokenizer, target and EAGLE drafter saved like the embedded pair, and two data files."""
-    from conftest import tiny_llama_config
-    from transformers import LlamaForCausalLM
-
-    from eagle_backbone.data.tokenizer import train_bpe_tokenizer
-    from eagle_backbone.drafter import EagleDrafter
-
-    root = tmp_path_factory.mktemp("pair")
-    texts = [t["value"] for c in CONVS + VAL for t in c["conversations"]] * 4 + ["A chat USER: ASSISTANT:"] * 4
-    tok = train_bpe_tokenizer(texts, 300, root / "target")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(vocab=len(tok), d=32, layers=2, max_pos=512))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(root / "target")
-    torch.manual_seed(1)
-    EagleDrafter.from_target_config(model.config).save_pretrained(root / "drafter")
-    (root / "train.json").write_text(json.dumps(CONVS))
-    (root / "validation.json").write_text(json.dumps(VAL))
-    return root
-
-
 def compose(root, out_dir, *overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import eagle_backbone.paths  # noqa: F401
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return hydra_compose("collect_oracle", overrides=[
-            f"model.target={root}/target", f"model.tokenizer={root}/target", f"model.drafter={root}/drafter",
-            f"data.path={root}/train.json", f"data.validation_path={root}/validation.json", "data.limit=null",
-            "data.validation_limit=null", "generation.max_new_tokens=10", "k_max=4", "shard_size=3", "progress=false",
-            f"out_dir={out_dir}", *overrides])
+    return compose_config("collect_oracle", [
+        f"model.target={root}/target", f"model.tokenizer={root}/target", f"model.drafter={root}/drafter",
+        f"data.path={root}/train.json", f"data.validation_path={root}/validation.json", "data.limit=null",
+        "data.validation_limit=null", "generation.max_new_tokens=10", "k_max=4", "shard_size=3", "progress=false",
+        f"out_dir={out_dir}", *overrides])
 
 
 def run(root, out_dir, *overrides):
     from ldlp.labels.collect import collect_oracle
 
     return collect_oracle(compose(root, out_dir, *overrides))
-
-
-def arrow_files(out_dir):
-    files = sorted(Path(out_dir).glob("*/*.rows.arrow")) + sorted(Path(out_dir).glob("*/*.seqs.arrow"))
-    return {str(p.relative_to(out_dir)): p.read_bytes() for p in files}
 
 
 @pytest.fixture(scope="module")

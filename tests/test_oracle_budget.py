@@ -10,8 +10,7 @@ import random
 
 import pytest
 import torch
-from test_batched import noisy_copy
-from test_bench_load import prompts_of
+from conftest import noisy_copy, random_prompts
 
 from eagle_backbone.candidates import DraftModelCandidateGenerator
 from eagle_backbone.cost import CostTable, cost_key
@@ -90,7 +89,7 @@ def test_accepted_lengths_are_each_positions_own(t32, cand):
     """Every position's accepted length equals a one-slot engine's first step on the prompt with the output's first
     p - 1 tokens appended; the replay's own positions agree with the chain oracle; the output is the target's
     greedy decoding."""
-    for prompt in prompts_of(3, seed=4):
+    for prompt in random_prompts(3, seed=4):
         out, at = accepted_lengths(t32, cand, prompt, 14, 4, slots=3)
         assert out == t32.reference_greedy(prompt, 14) and sorted(at) == list(range(1, len(out)))
         for p in range(1, len(out)):
@@ -100,7 +99,7 @@ def test_accepted_lengths_are_each_positions_own(t32, cand):
         BatchedSpeculativeEngine(t32, cand, slots=1, policy=chain)  # binds it to the pair
         chain.begin(0, prompt, 14)
         assert chain.known.by_slot[0] and all(at[p] == a for p, a in chain.known.by_slot[0].items())
-    assert max(max(accepted_lengths(t32, cand, p, 14, 4)[1].values()) for p in prompts_of(3, seed=4)) > 0
+    assert max(max(accepted_lengths(t32, cand, p, 14, 4)[1].values()) for p in random_prompts(3, seed=4)) > 0
 
 
 def table_file(tmp_path, t32, table: CostTable):
@@ -116,7 +115,7 @@ def run(t32, cand, policy, prompts, C, n):
 def test_lossless_with_zero_waste_and_the_chain_oracle_when_drafting_is_free(t32, cand, tmp_path):
     """In a batch: every output is the target's greedy decoding and every draft is accepted; with drafting nearly
     free it drafts every accepted length (the chain oracle's target forwards), with drafting never paying none."""
-    prompts = prompts_of(5, seed=4)
+    prompts = random_prompts(5, seed=4)
     ref = [t32.reference_greedy(p, 14) for p in prompts]
 
     def budget(table):
@@ -157,7 +156,7 @@ def test_the_sweep_runs_it_and_reports_its_headroom(t32, cand, tmp_path):
           Contender("oracle_budget", "oracle_budget", None,
                     lambda: OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4, cost_table=path))]
     logs = []
-    result = sweep(t32, cand, prompts_of(6, seed=2), cs, [1, 3], 10, rounds=1, temperatures=[0.0, 1.0], blocks=2,
+    result = sweep(t32, cand, random_prompts(6, seed=2), cs, [1, 3], 10, rounds=1, temperatures=[0.0, 1.0], blocks=2,
                    log=logs.append, bootstrap=50)
     rows = [r for r in result["rows"] if r["policy"] == "oracle_budget"]
     assert {(r["concurrency"], r["temperature"]) for r in rows} == {(1, 0.0), (3, 0.0)}

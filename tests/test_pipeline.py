@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import table_rows
+from conftest import compose_config, table_rows
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -101,15 +101,10 @@ def test_an_interrupted_stage_runs_again_and_the_fingerprint_is_stored_next_to_i
     assert set(cpu) == {"up", "down"} and all(v >= 0 for v in cpu.values())
 
 
-def _compose_pipeline(overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="pipeline", overrides=overrides)
-
-
 def test_tuning_reruns_on_new_labels_and_everything_writes_outside_the_committed_results(tmp_path):
     """A fresh clone regenerates the labels, so the tuning (and the adaptive sweeps) must run on them,
     never on the committed results/<model>/tuning."""
-    cfg = _compose_pipeline([f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"])
+    cfg = compose_config("pipeline", [f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"])
     stages = {s.name: s for s in plan(cfg)}
     committed = REPO / "results"
     for s in stages.values():
@@ -130,7 +125,7 @@ def test_tuning_reruns_on_new_labels_and_everything_writes_outside_the_committed
 
 
 def test_every_stage_gets_the_configured_threads(tmp_path):
-    cfg = _compose_pipeline([f"paths.outputs={tmp_path}", "threads=1"])
+    cfg = compose_config("pipeline", [f"paths.outputs={tmp_path}", "threads=1"])
     assert all("threads=1" in s.args for s in plan(cfg))
 
 
@@ -157,10 +152,12 @@ def test_publish_copies_the_run_and_writes_the_pages(tmp_path):
                "stage_seconds": {"oracle": 120.0, "sweep:static:1": 60.0}}
     publish(results, published, readme, summary, "m", "python scripts/pipeline.py publish=true")
     assert (published / "tuning" / "tuning.json").read_text() == "tuning/tuning.json"
-    page = (published / "README.md").read_text()
+    # what the page states of its figures' dtype and machine is the run's settings, published beside it
+    assert json.loads((published / "run_settings.json").read_text()) == json.loads(
+        (results / "run_settings.json").read_text())
+    page = (published / "README.md").read_text()  # the page's render check: its tables, plot, time and links
     assert "| 1 |" in page and "(tokens_per_s.png)" in page and "3.0 min" in page
     assert "(load_sweep/batch_bench.md)" in page and "(load_sweep/batch_bench.png)" in page  # the load sweep's
-    assert "Models in float32 on AMD EPYC (bf16 matmuls in hardware: no)." in page  # the dtype of its figures
     text = readme.read_text()
     assert "old" not in text and text.endswith("<!-- results:end -->\nrest\n")
     assert table_rows(text) == ["static γ=6", "ldlp"]  # one row per head-to-head contender, the AR row left out
@@ -301,7 +298,7 @@ def test_overrides_enter_fingerprints_and_paths_reach_the_data_configs(tmp_path)
     base = [f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"]
     f32, b16 = base + ["model.dtype=float32"], base + ["model.dtype=bfloat16"]
     extra = ["model.drafter=/elsewhere/drafter", "data.limit=3", "threads=2"]
-    cfg = _compose_pipeline(f32 + extra)
+    cfg = compose_config("pipeline", f32 + extra)
     stages = {s.name: s for s in plan(cfg, "embedded", f32 + extra)}
     for s in stages.values():
         assert f"paths.data_dir={tmp_path / 'data'}" in s.args and s.args.count("threads=2") == 1, s.args
@@ -314,8 +311,8 @@ def test_overrides_enter_fingerprints_and_paths_reach_the_data_configs(tmp_path)
     assert "data.limit=6" not in stages["sweep:static:1"].args  # the main command's data.limit replaced it
     assert "/elsewhere/drafter" in stages["oracle"].reads
     # the dtype is in every fingerprint but the corpus's
-    other = {s.name: s for s in plan(_compose_pipeline(b16), "embedded", b16)}
-    same = {s.name: s for s in plan(_compose_pipeline(f32), "embedded", f32)}
+    other = {s.name: s for s in plan(compose_config("pipeline", b16), "embedded", b16)}
+    same = {s.name: s for s in plan(compose_config("pipeline", f32), "embedded", f32)}
     for name, s in same.items():
         a, b = fingerprint(s, same)[0], fingerprint(other[name], other)[0]
         assert (a == b) == (name == "corpus"), name
@@ -369,7 +366,7 @@ def test_a_cost_table_the_cost_stage_makes_is_not_a_reason_to_rerun_but_a_new_on
 def test_retrained_draft_acceptance_heads_rerun_the_load_sweep_that_uses_them(tmp_path):
     over = [f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}",
             'bench_batch.contenders=["policy=load_aware_head","policy=static policy.gamma=2"]']
-    cfg = _compose_pipeline(over)
+    cfg = compose_config("pipeline", over)
     heads = Path(cfg.paths.draft_acceptance)
     (heads / "t0.0").mkdir(parents=True)
     (heads / "t0.0" / "model.safetensors").write_bytes(b"head")
@@ -482,7 +479,7 @@ def test_sigterm_reaches_the_running_stage_and_its_children(tmp_path):
 def test_two_main_commands_cannot_hold_the_same_folders(tmp_path):
     from ldlp.pipeline import FolderLock, lock_folders
 
-    cfg = _compose_pipeline([f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"])
+    cfg = compose_config("pipeline", [f"paths.data_dir={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"])
     folders = lock_folders(cfg, plan(cfg))
     assert folders == [tmp_path / "data", tmp_path / "outputs"]
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
@@ -592,7 +589,7 @@ def test_collectors_side_by_side_check_the_folder_first_and_report_last(tmp_path
     assert calls[0] == "0/3 parts=0 overwrite=changed" and calls[-1] == "0/3 parts=0 overwrite=-"
     assert sorted(calls[1:4]) == ["0/3 parts=all overwrite=-", "1/3 parts=all overwrite=-", "2/3 parts=all overwrite=-"]
     assert (tmp_path / "o" / "report.md").read_text() == "part-0 part-1 part-2"
-    cfg = _compose_pipeline([f"paths.outputs={tmp_path}", "oracle.parallel=2"])
+    cfg = compose_config("pipeline", [f"paths.outputs={tmp_path}", "oracle.parallel=2"])
     oracle = next(s for s in plan(cfg) if s.name == "oracle")
     assert oracle.parallel == 2 and "num_shards=2" in oracle.args  # in the fingerprint: part files are per collector
 
@@ -738,7 +735,7 @@ def test_where_outputs_go_is_not_an_input(tmp_path):
 
     def digests(extra):
         overrides = base + extra
-        stages = {s.name: s for s in plan(_compose_pipeline(overrides), "embedded", overrides)}
+        stages = {s.name: s for s in plan(compose_config("pipeline", overrides), "embedded", overrides)}
         return {n: fingerprint(s, stages)[0] for n, s in stages.items()}
 
     a = digests([f"paths.outputs={tmp_path / 'out1'}"])
@@ -765,7 +762,7 @@ def test_where_outputs_go_is_not_an_input(tmp_path):
 def test_the_plan_refuses_a_bad_setting_in_one_line(tmp_path, override, key):
     from eagle_backbone.errors import ConfigError
 
-    cfg = _compose_pipeline([f"paths.outputs={tmp_path}", override])
+    cfg = compose_config("pipeline", [f"paths.outputs={tmp_path}", override])
     with pytest.raises(ConfigError, match=key.replace("[", "\\[").replace("(", "\\(")):
         plan(cfg)
 

@@ -7,8 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from oracle_helpers import greedy_oracle
-from test_oracle import mimic_pair
+from oracle_helpers import greedy_oracle, mimic_pair
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
@@ -132,14 +131,13 @@ def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
     from types import SimpleNamespace
 
     from hydra import compose, initialize_config_dir
-    from test_oracle import REPO
+    from conftest import REPO
 
     import eagle_backbone.paths  # noqa: F401
     from ldlp.bench.predictors import run_predictor_study
     from ldlp.report.predictors import study_page
     from ldlp.training.step_predictor import fit_step_history, fit_step_ldlp
-
-    from test_acceptance import prompts, write_collection
+    from oracle_helpers import prompts, write_collection
 
     target, drafter, _, _ = setup
     oracle = write_collection(tmp_path / "oracle", target, drafter, prompts(12, seed=1), prompts(4, seed=2),

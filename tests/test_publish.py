@@ -3,10 +3,9 @@ the committed paths.published, or a one-line refusal before anything is copied."
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
-from conftest import one_line
+from conftest import a_run, one_line
 
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.paths import REPO_ROOT
@@ -14,47 +13,25 @@ from ldlp.report.publish import (PUBLISHED_FILES, check_publishable, group_files
                                  publish, publish_run, write_run_manifest)
 
 
-def _a_run(folder: Path, model: str = "m", tuning: bool = True, sweep_complete: bool | None = True) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "results.md").write_text("| policy |\n")
-    (folder / "results.csv").write_text(f"model,policy\n{model},static\n")
-    (folder / "tokens_per_s.png").write_bytes(b"png")
-    (folder / "summary.json").write_text(json.dumps({"headline": {model: {}}, "rows": []}))
-    if tuning:
-        (folder / "tuning").mkdir()
-        (folder / "tuning" / "tuning.md").write_text("tuning")
-        (folder / "tuning" / "tuning.json").write_text("{}")
-    if sweep_complete is not None:
-        (folder / "load_sweep").mkdir()
-        for f in ("batch_bench.md", "batch_bench.png"):
-            (folder / "load_sweep" / f).write_text(f)
-        (folder / "load_sweep" / "batch_bench.json").write_text(json.dumps([{"complete": sweep_complete}]))
-        (folder / "load_sweep" / "batch_bench_runs.json").write_text(json.dumps({"meta": {"model": model}}))
-    stages = ["corpus", "oracle"] + (["tune"] if tuning else []) + (["bench_batch"] if sweep_complete is not None
-                                                                    else [])
-    write_run_manifest(folder, model, stages, {s: 10.0 for s in stages})
-    return folder
-
-
 def test_publishing_takes_one_complete_run_of_this_model_or_refuses(tmp_path):
     assert set(group_files()) == set(PUBLISHED_FILES)  # the check covers every file publish copies
     published, readme = tmp_path / "published", tmp_path / "README.md"
     readme.write_text("# r\n")
-    old = _a_run(tmp_path / "old")
+    old = a_run(tmp_path / "old")
     publish(old, published, readme, None, "m", "cmd")
     assert (published / "tuning" / "tuning.json").is_file()
     # a newer run without tuning: the older run's tuning is removed, not linked from the new page
-    new = _a_run(tmp_path / "new", tuning=False)
+    new = a_run(tmp_path / "new", tuning=False)
     files = check_publishable(new, "m")
     assert prune_published(published, files) == ["tuning/tuning.md", "tuning/tuning.json"]
     publish(new, published, readme, None, "m", "cmd")
     assert not (published / "tuning").exists() or not any((published / "tuning").iterdir())
     assert not [f for f in json.loads((published / "manifest.json").read_text())["files"] if f.startswith("tuning/")]
     # refused, in one line, before anything is copied
-    bad = {"another model": (_a_run(tmp_path / "other", model="vicuna"), "not model.name=m"),
-           "an unfinished sweep": (_a_run(tmp_path / "stopped", sweep_complete=False), "unfinished load sweep"),
+    bad = {"another model": (a_run(tmp_path / "other", model="vicuna"), "not model.name=m"),
+           "an unfinished sweep": (a_run(tmp_path / "stopped", sweep_complete=False), "unfinished load sweep"),
            "no run": (tmp_path / "nothing", "missing results.md")}
-    half = _a_run(tmp_path / "half")
+    half = a_run(tmp_path / "half")
     (half / "tuning" / "tuning.json").unlink()
     bad["half a group"] = (half, "tuning is incomplete")
     for case, (folder, why) in bad.items():
@@ -76,7 +53,7 @@ def test_publishing_takes_only_the_stages_this_run_had_and_lists_what_it_wrote(t
     removed, and manifest.json lists exactly what this publish wrote."""
     published, readme = tmp_path / "published", tmp_path / "README.md"
     readme.write_text("# r\n")
-    results = _a_run(tmp_path / "results")  # an earlier run: tuning and load sweep
+    results = a_run(tmp_path / "results")  # an earlier run: tuning and load sweep
     publish_run(results, published, readme, None, "m", "cmd")
     assert (published / "load_sweep" / "batch_bench_runs.json").is_file()  # every file of the group
     manifest = json.loads((published / "manifest.json").read_text())
@@ -102,7 +79,7 @@ def test_publishing_takes_only_the_stages_this_run_had_and_lists_what_it_wrote(t
 
 
 def test_publishing_a_folder_no_main_command_finished_is_refused(tmp_path):
-    results = _a_run(tmp_path / "results")
+    results = a_run(tmp_path / "results")
     (results / "run.json").unlink()
     with pytest.raises(ConfigError) as e:
         publish_run(results, tmp_path / "published", tmp_path / "README.md", None, "m", "cmd")
@@ -119,7 +96,7 @@ def test_the_results_page_and_the_readme_block_render(tmp_path):
     and head-to-head rows the tests above check."""
     published, readme = tmp_path / "published", tmp_path / "README.md"
     readme.write_text("# r\n<!-- results:start -->\n<!-- results:end -->\n")
-    lines = publish_run(_a_run(tmp_path / "results"), published, readme, None, "m", "cmd")
+    lines = publish_run(a_run(tmp_path / "results"), published, readme, None, "m", "cmd")
     assert any("updated the results block" in line for line in lines)
     assert (published / "README.md").read_text().startswith("# Results: m\n")
     h2h = {"reference": "static γ=6", "n_prompts": 56, "n_dropped": 0, "rounds": 2,

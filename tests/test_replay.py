@@ -3,8 +3,7 @@ linear fit and the tuner work."""
 
 import pytest
 import torch
-from oracle_helpers import greedy_oracle
-from test_oracle import mimic_pair
+from oracle_helpers import greedy_oracle, mimic_pair
 
 from eagle_backbone.candidates import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder

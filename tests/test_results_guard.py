@@ -107,7 +107,7 @@ def test_the_drafters_bench_of_no_tokens_is_refused_before_anything_loads(tmp_pa
 def test_the_main_command_refuses_a_run_of_no_tokens_and_a_bad_contender_in_its_plan(tmp_path):
     from eagle_backbone.errors import ConfigError
     from ldlp.pipeline import plan
-    from test_pipeline import _compose_pipeline
+    from conftest import compose_config
 
     for override, why in [
         ("generation.max_new_tokens=0", "generation.max_new_tokens must be an integer >= 1, got 0"),
@@ -124,16 +124,16 @@ def test_the_main_command_refuses_a_run_of_no_tokens_and_a_bad_contender_in_its_
         ("bench_batch.overrides=['policy=static']", "bench_batch.overrides holds 'policy=static': the stages"),
     ]:
         with pytest.raises(ConfigError) as e:
-            plan(_compose_pipeline([f"paths.outputs={tmp_path}", override]))
+            plan(compose_config("pipeline", [f"paths.outputs={tmp_path}", override]))
         assert why in str(e.value) and "\n" not in str(e.value), override
 
 
 def test_publishing_a_page_with_a_nan_cell_is_refused_naming_the_file(tmp_path):
     from eagle_backbone.errors import ConfigError
     from ldlp.report.publish import check_publishable, nan_cell
-    from test_publish import _a_run
+    from conftest import a_run
 
-    run = _a_run(tmp_path / "run")
+    run = a_run(tmp_path / "run")
     assert check_publishable(run, "m")
     (run / "results.md").write_text("| policy | tokens/s | speedup |\n|---|---:|---:|\n| static γ=2 | nan | nanx |\n")
     with pytest.raises(ConfigError, match=f"^{run / 'results.md'}: a NaN cell \\(line 3: "):
@@ -165,9 +165,9 @@ def test_settings_that_would_run_as_something_else_are_refused_in_one_line(tmp_p
 def test_the_dry_run_builds_a_contender_as_the_load_sweep_would(tmp_path):
     from eagle_backbone.errors import ConfigError
     from ldlp.pipeline import plan
-    from test_pipeline import _compose_pipeline
+    from conftest import compose_config
 
-    cfg = _compose_pipeline([f"paths.outputs={tmp_path}",
+    cfg = compose_config("pipeline", [f"paths.outputs={tmp_path}",
                              'bench_batch.contenders=["policy=load_aware policy.online_costs=maybe"]'])
     with pytest.raises(ConfigError, match="online_costs must be true or false, got 'maybe'"):
         plan(cfg)

@@ -1,12 +1,9 @@
 """Speculative sampling is exact: the output distribution equals the target's, with a draft LM and with the EAGLE
 drafter under static and adaptive policies (the per-sequence path included); seeded streams repeat."""
 
-import itertools
-
 import pytest
 import torch
-from conftest import make_drafter, make_target
-from scipy.stats import chisquare
+from conftest import chi2_pvalue, exact_sequence_distribution, make_drafter, make_target
 
 from eagle_backbone import sampling as S
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
@@ -47,20 +44,6 @@ def test_probs_from_logits_filters_alike():
     assert torch.allclose(S.probs_from_logits(logits, SamplingConfig(2.0)), torch.softmax(logits / 2, -1))
 
 
-def _exact_sequence_distribution(target, prompt, length, cfg):
-    """P(x_1..x_L | prompt) of the target itself, by enumerating every sequence (tiny vocabulary)."""
-    V = target.vocab_size
-    probs = {}
-    with torch.no_grad():
-        for seq in itertools.product(range(V), repeat=length):
-            logits, _ = target(torch.tensor([prompt + list(seq)]))
-            p = 1.0
-            for k, tok in enumerate(seq):
-                p *= float(S.probs_from_logits(logits[0, len(prompt) - 1 + k], cfg)[tok])
-            probs[seq] = p
-    return probs
-
-
 def _speculative_counts(target, draft, prompt, length, cfg, n):
     dec = SpeculativeDecoder(target, DraftModelCandidateGenerator(draft.model, target), StaticPolicy(2))
     counts = {}
@@ -70,37 +53,28 @@ def _speculative_counts(target, draft, prompt, length, cfg, n):
     return counts
 
 
-def _chi2_pvalue(counts, probs, n):
-    assert all(counts.get(k, 0) == 0 for k in probs if probs[k] == 0), "sampled a sequence of probability 0"
-    keys = sorted(k for k in probs if probs[k] > 0)
-    total = sum(probs.values())
-    expected = [probs[k] / total * n for k in keys]
-    observed = [counts.get(k, 0) for k in keys]
-    return chisquare(observed, expected).pvalue
-
-
 def test_sampled_sequences_follow_the_target(tiny_vocab_pair):
     target, draft = tiny_vocab_pair
     cfg, prompt, n = SamplingConfig(temperature=1.0), [1, 3], 1200
-    probs = _exact_sequence_distribution(target, prompt, 3, cfg)
+    probs = exact_sequence_distribution(target, prompt, 3, cfg)
     assert abs(sum(probs.values()) - 1) < 1e-6
-    assert _chi2_pvalue(_speculative_counts(target, draft, prompt, 3, cfg, n), probs, n) > 1e-3
+    assert chi2_pvalue(_speculative_counts(target, draft, prompt, 3, cfg, n), probs, n) > 1e-3
 
 
 def test_a_broken_residual_is_detected(tiny_vocab_pair, monkeypatch):
     """The statistical test has power: resampling from p instead of max(p - q, 0) fails it."""
     target, draft = tiny_vocab_pair
     cfg, prompt, n = SamplingConfig(temperature=1.0), [1, 3], 1200
-    probs = _exact_sequence_distribution(target, prompt, 3, cfg)
+    probs = exact_sequence_distribution(target, prompt, 3, cfg)
     monkeypatch.setattr(S, "residual", lambda p, q: p)
-    assert _chi2_pvalue(_speculative_counts(target, draft, prompt, 3, cfg, n), probs, n) < 1e-6
+    assert chi2_pvalue(_speculative_counts(target, draft, prompt, 3, cfg, n), probs, n) < 1e-6
 
 
 def test_top_k_top_p_sampling_is_lossless_too(tiny_vocab_pair):
     target, draft = tiny_vocab_pair
     cfg, prompt, n = SamplingConfig(temperature=0.8, top_k=3, top_p=0.9), [2], 1500
-    probs = _exact_sequence_distribution(target, prompt, 2, cfg)
-    assert _chi2_pvalue(_speculative_counts(target, draft, prompt, 2, cfg, n), probs, n) > 1e-3
+    probs = exact_sequence_distribution(target, prompt, 2, cfg)
+    assert chi2_pvalue(_speculative_counts(target, draft, prompt, 2, cfg, n), probs, n) > 1e-3
 
 
 # -- the EAGLE drafter and adaptive policies sample the target's distribution too
@@ -169,9 +143,9 @@ def _eagle_counts(target, drafter, policy, prompt, length, cfg, n):
 def test_eagle_and_adaptive_policies_sample_the_target_distribution(tiny_eagle_pair, kind, temperature):
     target, drafter, folder = tiny_eagle_pair
     cfg, prompt, n = SamplingConfig(temperature=temperature), [1, 3], 1500  # seeded: the p-values are fixed
-    probs = _exact_sequence_distribution(target, prompt, 3, cfg)
+    probs = exact_sequence_distribution(target, prompt, 3, cfg)
     counts = _eagle_counts(target, drafter, _policy(kind, folder), prompt, 3, cfg, n)
-    assert _chi2_pvalue(counts, probs, n) > 1e-3
+    assert chi2_pvalue(counts, probs, n) > 1e-3
 
 
 @pytest.mark.parametrize("kind", ["random", "ldlp"])
@@ -180,9 +154,9 @@ def test_a_broken_residual_is_detected_with_eagle_and_adaptive_policies(tiny_eag
     max(p - q, 0) gives p-values far below its acceptance level of 1e-3."""
     target, drafter, folder = tiny_eagle_pair
     cfg, prompt, n = SamplingConfig(temperature=0.7), [1, 3], 1500
-    probs = _exact_sequence_distribution(target, prompt, 3, cfg)
+    probs = exact_sequence_distribution(target, prompt, 3, cfg)
     monkeypatch.setattr(S, "residual", lambda p, q: p)
-    assert _chi2_pvalue(_eagle_counts(target, drafter, _policy(kind, folder), prompt, 3, cfg, n), probs, n) < 1e-4
+    assert chi2_pvalue(_eagle_counts(target, drafter, _policy(kind, folder), prompt, 3, cfg, n), probs, n) < 1e-4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -196,7 +170,7 @@ def test_seeded_sampling_on_the_targets_device(tiny_eagle_pair):
     cpu_target, cpu_drafter, folder = tiny_eagle_pair
     target, drafter = copy.deepcopy(cpu_target).to("cuda"), copy.deepcopy(cpu_drafter).to("cuda")
     cfg, prompt, n = SamplingConfig(temperature=1.0), [1, 3], 600
-    probs = _exact_sequence_distribution(cpu_target, prompt, 3, cfg)  # the same weights, enumerated on the CPU
+    probs = exact_sequence_distribution(cpu_target, prompt, 3, cfg)  # the same weights, enumerated on the CPU
     for kind in ("static", "ldlp"):
         policy = _policy(kind, folder)
         if kind == "ldlp":
@@ -204,7 +178,7 @@ def test_seeded_sampling_on_the_targets_device(tiny_eagle_pair):
         counts = _eagle_counts(target, drafter, policy, prompt, 3, cfg, n)
         again = _eagle_counts(target, drafter, _policy(kind, folder) if kind == "static" else policy, prompt, 3, cfg, n)
         assert counts == again  # seeded: the same outputs
-        assert _chi2_pvalue(counts, probs, n) > 1e-3
+        assert chi2_pvalue(counts, probs, n) > 1e-3
     runs = [autoregressive_generate(target, prompt, 8, cfg, seed=s).tokens for s in (0, 0, 1)]
     assert runs[0] == runs[1]
 

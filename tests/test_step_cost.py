@@ -120,7 +120,7 @@ def test_the_engine_records_its_steps_and_the_policy_plans_with_its_model(t32, e
     model, warm-started from its table, which learns from those steps; the output stays the target's."""
     from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from ldlp.policies.load_aware import LoadAwareStep
-    from test_batched import ar, prompts_of
+    from conftest import ar, prompts_of
 
     from eagle_backbone.cost import cost_key
 
@@ -149,7 +149,7 @@ def test_the_engine_records_its_steps_and_the_policy_plans_with_its_model(t32, e
 def test_joined_prompts_and_plain_steps_are_in_the_shape(t32, eagle32):
     from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.policy import StaticPolicy
-    from test_batched import prompts_of
+    from conftest import prompts_of
 
     eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=2, policy=StaticPolicy(0))
     a, b = prompts_of((6, 11), seed=5)
@@ -203,7 +203,7 @@ def test_a_gpu_engine_times_its_steps_with_cuda_events(t32, eagle32):
 
     from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from eagle_backbone.policy import StaticPolicy
-    from test_batched import prompts_of
+    from conftest import prompts_of
 
     target, drafter = copy.deepcopy(t32).to("cuda"), copy.deepcopy(eagle32).to("cuda")
     eng = BatchedSpeculativeEngine(target, drafter, "eagle", slots=2, policy=StaticPolicy(3),
@@ -237,8 +237,7 @@ def test_a_cost_model_measured_on_another_setup_is_refused(tmp_path, t32, eagle3
     """A frozen step-cost model (``policy.cost_model=FILE``) records the setup its steps ran on; a policy bound to
     an engine of another setup refuses it in one line naming the fields; one of the same setup, or an older file
     without a key, is taken."""
-    from conftest import one_line
-    from test_load_aware import table
+    from conftest import one_line, table
 
     from eagle_backbone.cost import cost_key
     from eagle_backbone.batched_engine import BatchedSpeculativeEngine
@@ -275,7 +274,7 @@ def test_a_cost_model_measured_on_another_setup_is_refused(tmp_path, t32, eagle3
 def test_a_cost_model_of_another_setup_is_taken_with_accept_mismatch_and_recorded(tmp_path, t32, eagle32):
     """``accept_mismatch=true``: the cost model of another setup prices the steps, with a warning, and the run's
     results record the message the refusal would have given."""
-    from test_load_aware import table
+    from conftest import table
 
     from eagle_backbone.cost import cost_key
     from eagle_backbone.batched_engine import BatchedSpeculativeEngine

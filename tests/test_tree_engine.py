@@ -1,12 +1,13 @@
 """Draft trees in the batched engine (eagle_backbone/tree_step.py, eagle_backbone/tree_draft.py):
 greedy identity with the target's own decoding for dynamic (EAGLE-2) and static trees, both candidate kinds,
 one and three slots with prompts admitted mid-run, eager and sdpa attention; early_exit on and off agree; a
-width-1 tree is the chain; partial and empty selections; the capacity edge; EOS inside an accepted path;
-lossless sampling (chi-square against the exact distribution, and its power against a broken sibling
-rejection); seeded runs repeat and do not depend on the batch.
+width-1 tree is the chain; partial and empty selections; the capacity edge; lossless sampling (chi-square
+against the exact distribution, and its power against a broken sibling rejection); seeded runs repeat and do
+not depend on the batch.
 
 Tiny float32 Llamas (tests/conftest.py); no test reads a clock. Per-policy host-read counting lives in
-tests/test_host_reads.py (it globs conf/policy), not here."""
+tests/test_host_reads.py (it globs conf/policy), and EOS inside a tree's accepted path in tests/test_batched.py
+(test_eos_inside_one_slots_draft, beside the chain's), not here."""
 
 from __future__ import annotations
 
@@ -14,49 +15,18 @@ import copy
 
 import pytest
 import torch
-from test_batched import ar, noisy_copy, prompts_of
-from test_sampling import _chi2_pvalue, _exact_sequence_distribution
+from conftest import SPECS, TreePolicy, ar, chi2_pvalue, decode, exact_sequence_distribution, prompts_of
+from conftest import TREE_N as N
+from conftest import TREE_PROMPTS as PROMPTS
 
 from eagle_backbone import tree as btree
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
-from eagle_backbone.policy import DraftPolicy, StaticPolicy
+from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.tree import MC_SIM_7B_63, DraftTree, top_nodes
 from eagle_backbone.tree_draft import TreeSpec
-from ldlp.bench.workload import run_workload
 
 torch.set_num_threads(1)
-
-SMALL = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # a small static shape: siblings at depths 1 and 2
-SPECS = {
-    "dyn2x3": TreeSpec(2, 3),
-    "dyn3x4": TreeSpec(3, 4),
-    "static_small": TreeSpec.static(SMALL),
-    "mc_sim_7b_63": TreeSpec.static(MC_SIM_7B_63),
-}
-PROMPTS = prompts_of((5, 12, 3, 8, 6, 1, 9))  # more prompts than slots: admissions join running tree steps
-N = 20
-
-
-class TreePolicy(DraftPolicy):
-    """A tree policy: depth cap ``g`` for every row (or ``caps(slot)``), ``sel(grown, rows)`` the selection
-    (default: every valid node); ``outcomes`` keeps what ``verified`` saw when ``record``."""
-
-    name = "tree_test"
-
-    def __init__(self, spec: TreeSpec, g: int = 8, sel=None, caps=None, record: bool = False):
-        self.tree, self.g, self.sel, self.caps, self.record = spec, g, sel, caps, record
-        self.outcomes = []
-
-    def plan(self, rows):
-        return [self.caps(b) if self.caps else self.g for b in rows.slots]
-
-    def select(self, grown, rows):
-        return grown.valid if self.sel is None else self.sel(grown, rows)
-
-    def verified(self, outcome):
-        if self.record:
-            self.outcomes.append(outcome)
 
 
 def top_per_row(n_of_slot):
@@ -76,15 +46,6 @@ def nothing(grown, rows):
 def counters(outputs):
     return [(o.stats.accept_lengths, o.stats.draft_lengths, o.stats.accepted_tokens, o.stats.drafted_tokens,
              o.stats.target_forwards, o.stats.new_tokens) for o in outputs]
-
-
-def decode(engine, prompts=PROMPTS, concurrency=None, n=N, seeds=None):
-    return run_workload(engine, prompts, concurrency or engine.slots, n, seeds).outputs
-
-
-@pytest.fixture(scope="module")
-def draft_lm(t32):
-    return noisy_copy(t32, 0.3)
 
 
 @pytest.fixture(scope="module")
@@ -157,21 +118,6 @@ def test_a_perfect_drafter_accepts_the_deepest_path(t32):
     for o in out:
         left = [24 - 1 - sum(a + 1 for a in o.stats.accept_lengths[:i]) for i in range(len(o.stats.accept_lengths))]
         assert o.stats.accept_lengths == [min(5, c - 1) for c in left]
-
-
-def test_eos_inside_an_accepted_path(t32):
-    """A perfect drafter's tree path runs past slot 0's EOS: slot 0 stops there, the others go on."""
-    prompts = prompts_of((5, 9, 7))
-    target = copy.copy(t32)
-    eos = ar(t32, prompts[:1], 12)[0][6]
-    target.eos_token_ids = {eos}
-    ref = ar(target, prompts, 20)
-    assert ref[0][-1] == eos and len(ref[0]) <= 7 and any(len(r) == 20 for r in ref[1:])
-    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=TreePolicy(TreeSpec(2, 4)))
-    out = engine.generate(prompts, 20)
-    assert [o.tokens for o in out] == ref
-    s = out[0].stats
-    assert s.accepted_tokens == sum(s.accept_lengths) and s.new_tokens == len(ref[0])
 
 
 # ---- early_exit on and off ------------------------------------------------------------------------------
@@ -324,10 +270,10 @@ def _tree_sample_counts(pair, spec, g, cfg, n=SAMPLES, slots=600):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_tree_sampling_is_lossless(tiny_vocab_pair, temperature, spec):
     cfg = SamplingConfig(temperature=temperature)
-    probs = _exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
+    probs = exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
     counts, accepted = _tree_sample_counts(tiny_vocab_pair, *TINY_SPECS[spec], cfg)
     assert accepted > SAMPLES // 2  # the trees' nodes were accepted, not only rejected
-    assert _chi2_pvalue(counts, probs, SAMPLES) > 1e-3
+    assert chi2_pvalue(counts, probs, SAMPLES) > 1e-3
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -336,9 +282,9 @@ def test_chi_square_has_power_against_a_broken_sibling_rejection(tiny_vocab_pair
     fail the same test: at T > 0 the engine's siblings are draws from q."""
     monkeypatch.setattr(btree, "_reject_sampled", lambda r, q: r)
     cfg = SamplingConfig(temperature=temperature)
-    probs = _exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
+    probs = exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
     counts, _ = _tree_sample_counts(tiny_vocab_pair, *TINY_SPECS["dyn2x3"], cfg)
-    assert _chi2_pvalue(counts, probs, SAMPLES) < 1e-6
+    assert chi2_pvalue(counts, probs, SAMPLES) < 1e-6
 
 
 @pytest.mark.parametrize("kind", ["eagle", "draft_lm"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batched import ar, prompts_of
+from conftest import ar, prompts_of
 
 from eagle_backbone.cost import CostTable
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine

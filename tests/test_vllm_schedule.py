@@ -334,8 +334,8 @@ class _FakeVllm:
 def test_a_schedule_contender_in_the_sweep_and_on_its_page(t32, eagle32, tmp_path):
     from eagle_backbone.candidates import EagleCandidateGenerator
     from ldlp.bench.load_sweep import Contender, sweep
-    from ldlp.bench.peer_rows import peer_table
-    from ldlp.report.load_sweep import markdown, write
+    from ldlp.bench.peer_rows import peer_table, versus_static
+    from ldlp.report.load_sweep import write
 
     g = np.random.default_rng(0)
     prompts = [g.integers(4, 64, n).tolist() for n in (4, 7, 5, 9)]
@@ -349,11 +349,14 @@ def test_a_schedule_contender_in_the_sweep_and_on_its_page(t32, eagle32, tmp_pat
     rows = {(r["contender"], r["concurrency"]): r for r in result["rows"]}
     assert rows[(sched, 2)]["lossless"] is True and rows[(sched, 2)]["gamma"] is None
     assert all(p["peer_best"]["contender"] != sched for p in peer_table(result, result["rows"]))
-    md = markdown(result)
-    assert f"{sched} (vLLM's Dynamic SD) against vLLM's static k" in md
-    assert "| 2 | 121.0 | vllm eagle k=1 (120.0) | 1.008" in md
-    write(result, tmp_path)  # the plots take the schedule's row too
-    assert (tmp_path / "batch_bench.png").is_file()
+    # the rows behind the page's schedule section: against vLLM's static k of its method, per C
+    vs = versus_static(result, result["rows"], sched, ["vllm eagle k=1", "vllm eagle k=2"])
+    at2 = next(r for r in vs["rows"] if r["concurrency"] == 2)
+    assert at2["mine"]["tokens_per_s"] == 121.0
+    assert at2["best"]["contender"] == "vllm eagle k=1" and at2["best"]["tokens_per_s"] == 120.0
+    assert at2["ratio_best"]["ratio"] == pytest.approx(121.0 / 120.0)
+    write(result, tmp_path)  # the page and the plots take the schedule's row too
+    assert (tmp_path / "batch_bench.md").is_file() and (tmp_path / "batch_bench.png").is_file()
 
 
 def test_calibration_meets_the_grid_and_keeps_the_models_shape_between():
