@@ -136,6 +136,9 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
         self.cost_model, self.record_steps = cost_model, bool(record_steps)
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self._clock = StepClock(self.device)
+        # when the last decode step's clock stopped (None after a prefill-only or idle step): a goodput-measuring
+        # policy is charged the engine's work between two decode steps too (_record)
+        self._gap_from: float | None = None
         self._unfed = [0] * slots  # tokens accepted per slot since the drafter's last catch-up forward
         self.tm = BatchedLlama(target.model, buf, attn)
         self.tcache = self.tm.new_cache(slots)
@@ -254,9 +257,11 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
                 self._first_tokens(done, HostRead.read(reads), finished)
             prof.mark("prefill")
             prof.flush()
+            self._gap_from = None  # a prompt's own step (or an idle wait before it) is no decode step's cost
             return finished
         if not run:
             prof.flush()
+            self._gap_from = None
             return finished
         self._spec_step(run, finished)
         prof.flush()
@@ -331,12 +336,15 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
         """The step's wall time with its shape: into the cost model (its upkeep counts as the policy's own
         time) and the step log; the drafter's catch-up counts move on."""
         ms, cpu_ms = self._clock.ms()
+        stopped, gap_from = time.perf_counter(), self._gap_from
+        self._gap_from = stopped
         model, predicted, predicted_cpu = self.cost_model, None, None
         if model is not None:
             predicted_cpu = model.predict_cpu(shape) if model.version and cpu_ms is not None else None
             predicted = self.own.call(model.observe, shape, ms, cpu_ms)
-        if self._timed:
-            self.own.call(self.policy.timed, ms, shape)
+        if self._timed:  # what the step took from throughput: its clock, and the engine's work since the last one
+            gap = 1e3 * max(0.0, self._clock.started - gap_from) if gap_from is not None else 0.0
+            self.own.call(self.policy.timed, ms + gap, shape)
         if self.record_steps:
             self.step_log.append(StepRecord(shape, ms, predicted, gamma, cpu_ms, predicted_cpu))
     def _plan(self, run: list[int]) -> StepPlan:

@@ -170,6 +170,11 @@ class StepClock:
             self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._ev[0].record()
 
+    @property
+    def started(self) -> float:
+        """The wall clock (``time.perf_counter``) at the last :meth:`start`."""
+        return self._t0
+
     def before_read(self):
         if self.cuda:
             self._ev[1].record()

@@ -237,3 +237,33 @@ def test_a_step_that_also_prefilled_is_priced_off_or_skipped():
         assert (arm.tokens, arm.ms) == (tokens, ms), mode
     with pytest.raises(ValueError, match="prefill must be 'price' or 'skip'"):
         goodput_of("load_aware", {"prefill": "never"}, 8)
+
+
+def test_a_measuring_policy_is_charged_the_engines_work_between_decode_steps(t32, eagle32):
+    """policy.timed gets the step's clock plus the wall time since the previous decode step's clock stopped (its
+    upkeep, the caller's work between steps): here a caller that sleeps 30 ms between steps. The first decode step
+    after a prompt's own step is charged its clock alone, and the step log (the cost model's) keeps the clock."""
+    import time
+
+    from eagle_backbone.policy import StaticPolicy
+
+    class Measuring(StaticPolicy):
+        def __init__(self):
+            super().__init__(2)
+            self.got = []
+
+        def timed(self, ms, shape):
+            self.got.append(ms)
+
+    pol = Measuring()
+    eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=2, policy=pol, record_steps=True)
+    for b, p in enumerate(prompts_of((5, 7), seed=3)):
+        eng.admit(b, p, 12, b)
+    eng.step()  # the prompts' own step: no decode step, no charge
+    while eng.busy():
+        eng.step()
+        time.sleep(0.03)
+    clocks = [r.ms for r in eng.step_log]
+    assert len(pol.got) == len(clocks) >= 3
+    assert pol.got[0] == clocks[0]  # nothing before it to charge
+    assert all(g >= c + 30.0 for g, c in zip(pol.got[1:], clocks[1:]))  # the sleep before each later step
