@@ -367,23 +367,32 @@ def decode(engine, prompts=TREE_PROMPTS, concurrency=None, n=TREE_N, seeds=None)
 # ---- the oracle collector's inputs -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pair_dirs(tmp_path_factory):
-    """A tiny tokenizer, target and EAGLE drafter saved like the embedded pair, and two data files
-    (:data:`oracle_helpers.CONVS` and ``VAL``)."""
+def save_tiny_target(root, layers: int):
+    """A tiny BPE tokenizer (on :data:`oracle_helpers.CONVS` and ``VAL``) and a Llama target of ``layers`` layers
+    with a sharpened head, saved in ``root / "target"`` like the embedded pair; returns the model."""
     from oracle_helpers import CONVS, VAL
     from transformers import LlamaForCausalLM
 
     from eagle_backbone.data.tokenizer import train_bpe_tokenizer
 
-    root = tmp_path_factory.mktemp("pair")
     texts = [t["value"] for c in CONVS + VAL for t in c["conversations"]] * 4 + ["A chat USER: ASSISTANT:"] * 4
     tok = train_bpe_tokenizer(texts, 300, root / "target")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(vocab=len(tok), d=32, layers=2, max_pos=512))
+    model = LlamaForCausalLM(tiny_llama_config(vocab=len(tok), d=32, layers=layers, max_pos=512))
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(root / "target")
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    """A tiny tokenizer, target and EAGLE drafter saved like the embedded pair, and two data files
+    (:data:`oracle_helpers.CONVS` and ``VAL``)."""
+    from oracle_helpers import CONVS, VAL
+
+    root = tmp_path_factory.mktemp("pair")
+    model = save_tiny_target(root, layers=2)
     torch.manual_seed(1)
     EagleDrafter.from_target_config(model.config).save_pretrained(root / "drafter")
     (root / "train.json").write_text(json.dumps(CONVS))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import decode, make_eagle3, tiny_llama_config
+from conftest import decode, make_eagle3, save_tiny_target
 from oracle_helpers import CONVS, VAL, LabelPolicy, assert_same_rows
 
 from eagle_backbone.candidates import Eagle3CandidateGenerator
@@ -52,19 +52,10 @@ def test_labels_give_zero_waste_in_the_engine(t3):
 @pytest.fixture(scope="module")
 def eagle3_dirs(tmp_path_factory):
     """A tiny tokenizer, 3-layer target and EAGLE-3 head (speculators' layout) saved like the embedded pair."""
-    from transformers import LlamaForCausalLM
-
-    from eagle_backbone.data.tokenizer import train_bpe_tokenizer
     from eagle_backbone.eagle3 import Eagle3Drafter
 
     root = tmp_path_factory.mktemp("pair3")
-    texts = [t["value"] for c in CONVS + VAL for t in c["conversations"]] * 4 + ["A chat USER: ASSISTANT:"] * 4
-    tok = train_bpe_tokenizer(texts, 300, root / "target")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(vocab=len(tok), d=32, layers=3, max_pos=512))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(root / "target")
+    model = save_tiny_target(root, layers=3)
     torch.manual_seed(1)
     head = Eagle3Drafter.from_target_config(model.config, layer_ids=(0, 1, 2))
     with torch.no_grad():
