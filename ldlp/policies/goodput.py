@@ -248,14 +248,14 @@ class StepReward:
         self.feedback, self._tokens = feedback, None
         self.survival = survival if survival is not None else Survival(feedback.max_gamma, feedback.discount)
 
-    def observed(self, accepted: list[int], drafted: list[int] | None = None) -> None:
-        if drafted is None:
-            self._tokens = sum(a + 1 for a in accepted)
-            return
-        chain = self.feedback.pending_chain  # a tree's drafts are not a chain's depths: they stay out of the curve
-        self._tokens = self.survival.tokens(drafted) if chain and self.feedback.expected else sum(a + 1 for a in accepted)
-        if chain:
+    def observed(self, accepted: list[int], drafted: list[int]) -> None:
+        # the curve only where it is read (reward: expected), and from chain steps only: a tree's drafts are not a
+        # chain's depths
+        if self.feedback.expected and self.feedback.pending_chain:
+            self._tokens = self.survival.tokens(drafted)
             self.survival.update(drafted, accepted)
+        else:
+            self._tokens = sum(a + 1 for a in accepted)
 
     def timed(self, ms: float, shape, costs) -> None:
         tokens, self._tokens = self._tokens, None
