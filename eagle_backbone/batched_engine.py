@@ -336,8 +336,7 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
         """The step's wall time with its shape: into the cost model (its upkeep counts as the policy's own
         time) and the step log; the drafter's catch-up counts move on."""
         ms, cpu_ms = self._clock.ms()
-        stopped, gap_from = time.perf_counter(), self._gap_from
-        self._gap_from = stopped
+        gap_from, self._gap_from = self._gap_from, self._clock.stopped
         model, predicted, predicted_cpu = self.cost_model, None, None
         if model is not None:
             predicted_cpu = model.predict_cpu(shape) if model.version and cpu_ms is not None else None

@@ -160,7 +160,7 @@ class StepClock:
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self._t0 = self._t_read = self._c0 = 0.0
+        self._t0 = self._t1 = self._t_read = self._c0 = 0.0
         self._ev = None
 
     def start(self):
@@ -175,6 +175,11 @@ class StepClock:
         """The wall clock (``time.perf_counter``) at the last :meth:`start`."""
         return self._t0
 
+    @property
+    def stopped(self) -> float:
+        """The wall clock at the last :meth:`ms` (the step's end as measured)."""
+        return self._t1
+
     def before_read(self):
         if self.cuda:
             self._ev[1].record()
@@ -182,7 +187,7 @@ class StepClock:
 
     def ms(self) -> tuple[float, float | None]:
         """(wall ms, CPU ms or None on a GPU)."""
-        now = time.perf_counter()
+        now = self._t1 = time.perf_counter()
         if self.cuda:  # the events finished before the host read returned
             return self._ev[0].elapsed_time(self._ev[1]) + 1e3 * (now - self._t_read), None
         return 1e3 * (now - self._t0), 1e3 * (time.thread_time() - self._c0)

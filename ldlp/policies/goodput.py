@@ -8,8 +8,8 @@ bucket* (the step's running rows, by powers of two: 1, 2, 3-4, 5-8, ...):
 * each step's reward is measured: the tokens it emitted over its wall milliseconds (a step that also
   prefilled prompt chunks has the cost model's price of the chunks taken off first). With ``reward:
   expected`` a static chain's step is credited the tokens its drafts emit on average instead of those it did
-  emit: 1 + S_1 + … + S_d a row, S the survival curve of every step's drafts pooled (:class:`Survival`; a
-  greedy draft at depth m does not depend on how many follow it, so every chain measures the same hazards).
+  emit: 1 + S_1 + … + S_d a row, S the survival curve pooled over every chain step's drafts (:class:`Survival`;
+  a greedy draft at depth m does not depend on how many follow it, so every chain measures the same hazards).
   What the text at hand accepts then no longer decides which chain looks faster (one row's tokens a step swing
   from 1 to γ + 1 with the text, its milliseconds a few percent). ``plan`` keeps its measured tokens (a
   policy's own plan earns by choosing its rows and depths, which a pooled curve cannot credit);
