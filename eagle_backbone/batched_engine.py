@@ -43,7 +43,8 @@ from collections import deque
 
 import torch
 
-from eagle_backbone.candidates import CandidateGenerator, make_candidates
+from eagle_backbone.candidates import CandidateGenerator
+from eagle_backbone.drafter_kinds import make_candidates
 from eagle_backbone.llama import BatchedLlama
 from eagle_backbone.policy import GO, Depth, DraftPolicy, OwnTime, Rows, StaticPolicy, as_draft_policy, go_while
 from eagle_backbone.prefill import MAX_BATCHED_TOKENS, PrefillScheduling, check_prefill
@@ -91,7 +92,8 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
     """``slots`` sequences at once over ``target`` and an optional candidate generator.
 
     ``candidates``: a :class:`~eagle_backbone.candidates.CandidateGenerator` (the engine binds its own copy),
-    or a drafter model with its ``kind`` (eagle | draft_lm); None decodes without drafts.
+    or a drafter model with its ``kind`` (a registered drafter kind, :mod:`eagle_backbone.drafter_kinds`); None
+    decodes without drafts.
 
     ``policy``: a :class:`~eagle_backbone.policy.DraftPolicy` (one instance for every slot), a per-sequence
     :class:`~eagle_backbone.policy.DraftLengthPolicy` (copied per slot: the slow path) or a zero-argument
@@ -148,8 +150,7 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
         # the target layers whose states the generator reads (EAGLE-3); () : the last hidden state (EAGLE-1)
         self.feature_layers = tuple(candidates.feature_layers) if candidates is not None else ()
         if candidates is not None and candidates.needs_features:
-            width = target.hidden_size * max(1, len(self.feature_layers))
-            self.feat = torch.zeros(slots, buf, width, dtype=target.dtype, device=self.device)
+            self.feat = torch.zeros(slots, buf, candidates.feature_width(target.hidden_size), dtype=target.dtype, device=self.device)
         self.policy: DraftPolicy = StaticPolicy(0) if policy is None else as_draft_policy(policy)
         # a tree policy makes every step grow and verify draft trees (eagle_backbone/tree_draft.py)
         self.tree: TreeSpec | None = self.policy.tree if candidates is not None else None

@@ -2,11 +2,12 @@
 
 A candidate generator proposes draft chains for the engine's slots; the engine picks each draft token
 from the distribution the generator gives (argmax, or a draw from the slot's random stream), asks the
-policy whether to go on, verifies and rolls back. Three kinds ship:
-
-* :class:`EagleCandidateGenerator`: the EAGLE-1 drafter, reading the target's features;
-* :class:`Eagle3CandidateGenerator`: the EAGLE-3 drafter, reading three of the target's layers;
-* :class:`DraftModelCandidateGenerator`: a standalone small causal LM (classic speculative decoding).
+policy whether to go on, verifies and rolls back. This module holds what every drafter kind shares: the
+interface (:class:`CandidateGenerator`), the view of the engine's buffers a bound generator reads
+(:class:`DraftView`) and helpers. Each drafter kind is one class in one file of :mod:`eagle_backbone.kinds`
+(EAGLE-1 ``eagle``, EAGLE-3 ``eagle3``, the standalone draft LM ``draft_lm``), registered by name in
+:mod:`eagle_backbone.drafter_kinds`: it loads its weights, checks that they fit the target, drafts, says what
+the step-cost profiler runs to time it and which label collections label it.
 
 A new kind subclasses :class:`CandidateGenerator` and implements five calls over slot indices (host
 lists) and device tensors. The engine binds its own shallow copy (:meth:`CandidateGenerator.bound`), so one
@@ -17,14 +18,41 @@ owns its per-slot caches.
 from __future__ import annotations
 
 import copy
-import weakref
+from dataclasses import dataclass
 
 import torch
 
-from eagle_backbone.llama import BatchedEagleDrafter, BatchedLlama
-from eagle_backbone.ragged import RaggedBatch, SlotCache, Span
+from eagle_backbone.ragged import RaggedBatch, Span
 from eagle_backbone.runtime import to_device
 from eagle_backbone.target import TargetModel
+
+
+@dataclass(frozen=True)
+class DraftView:
+    """What of the engine a bound generator may read: ``seq`` (slots, positions) the tokens by position,
+    ``feat`` (slots, positions, F) the target's features by position when the generator ``needs_features``
+    (else None), the device, the slot count, the positions a slot may use (``limit``: caches of ``limit + 1``
+    positions, plus ``tree_room`` for the nodes a draft tree feeds past them) and the target's vocabulary (the
+    width of the logits a generator returns). The tensors are the engine's own, written in place, never copied."""
+
+    seq: torch.Tensor
+    feat: torch.Tensor | None
+    device: torch.device
+    slots: int
+    limit: int
+    tree_room: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, engine) -> DraftView:
+        return cls(engine.seq, getattr(engine, "feat", None), engine.device, engine.slots, engine.limit,
+                   engine.tree_room, engine.target.vocab_size)
+
+    def rows(self, slots: list[int]):
+        """An index tensor for a row subset, or None when the rows are all slots in order (views, no gather)."""
+        if slots == list(range(self.slots)):
+            return None
+        return to_device(slots, self.device)
 
 
 class CandidateGenerator:
@@ -47,27 +75,74 @@ class CandidateGenerator:
     Draft trees (:mod:`eagle_backbone.tree_draft`) call ``extend_tree`` instead of ``extend``: W frontier
     nodes a row at once, each seeing the slot's accepted prefix and its own ancestors fed at earlier depths.
 
-    The engine's buffers a generator may read: ``engine.seq`` (slots, positions) tokens by position and,
-    when ``needs_features``, ``engine.feat`` (slots, positions, F) the target's features by position: its last
-    hidden state (F = d), or with ``feature_layers`` the states entering those layers, concatenated (F = k·d)."""
+    What a bound generator reads of the engine is its :class:`DraftView` (``self.view``): ``seq`` tokens by
+    position and, when ``needs_features``, ``feat`` the target's features by position: its last hidden state
+    (F = d), or with ``feature_layers`` the states entering those layers, concatenated (F = k·d).
+
+    A drafter kind (:mod:`eagle_backbone.drafter_kinds`) is a subclass registered under its ``kind``; besides the
+    calls above it says how its weights load (:meth:`load`, :meth:`check_fits`), what the step-cost profiler runs
+    to time its forwards (:meth:`profile_context`, :meth:`profile_feed`, :meth:`profile_draft`) and which label
+    collections label it (``labelled_by``, ``oracle_rows``). Constructed as ``cls(drafter, target, attn)``."""
 
     kind = "base"
     needs_features = False  # True: the engine keeps the target's features by position
     feature_layers: tuple[int, ...] = ()  # the target layers whose entering states are the features (EAGLE-3);
     # () : the features are the target's last hidden state (EAGLE-1)
+    # the label collections (ldlp.labels) that label this kind: "oracle" (oracle draft lengths), "acceptance"
+    # (the acceptance head's labels, read from the drafter's states)
+    labelled_by: tuple[str, ...] = ()
+    # how the oracle collector drafts its rows: the name of one of ldlp.labels.oracle's recipes ("eagle", "eagle3")
+    # or a callable with oracle_labels' arguments and rows; None: not labelled by the oracle
+    oracle_rows = None
+    vllm_method: str | None = None  # vLLM's speculative method that serves this drafter (ldlp.bench.vllm_peer)
+
+    # ---- the kind: weights -----------------------------------------------------------------------
+    @classmethod
+    def load(cls, path, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False):
+        """The drafter model in folder ``path`` (``dtype`` resolved), what ``cls(drafter, target, attn)`` takes."""
+        raise NotImplementedError(f"drafter kind {cls.kind!r} loads no weights")
+
+    @classmethod
+    def check_fits(cls, drafter, target) -> None:
+        """Refuse, in one line, a drafter folder that cannot serve the target folder, read before either loads
+        (default: nothing to check)."""
+
+    # ---- the kind: what the step-cost profiler runs (eagle_backbone.cost.profile_costs) ----------------
+    def feature_width(self, hidden_size: int) -> int:
+        """F, the width of the target's features this generator reads by position."""
+        return hidden_size * max(1, len(self.feature_layers))
+
+    @classmethod
+    def profiles(cls) -> bool:
+        """Whether the kind gives the step-cost profiler its forwards (:meth:`profile_feed`, :meth:`profile_draft`)."""
+        return cls.profile_feed is not CandidateGenerator.profile_feed
+
+    def profile_context(self, tokens, batch: RaggedBatch, g: torch.Generator) -> None:
+        """Fill the bound generator's caches with a context of ``tokens`` as rows of ``batch`` (random inputs
+        it needs besides the tokens drawn from ``g``)."""
+        raise NotImplementedError
+
+    def profile_feed(self, tokens, batch: RaggedBatch, g: torch.Generator):
+        """A callable timing the catch-up forward over ``tokens`` as rows of ``batch`` after the context, with
+        the LM head at each row's last position; its random inputs drawn from ``g`` now, not in the call."""
+        raise NotImplementedError(f"drafter kind {self.kind!r} gives the cost profiler no forwards")
+
+    def profile_draft(self, tokens, batch: RaggedBatch, g: torch.Generator):
+        """A callable timing one draft depth: a forward of one token a row (``batch``), LM head and softmax."""
+        raise NotImplementedError(f"drafter kind {self.kind!r} gives the cost profiler no forwards")
 
     def bound(self, engine) -> CandidateGenerator:
         """A shallow copy bound to ``engine`` (its slots, capacity and buffers), with its own caches."""
         out = copy.copy(self)
-        # a weak reference: the engine owns its generator, not the other way round. A strong one made a cycle
-        # (engine -> generator -> engine) that only the cyclic collector frees, so a benchmark building an engine
-        # per run kept finished engines and their KV caches alive for minutes (8 GB on the long prompts)
-        out.engine = weakref.proxy(engine)
-        out.bind(engine)
+        # the view holds the engine's buffers, not the engine: the engine owns its generator, not the other way
+        # round (a reference back made a cycle that only the cyclic collector frees, so a benchmark building an
+        # engine per run kept finished engines and their KV caches alive for minutes: 8 GB on the long prompts)
+        out.view = DraftView.of(engine)
+        out.bind(out.view)
         return out
 
-    def bind(self, engine) -> None:
-        """Allocate per-slot state for ``engine.slots`` slots of ``engine.limit + 1`` positions."""
+    def bind(self, view: DraftView) -> None:
+        """Allocate per-slot state for ``view.slots`` slots of ``view.limit + 1`` positions."""
 
     def prefill(self, slots, tokens, batch: RaggedBatch, first, hidden) -> None:
         raise NotImplementedError
@@ -91,7 +166,7 @@ class CandidateGenerator:
         """Default: nothing to roll back (a generator that keeps only what the target accepted)."""
 
 
-def _tree_batch(slots, tokens, tlens, depth: int, offset: int, visible, first: int) -> RaggedBatch:
+def tree_batch(slots, tokens, tlens, depth: int, offset: int, visible, first: int) -> RaggedBatch:
     """The frontier of a tree as span rows: row b's W nodes at ``tlen + first + offset ..``, rotated at the
     position a chain draft of ``depth`` would sit (``tlen + first + depth - 1``), seeing the keys before
     ``tlen + first`` and the fed nodes ``visible`` marks."""
@@ -111,173 +186,3 @@ def check_eagle_pair(drafter, target: TargetModel) -> None:
     if not getattr(drafter, "has_own_embedding", True) and drafter.embed_tokens is not target.embed_tokens:
         raise ValueError("the drafter's checkpoint ships no embedding: tie the target's to it first "
                          "(eagle_backbone.loading.tie_drafter_embedding(drafter, target); load_pair does)")
-
-
-class EagleCandidateGenerator(CandidateGenerator):
-    """Chain drafting with an EAGLE-1 drafter. A drafter whose checkpoint ships no embedding must have
-    the target's tied first (:func:`eagle_backbone.loading.tie_drafter_embedding`); constructing only checks.
-
-    The drafter's cache holds only pairs (t_{j+1}, f_j) built from *true* target features: drafting
-    writes its own predicted pairs past a slot's length, where the next step's true pairs overwrite them,
-    as EAGLE does. So rollback is nothing at all: the length counts true pairs only."""
-
-    kind = "eagle"
-    needs_features = True
-
-    def __init__(self, drafter, target: TargetModel, attn: str = "eager"):
-        check_eagle_pair(drafter, target)
-        self.drafter, self.target, self.lm_head, self.attn = drafter, target, target.lm_head, attn
-        self.dtype = next(drafter.fc.parameters()).dtype
-
-    def bind(self, engine):
-        # a draft tree feeds up to engine.tree_room nodes past the positions a chain would write
-        self.dm = BatchedEagleDrafter(self.drafter, self.lm_head, engine.limit + 1 + engine.tree_room, self.attn)
-        self.cache: SlotCache = self.dm.new_cache(engine.slots)
-        self.h_last = torch.zeros(engine.slots, self.target.hidden_size, dtype=self.dm.dtype, device=engine.device)
-        self.fed = [0] * engine.slots  # true pairs in the cache, per slot
-
-    def prefill(self, slots, tokens, batch, first, hidden):
-        # pairs (t_{j+1}, f_j), j < n: each prompt shifted by one, the first generated token closing it
-        last = batch.last()
-        nxt = torch.cat([tokens[1:], tokens[:1]])
-        nxt[last] = first
-        out = self.dm(nxt, hidden, batch, self.cache)
-        self.h_last[to_device(slots, tokens.device)] = out[last]
-        for b, n in zip(slots, batch.counts):
-            self.fed[b] = n
-
-    def _feed(self, slots, tlens):
-        """The pairs the target accepted since the last step: positions fed .. tlen - 1."""
-        e = self.engine
-        batch = RaggedBatch(slots, [self.fed[b] for b in slots], [t - self.fed[b] for b, t in zip(slots, tlens)],
-                            e.device)
-        out = self.dm(e.seq[batch.slot_of, batch.pos + 1], e.feat[batch.slot_of, batch.pos], batch, self.cache)
-        self.h_last[to_device(slots, e.device)] = out[batch.last()]
-        for b, t in zip(slots, tlens):
-            self.fed[b] = t
-
-    def start(self, slots, tlens):
-        pend = [(b, t) for b, t in zip(slots, tlens) if self.fed[b] < t]
-        if pend:
-            self._feed([b for b, _ in pend], [t for _, t in pend])
-        rows = self.engine.rows(slots)
-        state = self.h_last if rows is None else self.h_last[rows]
-        return self.dm.logits(state), state
-
-    def extend(self, slots, tokens, tlens, depth, states):
-        # draft `depth`'s pair sits past the true pairs, where the next step's true pairs overwrite it
-        batch = RaggedBatch(slots, [t + depth - 1 for t in tlens], [1] * len(slots), self.engine.device)
-        out = self.dm.draft(tokens, states, batch, self.cache)
-        return self.dm.logits(out), out
-
-    def extend_tree(self, slots, tokens, tlens, depth, states, offset, visible):
-        # the frontier's pairs (node token, its parent's predicted feature) sit past the true pairs, like chain
-        # drafts: the next step's true pairs overwrite them
-        R, W = tokens.shape
-        batch = _tree_batch(slots, tokens, tlens, depth, offset, visible, 0)
-        out = self.dm.draft(tokens.reshape(-1), states.reshape(R * W, -1), batch, self.cache)
-        return self.dm.logits(out).view(R, W, -1), out.view(R, W, -1)
-
-
-class Eagle3CandidateGenerator(EagleCandidateGenerator):
-    """Chain and tree drafting with an EAGLE-3 drafter (:mod:`eagle_backbone.eagle3`): the engine keeps the
-    states entering the drafter's target layers, fused by its fc for the true pairs; drafts feed the drafter's
-    own states. Cache and rollback as EAGLE-1's: only true pairs count, drafted pairs are overwritten.
-    The states it returns (acceptance heads, the LDLP) are the drafter's pre-norm states (R, d)."""
-
-    kind = "eagle3"
-
-    def __init__(self, drafter, target: TargetModel, attn: str = "eager"):
-        check_eagle_pair(drafter, target)
-        self.drafter, self.target, self.attn = drafter, target, attn
-        self.feature_layers = drafter.aux_layers(target.model.config.num_hidden_layers)
-        self.dtype = next(drafter.fc.parameters()).dtype
-
-    def bind(self, engine):
-        from eagle_backbone.eagle3 import BatchedEagle3Drafter
-
-        self.dm = BatchedEagle3Drafter(self.drafter, engine.limit + 1 + engine.tree_room, self.attn)
-        self.cache: SlotCache = self.dm.new_cache(engine.slots)
-        self.h_last = torch.zeros(engine.slots, self.target.hidden_size, dtype=self.dm.dtype, device=engine.device)
-        self.fed = [0] * engine.slots
-
-
-class DraftModelCandidateGenerator(CandidateGenerator):
-    """Chain drafting with an independent small causal LM sharing the target's vocabulary. Its cache
-    holds the accepted tokens and the drafts it read; rollback keeps what the target kept."""
-
-    kind = "draft_lm"
-
-    def __init__(self, draft_model, target: TargetModel, attn: str = "eager"):
-        vocab = draft_model.get_output_embeddings().weight.shape[0]
-        if vocab != target.vocab_size:
-            raise ValueError(f"draft model vocabulary {vocab} != target vocabulary {target.vocab_size}")
-        self.model, self.target, self.attn = draft_model.eval(), target, attn
-
-    def bind(self, engine):
-        self.dm = BatchedLlama(self.model, engine.limit + 1 + engine.tree_room, self.attn)
-        self.cache: SlotCache = self.dm.new_cache(engine.slots)
-        self.logits_last = torch.zeros(engine.slots, self.target.vocab_size, dtype=self.dm.dtype,
-                                       device=engine.device)
-        self.fed = [0] * engine.slots  # tokens in the cache that the target accepted, per slot
-
-    def prefill(self, slots, tokens, batch, first, hidden):
-        # the draft LM reads each prompt and its first token: its logits there predict draft 1
-        e = self.engine
-        own = RaggedBatch(slots, [0] * len(slots), [n + 1 for n in batch.counts], e.device)
-        last = own.last()
-        prompt = torch.ones(own.n, dtype=torch.bool, device=e.device)
-        prompt[last] = False
-        ids = torch.zeros(own.n, dtype=tokens.dtype, device=e.device).masked_scatter_(prompt, tokens)
-        ids[last] = first
-        h = self.dm(ids, own, self.cache)
-        self.logits_last[to_device(slots, e.device)] = self.dm.logits(h[last])
-        for b, n in zip(slots, batch.counts):
-            self.fed[b] = n + 1
-
-    def _feed(self, slots, tlens):
-        """The accepted tokens not yet read: positions fed .. tlen."""
-        e = self.engine
-        batch = RaggedBatch(slots, [self.fed[b] for b in slots], [t + 1 - self.fed[b] for b, t in zip(slots, tlens)],
-                            e.device)
-        out = self.dm(e.seq[batch.slot_of, batch.pos], batch, self.cache)
-        self.logits_last[to_device(slots, e.device)] = self.dm.logits(out[batch.last()])
-        for b, t in zip(slots, tlens):
-            self.fed[b] = t + 1
-
-    def start(self, slots, tlens):
-        pend = [(b, t) for b, t in zip(slots, tlens) if self.fed[b] < t + 1]
-        if pend:
-            self._feed([b for b, _ in pend], [t for _, t in pend])
-        rows = self.engine.rows(slots)
-        return (self.logits_last if rows is None else self.logits_last[rows]), None
-
-    def extend(self, slots, tokens, tlens, depth, states):
-        batch = RaggedBatch(slots, [t + depth for t in tlens], [1] * len(slots), self.engine.device)
-        out = self.dm(tokens, batch, self.cache)
-        for b, t in zip(slots, tlens):
-            self.fed[b] = t + depth + 1  # draft `depth` is in the cache now
-        return self.dm.logits(out), None
-
-    def extend_tree(self, slots, tokens, tlens, depth, states, offset, visible):
-        # nodes go after the last accepted token (position tlen); ``fed`` stays tlen + 1, so settle() keeps
-        # only the accepted tokens and the next step reads the kept drafts from the engine's tokens
-        R, W = tokens.shape
-        batch = _tree_batch(slots, tokens, tlens, depth, offset, visible, 1)
-        out = self.dm(tokens.reshape(-1), batch, self.cache)
-        return self.dm.logits(out).view(R, W, -1), None
-
-    def settle(self, slots, tlens):
-        for b, t in zip(slots, tlens):
-            self.fed[b] = min(self.fed[b], t)  # drafts past the kept prefix are stale; the new last token is unread
-
-
-def make_candidates(kind: str, drafter, target: TargetModel, attn: str = "eager") -> CandidateGenerator:
-    """The shipped candidate generator for a drafter model of ``kind`` (eagle | eagle3 | draft_lm)."""
-    if kind == "eagle":
-        return EagleCandidateGenerator(drafter, target, attn)
-    if kind == "eagle3":
-        return Eagle3CandidateGenerator(drafter, target, attn)
-    if kind == "draft_lm":
-        return DraftModelCandidateGenerator(drafter, target, attn)
-    raise ValueError(f"kind must be 'eagle', 'eagle3' or 'draft_lm' with a drafter model, got {kind!r}")

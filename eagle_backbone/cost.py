@@ -322,18 +322,13 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
         prefill = RaggedBatch(every, [0] * R, [context] * R, dev)
         ctx = ctx.reshape(-1)
         eng.tm(ctx, prefill, eng.tcache)
-        eagle = eng.kind in ("eagle", "eagle3")
-        if eng.kind not in (None, "eagle", "eagle3", "draft_lm"):
-            raise ValueError(f"cost profile: candidate generator kind {eng.kind!r} is not one the profiler knows "
-                             "(eagle, eagle3, draft_lm); give the policy a cost table (cost_table_path=)")
-        # the target features a true pair brings: the last layer's (EAGLE), or the chosen layers' side by side
-        # (EAGLE-3, fused by the drafter's fc); a draft depth reads the drafter's own state (the hidden size)
-        width = eng.target.hidden_size * (len(eng.cand.feature_layers) if eng.kind == "eagle3" else 1)
-        if eagle:
-            feats = torch.randn(R, context, width, generator=g).to(dev, eng.target.dtype)
-            eng.cand.dm(ctx, feats.reshape(R * context, -1), prefill, eng.cand.cache)
-        elif eng.kind is not None:
-            eng.cand.dm(ctx, prefill, eng.cand.cache)
+        cand = eng.cand  # the drafter kind's bound generator: it says what to run (None: no drafter)
+        if cand is not None and not cand.profiles():
+            raise ValueError(f"cost profile: candidate generator kind {eng.kind!r} gives the profiler no forwards "
+                             "(profile_feed, profile_draft: eagle_backbone/candidates.py); give the policy a cost "
+                             "table (cost_table_path=)")
+        if cand is not None:
+            cand.profile_context(ctx, prefill, g)
         fns = {}
 
         def target_fn(t):
@@ -346,34 +341,17 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
 
         def feed_fn(t):
             tok = torch.randint(4, V, (R * t,), generator=g).to(dev)
-            p = RaggedBatch(every, [context] * R, [t] * R, dev)
-            f = torch.randn(R * t, width, generator=g).to(dev, eng.target.dtype) if eagle else None
-
-            def run():
-                if eagle:
-                    out = eng.cand.dm(tok, f, p, eng.cand.cache)
-                    eng.cand.dm.logits(out[p.last()])
-                else:
-                    eng.cand.dm.logits(eng.cand.dm(tok, p, eng.cand.cache)[p.last()])
-            return run
+            return cand.profile_feed(tok, RaggedBatch(every, [context] * R, [t] * R, dev), g)
 
         def draft_fn():
             tok = torch.randint(4, V, (R,), generator=g).to(dev)
-            p = RaggedBatch(every, [context] * R, [1] * R, dev)
-            s = torch.randn(R, eng.target.hidden_size, generator=g).to(dev, eng.target.dtype) if eagle else None
-
-            step = eng.cand.dm.draft if eng.kind == "eagle3" else eng.cand.dm  # EAGLE-3 drafts on its own state
-
-            def run():
-                out = step(tok, s, p, eng.cand.cache) if eagle else step(tok, p, eng.cand.cache)
-                torch.softmax(eng.cand.dm.logits(out).float(), -1)
-            return run
+            return cand.profile_draft(tok, RaggedBatch(every, [context] * R, [1] * R, dev), g)
 
         for t in tokens:
             fns[("target", t)] = target_fn(t)
-            if eng.kind is not None:
+            if cand is not None:
                 fns[("feed", t)] = feed_fn(t)
-        if eng.kind is not None:
+        if cand is not None:
             fns[("draft",)] = draft_fn()
         for f in fns.values():
             f.cuda = cuda
@@ -389,7 +367,7 @@ def profile_costs(engine_factory, key: dict, slots=SLOTS, tokens=TOKENS_PER_SLOT
         # (gamma 0) and speculative (gamma = depth: the extra a depth adds, drafts and accepts counted)
         prompts = torch.randint(4, V, (R, context), generator=g).tolist()
         spent = {}
-        for gamma in (0, 4) if eng.kind is not None else (0,):
+        for gamma in (0, 4) if cand is not None else (0,):
             e = engine_factory(R, StaticPolicy(gamma))
             for b in range(R):
                 e.admit(b, prompts[b], 5 * (reps + 3), seed=b)

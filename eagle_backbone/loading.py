@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.candidates import CandidateGenerator, make_candidates
+from eagle_backbone.candidates import CandidateGenerator
 from eagle_backbone.drafter import EagleDrafter
+from eagle_backbone.drafter_kinds import get_kind, make_candidates
 from eagle_backbone.eagle3 import Eagle3Drafter
 from eagle_backbone.runtime import resolve_dtype
 from eagle_backbone.target import TargetModel
@@ -31,35 +32,17 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
 def load_drafter(kind: str, path: str | Path, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False):
+    """The drafter model of ``model.drafter_kind`` ``kind`` (:mod:`eagle_backbone.drafter_kinds`) in folder ``path``."""
+    cls = get_kind(kind)
     dtype = resolve_dtype(dtype, device)  # auto: bfloat16 where the device has bf16 matmuls, else float32
-    if kind == "eagle":
-        return EagleDrafter.from_pretrained(path, dtype=dtype, device=device)
-    if kind == "eagle3":  # EAGLE's layout or speculators' (config.json says which)
-        return Eagle3Drafter.from_pretrained(path, dtype=dtype, device=device)
-    if kind == "draft_lm":
-        return TargetModel.from_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                                           role="draft LM").model
-    raise ValueError(f"model.drafter_kind must be 'eagle', 'eagle3' or 'draft_lm', got {kind!r}")
+    return cls.load(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
 
 
 def check_drafter_fits(kind: str, drafter: str | Path, target: str | Path) -> None:
-    """An EAGLE drafter (``eagle``, ``eagle3``) reads the target's hidden states and tokens: its ``hidden_size`` and
-    ``vocab_size`` must be the target's. Read from the two ``config.json`` files before either model loads; a
-    mismatch is one line naming both sizes and both files (a draft LM has its own sizes: not checked)."""
-    if kind not in ("eagle", "eagle3"):
-        return
-    files = Path(drafter) / "config.json", Path(target) / "config.json"
-    try:
-        raw_d, raw_t = (json.loads(f.read_text()) for f in files)
-    except (OSError, ValueError):
-        return  # an unreadable config is the loader's to report
-    layer = raw_d.get("transformer_layer_config") or raw_d  # speculators' layout nests the layer's config
-    for key in ("hidden_size", "vocab_size"):
-        d, t = layer.get(key), raw_t.get(key)
-        if d is not None and t is not None and d != t:
-            raise ValueError(f"{files[0]}: {key} {d} differs from the target's {t} ({files[1]}); an {kind} drafter "
-                             f"needs the target's {key}")
-    check_verifier(files[0], raw_d, target, raw_t)
+    """Refuse, before either model loads, a drafter folder that cannot serve the target folder: the kind's own
+    check (an EAGLE drafter, ``eagle`` or ``eagle3``, reads the target's hidden states and tokens, so its
+    ``hidden_size`` and ``vocab_size`` must be the target's; a draft LM has its own sizes: not checked)."""
+    get_kind(kind).check_fits(drafter, target)
 
 
 # what tells two targets apart in their config.json (a folder of the same model elsewhere has the same)

@@ -21,7 +21,7 @@ log = logging.getLogger("bench_batch")
 @hydra.main(config_path="../conf", config_name="bench_batch", version_base="1.3")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
-    from eagle_backbone.candidates import make_candidates
+    from eagle_backbone.drafter_kinds import make_candidates
     from eagle_backbone.errors import ConfigError, MissingCheckpoint, accepted_mismatches
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.load_sweep import (
@@ -179,7 +179,7 @@ def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads
     the malformed records of the prompt file skipped (``ldlp.bench.load_sweep.skipped_records``), on the page."""
     import sys
 
-    from eagle_backbone.candidates import make_candidates
+    from eagle_backbone.drafter_kinds import make_candidates
     from eagle_backbone.made_for import run_made_for
     from ldlp.bench.loaders import load_pair_cached, machine_info, prepare_cost_tables, sampling_config
     from ldlp.bench.memory import RssSampler

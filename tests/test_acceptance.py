@@ -11,7 +11,8 @@ from conftest import one_line
 from omegaconf import OmegaConf
 from oracle_helpers import mimic_pair, prompts, write_collection
 
-from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate

@@ -19,10 +19,8 @@ from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.llama import BatchedLlama
 from eagle_backbone.ragged import RaggedBatch
 from ldlp.bench.workload import run_workload
-from eagle_backbone.candidates import (
-    DraftModelCandidateGenerator,
-    EagleCandidateGenerator,
-)
+from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig

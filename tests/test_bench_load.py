@@ -20,7 +20,7 @@ from ldlp.bench.load_aggregate import (
     temperatures_of,
 )
 from ldlp.bench.load_sweep import Contender, split_blocks, sweep
-from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
 from ldlp.bench.stats import paired_ratio
@@ -269,9 +269,9 @@ def test_sweep_runs_a_custom_candidate_generator(t32, eagle32):
         kind = "counted_eagle"
         kinds, starts = [], 0
 
-        def bind(self, engine):
-            Counted.kinds.append(engine.kind)
-            super().bind(engine)
+        def bind(self, view):
+            Counted.kinds.append(self.kind)
+            super().bind(view)
 
         def start(self, slots, tlens):
             Counted.starts += 1
@@ -601,7 +601,7 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
     assert "\n" not in str(e.value)
     # bench_batch checks a table given to a load-aware contender (cost_table=) against the run's setup first
 
-    from eagle_backbone.candidates import DraftModelCandidateGenerator
+    from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
     from ldlp.policies.load_aware import LoadAwareMarginal
 
     from ldlp.bench.loaders import prepare_cost_tables

@@ -11,7 +11,7 @@ from conftest import make_target, one_line, tiny_llama_config
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.loading import tie_drafter_embedding

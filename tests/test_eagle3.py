@@ -14,7 +14,7 @@ from conftest import EAGLE3_VOCAB as V
 from conftest import (SPECS, TreePolicy, chi2_pvalue, decode, exact_sequence_distribution, make_eagle3, make_target,
                       prompts_of)
 
-from eagle_backbone.candidates import Eagle3CandidateGenerator
+from eagle_backbone.kinds.eagle3 import Eagle3CandidateGenerator
 from eagle_backbone.eagle3 import default_layer_ids
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.llama import BatchedLlama

@@ -12,7 +12,7 @@ import torch
 from conftest import decode, make_eagle3, save_tiny_target
 from oracle_helpers import CONVS, VAL, LabelPolicy, assert_same_rows
 
-from eagle_backbone.candidates import Eagle3CandidateGenerator
+from eagle_backbone.kinds.eagle3 import Eagle3CandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from ldlp.labels.oracle import oracle_labels
 from ldlp.labels.oracle import oracle_labels_eagle3_sequential

@@ -6,11 +6,9 @@ import pytest
 import torch
 from conftest import make_drafter, make_target
 
-from eagle_backbone.candidates import (
-    CandidateGenerator,
-    DraftModelCandidateGenerator,
-    EagleCandidateGenerator,
-)
+from eagle_backbone.candidates import CandidateGenerator
+from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 
@@ -26,8 +24,8 @@ class ScriptedCandidates(CandidateGenerator):
         self.full, self.corrupt = list(prompt) + list(reference), corrupt
         self.rng = random.Random(seed)
 
-    def bind(self, engine):
-        self.vocab = engine.target.vocab_size
+    def bind(self, view):
+        self.vocab = view.vocab_size
 
     def _one_hot(self, positions):
         out = torch.full((len(positions), self.vocab), float("-inf"))

@@ -4,7 +4,8 @@ import pytest
 from conftest import make_drafter, make_target, one_line, tiny_llama_config
 from transformers import LlamaForCausalLM
 
-from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
@@ -55,7 +56,8 @@ def test_gamma_and_sampling_settings(target, drafter):
 
 
 def test_heads_of_the_wrong_size_fail_before_any_generation(tmp_path, target, drafter):
-    from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+    from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
+    from eagle_backbone.kinds.eagle import EagleCandidateGenerator
     from eagle_backbone.decoder import SpeculativeDecoder
     from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
     from ldlp.policies.threshold import AcceptancePolicy, LDLPDDDPolicy, LDLPPolicy

@@ -123,7 +123,7 @@ def test_under_the_cost_driven_policies_it_is_lossless_and_measures_every_step(t
 
 
 def test_the_load_sweep_keeps_one_learner_per_contender_across_its_runs(tmp_path, t32, eagle32):
-    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.kinds.eagle import EagleCandidateGenerator
     from ldlp.bench.load_sweep import Contender, sweep
 
     key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())

@@ -12,7 +12,7 @@ import torch
 from conftest import ar, compose_config, prompts_of, step_ldlp
 from hydra.utils import instantiate
 
-from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable, cost_key
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 

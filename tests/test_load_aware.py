@@ -15,7 +15,7 @@ from conftest import ar, noisy_copy, pair_distribution, pooled_chi2_pvalue, prom
 
 import ldlp.policies.load_aware as la
 from eagle_backbone.cost import CostTable, check_costs, cost_key, profile_costs, table_path
-from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import Depth, DraftContext, OneRow, Rows

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, compose_config, one_line
 from oracle_helpers import CONVS, LabelPolicy, arrow_files, assert_same_rows, greedy_oracle
 
-from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.errors import MissingInput
 from ldlp.labels.oracle import oracle_labels, oracle_labels_sequential, recompute_features

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import noisy_copy, random_prompts
 
-from eagle_backbone.candidates import DraftModelCandidateGenerator
+from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.cost import CostTable, cost_key
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder

@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from conftest import step_ldlp
 from hydra.utils import instantiate
 
-from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.policy import DraftContext, DraftPolicy, OneRow

@@ -9,7 +9,7 @@ import pytest
 import torch
 from oracle_helpers import greedy_oracle, mimic_pair
 
-from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.sampling import confidence

@@ -206,7 +206,7 @@ def test_the_costs_measured_in_hindsight_record_the_setup_where_no_contender_rea
     measured on (a file without a key is taken as it is, on any setup: a bfloat16 fit priced a float32 run)."""
     import torch
 
-    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.kinds.eagle import EagleCandidateGenerator
     from eagle_backbone.policy import StaticPolicy
     from eagle_backbone.step_cost import OnlineCostModel, key_mismatch
     from ldlp.bench.load_sweep import Contender, sweep

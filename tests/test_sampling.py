@@ -6,7 +6,8 @@ import torch
 from conftest import chi2_pvalue, exact_sequence_distribution, make_drafter, make_target
 
 from eagle_backbone import sampling as S
-from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ar, prompts_of, table
 
-from eagle_backbone.candidates import EagleCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import cost_key
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.errors import ConfigError

@@ -241,7 +241,7 @@ def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
     from ldlp.bench.load_sweep import Contender, sweep
     from ldlp.bench.peer_rows import peer_table
     from ldlp.report.load_sweep import markdown
-    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.kinds.eagle import EagleCandidateGenerator
     from eagle_backbone.policy import StaticPolicy
 
     g = torch.Generator().manual_seed(0)

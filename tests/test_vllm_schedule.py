@@ -332,7 +332,7 @@ class _FakeVllm:
 
 
 def test_a_schedule_contender_in_the_sweep_and_on_its_page(t32, eagle32, tmp_path):
-    from eagle_backbone.candidates import EagleCandidateGenerator
+    from eagle_backbone.kinds.eagle import EagleCandidateGenerator
     from ldlp.bench.load_sweep import Contender, sweep
     from ldlp.bench.peer_rows import peer_table, versus_static
     from ldlp.report.load_sweep import write

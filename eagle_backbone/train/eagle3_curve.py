@@ -40,7 +40,7 @@ def measure_tau(target, drafter, kind: str, prompts: list[list[int]], gamma: int
     """(τ, new tokens, target forwards) of a static chain γ over ``prompts``, sampled with seed + prompt index."""
     import torch
 
-    from eagle_backbone.candidates import make_candidates
+    from eagle_backbone.drafter_kinds import make_candidates
     from eagle_backbone.decoder import SpeculativeDecoder
     from eagle_backbone.policy import StaticPolicy
     from eagle_backbone.sampling import SamplingConfig

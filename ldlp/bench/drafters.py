@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle_backbone.candidates import make_candidates
+from eagle_backbone.drafter_kinds import make_candidates
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.loading import check_drafter_fits, load_drafter, load_target, tie_drafter_embedding
 from eagle_backbone.policy import StaticPolicy

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
+from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
+from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.data.conversations import build_prompts, encode_chat, load_conversations, to_messages
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
@@ -183,7 +184,7 @@ def eagle3_step_cost(target: TargetModel, head, prompt: list[int], reps: int = 2
 
 def eagle3_entry(cfg, root: Path, target: TargetModel, val_prompt: list[int], prompts: list[list[int]]) -> dict:
     """The EAGLE-3 head's card entry, measured in the decoding setting (``target`` loaded with it)."""
-    from eagle_backbone.candidates import Eagle3CandidateGenerator
+    from eagle_backbone.kinds.eagle3 import Eagle3CandidateGenerator
     from eagle_backbone.eagle3 import Eagle3Drafter
     from eagle_backbone.loading import tie_drafter_embedding
 

@@ -7,7 +7,7 @@ A sequence is a prompt followed by the target's response at temperature ``T`` (g
 seeded sample otherwise). At every index ``i`` of the response (``n <= i < len(s) - 1``, the oracle's
 rows) the drafter, given the true pairs ``(s[j+1], f_j)`` for ``j < i``, draws a chain ``x_1..x_K`` with
 ``x_m ~ q_m`` (the argmax at ``T = 0``), feeding back its own states as
-:class:`~eagle_backbone.candidates.EagleCandidateGenerator` does; one target pass over the chain gives
+:class:`~eagle_backbone.kinds.eagle.EagleCandidateGenerator` does; one target pass over the chain gives
 ``p_1..p_K`` (``p_m``: the target's distribution after ``s[:i+1] + x_1..x_{m-1}``). ``p`` and ``q``
 are temperature-adjusted exactly as decoding uses them (:func:`eagle_backbone.sampling.probs_from_logits`).
 Per depth ``m`` the row records

@@ -4,7 +4,7 @@ A sequence ``s`` is a prompt (``n`` tokens) followed by the target's greedy resp
 index ``i`` with ``n <= i < len(s) - 1`` the last accepted token is ``s[i]``; the drafter, given the
 true pairs ``(s[j+1], f_j)`` for ``j < i`` (``f_j``: the target's feature at position ``j``), drafts
 ``k_max`` tokens greedily, feeding back its own predicted features exactly as
-:class:`~eagle_backbone.candidates.EagleCandidateGenerator` does. The label is the length of the
+:class:`~eagle_backbone.kinds.eagle.EagleCandidateGenerator` does. The label is the length of the
 longest common prefix of that draft and ``s[i+1 : i+1+k_max]``: under greedy decoding, drafting
 exactly that many tokens keeps the output, spends the fewest target passes and wastes no draft.
 
@@ -274,7 +274,7 @@ def recompute_features(target: TargetModel, input_ids, prompt_len: int) -> torch
 # The same rows as :func:`oracle_labels` (see the module docstring), computed with the
 # engine's own EAGLE-3 code (:class:`~eagle_backbone.eagle3.BatchedEagle3Drafter` on a
 # :class:`~eagle_backbone.ragged.SlotCache`), so a label is what
-# :class:`~eagle_backbone.candidates.Eagle3CandidateGenerator` drafts at that position:
+# :class:`~eagle_backbone.kinds.eagle3.Eagle3CandidateGenerator` drafts at that position:
 #
 # * the drafter reads the true pairs ``(s[j+1], fc(a_j))``, ``a_j`` the target's states entering its layers
 #   (width k·d), and drafts from its own pre-norm states; its distribution is
