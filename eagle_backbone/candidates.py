@@ -95,11 +95,13 @@ class CandidateGenerator:
     # or a callable with oracle_labels' arguments and rows; None: not labelled by the oracle
     oracle_rows = None
     vllm_method: str | None = None  # vLLM's speculative method that serves this drafter (ldlp.bench.vllm_peer)
+    causal_lm = False  # the drafter is a standalone causal LM (transformers' assisted generation runs it)
 
     # ---- the kind: weights -----------------------------------------------------------------------
     @classmethod
-    def load(cls, path, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False):
-        """The drafter model in folder ``path`` (``dtype`` resolved), what ``cls(drafter, target, attn)`` takes."""
+    def load(cls, path, dtype: str, device: str = "cpu", trust_remote_code: bool = False):
+        """The drafter model in folder ``path``, what ``cls(drafter, target, attn)`` takes; ``dtype`` a name
+        (``float32``, ``bfloat16``, ...: ``auto`` resolved for the device)."""
         raise NotImplementedError(f"drafter kind {cls.kind!r} loads no weights")
 
     @classmethod

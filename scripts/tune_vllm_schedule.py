@@ -129,9 +129,11 @@ def main(cfg: DictConfig) -> None:
         return
     threads = start(cfg)
     grid = _check(cfg)
+    from eagle_backbone.drafter_kinds import get_kind
     from eagle_backbone.loading import load_pair
     from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
     from ldlp.bench.vllm_peer import (
+        METHODS,
         VllmRunner,
         check_dynamic_sd,
         check_eagle3_head,
@@ -150,7 +152,8 @@ def main(cfg: DictConfig) -> None:
     build = vllm_build(python)
     check_dynamic_sd(build, python)  # a vLLM without Dynamic SD: one line, before any vLLM starts
     kind = str(cfg.model.get("drafter_kind", "eagle"))
-    if kind not in ("eagle", "eagle3"):
+    method = get_kind(kind).vllm_method  # the vLLM method that serves the pair's drafter kind
+    if method not in METHODS:
         raise ConfigError(f"model.drafter_kind={kind}: vLLM's Dynamic SD here runs the pair's EAGLE or EAGLE-3 drafter")
     prompt_set = load_prompts(cfg.data, load_tokenizer_cached(cfg.model))
     prompts = [ids for _, ids in prompt_set]
@@ -167,7 +170,7 @@ def main(cfg: DictConfig) -> None:
         reference = [pair.target.reference_greedy(p, max_new) for p in used]
         log.info("the target's greedy decoding of %d prompts: %.0f s", len(used), time.perf_counter() - t0)
     root = Path(cfg.paths.outputs) / "vllm_peer"
-    if kind == "eagle3":
+    if method == "eagle3":  # vLLM reads the head as it is; an EAGLE-1 drafter is converted to its layout
         check_eagle3_head(cfg.model.drafter, cfg.model.target)
         drafter = Path(cfg.model.drafter)
     else:
@@ -180,7 +183,7 @@ def main(cfg: DictConfig) -> None:
         # the converted drafter is passed as it is: VllmRunner converts EAGLE-1 again only when it must (cached)
         return VllmRunner(K, cfg.model.target, cfg.model.drafter, root / "drafters", python=python, threads=threads,
                           dtype=str(cfg.vllm.dtype), seed=int(cfg.seed), max_model_len=max_len,
-                          log_dir=root / "logs" / "tune", log=log.info, method=kind,
+                          log_dir=root / "logs" / "tune", log=log.info, method=method,
                           schedule=[[1, C_max, K]], trace_steps=True,
                           enforce_eager=bool(cfg.vllm.get("enforce_eager", True)),
                           gpu_memory_utilization=cfg.vllm.get("gpu_memory_utilization"))
@@ -195,9 +198,9 @@ def main(cfg: DictConfig) -> None:
                    "max_new_tokens": max_new}
     rec["made_for"] = {**run_made_for(cfg.model, costs=True), "dtype": str(cfg.vllm.dtype)}  # vLLM's dtype
     rec["drafter_folder"] = str(drafter)
-    rec["snippet"] = snippet(rec["schedule"], rec["k_max"], kind)
+    rec["snippet"] = snippet(rec["schedule"], rec["k_max"], method)
     rec["settings"] = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    files = write_schedule(rec, out, kind)
+    files = write_schedule(rec, out, method)
     import gzip
 
     with gzip.open(out / "trace.json.gz", "wt") as f:  # vLLM's traced steps (STEP_FIELDS), per grid call

@@ -20,6 +20,7 @@ class DraftModelCandidateGenerator(CandidateGenerator):
     own (no fit check before loading) and no labels."""
 
     kind = "draft_lm"
+    causal_lm = True
 
     def __init__(self, draft_model, target: TargetModel, attn: str = "eager"):
         vocab = draft_model.get_output_embeddings().weight.shape[0]

@@ -61,7 +61,9 @@ class TransformersAssisted(PeerSpec):
         self.confidence_threshold = confidence_threshold
 
     def check(self, drafter_kind: str, greedy: bool, label: str) -> None:
-        if drafter_kind != "draft_lm":
+        from eagle_backbone.drafter_kinds import get_kind
+
+        if not get_kind(drafter_kind).causal_lm:
             raise ValueError(f"policy={label} runs transformers' assisted generation, which needs a standalone "
                              f"draft LM (model=embedded_draft_lm), not model.drafter_kind={drafter_kind}")
         if not greedy:

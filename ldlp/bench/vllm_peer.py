@@ -127,7 +127,7 @@ def convert_drafter(drafter_dir: str | Path, target_dir: str | Path, cache_root:
 
 # ---- the worker, from the benchmark's side ---------------------------------------------------------------
 
-METHODS = ("eagle", "eagle3")  # vLLM's speculative method -> the model.drafter_kind it serves (the same name)
+METHODS = ("eagle", "eagle3")  # vLLM's speculative methods this peer runs; a drafter kind names its own (vllm_method)
 
 
 def parse_contender(spec: str) -> dict | None:
@@ -433,13 +433,16 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
         sch = load_schedule(spec["schedule"], k)
         schedule, k = sch["ranges"], sch["k"]
         check_schedule_made_for(sch, model_cfg, str((vllm_cfg or {}).get("dtype") or "float32"))
+    from eagle_backbone.drafter_kinds import get_kind
+
     kind = str(model_cfg.get("drafter_kind", "eagle"))
-    if k is not None and kind != method:
+    served = get_kind(kind).vllm_method  # the vLLM method that serves the pair's drafter kind (None: none)
+    if k is not None and served != method:
         what = "spec.k" if method == "eagle" else f"spec.method={method} spec.k"
         raise ValueError(f"engine=vllm {what}={k}: vLLM's {'EAGLE' if method == 'eagle' else 'EAGLE-3'} needs the "
                          f"pair's {method} drafter (model.drafter_kind={method}), and model.drafter_kind is {kind}"
                          + (" (model=embedded_eagle3 for the embedded pair)" if method == "eagle3" else
-                            " (spec.method=eagle3 for an EAGLE-3 head)" if kind == "eagle3" else ""))
+                            f" (spec.method={served} for its head)" if served in METHODS else ""))
     if k is not None and method == "eagle3":
         check_eagle3_head(model_cfg.drafter, model_cfg.target)
     python = (vllm_cfg or {}).get("python") or sys.executable

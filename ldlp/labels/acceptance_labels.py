@@ -184,6 +184,7 @@ class AcceptanceCollector(Collector):
     valid / beta / kept sums by depth per part."""
 
     identity_keys = IDENTITY_KEYS
+    collection = "acceptance"
     drafter_use = "acceptance labels need an EAGLE drafter (its state is the head's input)"
     k_max_limit = 64
     dtype_keys = ("state_dtype",)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from eagle_backbone.decoder import autoregressive_generate
+from eagle_backbone.drafter_kinds import get_kind, kinds_labelled_by
 from eagle_backbone.io import atomic_write_text, remove_leftovers
 from eagle_backbone.runtime import Clock, resolve_dtype, set_threads
 from ldlp.labels.oracle import oracle_labels
@@ -106,14 +107,15 @@ class Collector:
     :meth:`run` checks the config, seeds, guards the directory with ``manifest.json`` (``overwrite``, model
     digests, the settings in ``identity_keys``), plans the prompts and this collector's parts, labels and
     writes every part not yet complete (rows, sequences, then the meta file that marks it complete) and
-    writes the report. A subclass says what differs: ``identity_keys``, why it needs an EAGLE drafter
-    (``drafter_use``, for the error), the report keys the final manifest counts (``count_keys``) and the
+    writes the report. A subclass says what differs: ``identity_keys``, the label collection it is (``collection``:
+    a drafter kind's ``labelled_by`` says whether it labels that kind), why it needs an EAGLE drafter (``drafter_use``,
+    for the error), the report keys the final manifest counts (``count_keys``) and the
     hooks below.
     """
 
     identity_keys: tuple[str, ...] = ()
     drafter_use = "labels need an EAGLE drafter"
-    drafter_kinds: tuple[str, ...] = ("eagle",)  # the model.drafter_kind values it labels
+    collection = ""  # "oracle", "acceptance": the drafter kinds it labels have it in their labelled_by
     count_keys: tuple[str, ...] = ("sequences", "positions")
     k_max_limit, k_max_why = 127, ""  # k_max in 1..k_max_limit; why the limit, for the error
     dtype_keys: tuple[str, ...] = ()  # settings that are float16 or float32
@@ -204,9 +206,9 @@ class Collector:
         clock = Clock()  # stage wall time (a CPU clock: it must not wait for the GPU between items)
         t_start = clock()
 
-        if cfg.model.drafter_kind not in self.drafter_kinds:
+        if self.collection not in get_kind(cfg.model.drafter_kind).labelled_by:  # an unknown kind: the registered ones
             raise ValueError(f"model.drafter_kind={cfg.model.drafter_kind!r}: {self.drafter_use}; use an "
-                             f"{' or '.join(self.drafter_kinds)} model config")
+                             f"{' or '.join(kinds_labelled_by(self.collection))} model config")
         pair = load_pair(cfg.model)
         target, drafter = pair.target, pair.drafter
         manifest_path = out / "manifest.json"
@@ -283,7 +285,7 @@ class OracleCollector(Collector):
 
     identity_keys = IDENTITY_KEYS
     drafter_use = "the oracle labels an EAGLE drafter (EAGLE-1 or EAGLE-3)"
-    drafter_kinds = ("eagle", "eagle3")  # oracle_labels dispatches an EAGLE-3 drafter to oracle_labels_eagle3
+    collection = "oracle"  # each kind's oracle_rows says how oracle_labels drafts its rows
     count_keys = ("sequences", "positions", "splits")
     k_max_why = " (labels are stored as int8)"
     dtype_keys = ("feature_dtype", "stat_dtype")
@@ -307,12 +309,14 @@ class OracleCollector(Collector):
         cfg = self.cfg
         self._gen_s = 0.0
         results = []
+        rows = get_kind(cfg.model.drafter_kind).oracle_rows  # how this kind's rows are drafted
         for it in part.items:
             g0 = clock()
             response = autoregressive_generate(target, it.prompt_ids, cfg.max_new_tokens).tokens
             self._gen_s += clock() - g0
             lab = oracle_labels(target, drafter, list(it.prompt_ids) + response, len(it.prompt_ids), cfg.k_max,
-                                full_target_prob=cfg.full_target_prob, max_rows_per_pass=cfg.max_rows_per_pass)
+                                full_target_prob=cfg.full_target_prob, max_rows_per_pass=cfg.max_rows_per_pass,
+                                rows=rows)
             results.append((it, response, lab))
             self._seq_done += 1
             bar.update(len(lab["index"]))

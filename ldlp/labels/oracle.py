@@ -154,18 +154,30 @@ def _wrong_prefix_target_probs(target: TargetModel, cache, seq_len: int, draft: 
 
 @torch.inference_mode()
 def oracle_labels(target: TargetModel, drafter, input_ids, prompt_len: int, k_max: int,
-                  full_target_prob: bool = True, max_rows_per_pass: int | None = 512) -> dict:
+                  full_target_prob: bool = True, max_rows_per_pass: int | None = 512, rows=None) -> dict:
     """All label rows of one sequence, vectorised. Returns CPU tensors, one row per index ``i``:
 
     ``index`` (R,), ``last_token`` (R,), ``label`` (R,), ``remaining`` (R,) = ``len(s) - 1 - i`` (the
     label is censored when it is below ``k_max``), ``draft_top1_prob``, ``draft_entropy``,
     ``target_prob`` (R, k_max; column ``m-1`` is drafted step ``m``), ``feature`` (R, d) = ``f_{i-1}``
     in the target's dtype, ``draft_tokens`` (R, k_max) and ``draft_state`` (R, k_max, d), the drafter
-    output each step's LM head read (in the LM head's dtype). An EAGLE-3 drafter is labelled by
-    :func:`oracle_labels_eagle3` (the same rows; its states are pre-norm).
+    output each step's LM head read (in the LM head's dtype). How the rows are drafted is the drafter kind's
+    (``oracle_rows`` of :mod:`eagle_backbone.drafter_kinds`; the collector passes it as ``rows``): a recipe of
+    :data:`ORACLE_RECIPES` by name (``eagle``: :func:`oracle_labels_eagle`; ``eagle3``: :func:`oracle_labels_eagle3`,
+    the same rows, its states pre-norm) or a callable with this function's arguments. Without ``rows``, the drafter's
+    class says which (an EAGLE-3 drafter: ``eagle3``).
     """
-    if isinstance(drafter, Eagle3Drafter):  # the same rows from the EAGLE-3 drafter's own code path
-        return oracle_labels_eagle3(target, drafter, input_ids, prompt_len, k_max, full_target_prob, max_rows_per_pass)
+    recipe = rows if rows is not None else ("eagle3" if isinstance(drafter, Eagle3Drafter) else "eagle")
+    fn = recipe if callable(recipe) else ORACLE_RECIPES.get(recipe)
+    if fn is None:
+        raise ValueError(f"oracle labels: no rows recipe {recipe!r} (recipes: {', '.join(sorted(ORACLE_RECIPES))})")
+    return fn(target, drafter, input_ids, prompt_len, k_max, full_target_prob, max_rows_per_pass)
+
+
+@torch.inference_mode()
+def oracle_labels_eagle(target: TargetModel, drafter, input_ids, prompt_len: int, k_max: int,
+                        full_target_prob: bool = True, max_rows_per_pass: int | None = 512) -> dict:
+    """The rows of :func:`oracle_labels` for an EAGLE-1 drafter (recipe ``eagle``)."""
     s = _check(input_ids, prompt_len, k_max)
     n, L = prompt_len, len(s)
     R = L - 1 - n
@@ -397,6 +409,10 @@ def oracle_labels_eagle3_sequential(target, drafter, input_ids, prompt_len: int,
                      ("feature", feats[i - 1].cpu()), ("draft_state", torch.stack(sts).cpu())):
             rows[k].append(v)
     return {k: (torch.stack(v) if v and isinstance(v[0], torch.Tensor) else torch.tensor(v)) for k, v in rows.items()}
+
+
+# the oracle's ways of drafting a sequence's rows, by the name a drafter kind gives as its ``oracle_rows``
+ORACLE_RECIPES = {"eagle": oracle_labels_eagle, "eagle3": oracle_labels_eagle3}
 
 
 def _label_rows(target, tcache, seq, index, n: int, L: int, logits, log_norm, feats, k_max: int, drafted,

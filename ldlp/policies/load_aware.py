@@ -238,7 +238,7 @@ class _PerSlotEstimates(LoadAwarePolicy):
         self.calibration.to(target.device)
         self._wc = self._wc.to(target.device)
         if self.estimator_spec != "confidence":
-            if engine.candidates.kind != "eagle":
+            if "acceptance" not in engine.candidates.labelled_by:  # heads learn from acceptance labels of its states
                 raise ValueError("load_aware policy: a draft acceptance head reads EAGLE drafter states; with a draft "
                                  "LM use estimator=confidence")
             self.head = load_head_for_temperature(self.estimator_spec, self.temperature).to(target.device)
