@@ -1,5 +1,6 @@
 """The decoding core: target, drafters (EAGLE-1, EAGLE-3, draft LM), the compact Llama forward on per-slot KV caches
-(``llama``, ``ragged``), candidate generation, sampling and verification, the engine (S slots at once,
+(``llama``, ``ragged``), candidate generation (``candidates``: the interface; ``drafter_kinds``: the drafter kinds by
+name), sampling and verification, the engine (S slots at once,
 ``batched_engine``, its phases' records in ``step_records``, its prefill scheduling in ``prefill``, its tree
 phases in ``tree_step``; batch 1 is one slot, ``decoder``; ``engine`` re-exports the public names), the
 draft-length policy interface, the measured step cost model and its profiler (``cost``), metrics, loading,
@@ -8,6 +9,7 @@ and the engine's clocks).
 
 May import torch, transformers, safetensors and omegaconf; never ``ldlp``. No module here imports matplotlib
 or writes Markdown: benchmarks, workloads, statistics, pages and plots live in ``ldlp.bench``. Subpackages:
-``data`` (conversations, corpus, tokenizer) and ``train`` (the embedded pair); each imports the core, and the
-core imports neither.
+``data`` (conversations, corpus, tokenizer), ``train`` (the embedded pair) and ``kinds`` (the drafter kinds, one
+file each: EAGLE-1, EAGLE-3, the draft LM); each imports the core, and the core imports none of them (the registry,
+``drafter_kinds``, imports the kinds' modules by name at run time).
 """

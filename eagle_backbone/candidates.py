@@ -109,6 +109,12 @@ class CandidateGenerator:
         """Refuse, in one line, a drafter folder that cannot serve the target folder, read before either loads
         (default: nothing to check)."""
 
+    @classmethod
+    def train(cls, cfg):
+        """Train a drafter of this kind (``python scripts/train_drafter.py drafter=<kind>``, ``cfg`` its config);
+        returns the run's summary."""
+        raise NotImplementedError(f"drafter kind {cls.kind!r} has no training recipe in scripts/train_drafter.py")
+
     # ---- the kind: what the step-cost profiler runs (eagle_backbone.cost.profile_costs) ----------------
     def feature_width(self, hidden_size: int) -> int:
         """F, the width of the target's features this generator reads by position."""

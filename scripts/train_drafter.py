@@ -5,8 +5,7 @@ import hydra
 from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from eagle_backbone.train.drafter import run_drafter_training
-from eagle_backbone.train.eagle3 import run_eagle3_training
+from eagle_backbone.drafter_kinds import get_kind
 
 
 @hydra.main(config_path="../conf", config_name="train_drafter", version_base="1.3")
@@ -14,7 +13,7 @@ from eagle_backbone.train.eagle3 import run_eagle3_training
 def main(cfg: DictConfig) -> None:
     start(cfg)
     kind = cfg.drafter_training.get("kind", "eagle")
-    print(run_eagle3_training(cfg) if kind == "eagle3" else run_drafter_training(cfg))
+    print(get_kind(kind).train(cfg))  # the kind's own recipe (eagle_backbone/kinds/)
 
 
 if __name__ == "__main__":

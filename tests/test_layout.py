@@ -425,3 +425,55 @@ def test_no_module_outgrows_its_package_limit():
             for f in sorted((REPO_ROOT / pkg).rglob("*.py"))
             if (n := len(f.read_text(encoding="utf-8").splitlines())) > limits[pkg]]
     assert not over, over
+
+
+# where a drafter kind's name may still be compared outside its own file, and why (neither is what a kind does)
+KIND_NAMES_ALLOWED = {
+    "ldlp/report/summary.py": "pages list EAGLE-1's rows first",
+    "scripts/bench_retired_loop.py": "the retired batch-1 loop's own generators, read from git at an old commit",
+}
+
+
+def kind_branches(root: Path, dirs, names) -> list[str]:
+    """Where code under ``dirs`` (eagle_backbone/kinds/ aside) compares something whose name says ``kind`` with a
+    drafter kind's name (``kind == "eagle3"``, ``eng.kind in ("eagle", "eagle3")``)."""
+    found = []
+    for d in dirs:
+        for f in sorted((root / d).rglob("*.py")):
+            rel = f.relative_to(root)
+            if rel.parts[:2] == ("eagle_backbone", "kinds"):
+                continue
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), str(f))):
+                if not isinstance(node, ast.Compare):
+                    continue
+                sides = [node.left, *node.comparators]
+                named = any("kind" in n.id.lower() if isinstance(n, ast.Name) else
+                            "kind" in n.attr.lower() if isinstance(n, ast.Attribute) else
+                            isinstance(n, ast.Constant) and n.value in ("kind", "drafter_kind")
+                            for s in sides for n in ast.walk(s))
+                if named and any(isinstance(n, ast.Constant) and n.value in names for s in sides for n in ast.walk(s)):
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_a_drafter_kind_lives_in_one_file_and_is_looked_up_by_name():
+    """Each shipped drafter kind is one module of eagle_backbone/kinds/ (its loading, drafting, profiling hooks and
+    labels); everything else asks the registry (eagle_backbone/drafter_kinds.py) instead of comparing its name."""
+    from eagle_backbone.drafter_kinds import get_kind, kind_names
+
+    shipped = [n for n in kind_names() if get_kind(n).__module__.startswith("eagle_backbone.kinds.")]
+    assert {"eagle", "eagle3", "draft_lm"} <= set(shipped)
+    modules = [get_kind(n).__module__ for n in shipped]
+    assert len(set(modules)) == len(modules), modules  # one kind a file
+    files = sorted(f.stem for f in (REPO_ROOT / "eagle_backbone" / "kinds").glob("*.py") if f.stem != "__init__")
+    assert sorted(m.rsplit(".", 1)[1] for m in modules) == files  # and every file there a kind
+    found = [f for f in kind_branches(REPO_ROOT, ("eagle_backbone", "ldlp", "scripts"), set(shipped))
+             if f.split(":")[0] not in KIND_NAMES_ALLOWED]
+    assert not found, found
+
+
+def test_the_kind_check_catches_a_branch_on_a_kind_name(tmp_path):
+    _write(tmp_path, {"pkg/a.py": "def f(kind, eng, row):\n    x = kind == 'eagle3'\n    y = eng.kind in ('eagle',)\n"
+                                  "    z = row.get('drafter_kind') != 'eagle'\n    return layout == 'eagle'\n"})
+    assert [f.split(": ")[0] for f in kind_branches(tmp_path, ("pkg",), {"eagle", "eagle3"})] == \
+        ["pkg/a.py:2", "pkg/a.py:3", "pkg/a.py:4"]

@@ -62,6 +62,12 @@ class EagleCandidateGenerator(CandidateGenerator):
                                  f"drafter needs the target's {key}")
         check_verifier(files[0], raw_d, target, raw_t)
 
+    @classmethod
+    def train(cls, cfg):
+        from eagle_backbone.train.drafter import run_drafter_training
+
+        return run_drafter_training(cfg)
+
     # ---- drafting --------------------------------------------------------------------------------
     def bind(self, view: DraftView):
         # a draft tree feeds up to view.tree_room nodes past the positions a chain would write

@@ -35,6 +35,12 @@ class Eagle3CandidateGenerator(EagleCandidateGenerator):
     def load(cls, path, dtype, device="cpu", trust_remote_code=False):
         return Eagle3Drafter.from_pretrained(path, dtype=dtype, device=device)
 
+    @classmethod
+    def train(cls, cfg):
+        from eagle_backbone.train.eagle3 import run_eagle3_training
+
+        return run_eagle3_training(cfg)
+
     def bind(self, view: DraftView):
         self.dm = BatchedEagle3Drafter(self.drafter, view.limit + 1 + view.tree_room, self.attn)
         self.cache: SlotCache = self.dm.new_cache(view.slots)
