@@ -115,9 +115,9 @@ class CandidateGenerator:
         returns the run's summary."""
         raise NotImplementedError(f"drafter kind {cls.kind!r} has no training recipe in scripts/train_drafter.py")
 
-    # ---- the kind: what the step-cost profiler runs (eagle_backbone.cost.profile_costs) ----------------
+    # ---- the kind: the features the engine keeps for it, and what the step-cost profiler runs ---------------
     def feature_width(self, hidden_size: int) -> int:
-        """F, the width of the target's features this generator reads by position."""
+        """F, the width of the target's features this generator reads by position (the engine's ``feat``)."""
         return hidden_size * max(1, len(self.feature_layers))
 
     @classmethod
@@ -128,7 +128,7 @@ class CandidateGenerator:
     def profile_context(self, tokens, batch: RaggedBatch, g: torch.Generator) -> None:
         """Fill the bound generator's caches with a context of ``tokens`` as rows of ``batch`` (random inputs
         it needs besides the tokens drawn from ``g``)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"drafter kind {self.kind!r} gives the cost profiler no forwards")
 
     def profile_feed(self, tokens, batch: RaggedBatch, g: torch.Generator):
         """A callable timing the catch-up forward over ``tokens`` as rows of ``batch`` after the context, with
