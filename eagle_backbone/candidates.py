@@ -111,8 +111,8 @@ class CandidateGenerator:
 
     @classmethod
     def train(cls, cfg):
-        """Train a drafter of this kind (``python scripts/train_drafter.py drafter=<kind>``, ``cfg`` its config);
-        returns the run's summary."""
+        """Train a drafter of this kind (``scripts/train_drafter.py`` with ``drafter_training.kind`` naming it, ``cfg``
+        its config); returns the run's summary."""
         raise NotImplementedError(f"drafter kind {cls.kind!r} has no training recipe in scripts/train_drafter.py")
 
     # ---- the kind: the features the engine keeps for it, and what the step-cost profiler runs ---------------
