@@ -84,7 +84,7 @@ def compare(pair, sets: dict, ref: str, concurrency=(1, 16), gammas=(0, 4), roun
                     for k in order:
                         Engine, Static = engines[k]
                         try:
-                            eng = Engine(pair.target, pair.drafter if g else None, pair.candidates.kind if g else None, slots=C,
+                            eng = Engine(pair.target, pair.drafter if g else None, "eagle" if g else None, slots=C,
                                          policy=Static(g), capacity=capacity)
                         except (TypeError, AttributeError) as e:
                             if k == "today":
