@@ -436,13 +436,14 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
     from eagle_backbone.drafter_kinds import get_kind
 
     kind = str(model_cfg.get("drafter_kind", "eagle"))
-    served = get_kind(kind).vllm_method  # the vLLM method that serves the pair's drafter kind (None: none)
+    # the vLLM method that serves the pair's drafter kind (None: none); asked only of a speculative contender
+    served = get_kind(kind).vllm_method if k is not None else None
     if k is not None and served != method:
         what = "spec.k" if method == "eagle" else f"spec.method={method} spec.k"
         raise ValueError(f"engine=vllm {what}={k}: vLLM's {'EAGLE' if method == 'eagle' else 'EAGLE-3'} needs the "
                          f"pair's {method} drafter (model.drafter_kind={method}), and model.drafter_kind is {kind}"
                          + (" (model=embedded_eagle3 for the embedded pair)" if method == "eagle3" else
-                            f" (spec.method={served} for its head)" if served in METHODS else ""))
+                            " (spec.method=eagle3 for an EAGLE-3 head)" if served == "eagle3" else ""))
     if k is not None and method == "eagle3":
         check_eagle3_head(model_cfg.drafter, model_cfg.target)
     python = (vllm_cfg or {}).get("python") or sys.executable
