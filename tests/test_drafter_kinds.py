@@ -159,3 +159,28 @@ def test_a_kind_without_profiler_forwards_is_refused_by_the_profiler_in_one_line
     with pytest.raises(ValueError, match="kind 'toy_silent' gives the profiler no forwards"):
         profile_costs(lambda R, policy=None: BatchedSpeculativeEngine(t32, gen, slots=R, capacity=32, policy=policy),
                       {}, slots=(1,), tokens=(1,), context=4, reps=1, log=lambda *_: None)
+
+
+def test_the_label_collectors_label_the_kinds_that_say_so_and_the_oracle_drafts_as_the_kind_says(tmp_path):
+    from conftest import compose_config
+
+    from ldlp.labels.acceptance_labels import collect_acceptance
+    from ldlp.labels.collect import collect_oracle
+    from ldlp.labels.oracle import oracle_labels
+
+    for name, collect, labelled in (("collect_oracle", collect_oracle, "eagle or eagle3"),
+                                    ("collect_acceptance", collect_acceptance, "eagle")):
+        cfg = compose_config(name, ["model.drafter_kind=toy_bigram", f"out_dir={tmp_path / name}", "threads=null"])
+        with pytest.raises(ValueError, match=rf"model.drafter_kind='toy_bigram': .*; use an {labelled} model config"):
+            collect(cfg)  # refused before any model loads
+    # a kind's oracle_rows: a recipe by name, or its own callable
+    seen = []
+
+    def rows(target, drafter, ids, prompt_len, k_max, full_target_prob, max_rows_per_pass):
+        seen.append((ids, prompt_len, k_max, full_target_prob))
+        return {"label": torch.zeros(0)}
+
+    assert oracle_labels(None, None, [5, 6, 7], 1, 2, rows=rows)["label"].numel() == 0
+    assert seen == [([5, 6, 7], 1, 2, True)]
+    with pytest.raises(ValueError, match=r"no rows recipe 'bigram' \(recipes: eagle, eagle3\)"):
+        oracle_labels(None, None, [5, 6, 7], 1, 2, rows="bigram")
