@@ -188,9 +188,6 @@ def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads
     from ldlp.report.serving import OUTPUT_FILES, write
 
     sv = cfg.serving
-    peers = [c.label for c in contenders if c.runner is not None]
-    skipped = skipped + [{"contender": p, "why": "a peer engine runs closed-loop only here"} for p in peers]
-    mine = [c for c in contenders if c.runner is None]
     with out_dir_lock(out):
         pair = load_pair_cached(cfg.model)
         candidates = pair.candidates
@@ -205,12 +202,14 @@ def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads
                 "command": "python scripts/bench_batch.py " + " ".join(sys.argv[1:]),
                 # what the learners' schedules were measured on (their files carry it: eagle_backbone/made_for.py)
                 "made_for": run_made_for(cfg.model, costs=True)}
+        if any(c.runner is not None for c in contenders):  # vLLM serves the same traces in its own dtype
+            meta["peer_dtype"] = str((cfg.get("vllm") or {}).get("dtype") or "float32")
 
         def save(result, with_plot=False):
             write({**result, "skipped": skipped + result.get("skipped", [])}, out, meta, with_plot)
 
         with RssSampler(every_s=float(cfg.rss_every_s)) as rss:
-            result = serve(pair.target, candidates, prompts, mine, traces, int(cfg.generation.max_new_tokens),
+            result = serve(pair.target, candidates, prompts, contenders, traces, int(cfg.generation.max_new_tokens),
                            sampling_config(cfg.generation), rounds=int(sv.rounds), warmup_rounds=int(sv.warmup_rounds),
                            slots=int(sv.slots), seed=int(cfg.seed), attn=str(cfg.attn), log=log.info,
                            checkpoint=lambda r, with_plot=False: save({**r, "memory": rss.summary()}, with_plot),

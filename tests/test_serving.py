@@ -111,6 +111,48 @@ def test_contenders_serve_the_same_trace_in_turns_losslessly(tmp_path, t32, eagl
         tmp_path / "out")))
 
 
+class _ServingPeer:
+    """A peer runner without vLLM: the target's own greedy outputs (one token changed with ``wrong``), every
+    token out at its arrival plus fixed seconds, as VllmRunner.serve reports a run."""
+
+    def __init__(self, target, wrong=False):
+        self.target, self.wrong, self.calls = target, wrong, []
+
+    def serve(self, prompts, arrivals, max_new_tokens, seeds, slots, sampling=None, stop_ids=()):
+        from ldlp.bench.serving import ServingResult
+
+        self.calls.append((len(prompts), list(arrivals), slots, sorted(stop_ids)))
+        outs = [self.target.reference_greedy(p, max_new_tokens) for p in prompts]
+        if self.wrong:
+            outs[0] = [(outs[0][0] + 1) % self.target.vocab_size] + outs[0][1:]
+        res = ServingResult([], float(arrivals[-1]) + 0.5, ttft_s=[0.1] * len(outs), tpot_s=[0.01] * len(outs),
+                            e2e_s=[0.2] * len(outs), timeline=[(0.1, 2, 0), (0.2, 1, 0)], steps=2, idle_s=0.1)
+        tok = sum(map(len, outs))
+        return outs, {**res.summary(new_tokens=tok, drafted=0, accepted=0, tau=1.0), "timeline": res.timeline}
+
+
+def test_a_peer_engine_serves_the_same_trace_in_the_turns(t32, eagle32):
+    """A peer (vLLM's runner) serves every trace in the same turns, with the same arrivals, slots and stop
+    tokens; its outputs are checked against the target's, and its row sits beside this engine's."""
+    ok, wrong = _ServingPeer(t32), _ServingPeer(t32, wrong=True)
+    contenders = [Contender("ar", "ar", 0, None), Contender("static γ=2", "static", 2, lambda: StaticPolicy(2)),
+                  Contender("vllm ar", "vllm", 0, None, ok), Contender("vllm eagle k=2", "vllm", 2, None, wrong)]
+    prompts = prompts_of((3, 8, 5, 6), seed=2)
+    traces = {"flat": {"requests": 4, "rate": 200.0}}
+    result = serve(t32, EagleCandidateGenerator(eagle32, t32), prompts, contenders, traces, 8, rounds=2,
+                   warmup_rounds=1, slots=3, log=lambda m: None, bootstrap=50)
+    arrivals = list(arrival_times(check_trace("flat", traces["flat"])))
+    assert ok.calls == [(4, arrivals, 3, sorted(t32.eos_token_ids))] * 3  # warm-up and 2 measured rounds
+    runs = {(r["contender"], r["round"]): r for r in result["runs"]}
+    assert runs[("vllm ar", 1)]["identical"] == 4 and runs[("vllm eagle k=2", 1)]["identical"] == 3
+    assert runs[("vllm ar", 1)]["timeline"] == [[0.1, 2, 0], [0.2, 1, 0]] and runs[("vllm ar", 1)]["policy_s"] == 0.0
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert rows["vllm ar"]["ttft_ms_median"] == pytest.approx(100.0) and rows["vllm ar"]["tau"] == 1.0
+    # vLLM's rows are neither the best static γ nor AR, and are paired against them
+    assert rows["vllm ar"]["best_static"] == "static γ=2" and rows["vllm ar"]["vs_best_static"]["pairs"] == 2
+    assert "| vllm eagle k=2 |" in markdown(result, {"model": "tiny"})
+
+
 def test_a_learned_table_becomes_ranges():
     assert ranges_from_table({1: 4, 2: 4, 4: 3, 8: 1, 16: 1}) == [(1, 2, 4), (3, 4, 3), (5, 16, 1)]
     assert ranges_from_table({"1": 0}) == [(1, 1, 0)]

@@ -218,6 +218,31 @@ def test_vllm_eagle3_serves_the_shipped_head_unchanged_and_equals_greedy(tmp_pat
     assert (tmp_path / "vllm_worker_eagle3_k3.log").exists()
 
 
+@needs_vllm
+def test_vllm_serves_an_arrival_trace_open_loop_and_equals_greedy(tmp_path):
+    """vLLM's runner on an arrival trace: requests added when their time comes (later ones queue behind 2 slots),
+    the target's greedy outputs, and each request's latencies from its own arrival."""
+    from eagle_backbone.loading import load_pair
+    from eagle_backbone.paths import embedded_model_config
+    from ldlp.bench.vllm_peer import VllmRunner
+
+    pair = load_pair(embedded_model_config(dtype="float32"))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, pair.target.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7, 6)]
+    ref = [pair.target.reference_greedy(p, 10) for p in prompts]
+    arrivals = [0.0, 0.0, 0.0, 0.3]
+    runner = VllmRunner(2, EMBEDDED / "target", EMBEDDED / "drafter", tmp_path / "drafters", python=vllm_python(),
+                        max_model_len=64, log_dir=tmp_path)
+    try:
+        outs, summ = runner.serve(prompts, arrivals, 10, [0, 1, 2, 3], 2, None, pair.target.eos_token_ids)
+    finally:
+        runner.close()
+    assert outs == ref, (outs, ref)
+    assert summ["new_tokens"] == sum(map(len, ref)) and summ["tau"] >= 1.0 and summ["wall_s"] >= 0.3
+    assert max(n for _, n, _ in summ["timeline"]) <= 2 and summ["ttft_ms_median"] > 0
+    assert summ["steps"] == len(summ["timeline"])
+
+
 class _FakePeer:
     """A peer runner without vLLM: the target's own greedy outputs (or one token changed), fixed seconds."""
 

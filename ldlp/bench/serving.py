@@ -92,7 +92,10 @@ class ServingResult:
     def new_tokens(self) -> int:
         return sum(len(o.tokens) for o in self.outputs)
 
-    def summary(self) -> dict:
+    def summary(self, new_tokens: int | None = None, drafted: int | None = None, accepted: int | None = None,
+                tau: float | None = None) -> dict:
+        """The run's numbers; the counts come from the outputs' stats, or are given (a peer engine's outputs are
+        token ids, its counters its own)."""
         ms = 1e3
 
         def stats(name, xs):
@@ -100,15 +103,18 @@ class ServingResult:
                     f"{name}_ms_p99": ms * percentile(xs, 0.99)}
 
         rows = [r for _, r, _ in self.timeline]
-        drafted = sum(o.stats.drafted_tokens for o in self.outputs)
-        accepted = sum(o.stats.accepted_tokens for o in self.outputs)
-        forwards = sum(o.stats.target_forwards for o in self.outputs)
+        if new_tokens is None:
+            new_tokens = self.new_tokens
+            drafted = sum(o.stats.drafted_tokens for o in self.outputs)
+            accepted = sum(o.stats.accepted_tokens for o in self.outputs)
+            forwards = sum(o.stats.target_forwards for o in self.outputs)
+            tau = (accepted + forwards) / forwards if forwards else 0.0
         busy = self.wall_s - self.idle_s
-        return {"new_tokens": self.new_tokens, "wall_s": self.wall_s,
-                "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0,
-                "tokens_per_busy_s": self.new_tokens / busy if busy > 0 else 0.0,
+        return {"new_tokens": new_tokens, "wall_s": self.wall_s,
+                "tokens_per_s": new_tokens / self.wall_s if self.wall_s > 0 else 0.0,
+                "tokens_per_busy_s": new_tokens / busy if busy > 0 else 0.0,
                 "steps": self.steps, "idle_s": self.idle_s, "drafted_tokens": drafted, "accepted_tokens": accepted,
-                "tau": (accepted + forwards) / forwards if forwards else 0.0,
+                "tau": tau,
                 "rows_mean": float(np.mean(rows)) if rows else 0.0, "rows_max": max(rows, default=0),
                 **stats("ttft", self.ttft_s), **stats("tpot", self.tpot_s), **stats("e2e", self.e2e_s)}
 
@@ -226,6 +232,15 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
             idx = list(range(spec["requests"]))
             k = (r + ti) % len(contenders)
             for c in contenders[k:] + contenders[:k]:
+                if c.runner is not None:  # a peer engine (vLLM) serves the same trace on its own scheduler
+                    runs.append(_peer_run(c, [prompts[i] for i in idx], arrivals, max_new_tokens,
+                                          [seed + i for i in idx], slots, sampling, target.eos_token_ids, ref, idx,
+                                          {"round": r, "warmup": r < warmup_rounds, "trace": name}))
+                    log(_run_line(runs[-1]))
+                    if checkpoint:
+                        checkpoint({"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners,
+                                    "traces": specs, "skipped": skipped, "complete": False})
+                    continue
                 eng = BatchedSpeculativeEngine(target, candidates, slots=slots, policy=policies[c.label],
                                                sampling=sampling, capacity=capacity, attn=attn,
                                                cost_model=models[c.label])
@@ -242,14 +257,30 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
                              "learner_span": None if fb is None else [start, len(fb.history)]})
                 if fb is not None:
                     learners[c.label] = _learner(policies[c.label])
-                log(f"round {r}{' (warm-up)' if r < warmup_rounds else ''} {name:<8} {c.label:<24} "
-                    f"{runs[-1]['tokens_per_s']:7.1f} tok/s  TPOT p50 {runs[-1]['tpot_ms_median']:6.1f} ms  "
-                    f"p99 {runs[-1]['tpot_ms_p99']:6.1f} ms" + ("" if same is None else f"  identical {same}/{len(idx)}"))
+                log(_run_line(runs[-1]))
                 if checkpoint:
                     checkpoint({"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners,
                                 "traces": specs, "skipped": skipped, "complete": False})
     return {"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners, "traces": specs,
             "skipped": skipped, "complete": True}
+
+
+def _run_line(run: dict) -> str:
+    same = run["identical"]
+    return (f"round {run['round']}{' (warm-up)' if run['warmup'] else ''} {run['trace']:<8} {run['contender']:<24} "
+            f"{run['tokens_per_s']:7.1f} tok/s  TPOT p50 {run['tpot_ms_median']:6.1f} ms  p99 {run['tpot_ms_p99']:6.1f} ms"
+            + ("" if same is None else f"  identical {same}/{run['n_requests']}"))
+
+
+def _peer_run(c, prompts, arrivals, max_new_tokens, seeds, slots, sampling, stop_ids, ref, idx, where: dict) -> dict:
+    """One run of a peer contender (``c.runner``: :meth:`~ldlp.bench.vllm_peer.VllmRunner.serve`) on a trace, as
+    :func:`serve` records this engine's runs; its greedy outputs checked against the target's like every run."""
+    outs, summ = c.runner.serve(prompts, arrivals, max_new_tokens, seeds, slots, sampling, stop_ids)
+    same = None if ref is None else sum(o == ref[i] for o, i in zip(outs, idx))
+    timeline = summ.pop("timeline", None) or []
+    return {**where, "contender": c.label, "policy": c.policy, "gamma": c.gamma, "temperature": sampling.temperature,
+            **summ, "identical": same, "n_requests": len(idx), "policy_s": 0.0,
+            "timeline": [[round(t, 4), n, q] for t, n, q in timeline], "learner_span": None}
 
 
 def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list[dict]:

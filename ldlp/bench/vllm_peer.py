@@ -403,6 +403,40 @@ class VllmRunner:
                 "engine": "vllm", "vllm": self.info.get("vllm")}
         return outs, summ
 
+    def serve(self, prompts: list[list[int]], arrivals, max_new_tokens: int, seeds: list[int], slots: int,
+              sampling=None, stop_ids=()) -> tuple[list, dict]:
+        """Serve ``prompts[i]`` arriving at ``arrivals[i]`` seconds, open loop, with at most ``slots`` in flight
+        (vLLM queues the rest; a worker for that many is started and warmed up first, untimed): the outputs and
+        :meth:`~ldlp.bench.serving.ServingResult.summary`'s keys, timed inside the worker, so that the same
+        numbers are read off this engine and vLLM (``timeline``: ``[seconds, running, waiting]`` per step)."""
+        from ldlp.bench.serving import ServingResult
+
+        if self.C != slots:
+            self._start(slots)
+            self.warm_up(prompts, slots, min(8, max_new_tokens), stop_ids)
+        T = float(getattr(sampling, "temperature", 0.0) or 0.0)
+        r = self.worker.call({"cmd": "serve", "prompts": prompts, "arrivals": [float(a) for a in arrivals],
+                              "max_new_tokens": int(max_new_tokens), "stop_token_ids": sorted(stop_ids),
+                              "temperature": T, "top_k": getattr(sampling, "top_k", 0),
+                              "top_p": getattr(sampling, "top_p", 1.0), "seeds": list(seeds)})
+        outs = r["outputs"]
+        res = ServingResult([], r["wall_s"], steps=r["steps"], idle_s=r["idle_s"],
+                            timeline=[tuple(x) for x in r["timeline"]])
+        for a, first, last, o in zip(arrivals, r["first_s"], r["last_s"], outs):
+            if first is None:
+                continue
+            res.ttft_s.append(first - a)
+            res.e2e_s.append(last - a)
+            if len(o) > 1:
+                res.tpot_s.append((last - first) / (len(o) - 1))
+        tok = sum(len(o) for o in outs)
+        # a target forward per request's prefill, then one per verification (one per draft with EAGLE)
+        forwards = len(prompts) + r["num_drafts"] if self.k is not None else tok
+        summ = res.summary(new_tokens=tok, drafted=r.get("num_draft_tokens", 0),
+                           accepted=r.get("num_accepted_tokens", 0), tau=tok / forwards if forwards else 0.0)
+        return outs, {**summ, "cpu_s": r["cpu_s"], "engine": "vllm", "vllm": self.info.get("vllm"),
+                      "timeline": r["timeline"]}
+
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()

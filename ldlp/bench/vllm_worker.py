@@ -23,6 +23,12 @@ Then:
   ``trace_steps``, ``steps``: one ``[wall_s, cpu_s, batch, new_requests, scheduled_tokens, verified_drafts,
   next_k]`` per engine step (the step's wall and process CPU seconds; ``batch`` the requests it scheduled,
   the count vLLM's Dynamic SD keys K on; ``next_k`` the K it drafts for the next step).
+* ``{"cmd": "serve", "prompts", "arrivals", "max_new_tokens", "stop_token_ids", "temperature", "top_k", "top_p",
+  "seeds"}`` -> ``{"outputs", "wall_s", "cpu_s", "idle_s", "steps", "first_s", "last_s", "timeline", counters}``:
+  open loop (:mod:`ldlp.bench.serving`): request i is added to vLLM's engine when ``arrivals[i]`` seconds have
+  passed, the engine steps while anything is in flight (vLLM queues what ``max_num_seqs`` leaves waiting) and
+  sleeps to the next arrival when nothing is; ``first_s`` / ``last_s`` the seconds from the start at which
+  request i's first and last tokens came out of a step, ``timeline`` one ``[seconds, running, waiting]`` per step.
 * ``{"cmd": "quit"}``.
 """
 
@@ -150,7 +156,8 @@ def _build(s: dict):
     return llm
 
 
-def _generate(llm, msg: dict, trace: _StepTrace | None = None) -> dict:
+def _requests(msg: dict) -> tuple[list, list]:
+    """vLLM's prompts and sampling parameters of a ``generate`` or ``serve`` message, one per prompt."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -163,20 +170,67 @@ def _generate(llm, msg: dict, trace: _StepTrace | None = None) -> dict:
         if T > 0:
             kw.update(seed=seed, top_k=msg.get("top_k") or 0, top_p=msg.get("top_p") or 1.0)
         params.append(SamplingParams(**kw))
-    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in msg["prompts"]]
+    return [TokensPrompt(prompt_token_ids=list(p)) for p in msg["prompts"]], params
+
+
+def _delta(before: dict, after: dict) -> dict:
+    """The speculative counters' change between two :func:`_counters` reads."""
+    pos_before, pos_after = before.pop("accepted_per_pos"), after.pop("accepted_per_pos")
+    pos_before += [0] * (len(pos_after) - len(pos_before))
+    return {**{k: after[k] - before[k] for k in after},
+            "accepted_per_pos": [a - b for a, b in zip(pos_after, pos_before)]}
+
+
+def _serve(llm, msg: dict) -> dict:
+    """Open loop on vLLM's own engine: each request added when its arrival time has come (vLLM's scheduler queues
+    it while ``max_num_seqs`` are running), one ``step()`` at a time while anything is in flight, a sleep to the
+    next arrival when nothing is (as :func:`ldlp.bench.serving.run_serving` serves this engine)."""
+    prompts, params = _requests(msg)
+    arrivals = [float(a) for a in msg["arrivals"]]
+    engine, sched = llm.llm_engine, _core(llm).scheduler
+    n, nxt = len(prompts), 0
+    outputs, first, last = [None] * n, [None] * n, [None] * n
+    seen = [0] * n
+    timeline, idle, steps = [], 0.0, 0
+    before = _counters(llm)
+    t0, c0 = time.perf_counter(), time.process_time()
+    while nxt < n or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while nxt < n and arrivals[nxt] <= now:
+            engine.add_request(str(nxt), prompts[nxt], params[nxt])
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            wait = arrivals[nxt] - (time.perf_counter() - t0)
+            if wait > 0:
+                time.sleep(wait)
+                idle += wait
+            continue
+        outs = engine.step()
+        t = time.perf_counter() - t0
+        steps += 1
+        for o in outs:
+            i, toks = int(o.request_id), o.outputs[0].token_ids  # cumulative: every token so far
+            if len(toks) > seen[i]:
+                first[i] = t if first[i] is None else first[i]
+                last[i], seen[i] = t, len(toks)
+            if o.finished:
+                outputs[i] = list(toks)
+        timeline.append([round(t, 4), len(getattr(sched, "running", ())), len(getattr(sched, "waiting", ()))])
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"outputs": outputs, "wall_s": wall, "cpu_s": cpu, "idle_s": idle, "steps": steps, "first_s": first,
+            "last_s": last, "timeline": timeline, **_delta(before, _counters(llm))}
+
+
+def _generate(llm, msg: dict, trace: _StepTrace | None = None) -> dict:
+    prompts, params = _requests(msg)
     before = _counters(llm)
     if trace is not None:
         trace.take()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    after = _counters(llm)
-    pos_before = before.pop("accepted_per_pos")
-    pos_after = after.pop("accepted_per_pos")
-    pos_before += [0] * (len(pos_after) - len(pos_before))
     reply = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "wall_s": wall, "cpu_s": cpu,
-             **{k: after[k] - before[k] for k in after}, "request_s": [], "first_token_s": [], "token_gap_sum_s": 0.0,
-             "accepted_per_pos": [a - b for a, b in zip(pos_after, pos_before)]}
+             **_delta(before, _counters(llm)), "request_s": [], "first_token_s": [], "token_gap_sum_s": 0.0}
     if trace is not None:
         reply["steps"] = trace.take()
     for o in outs:
@@ -210,7 +264,7 @@ def main() -> None:
         if msg.get("cmd") == "quit":
             break
         try:
-            _send(_generate(llm, msg, trace))
+            _send(_serve(llm, msg) if msg.get("cmd") == "serve" else _generate(llm, msg, trace))
         except Exception as e:  # noqa: BLE001
             _send({"error": f"{type(e).__name__}: {e}"})
             raise

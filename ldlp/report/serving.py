@@ -43,7 +43,10 @@ def markdown(result: dict, meta: dict) -> str:
              "loop, a contender that keeps up serves what arrives, so its throughput is the trace's; the busy "
              "seconds are where it differs). TTFT: arrival to first token (queueing included); "
              "TPOT: (last − first token) / (tokens − 1); E2E: arrival to last token. Ratios: paired over rounds, "
-             "95% bootstrap intervals.", ""]
+             "95% bootstrap intervals."
+             + (f" `vllm` rows: vLLM serves the same trace on its own scheduler, in {meta['peer_dtype']}, at most "
+                "`slots` requests in flight, timed inside its worker process, in the same turns."
+                if meta.get("peer_dtype") else ""), ""]
     lines += [m, ""] if (m := memory_line(result.get("memory"))) else []
     for name, spec in result.get("traces", {}).items():
         rate = "–".join(f"{r:g}" for r in spec["rate"])
@@ -62,12 +65,13 @@ def markdown(result: dict, meta: dict) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             ident = "–" if r["identical"] is None else f"{r['identical']}/{r['n_requests']}"
+            own = "–" if r["policy"] == "vllm" else f"{100 * r['policy_share']:.1f}%"  # a peer's policy is its own
             lines.append(f"| {r['contender']} | {r['tokens_per_s']:.1f} | {ratio_text(r.get('vs_best_static'))} | "
                          f"{r['tokens_per_busy_s']:.1f} | {ratio_text(r.get('vs_best_static_busy'))} | "
                          f"{ratio_text(r.get('vs_ar_busy'))} | {r['ttft_ms_median']:.0f} / {r['ttft_ms_p99']:.0f} | "
                          f"{r['tpot_ms_median']:.1f} / {r['tpot_ms_p99']:.1f} | {r['e2e_ms_median']:.0f} / "
                          f"{r['e2e_ms_p99']:.0f} | {r['tau']:.2f} | {r['rows_mean']:.1f} | "
-                         f"{100 * r['policy_share']:.1f}% | {ident} |")
+                         f"{own} | {ident} |")
         lines.append("")
     learners = result.get("learners") or {}
     if learners:
