@@ -309,7 +309,8 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
            "data=mt_bench", f"data.path={prompts}", "data.limit=4", "generation.max_new_tokens=8", "rounds=1",
            "blocks=2", "concurrency=[1,2]", "temperatures=[0.0,1.0]", "threads=1", f"out_dir={out}",
            f"hydra.run.dir={tmp_path / 'run'}",
-           'contenders=["policy=static policy.gamma=2","policy=heuristic","policy=oracle",'
+           # a contender as a node and as strings (ldlp/bench/contender.py reads both)
+           'contenders=[{policy:{name:static,gamma:2}},"policy=heuristic","policy=oracle",'
            f'"policy=ldlp policy.path={tmp_path / "no_ldlp"}"]']
     repo = Path(__file__).resolve().parent.parent
     res = subprocess.run(cmd, check=False, cwd=repo, capture_output=True, text=True, timeout=600)

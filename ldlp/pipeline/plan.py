@@ -91,12 +91,8 @@ def validate(cfg) -> None:
         _list_setting(cfg, "bench_batch.temperatures",
                       lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
                       "a temperature >= 0")
-        for spec in _list_setting(cfg, "bench_batch.contenders", lambda v: isinstance(v, str), "a string"):
-            names = [o.split("=", 1)[1] for o in spec.split() if o.startswith("policy=")]
-            if len(names) != 1 or not _known_policy(names[0]):
-                raise ConfigError(f"pipeline: bench_batch.contenders holds {spec!r}: a contender is one "
-                                  "'policy=NAME [policy.key=value ...]' of conf/policy/NAME.yaml")
-            _check_contender(cfg, names[0], spec)
+        for spec in _bench_contenders(cfg):
+            _check_contender(cfg, spec)
     if not (_setting(cfg, "sweep.static_gammas") or _setting(cfg, "sweep.adaptive")):
         raise ConfigError("pipeline: sweep.static_gammas and sweep.adaptive are both empty: nothing to sweep")
     # a run that decodes nothing makes a page of NaN: refused here, for the main command and every stage's own value
@@ -117,28 +113,42 @@ def validate(cfg) -> None:
                                       "be an integer >= 1 (conf/pipeline.yaml)")
 
 
-def _check_contender(cfg, name: str, spec: str) -> None:
+def _bench_contenders(cfg) -> list:
+    """The load sweep's contenders (``bench_batch.contenders``: strings or nodes), each read by the one contender
+    parser (ldlp/bench/contender.py) and a policy of conf/policy/ (the main command runs no peer engine), or one
+    ConfigError line naming the contender."""
+    from ldlp.bench.contender import parse_contender
+
+    where = "pipeline: bench_batch.contenders holds"
+    specs = [parse_contender(c, where) for c in _list_setting(cfg, "bench_batch.contenders", lambda v: True, "")]
+    for spec in specs:
+        if spec.policy is None:
+            raise ConfigError(f"{where} {str(spec)!r}: a contender is one 'policy=NAME [policy.key=value ...]' of "
+                              "conf/policy/NAME.yaml")
+    return specs
+
+
+def _check_contender(cfg, spec) -> None:
     """A load-sweep contender that sets policy keys, built as scripts/bench_batch.py builds it, so that the dry run
     refuses what the real run would (a policy whose checkpoint is not trained yet is left to the run)."""
     from hydra.errors import HydraException
 
     from eagle_backbone.errors import MissingCheckpoint
-    from ldlp.bench.load_sweep import engine_settings
+    from ldlp.bench.contender import ENGINE_DEFAULTS, engine_settings
     from ldlp.bench.loaders import build_policy, missing_checkpoint
 
-    tokens, _, _ = engine_settings(spec.split(), {})
-    if not any(t.startswith("policy.") for t in tokens):  # the policy's own file as it is
+    engine_settings(spec, ENGINE_DEFAULTS)
+    if not spec.policy.settings:  # the policy's own file as it is
         return
     try:
-        pcfg = compose("evaluate", tokens + checkpoint_args(cfg)).policy
-        missing_checkpoint(name, pcfg)
+        pcfg = compose("evaluate", spec.policy_overrides() + checkpoint_args(cfg)).policy
+        missing_checkpoint(spec.policy.name, pcfg)
         build_policy(pcfg)
     except MissingCheckpoint:
         return
     except (HydraException, ValueError) as e:  # a bad override or the policy's own error, in one line
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"pipeline: bench_batch.contenders holds {spec!r}: {why}") from None
-
+        raise ConfigError(f"pipeline: bench_batch.contenders holds {str(spec)!r}: {why}") from None
 
 
 def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
@@ -313,7 +323,8 @@ def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...
     b = cfg.get("bench_batch")
     if not b or not b.get("enabled"):
         return None
-    contenders = [str(c) for c in b.contenders]
+    specs = _bench_contenders(cfg)
+    contenders = [str(spec) for spec in specs]  # the string form: what the command line takes
     out = Path(cfg.paths.results) / "load_sweep"
     args = ([f"model={model}", "concurrency=[" + list_arg(b.concurrency) + "]",
              "temperatures=[" + list_arg(b.temperatures) + "]",
@@ -321,7 +332,7 @@ def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...
              f"rounds={int(b.rounds)}", f"blocks={int(b.blocks)}", f"out_dir={out}", f"hydra.run.dir={out}"]
             + checkpoint_args(cfg) + thread_args(cfg) + list(b.overrides))
     names = {s.name for s in stages}
-    used = {c.split("=", 1)[1].split()[0] for c in contenders}
+    used = {spec.policy.name for spec in specs}
     after = ("corpus",) + tuple(n for n in ("ldlp", "ldlp_survival", "acceptance")
                                 if n in names and (n in used or (n == "ldlp" and "ldlp_ddd" in used)))
     # what the policies read besides the checkpoints, like the weights: the draft acceptance heads
