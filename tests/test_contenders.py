@@ -188,3 +188,22 @@ def test_the_scripts_refuse_a_bad_contender_in_one_line_before_loading(tmp_path,
     err = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 1 and err and err[-1].startswith(why), res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+def test_the_main_command_sweeps_the_transformers_peers_on_their_own(tmp_path):
+    """conf/peer/ holds transformers' assisted generation (not policies of this engine): the main command sweeps them
+    as peer=NAME beside its peer policies, and a peer listed among peer.policies is refused in one line."""
+    from conftest import compose_config
+
+    from ldlp.pipeline import plan
+
+    assert not list((CONF_DIR / "policy").glob("hf_*.yaml"))
+    assert sorted(p.stem for p in (CONF_DIR / "peer").glob("*.yaml")) == ["hf_confidence", "hf_heuristic"]
+    stages = {s.name: s for s in plan(compose_config("pipeline", [f"paths.outputs={tmp_path}"]))}
+    assert "policy=heuristic,confidence" in stages["sweep:peer:1"].args
+    assert "peer=hf_heuristic,hf_confidence" in stages["sweep:peer_hf:1"].args
+    cfg = compose_config("pipeline", [f"paths.outputs={tmp_path}", "peer.policies=[hf_heuristic,heuristic]"])
+    with pytest.raises(ConfigError, match=r"peer.policies holds 'hf_heuristic': a peer \(conf/peer/hf_heuristic.yaml\)"
+                                          ", not a policy of this engine; list it in peer.peers") as e:
+        plan(cfg)
+    one_line(e)

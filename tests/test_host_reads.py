@@ -17,8 +17,7 @@ from eagle_backbone.cost import CostTable, cost_key
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 
 REPO = Path(__file__).resolve().parent.parent
-PEERS = {"hf_confidence", "hf_heuristic"}  # transformers' own generate loop, not this engine
-POLICIES = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml") if p.stem not in PEERS)
+POLICIES = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))  # the peers are in conf/peer/
 
 
 class ReadCounter:

@@ -359,3 +359,33 @@ def policy_label(name: str, pcfg, gamma: int | None) -> str:
         if goodput.get("prefill") == "skip":
             label += " (prefill steps skipped)"  # steps that also prefilled give no reward
     return label
+
+
+# -- the transformers peers, out of conf/policy/ --
+
+
+def _is_peer_name(name: str) -> bool:
+    return not (CONF_DIR / "policy" / f"{name}.yaml").is_file() and (PEER_DIR / f"{name}.yaml").is_file()
+
+
+def peer_alias(args: list[str]) -> list[str]:
+    """scripts/evaluate.py's command line with the old spelling of a transformers peer (``policy=hf_heuristic``
+    and its ``policy.KEY=VALUE``, from when the peers lived in conf/policy/) written as it is now
+    (``peer=hf_heuristic``, ``peer.KEY=VALUE``): the commands of earlier results keep working. A sweep that mixes
+    peers and policies (``policy=hf_heuristic,heuristic``) is refused in one line: they are two runs now."""
+    chosen = [a.partition("=")[2] for a in args if a.partition("=")[0] == "policy"]
+    names = [n for value in chosen for n in value.split(",")]
+    peers = [n for n in names if _is_peer_name(n)]
+    if not peers:
+        return list(args)
+    if len(peers) != len(names) or len(chosen) != 1:
+        what = f"{peers[0]} is a peer" if len(peers) == 1 else f"{', '.join(peers)} are peers"
+        raise ConfigError(f"policy={','.join(names)}: {what} (conf/peer/), not a policy of this engine: sweep the "
+                          f"peers on their own (peer={','.join(peers)}) and the policies with policy=...")
+    out = []
+    for a in args:
+        key, eq, value = a.partition("=")
+        if eq and (key == "policy" or key.startswith("policy.")):
+            a = "peer" + key[len("policy"):] + "=" + value
+        out.append(a)
+    return out

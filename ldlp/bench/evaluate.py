@@ -94,7 +94,9 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     prompts = questions.first_prompts()
     prompt_info = dict(questions.info)
     # a tuned file made for another model, dtype or drafter kind is refused here, before any weights load
-    policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name, run_setup(cfg.model))
+    # a peer (peer=NAME, conf/peer/: another implementation) runs instead of this engine's policy
+    chosen = cfg.peer if cfg.get("peer") is not None else cfg.policy
+    policy_cfg, tuned = apply_tuned(chosen, cfg.get("tuned_from"), policy_name, run_setup(cfg.model))
     policy = build_policy(policy_cfg, cfg.model)
     policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
     pair = load_pair_cached(cfg.model)

@@ -28,7 +28,7 @@ from ldlp.pipeline.compose import (apply_overrides, checkpoint_args, compose, co
 from ldlp.pipeline.contenders import CONTENDERS
 from ldlp.pipeline.stage import Stage, override_key
 
-EVAL_CONFIGS = ("evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml")
+EVAL_CONFIGS = ("evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml", "peer/*.yaml")
 
 def _setting(cfg, key: str):
     from omegaconf import OmegaConf
@@ -77,7 +77,13 @@ def validate(cfg) -> None:
     if _setting(cfg, "peer.enabled"):
         _int_setting(cfg, "peer.rounds", 1, default=1)
         _list_setting(cfg, "peer.static_gammas", gamma, "an integer γ >= 1", empty_ok=True)
+        for v in _setting(cfg, "peer.policies") or []:
+            if isinstance(v, str) and not _known_policy(v) and (CONF_DIR / "peer" / f"{v}.yaml").is_file():
+                raise ConfigError(f"pipeline: peer.policies holds {v!r}: a peer (conf/peer/{v}.yaml), not a policy of "
+                                  "this engine; list it in peer.peers (conf/pipeline.yaml)")
         _list_setting(cfg, "peer.policies", _known_policy, "a policy of conf/policy/", empty_ok=True)
+        _list_setting(cfg, "peer.peers", lambda v: isinstance(v, str) and (CONF_DIR / "peer" / f"{v}.yaml").is_file(),
+                      "a peer of conf/peer/", empty_ok=True)
     if _setting(cfg, "head_to_head.enabled"):
         _int_setting(cfg, "head_to_head.rounds", 1)
         _int_setting(cfg, "head_to_head.adaptive", 0)
@@ -225,6 +231,8 @@ def _sweeps(cfg, stages, model, pair, overrides, checkpoints, tuned, costs, attn
                                ["policy=static", f"policy.gamma={list_arg(cfg.peer.static_gammas)}"], ()))
             if cfg.peer.policies:
                 sweeps.append(("peer", cfg.peer.model, [f"policy={list_arg(cfg.peer.policies)}"], ()))
+            if cfg.peer.get("peers"):  # transformers' assisted generation: conf/peer/, selected by peer=NAME
+                sweeps.append(("peer_hf", cfg.peer.model, [f"peer={list_arg(cfg.peer.peers)}"], ()))
         for name, sweep_model, args, after in sweeps:
             if args[0].endswith("="):  # an empty policy list
                 continue
