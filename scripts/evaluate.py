@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.errors import ConfigError
-from ldlp.bench.contender import peer_alias
+from ldlp.bench.contender import flat_pricing_args, peer_alias
 from ldlp.bench.evaluate import evaluate, one_line
 
 
@@ -30,8 +30,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    try:  # the peers' old spelling (policy=hf_heuristic, when they lived in conf/policy/) read as peer=hf_heuristic
-        sys.argv = peer_alias(sys.argv)
+    try:  # the peers' old spelling (policy=hf_heuristic, when they lived in conf/policy/) read as peer=hf_heuristic,
+        # and a pricing key written flat (policy.online_costs=false) as the pricing node's
+        sys.argv = flat_pricing_args(peer_alias(sys.argv))
     except ConfigError as e:
         sys.exit(f"error: {e}")
     main()

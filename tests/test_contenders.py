@@ -41,9 +41,14 @@ SAME = [
      ContenderSpec(PolicyNode("static", {"gamma": 4}), {"prefill": "joined"})),
     ("prefill=chunked max_batched_tokens=512", {"engine": {"prefill": "chunked", "max_batched_tokens": 512}},
      ContenderSpec(engine={"prefill": "chunked", "max_batched_tokens": 512})),
+    # the pricing keys: one node now; written flat (as before it, and in earlier results' commands) they are its
     ("policy=load_aware policy.cost_model=/tmp/step_costs.json policy.online_costs=false",
-     {"policy": {"name": "load_aware", "cost_model": "/tmp/step_costs.json", "online_costs": False}},
-     ContenderSpec(PolicyNode("load_aware", {"cost_model": "/tmp/step_costs.json", "online_costs": False}))),
+     {"policy": {"name": "load_aware", "pricing": {"cost_model": "/tmp/step_costs.json", "online_costs": False}}},
+     ContenderSpec(PolicyNode("load_aware", {"pricing.cost_model": "/tmp/step_costs.json",
+                                             "pricing.online_costs": False}))),
+    ("policy=load_aware_step policy.pricing.online_costs=false",
+     {"policy": {"name": "load_aware_step", "online_costs": False}},
+     ContenderSpec(PolicyNode("load_aware_step", {"pricing.online_costs": False}))),
     ("policy=heuristic", {"policy": "heuristic"}, ContenderSpec(PolicyNode("heuristic"))),
     ("engine=vllm", {"peer": {"engine": "vllm"}}, ContenderSpec(peer=PeerNode("vllm"))),
     ("engine=vllm spec.k=3", {"peer": {"engine": "vllm", "k": 3}}, ContenderSpec(peer=PeerNode("vllm", 3, "eagle"))),
@@ -207,3 +212,31 @@ def test_the_main_command_sweeps_the_transformers_peers_on_their_own(tmp_path):
                                           ", not a policy of this engine; list it in peer.peers") as e:
         plan(cfg)
     one_line(e)
+
+
+def test_the_pricing_keys_are_one_node_and_flat_spellings_still_work(tmp_path):
+    """The six pricing keys are one ``pricing`` node in the YAMLs and one argument of the policies; the command line's
+    flat spellings (policy.online_costs=false, policy.cost_model=FILE, policy.cost_table=FILE) are the node's, and the
+    records keep them flat (results' policy_config, the head to head's settings)."""
+    from conftest import compose_config
+
+    from ldlp.bench.contender import flat_pricing_args
+    from ldlp.policies.load_aware import LoadAwareStep
+    from ldlp.policies.pricing import PRICING_KEYS, StepPricing, flat_pricing
+
+    for name in ("load_aware", "load_aware_step", "tree_budget", "oracle_budget", "learned"):
+        own = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "policy" / f"{name}.yaml"), resolve=False)
+        assert set(own["pricing"]) <= set(PRICING_KEYS) and not set(own) & set(PRICING_KEYS), name
+    args = flat_pricing_args(["e.py", "policy=load_aware", "policy.online_costs=false", "policy.cost_table=F",
+                              "policy.max_gamma=4"])
+    assert args == ["e.py", "policy=load_aware", "policy.pricing.online_costs=false", "policy.pricing.cost_table=F",
+                    "policy.max_gamma=4"]
+    cfg = compose_config("evaluate", args[1:] + [f"paths.cost={tmp_path}"])
+    assert cfg.policy.pricing.online_costs is False and cfg.policy.pricing.cost_table == "F"
+    assert flat_pricing({"path": "p", "pricing": {"cost_dir": "d", "online_costs": False}, "rule": "cost"}) == \
+        {"path": "p", "cost_dir": "d", "online_costs": False, "rule": "cost"}
+    policy = LoadAwareStep({"cost_dir": str(tmp_path), "model": "tiny", "online_costs": False}, max_gamma=3)
+    assert isinstance(policy.pricing, StepPricing) and policy.pricing.online is False
+    assert policy.pricing.cost_dir == str(tmp_path) and policy.pricing.model_name == "tiny"
+    with pytest.raises(ValueError, match=r"^load_aware policy: pricing.cost_dri is not a pricing key \(cost_dir,"):
+        LoadAwareStep({"cost_dri": str(tmp_path), "model": "tiny"})

@@ -72,8 +72,8 @@ def artifacts(t32, tmp_path_factory):
 def build(name: str, artifacts, t32, cand):
     overrides, table = artifacts
     cfg = compose_config("evaluate", [f"policy={name}", *overrides])
-    if "cost_table" in cfg.policy:
-        cfg.policy.cost_table = str(table)
+    if "pricing" in cfg.policy and "cost_table" in cfg.policy.pricing:
+        cfg.policy.pricing.cost_table = str(table)
     if "explore_every" in cfg.policy:
         cfg.policy.explore_every = 0
     return instantiate(cfg.policy)

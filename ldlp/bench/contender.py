@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.paths import CONF_DIR
 from eagle_backbone.prefill import MAX_BATCHED_TOKENS, MAX_DRAFT, PREFILL_DEFAULT, check_prefill
+from ldlp.policies.pricing import PRICING_KEYS
 
 # this engine's settings a contender may give itself, with the engine's own defaults (eagle_backbone/prefill.py)
 ENGINE_DEFAULTS = {"prefill": PREFILL_DEFAULT, "max_batched_tokens": MAX_BATCHED_TOKENS}
@@ -240,6 +241,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def _spec(policy, settings: dict, engine: dict, at: str, text: str) -> ContenderSpec:
+    # a pricing key written flat (policy.online_costs=false, as before the pricing node) is the node's
+    settings = {(f"pricing.{k}" if k in PRICING_KEYS else k): v for k, v in settings.items()}
     if policy is None:
         if settings:
             raise ConfigError(f"{at}: policy.{next(iter(settings))} is set but no policy=NAME is given")
@@ -344,9 +347,10 @@ def policy_label(name: str, pcfg, gamma: int | None) -> str:
     from omegaconf import OmegaConf
 
     label = f"static γ={gamma}" if gamma is not None else name
-    if pcfg.get("cost_model"):  # the same policy on costs measured in hindsight (a frozen step_costs.json)
+    pricing = pcfg.get("pricing") if OmegaConf.is_dict(pcfg.get("pricing")) else {}
+    if pricing.get("cost_model"):  # the same policy on costs measured in hindsight (a frozen step_costs.json)
         label += " (hindsight costs)"
-    elif pcfg.get("online_costs") is False:  # the same policy on the profiled table as it is
+    elif pricing.get("online_costs") is False:  # the same policy on the profiled table as it is
         label += " (profiled table)"
     if name == "learned" and pcfg.get("recalibrate") is not None:  # its hazards corrected online, or not
         label += " (recalibrated)" if pcfg.recalibrate else " (not recalibrated)"
@@ -366,6 +370,19 @@ def policy_label(name: str, pcfg, gamma: int | None) -> str:
 
 def _is_peer_name(name: str) -> bool:
     return not (CONF_DIR / "policy" / f"{name}.yaml").is_file() and (PEER_DIR / f"{name}.yaml").is_file()
+
+
+def flat_pricing_args(args: list[str]) -> list[str]:
+    """A command line's pricing keys written flat (``policy.online_costs=false``, ``policy.cost_model=FILE``, as
+    before the policies' ``pricing`` node) written as the node's (``policy.pricing.online_costs=false``)."""
+    out = []
+    for a in args:
+        key, eq, value = a.partition("=")
+        bare = key.lstrip("+~")
+        if eq and bare.startswith("policy.") and bare[len("policy."):] in PRICING_KEYS:
+            a = f"{key[: len(key) - len(bare)]}policy.pricing.{bare[len('policy.'):]}={value}"
+        out.append(a)
+    return out
 
 
 def peer_alias(args: list[str]) -> list[str]:

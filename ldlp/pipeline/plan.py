@@ -257,6 +257,8 @@ def _policy_reads(cfg, policies, stages: list[Stage]) -> tuple[tuple[str, ...], 
     per-temperature draft acceptance heads in paths.draft_acceptance), which the fingerprint hashes by content, so
     a retrained head reruns the stages that use them; and whether a policy prices steps by the cost table of
     paths.cost, which the cost stage profiles (:func:`with_cost_stage`)."""
+    from ldlp.policies.pricing import flat_pricing
+
     written = {str(s.out) for s in stages} | {str(Path(cfg.paths.embedded) / "corpus")}
     roots = {str(cfg.paths.get(k)) for k in ("root", "data_dir", "outputs")}
     folders = {str(v) for k, v in cfg.paths.items() if isinstance(v, str)} - roots
@@ -275,7 +277,7 @@ def _policy_reads(cfg, policies, stages: list[Stage]) -> tuple[tuple[str, ...], 
                     compose("evaluate", [f"policy={name}"] + paths_overrides).policy, resolve=True)
             except Exception:  # a policy config that needs more than the defaults: the sweep itself will say so
                 _policy_cache[key] = {}
-        policy = _policy_cache[key]
+        policy = flat_pricing(_policy_cache[key])  # the pricing node's cost_dir among the policy's folders
         reads += [str(v) for v in policy.values() if isinstance(v, str) and v in folders and v not in written]
     cost = str(cfg.paths.get("cost"))
     return tuple(r for r in dict.fromkeys(reads) if r != cost), cost in reads
