@@ -19,6 +19,11 @@ engine (``peer``: vLLM). Two forms give the same record:
 A bad contender is refused before anything loads, in one line naming the contender and the key. This engine's
 settings are checked against the engine's own defaults (:data:`ENGINE_DEFAULTS`, the constants its constructor
 takes them from). The labels the pages show come from here too (:func:`policy_label`, :func:`engine_label`).
+
+Spellings of before, still read: a cost-driven policy's pricing key written flat (``policy.online_costs=false``,
+``policy.cost_model=FILE``, ``policy.cost_table=FILE``) is its ``pricing`` node's (``policy.pricing.*``), in a
+contender and on scripts/evaluate.py's command line (:func:`flat_pricing_args`); a transformers peer named as a
+policy there (``policy=hf_heuristic``, from when conf/policy/ held them) is ``peer=hf_heuristic`` (:func:`peer_alias`).
 """
 
 from __future__ import annotations
