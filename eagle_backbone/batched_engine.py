@@ -47,7 +47,7 @@ from eagle_backbone.candidates import CandidateGenerator
 from eagle_backbone.drafter_kinds import make_candidates
 from eagle_backbone.llama import BatchedLlama
 from eagle_backbone.policy import GO, Depth, DraftPolicy, OwnTime, Rows, StaticPolicy, as_draft_policy, go_while
-from eagle_backbone.prefill import MAX_BATCHED_TOKENS, PrefillScheduling, check_prefill
+from eagle_backbone.prefill import MAX_BATCHED_TOKENS, MAX_DRAFT, PREFILL_DEFAULT, PrefillScheduling, check_prefill
 from eagle_backbone.ragged import RaggedBatch
 from eagle_backbone.runtime import to_device
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord, StepShape, attended_keys
@@ -117,8 +117,8 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
 
     def __init__(self, target: TargetModel, candidates=None, kind: str | None = None, slots: int = 8,
                  policy=None, sampling: SamplingConfig | None = None, capacity: int | None = None,
-                 attn: str | None = None, prefill: str = "chunked", profile: bool = False, max_draft: int = 32,
-                 early_exit: bool | None = None, cost_model=None, record_steps: bool = True,
+                 attn: str | None = None, prefill: str = PREFILL_DEFAULT, profile: bool = False,
+                 max_draft: int = MAX_DRAFT, early_exit: bool | None = None, cost_model=None, record_steps: bool = True,
                  max_batched_tokens: int = MAX_BATCHED_TOKENS):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"batch size (slots) must be an integer >= 1, got {slots!r}")

@@ -31,7 +31,9 @@ from eagle_backbone.sampling import FINAL
 from eagle_backbone.step_records import HostRead
 
 PREFILL_MODES = ("joined", "chunked", "separate")
+PREFILL_DEFAULT = "chunked"  # the engine's schedule unless it is given one (vLLM's default scheduling)
 MAX_BATCHED_TOKENS = 2048  # chunked prefill's token budget per target forward (docs/batched.md#chunked-prefill)
+MAX_DRAFT = 32  # the most drafts the engine scores for one row in a step unless it is given another cap
 
 
 def check_prefill(prefill, max_batched_tokens) -> None:

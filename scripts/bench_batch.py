@@ -23,14 +23,13 @@ log = logging.getLogger("bench_batch")
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.drafter_kinds import make_candidates
     from eagle_backbone.errors import ConfigError, MissingCheckpoint, accepted_mismatches
+    from ldlp.bench.contender import engine_defaults, engine_label, engine_settings, parse_contender, policy_label
     from ldlp.bench.conversation import prompt_categories
     from ldlp.bench.load_sweep import (
         Contender,
         check_contenders,
         check_sweep_args,
         check_token_budgets,
-        engine_label,
-        engine_settings,
         prompts_meta,
         skipped_records,
         sweep,
@@ -50,7 +49,7 @@ def main(cfg: DictConfig) -> None:
         sampling_config,
     )
     from ldlp.bench.peer import is_peer
-    from ldlp.bench.vllm_peer import make_contender, parse_contender
+    from ldlp.bench.vllm_peer import make_contender
     from ldlp.pipeline.processes import out_dir_lock
     from ldlp.report.load_sweep import render, write, written
 
@@ -84,23 +83,25 @@ def main(cfg: DictConfig) -> None:
     check_turns_kept(cfg.data, prompt_set, "bench_batch")
     prompts = [ids for _, ids in prompt_set]
     categories = prompt_categories(cfg.data, [pid for pid, _ in prompt_set])  # None where the file has none
-    # this engine's settings for every contender (conf/bench_batch.yaml's engine); a contender may give its own
-    engine = OmegaConf.to_container(cfg.engine, resolve=True) if cfg.get("engine") else {}
-    contenders = [Contender("ar", "ar", 0, None, engine=engine_settings([], engine)[2])]
+    # this engine's settings for every contender: the engine's own defaults under conf/bench_batch.yaml's engine;
+    # a contender may give its own
+    engine = engine_defaults(OmegaConf.to_container(cfg.engine, resolve=True) if cfg.get("engine") else {})
+    # every contender read and checked before any policy is built (one line naming the contender and the key)
+    specs = [parse_contender(node) for node in cfg.contenders]
+    contenders = [Contender("ar", "ar", 0, None, engine=engine)]
     skipped = []  # contenders whose checkpoint this clone has not trained: in the JSON and on the page
     probes = {}
-    for spec in cfg.contenders:
-        # "engine=vllm [spec.method=eagle|eagle3] [spec.k=K]": vLLM as a peer (ldlp/bench/vllm_peer.py)
-        peer = parse_contender(spec)
-        if peer is not None:
-            contenders.append(make_contender(peer, cfg.model, prompts, int(cfg.generation.max_new_tokens), cfg.get("vllm"),
-                                             cfg.paths.outputs, threads=threads, seed=int(cfg.seed), log=log.info))
+    for spec in specs:
+        if spec.peer is not None:  # vLLM as a peer (ldlp/bench/vllm_peer.py)
+            contenders.append(make_contender(spec.peer, cfg.model, prompts, int(cfg.generation.max_new_tokens),
+                                             cfg.get("vllm"), cfg.paths.outputs, threads=threads, seed=int(cfg.seed),
+                                             log=log.info))
             continue
-        tokens, own, settings = engine_settings(str(spec).split(), engine)
-        if not tokens:  # engine settings alone: batched AR with them, paired with the default's
-            contenders.append(Contender(engine_label("ar", own), "ar_engine", 0, None, engine=settings))
+        settings = engine_settings(spec, engine)
+        if spec.policy is None:  # engine settings alone: batched AR with them, paired with the default's
+            contenders.append(Contender(engine_label("ar", spec.engine), "ar_engine", 0, None, engine=settings))
             continue
-        name, pcfg = policy_config(cfg, tokens)
+        name, pcfg = policy_config(cfg, spec)
         try:
             missing_checkpoint(name, pcfg)
         except MissingCheckpoint as e:  # only a missing checkpoint skips; any other error stops the run
@@ -109,22 +110,8 @@ def main(cfg: DictConfig) -> None:
             continue
         probe = build_policy(pcfg, cfg.model)
         gamma = None if is_peer(probe) else probe.fixed_gamma
-        label = f"static γ={gamma}" if gamma is not None else name
-        if pcfg.get("cost_model"):  # the same policy on costs measured in hindsight (a frozen step_costs.json)
-            label += " (hindsight costs)"
-        elif pcfg.get("online_costs") is False:  # the same policy on the profiled table as it is
-            label += " (profiled table)"
-        if name == "learned" and pcfg.get("recalibrate") is not None:  # its hazards corrected online, or not
-            label += " (recalibrated)" if pcfg.recalibrate else " (not recalibrated)"
-        if "goodput" in pcfg and not (pcfg.goodput.get("enabled", True) if OmegaConf.is_dict(pcfg.goodput)
-                                      else pcfg.goodput):  # the ablation: the plan alone
-            label += " (no feedback)"
-        elif OmegaConf.is_dict(pcfg.get("goodput")):  # the learner's ablations
-            if pcfg.goodput.get("reward") == "expected":
-                label += " (expected reward)"  # chains credited their mean tokens by the pooled survival curve
-            if pcfg.goodput.get("prefill") == "skip":
-                label += " (prefill steps skipped)"  # steps that also prefilled give no reward
-        contenders.append(Contender(engine_label(label, own), name, gamma, lambda pcfg=pcfg: build_policy(pcfg),
+        label = policy_label(name, pcfg, gamma)  # the page's label: "static γ=3", "load_aware_step (no feedback)"...
+        contenders.append(Contender(engine_label(label, spec.engine), name, gamma, lambda pcfg=pcfg: build_policy(pcfg),
                                     engine=settings))
         probes[label] = probe
     check_contenders(contenders, int(cfg.generation.max_new_tokens))

@@ -21,7 +21,7 @@ from ldlp.bench.replay import OracleRows, best_per_policy, costs_record, grid, t
 
 
 def _builder(cfg: DictConfig, name: str):
-    _, base = policy_config(cfg, [f"policy={name}"])
+    _, base = policy_config(cfg, f"policy={name}")
     return lambda params: build_policy(OmegaConf.merge(base, params), cfg.model)
 
 

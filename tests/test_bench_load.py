@@ -309,7 +309,8 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
            "data=mt_bench", f"data.path={prompts}", "data.limit=4", "generation.max_new_tokens=8", "rounds=1",
            "blocks=2", "concurrency=[1,2]", "temperatures=[0.0,1.0]", "threads=1", f"out_dir={out}",
            f"hydra.run.dir={tmp_path / 'run'}",
-           'contenders=["policy=static policy.gamma=2","policy=heuristic","policy=oracle",'
+           # a contender as a node and as strings (ldlp/bench/contender.py reads both)
+           'contenders=[{policy:{name:static,gamma:2}},"policy=heuristic","policy=oracle",'
            f'"policy=ldlp policy.path={tmp_path / "no_ldlp"}"]']
     repo = Path(__file__).resolve().parent.parent
     res = subprocess.run(cmd, check=False, cwd=repo, capture_output=True, text=True, timeout=600)
@@ -606,13 +607,14 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
 
     from ldlp.bench.loaders import prepare_cost_tables
 
-    given = LoadAwareMarginal(str(tmp_path), "tiny", cost_table=table.meta["path"])
+    given = LoadAwareMarginal({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": table.meta["path"]})
     torch.set_num_threads(1)
     prepare_cost_tables([given], t32, EagleCandidateGenerator(eagle32, t32), "eager", 2)  # its own setup: fine
     with pytest.raises(ConfigError, match="drafter_kind"):
         prepare_cost_tables([given], t32, DraftModelCandidateGenerator(t32.model, t32), "eager", 2)
     # at batch 1 (evaluate, the head to head) a missing table is profiled for one slot only
-    prepare_cost_tables([LoadAwareMarginal(str(tmp_path / "b1"), "tiny")], t32, EagleCandidateGenerator(eagle32, t32),
+    prepare_cost_tables([LoadAwareMarginal({"cost_dir": str(tmp_path / "b1"), "model": "tiny"})], t32,
+                        EagleCandidateGenerator(eagle32, t32),
                         None, 1)
     assert [json.loads(f.read_text())["slots"] for f in (tmp_path / "b1").glob("*.json")] == [[1]]
 
@@ -628,8 +630,8 @@ def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, 
     table = load_or_profile(tmp_path, key, lambda R, policy=None: BatchedSpeculativeEngine(
         t32, cand, slots=R, capacity=256, attn="eager", policy=policy), log=lambda *_: None, slots=[1, 2])
     cs = [Contender("ar", "ar", 0, None),
-          Contender("load_aware", "load_aware", None, lambda: LoadAwareMarginal(str(tmp_path), "tiny", max_gamma=3,
-                                                                                 profile_if_missing=False))]
+          Contender("load_aware", "load_aware", None, lambda: LoadAwareMarginal(
+              {"cost_dir": str(tmp_path), "model": "tiny", "profile_if_missing": False}, max_gamma=3))]
     result = sweep(t32, cand, random_prompts(4), cs, [2], 6, rounds=1, log=lambda *_: None, bootstrap=10)
     used = result["cost_tables"]["load_aware"]  # the online model's prior table, and what it learned
     assert (used["key"], used["path"], used["online"]) == (table.key, table.meta["path"], True)

@@ -150,21 +150,21 @@ def test_bench_contenders_carry_engine_settings():
     """scripts/bench_batch.py: a contender's prefill settings come out of its policy tokens, over the config's
     engine defaults, and bad ones are refused in one line before any model loads."""
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.load_sweep import engine_label, engine_settings
+    from ldlp.bench.contender import engine_defaults, engine_label, engine_settings, parse_contender
 
     defaults = {"prefill": "joined", "max_batched_tokens": 512}
-    rest, own, settings = engine_settings("policy=static policy.gamma=3 prefill=chunked".split(), defaults)
-    assert rest == ["policy=static", "policy.gamma=3"] and own == {"prefill": "chunked"}
-    assert settings == {"prefill": "chunked", "max_batched_tokens": 512}
-    assert engine_label("static γ=3", own) == "static γ=3 prefill=chunked"
-    assert engine_settings([], defaults) == ([], {}, defaults)
-    for tokens, message in ((["max_batched_tokens=0"], "max_batched_tokens must be an integer >= 1, got 0"),
-                            (["prefill=lazy"], "prefill must be one of joined, chunked, separate, got 'lazy'")):
+    spec = parse_contender("policy=static policy.gamma=3 prefill=chunked")
+    assert spec.policy_overrides() == ["policy=static", "policy.gamma=3"] and spec.engine == {"prefill": "chunked"}
+    assert engine_settings(spec, defaults) == {"prefill": "chunked", "max_batched_tokens": 512}
+    assert engine_label("static γ=3", spec.engine) == "static γ=3 prefill=chunked"
+    assert engine_settings(parse_contender("policy=static"), defaults) == defaults
+    for text, message in (("max_batched_tokens=0", "max_batched_tokens must be an integer >= 1, got 0"),
+                          ("prefill=lazy", "prefill must be one of joined, chunked, separate, got 'lazy'")):
         with pytest.raises(ConfigError, match=message) as e:
-            engine_settings(tokens, defaults)
+            engine_settings(parse_contender(text), defaults)
         one_line(e)
     with pytest.raises(ConfigError, match="engine: max_batched_tokens") as e:
-        engine_settings([], {"prefill": "chunked", "max_batched_tokens": -1})
+        engine_defaults({"prefill": "chunked", "max_batched_tokens": -1})
     one_line(e)
 
 
@@ -172,10 +172,12 @@ def test_a_contenders_budget_is_one_the_engine_applies():
     """A max_batched_tokens the chosen prefill ignores is refused, and so is one below a decode step at the largest
     C (the engine would score past it), each in one line naming the contender."""
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.load_sweep import Contender, check_token_budgets, engine_settings
+    from ldlp.bench.contender import ENGINE_DEFAULTS, engine_settings, parse_contender
+    from ldlp.bench.load_sweep import Contender, check_token_budgets
 
     with pytest.raises(ConfigError, match="max_batched_tokens applies to prefill=chunked only.*joined") as e:
-        engine_settings("policy=static policy.gamma=2 max_batched_tokens=1".split(), {"prefill": "joined"})
+        engine_settings(parse_contender("policy=static policy.gamma=2 max_batched_tokens=1"),
+                        {**ENGINE_DEFAULTS, "prefill": "joined"})
     one_line(e)
     ok = Contender("static γ=4", "static", 4, None, engine={"prefill": "chunked", "max_batched_tokens": 160})
     check_token_budgets([ok], [1, 32], 64)  # 32 rows x 5 tokens fit

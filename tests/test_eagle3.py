@@ -344,7 +344,7 @@ def test_the_cost_profiler_and_a_load_aware_policy_run_on_an_eagle3_drafter(t3, 
     from ldlp.policies.load_aware import LoadAwareStep
 
     head = make_eagle3(t3)
-    pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", explore_every=0)
+    pol = LoadAwareStep({"cost_dir": str(tmp_path), "model": "tiny"}, explore_every=0)
     eng = BatchedSpeculativeEngine(t3, head, "eagle3", slots=2, policy=pol)
     prompts = prompts_of((5, 9), vocab=V)
     outs = eng.generate(prompts, 10)

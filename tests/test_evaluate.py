@@ -120,14 +120,41 @@ def test_sampling_skips_the_lossless_check_and_oracle_refuses_it(tiny_models, pr
 
 
 def test_transformers_peer_rows(tiny_models, prompt_file):
+    """The transformers peers live in conf/peer/ (not policies of this engine) and run as peer=NAME; the old spelling
+    policy=NAME is read as it (scripts/evaluate.py), and a sweep mixing peers and policies is refused in one line."""
+    from eagle_backbone.errors import ConfigError
+    from ldlp.bench.contender import peer_alias
+
+    assert not list((REPO / "conf" / "policy").glob("hf_*.yaml"))
     for name in ("hf_heuristic", "hf_confidence"):
-        cfg = compose_eval(overrides(tiny_models, prompt_file, draft_lm=True) + [f"policy={name}", "evaluation.repeats=1"])
+        cfg = compose_eval(overrides(tiny_models, prompt_file, draft_lm=True) + [f"peer={name}", "evaluation.repeats=1"])
         result = evaluate(cfg, policy_name=name)
         assert result["engine"] == "transformers" and result["lossless"] is True
         assert result["target_forwards"] >= 2 and result["drafted_tokens"] > 0
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=hf_heuristic"])
+        assert result["policy"] == name and result["policy_config"]["_target_"] == "ldlp.bench.peer.TransformersAssisted"
+    assert peer_alias(["e.py", "-m", "policy=hf_heuristic,hf_confidence", "policy.num_assistant_tokens=3"]) == \
+        ["e.py", "-m", "peer=hf_heuristic,hf_confidence", "peer.num_assistant_tokens=3"]
+    assert peer_alias(["e.py", "policy=heuristic", "policy.max_gamma=4"]) == ["e.py", "policy=heuristic", "policy.max_gamma=4"]
+    with pytest.raises(ConfigError, match=r"^policy=hf_heuristic,heuristic: hf_heuristic is a peer \(conf/peer/\)"):
+        peer_alias(["e.py", "-m", "policy=hf_heuristic,heuristic"])
+    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["peer=hf_heuristic"])
     with pytest.raises(ValueError, match="draft LM"):
         evaluate(cfg, policy_name="hf_heuristic")
+
+
+def test_the_old_spelling_of_a_peer_runs_the_peer(tiny_models, prompt_file, tmp_path):
+    """scripts/evaluate.py -m policy=hf_heuristic,hf_confidence (a command of before the peers left conf/policy/)
+    sweeps the peers as peer=...: its rows are named as before."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "scripts/evaluate.py", "-m", "policy=hf_heuristic,hf_confidence", "evaluation.repeats=1",
+           *overrides(tiny_models, prompt_file, draft_lm=True), f"hydra.sweep.dir={tmp_path}"]
+    res = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(f.read_text()) for f in sorted(tmp_path.rglob("results.json"))]
+    assert sorted(r["policy"] for r in rows) == ["hf_confidence", "hf_heuristic"]
+    assert all(r["engine"] == "transformers" and r["lossless"] for r in rows)
 
 
 def test_pipeline_runs_sweeps_summarizes_and_resumes(tiny_models, prompt_file, tmp_path):

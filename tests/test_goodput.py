@@ -103,7 +103,7 @@ def test_under_the_cost_driven_policies_it_is_lossless_and_measures_every_step(t
     table(0.05, 0.5, key=key).save(path)
     # no prior: every arm it may play is tried once before any comparison, whatever the clock says (the choice
     # after that depends on measured times, which a test does not pin)
-    common = dict(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), online_costs=False,
+    common = dict(pricing={"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(path), "online_costs": False},
                   goodput={"prior_steps": 0})
     pol = {"marginal": lambda: LoadAwareMarginal(max_gamma=4, explore_every=0, **common),
            "step": lambda: LoadAwareStep(max_gamma=4, explore_every=0, **common),
@@ -132,8 +132,8 @@ def test_the_load_sweep_keeps_one_learner_per_contender_across_its_runs(tmp_path
     made = []
 
     def make():
-        made.append(LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), online_costs=False,
-                                  max_gamma=3, goodput=True))
+        made.append(LoadAwareStep({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(path),
+                                   "online_costs": False}, max_gamma=3, goodput=True))
         return made[-1]
 
     contenders = [Contender("ar", "ar", 0, None), Contender("load_aware_step", "load_aware", None, make)]

@@ -17,8 +17,7 @@ from eagle_backbone.cost import CostTable, cost_key
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 
 REPO = Path(__file__).resolve().parent.parent
-PEERS = {"hf_confidence", "hf_heuristic"}  # transformers' own generate loop, not this engine
-POLICIES = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml") if p.stem not in PEERS)
+POLICIES = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))  # the peers are in conf/peer/
 
 
 class ReadCounter:
@@ -73,8 +72,8 @@ def artifacts(t32, tmp_path_factory):
 def build(name: str, artifacts, t32, cand):
     overrides, table = artifacts
     cfg = compose_config("evaluate", [f"policy={name}", *overrides])
-    if "cost_table" in cfg.policy:
-        cfg.policy.cost_table = str(table)
+    if "pricing" in cfg.policy and "cost_table" in cfg.policy.pricing:
+        cfg.policy.pricing.cost_table = str(table)
     if "explore_every" in cfg.policy:
         cfg.policy.explore_every = 0
     return instantiate(cfg.policy)

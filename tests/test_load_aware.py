@@ -35,8 +35,8 @@ def policy(tmp_path, costs: CostTable, mode: str = "marginal", **kw) -> LoadAwar
     p = tmp_path / "cost.json"
     costs.save(p)
     # the table as given (online_costs=False): these tests check decisions under a set price
-    return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), explore_every=0,
-                         online_costs=False, **kw)
+    return CLASSES[mode]({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(p), "online_costs": False},
+                         explore_every=0, **kw)
 
 
 
@@ -225,7 +225,8 @@ def _make(tmp_path, mode: str, kw: dict, **more):
     """A policy of ``mode`` reading a cost table set by the driver (no engine)."""
     p = tmp_path / "unused_cost.json"
     rich_table(1.0).save(p)
-    return CLASSES[mode](cost_dir=str(tmp_path), model="tiny", cost_table=str(p), online_costs=False, **kw, **more)
+    return CLASSES[mode]({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(p), "online_costs": False},
+                         **kw, **more)
 
 
 def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 8)) -> str:
@@ -435,9 +436,9 @@ def test_online_calibration_recovers_a_miscalibrated_estimator():
 
 def test_bad_settings_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="max_gamma"):
-        LoadAwareStep(cost_dir=str(tmp_path), model="tiny", max_gamma=0)
+        LoadAwareStep({"cost_dir": str(tmp_path), "model": "tiny"}, max_gamma=0)
     with pytest.raises(ValueError, match="estimator"):
-        LoadAwareMarginal(cost_dir=str(tmp_path), model="tiny", estimator=str(tmp_path / "nope"))
+        LoadAwareMarginal({"cost_dir": str(tmp_path), "model": "tiny"}, estimator=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="no cost table"):
         from eagle_backbone.cost import load_or_profile
 

@@ -119,8 +119,8 @@ def test_lossless_with_zero_waste_and_the_chain_oracle_when_drafting_is_free(t32
     ref = [t32.reference_greedy(p, 14) for p in prompts]
 
     def budget(table):
-        return OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4, cost_table=table_file(tmp_path, t32, table),
-                                  online_costs=False)
+        return OracleBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny", "online_costs": False,
+                                   "cost_table": table_file(tmp_path, t32, table)}, k_max=4)
 
     chain = OraclePolicy(4)
     free, chained = run(t32, cand, budget(CostTable.linear(10.0, 0.01)), prompts, 3, 14), run(t32, cand, chain, prompts, 3, 14)
@@ -133,15 +133,15 @@ def test_lossless_with_zero_waste_and_the_chain_oracle_when_drafting_is_free(t32
 
 
 def test_greedy_only_and_bad_settings(t32, cand, tmp_path):
-    pol = OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4)
+    pol = OracleBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny"}, k_max=4)
     with pytest.raises(ValueError, match="greedy decoding only") as e:
         BatchedSpeculativeEngine(t32, cand, slots=2, policy=pol, sampling=SamplingConfig(temperature=1.0))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"bind\(engine\)"):
-        OracleBudgetPolicy(str(tmp_path), "tiny").begin(0, [5, 6])
+        OracleBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny"}).begin(0, [5, 6])
     for bad in ({"k_max": 0}, {"replay_slots": 0}, {"k_max": 2.5}):
         with pytest.raises(ValueError, match="must be an integer >= 1"):
-            OracleBudgetPolicy(str(tmp_path), "tiny", **bad)
+            OracleBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny"}, **bad)
 
 
 def test_the_sweep_runs_it_and_reports_its_headroom(t32, cand, tmp_path):
@@ -154,7 +154,7 @@ def test_the_sweep_runs_it_and_reports_its_headroom(t32, cand, tmp_path):
           Contender("static γ=2", "static", 2, lambda: StaticPolicy(2)),
           Contender("oracle", "oracle", None, lambda: OraclePolicy(4)),
           Contender("oracle_budget", "oracle_budget", None,
-                    lambda: OracleBudgetPolicy(str(tmp_path), "tiny", k_max=4, cost_table=path))]
+                    lambda: OracleBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": path}, k_max=4))]
     logs = []
     result = sweep(t32, cand, random_prompts(6, seed=2), cs, [1, 3], 10, rounds=1, temperatures=[0.0, 1.0], blocks=2,
                    log=logs.append, bootstrap=50)

@@ -289,7 +289,8 @@ def test_replay_prices_a_deployed_learned_policy_by_its_own_table(setup, tmp_pat
     LDLP(LDLPConfig(input_dim=2 * target.hidden_size, k_max=K_MAX, head="distribution", inputs=["ef"])
          ).save_pretrained(tmp_path / "predictor")
     table = CostTable.linear(10.0, 1.0)
-    policy = LearnedPolicy(str(tmp_path / "predictor"), max_gamma=K_MAX, cost_dir=str(tmp_path / "cost"), model="m")
+    policy = LearnedPolicy(str(tmp_path / "predictor"), max_gamma=K_MAX,
+                           pricing={"cost_dir": str(tmp_path / "cost"), "model": "m"})
     result = replay(rows, policy, table, embed=target.embed, vocab_size=target.vocab_size)
     assert policy.pricing.costs is table and result.steps > 0
     np.testing.assert_allclose(policy.seconds(), step_seconds_table(table, K_MAX))

@@ -79,8 +79,8 @@ def test_contenders_serve_the_same_trace_in_turns_losslessly(tmp_path, t32, eagl
                   Contender("static γ=2", "static", 2, lambda: StaticPolicy(2)),
                   Contender("static γ=4", "static", 4, lambda: StaticPolicy(4)),
                   Contender("load_aware_step", "load_aware", None, lambda: LoadAwareStep(
-                      cost_dir=str(tmp_path), model="tiny", cost_table=str(path), online_costs=False, max_gamma=4,
-                      goodput=True))]
+                      {"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(path), "online_costs": False},
+                      max_gamma=4, goodput=True))]
     prompts = prompts_of((3, 8, 5, 6, 4, 7), seed=9)
     traces = {"ramp": {"requests": 6, "rate": [50.0, 400.0], "shape": "ramp"}}
     result = serve(t32, EagleCandidateGenerator(eagle32, t32), prompts, contenders, traces, 12, rounds=2,

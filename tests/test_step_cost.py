@@ -128,7 +128,7 @@ def test_the_engine_records_its_steps_and_the_policy_plans_with_its_model(t32, e
     table = CostTable.linear(10.0, 0.5, 0.1)
     table.key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
     table.save(path)
-    pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), explore_every=0)
+    pol = LoadAwareStep({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(path)}, explore_every=0)
     eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=pol)
     prompts = prompts_of((5, 9, 7), seed=3)
     assert [o.tokens for o in eng.generate(prompts, 16)] == ar(t32, prompts, 16)
@@ -141,7 +141,7 @@ def test_the_engine_records_its_steps_and_the_policy_plans_with_its_model(t32, e
     assert drafting and all(r.gamma == len(r.shape.depth_rows) for r in drafting)
     # a second engine given the same model keeps learning from where it is
     eng2 = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=LoadAwareStep(
-        cost_dir=str(tmp_path), model="tiny", cost_table=str(path), explore_every=0), cost_model=model)
+        {"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(path)}, explore_every=0), cost_model=model)
     eng2.generate(prompts, 8)
     assert eng2.cost_model is model and model.seen == eng.steps + eng2.steps
 
@@ -251,15 +251,15 @@ def test_a_cost_model_measured_on_another_setup_is_refused(tmp_path, t32, eagle3
     for name, fitted in (("same", None), ("other", {**key, "dtype": "bfloat16"}), ("nokey", None)):
         m = OnlineCostModel.load(model.save(tmp_path / f"{name}.json"))
         if name == "same":  # what an engine of this setup binds the policy to: its table's key, filled in by bind
-            pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), max_gamma=2)
+            pol = LoadAwareStep({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(path)}, max_gamma=2)
             BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=1, policy=pol)
             fitted = pol.pricing.table.key
         if fitted is not None:
             raw = json.loads((tmp_path / f"{name}.json").read_text())
             (tmp_path / f"{name}.json").write_text(json.dumps({**raw, "key": fitted}))
         assert OnlineCostModel.load(tmp_path / f"{name}.json").key == fitted and m is not None
-        pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), max_gamma=2,
-                            cost_model=str(tmp_path / f"{name}.json"))
+        pol = LoadAwareStep({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(path),
+                             "cost_model": str(tmp_path / f"{name}.json")}, max_gamma=2)
         if name == "other":
             with pytest.raises(ValueError, match="was measured on another setup than this engine's \\(dtype: "
                                                  "'bfloat16' vs 'float32'\\)") as e:
@@ -288,8 +288,8 @@ def test_a_cost_model_of_another_setup_is_taken_with_accept_mismatch_and_recorde
     model.theta[:] = 1.0
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**model.to_dict(), "key": {**key, "dtype": "bfloat16"}}))
-    pol = LoadAwareStep(cost_dir=str(tmp_path), model="tiny", cost_table=str(path), max_gamma=2,
-                        cost_model=str(other))
+    pol = LoadAwareStep({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": str(path), "cost_model": str(other)},
+                        max_gamma=2)
     accept_mismatches(True)
     try:
         BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=1, policy=pol)

@@ -27,7 +27,7 @@ def table(token_ms: float) -> CostTable:
 
 
 def budget(tmp_path, token_ms: float, **kw) -> TreeBudgetPolicy:
-    policy = TreeBudgetPolicy(cost_dir=str(tmp_path), model="tiny", **kw)
+    policy = TreeBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny"}, **kw)
     policy.pricing.costs = table(token_ms)  # as bind would load it
     return policy
 
@@ -66,6 +66,6 @@ def test_bad_tree_settings_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="eagle2_tree policy: top_k"):
         Eagle2TreePolicy(top_k=0)
     with pytest.raises(ValueError, match="tree_budget policy: tree: width"):
-        TreeBudgetPolicy(cost_dir=str(tmp_path), model="tiny", top_k=2, width=3)
+        TreeBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny"}, top_k=2, width=3)
     with pytest.raises(ValueError, match="tree_budget policy: need"):
-        TreeBudgetPolicy(cost_dir=str(tmp_path), model="tiny", sibling_prior=1.0)
+        TreeBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny"}, sibling_prior=1.0)

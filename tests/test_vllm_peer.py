@@ -13,7 +13,8 @@ from transformers import LlamaConfig
 
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.bench.vllm_peer import contender_label, convert_drafter, fold_fc_bias, parse_contender
+from ldlp.bench.contender import PeerNode, parse_contender
+from ldlp.bench.vllm_peer import contender_label, convert_drafter, fold_fc_bias
 
 EMBEDDED = REPO_ROOT / "data" / "embedded"
 
@@ -108,11 +109,11 @@ def test_convert_drafter_writes_once_in_vllms_layout(tmp_path):
 
 
 def test_contender_strings():
-    assert parse_contender("policy=static policy.gamma=3") is None
-    assert parse_contender("engine=vllm") == {"k": None, "method": None, "schedule": None}
-    assert parse_contender("engine=vllm spec.k=3") == {"k": 3, "method": "eagle", "schedule": None}  # EAGLE-1
-    assert parse_contender("engine=vllm spec.method=eagle spec.k=2") == {"k": 2, "method": "eagle", "schedule": None}
-    assert parse_contender("engine=vllm spec.method=eagle3 spec.k=6") == {"k": 6, "method": "eagle3", "schedule": None}
+    assert parse_contender("policy=static policy.gamma=3").peer is None
+    assert parse_contender("engine=vllm").peer == PeerNode("vllm", None, None, None)
+    assert parse_contender("engine=vllm spec.k=3").peer == PeerNode("vllm", 3, "eagle", None)  # EAGLE-1
+    assert parse_contender("engine=vllm spec.method=eagle spec.k=2").peer == PeerNode("vllm", 2, "eagle", None)
+    assert parse_contender("engine=vllm spec.method=eagle3 spec.k=6").peer == PeerNode("vllm", 6, "eagle3", None)
     assert contender_label(None) == "vllm ar" and contender_label(3) == "vllm eagle k=3"
     assert contender_label(6, "eagle3") == "vllm eagle3 k=6"
     for bad, why in (("engine=sglang", "engine must be vllm"), ("engine=vllm spec.k=0", "integer >= 1"),
@@ -140,7 +141,7 @@ def test_a_method_that_does_not_fit_the_drafter_is_refused_in_one_line(spec, kin
     from ldlp.bench.vllm_peer import make_contender
 
     with pytest.raises(ValueError, match=why) as e:
-        make_contender(parse_contender(spec), _model_cfg(kind, EMBEDDED / "drafter"), [[1, 2, 3]], 8,
+        make_contender(parse_contender(spec).peer, _model_cfg(kind, EMBEDDED / "drafter"), [[1, 2, 3]], 8,
                        {"python": "/nonexistent/python"}, "/nonexistent")
     assert "\n" not in str(e.value)
 

@@ -159,11 +159,12 @@ def test_schedule_files(tmp_path):
 
 
 def test_the_contender_reads_its_schedule_before_vllm_starts(tmp_path):
-    from ldlp.bench.vllm_peer import contender_label, make_contender, parse_contender
+    from ldlp.bench.contender import PeerNode, parse_contender
+    from ldlp.bench.vllm_peer import contender_label, make_contender
 
     spec = parse_contender("engine=vllm spec.k=3 spec.schedule=FILE")
-    assert spec == {"k": 3, "method": "eagle", "schedule": "FILE"}
-    assert parse_contender("engine=vllm spec.schedule=F") == {"k": None, "method": "eagle", "schedule": "F"}
+    assert spec.peer == PeerNode("vllm", 3, "eagle", "FILE")
+    assert parse_contender("engine=vllm spec.schedule=F").peer == PeerNode("vllm", None, "eagle", "F")
     assert contender_label(3, "eagle", [(1, 3, 3), (4, 32, 1)]) == "vllm eagle schedule 1-3:3,4-32:1"
     with pytest.raises(ValueError, match="spec.schedule needs a file"):
         parse_contender("engine=vllm spec.schedule=")
@@ -173,8 +174,7 @@ def test_the_contender_reads_its_schedule_before_vllm_starts(tmp_path):
     vllm = {"python": "/nonexistent/python"}  # never reached: the file is refused first
     for name, k, why in [("late.json", None, "must start at 1"), ("over.json", 3, "K = 4 above the maximum 3")]:
         with pytest.raises(ValueError, match=why):
-            make_contender({"k": k, "method": "eagle", "schedule": str(tmp_path / name)}, model, [[5, 6]], 8, vllm,
-                           tmp_path)
+            make_contender(PeerNode("vllm", k, "eagle", str(tmp_path / name)), model, [[5, 6]], 8, vllm, tmp_path)
 
 
 def test_a_vllm_without_dynamic_sd_is_named_in_one_line(tmp_path):

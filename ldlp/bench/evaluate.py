@@ -61,6 +61,7 @@ from ldlp.bench.answers import model_id, write_answers
 from ldlp.bench.categories import category_markdown, category_rows, specbench_tasks
 from ldlp.bench.conversation import Dialogue, load_questions, question_rows
 from ldlp.bench.stats import median
+from ldlp.policies.pricing import flat_pricing
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,9 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     prompts = questions.first_prompts()
     prompt_info = dict(questions.info)
     # a tuned file made for another model, dtype or drafter kind is refused here, before any weights load
-    policy_cfg, tuned = apply_tuned(cfg.policy, cfg.get("tuned_from"), policy_name, run_setup(cfg.model))
+    # a peer (peer=NAME, conf/peer/: another implementation) runs instead of this engine's policy
+    chosen = cfg.peer if cfg.get("peer") is not None else cfg.policy
+    policy_cfg, tuned = apply_tuned(chosen, cfg.get("tuned_from"), policy_name, run_setup(cfg.model))
     policy = build_policy(policy_cfg, cfg.model)
     policy_name = policy_name or getattr(policy, "name", type(policy).__name__)
     pair = load_pair_cached(cfg.model)
@@ -208,7 +211,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "tokens_per_s_rounds": [x.tokens_per_s for x in rounds],
         "ar_tokens_per_s_rounds": [x.tokens_per_s for x in ar_rounds],
         "lossless_mismatches": mismatches,
-        "policy_config": OmegaConf.to_container(policy_cfg, resolve=True),
+        "policy_config": flat_pricing(OmegaConf.to_container(policy_cfg, resolve=True)),  # pricing keys as before
         "cost_table": None if is_peer(policy) else table_record(policy.pricing),  # the costs it planned with, if any
         "tuned_from": str(cfg.tuned_from) if tuned else None,
         # learned files made for another setup that accept_mismatch=true let drive this run, each as refused

@@ -41,6 +41,7 @@ from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
 from ldlp.bench.conversation import prompt_categories
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
+from ldlp.policies.pricing import flat_pricing
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
         policy = build_policy(pcfg, cfg.model)
         prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
         label = _label(name, policy)
-        setting = {k: v for k, v in dict(pcfg).items() if k != "_target_"}
+        # its settings as the page names them: the pricing node's keys among the others (as they stood before it)
+        setting = {k: v for k, v in flat_pricing(dict(pcfg)).items() if k != "_target_"}
         if label in labels:  # the same policy with other settings: named by what differs
             first = settings[labels.index(label)]
             diff = [k for k in setting if setting[k] != first.get(k)]

@@ -33,10 +33,8 @@ them from configs is the script's). :mod:`ldlp.bench.load_aggregate` turns its r
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -44,11 +42,11 @@ import torch
 
 from eagle_backbone.cost import table_record
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
-from eagle_backbone.prefill import MAX_BATCHED_TOKENS, check_prefill
 from eagle_backbone.policy import as_draft_policy
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
+from ldlp.bench.contender import ENGINE_DEFAULTS, draft_cap
 from ldlp.bench.load_aggregate import aggregate_runs
 from ldlp.bench.memory import release_freed_memory
 from ldlp.bench.step_costs import hindsight_model, run_step_costs, step_cost_rows
@@ -161,58 +159,19 @@ def check_sweep_args(concurrency, temperatures=None, blocks: int = 1, rounds: in
     return temps
 
 
-def draft_cap(max_new_tokens: int) -> int:
-    """The most drafts the engine scores in one step with this budget: the engine's ``max_draft`` and the
-    tokens left after the one the target adds (``max_new_tokens - 1``)."""
-    max_draft = inspect.signature(BatchedSpeculativeEngine.__init__).parameters["max_draft"].default
-    return max(0, min(int(max_draft), int(max_new_tokens) - 1))
-
-
-ENGINE_SETTINGS = ("prefill", "max_batched_tokens")  # contender tokens that set this engine, not the policy
-PREFILL_DEFAULT = inspect.signature(BatchedSpeculativeEngine.__init__).parameters["prefill"].default
-
-
-def engine_settings(tokens: list[str], defaults: dict) -> tuple[list[str], dict, dict]:
-    """A contender's tokens without its engine settings (``prefill=MODE``, ``max_batched_tokens=N``), the
-    settings it gives itself, and the engine's settings for it: ``defaults`` (the config's ``engine``) with
-    its own over them, checked before anything loads (one line)."""
-    rest, own = [], {}
-    for t in tokens:
-        key, eq, value = t.partition("=")
-        if eq and key in ENGINE_SETTINGS:
-            own[key] = int(value) if re.fullmatch(r"-?[0-9]+", value) else value
-        else:
-            rest.append(t)
-    out = {**{k: v for k, v in defaults.items() if v is not None}, **own}
-    try:
-        check_prefill(out.get("prefill", PREFILL_DEFAULT), out.get("max_batched_tokens", MAX_BATCHED_TOKENS))
-    except ValueError as e:
-        raise ConfigError(f"contender {' '.join(tokens)!r}: {e}" if own else f"engine: {e}") from None
-    if "max_batched_tokens" in own and out.get("prefill", PREFILL_DEFAULT) != "chunked":
-        # its label would say a budget the engine never applies (only chunked prefill has one)
-        raise ConfigError(f"contender {' '.join(tokens)!r}: max_batched_tokens applies to prefill=chunked only, "
-                          f"and this contender's prefill is {out.get('prefill', PREFILL_DEFAULT)}")
-    return rest, own, out
-
-
 def check_token_budgets(contenders: list, concurrency, max_new_tokens: int) -> None:
     """One ConfigError line for a chunked-prefill budget below one decode step at the largest C: C rows scoring
     their drafts and a token each (the engine would exceed the budget, which the label says it keeps)."""
     cap = draft_cap(max_new_tokens)
     for c in contenders:
         eng = getattr(c, "engine", None) or {}
-        budget = eng.get("max_batched_tokens", MAX_BATCHED_TOKENS)
+        budget = eng.get("max_batched_tokens", ENGINE_DEFAULTS["max_batched_tokens"])
         gamma = cap if c.gamma is None else min(int(c.gamma), cap)  # an adaptive policy may draft to the cap
         need = max(concurrency) * (gamma + 1)
-        if c.runner is None and eng.get("prefill", PREFILL_DEFAULT) == "chunked" and budget < need:
+        if c.runner is None and eng.get("prefill", ENGINE_DEFAULTS["prefill"]) == "chunked" and budget < need:
             raise ConfigError(f"contender {c.label}: max_batched_tokens={budget} is below one decode step at "
                               f"C={max(concurrency)} ({need} tokens: C rows x (γ {gamma} + 1)); raise it or lower "
                               "the concurrency")
-
-
-def engine_label(label: str, own: dict) -> str:
-    """A contender's label with the engine settings it gives itself (none: the label as it is)."""
-    return label + "".join(f" {k}={v}" for k, v in own.items())
 
 
 def check_contenders(contenders: list[Contender], max_new_tokens: int) -> None:

@@ -136,22 +136,23 @@ def load_prompts(data_cfg, tokenizer) -> PromptSet:
 CHECKPOINT_KEYS = ("ldlp_path", "ldlp_survival_path", "acceptance_path", "learned_path")
 
 
-def policy_config(cfg, overrides: list[str]) -> tuple[str, DictConfig]:
-    """(name, policy node) that ``scripts/evaluate.py`` would build under ``overrides`` (one ``policy=NAME``
-    and any ``policy.FIELD=...``), with ``cfg``'s checkpoint folders. For scripts that run several
-    policies; call it inside a Hydra app (its search path holds conf/)."""
+def policy_config(cfg, contender) -> tuple[str, DictConfig]:
+    """(name, policy node) that ``scripts/evaluate.py`` would build for ``contender`` (a
+    :class:`~ldlp.bench.contender.ContenderSpec`, or what :func:`~ldlp.bench.contender.parse_contender` reads: a
+    string ``policy=NAME [policy.KEY=VALUE ...]``, a node ``{policy: {name: NAME, KEY: VALUE}}``, or a list of
+    such words), with ``cfg``'s checkpoint folders. For scripts that run several policies; call it inside a Hydra
+    app (its search path holds conf/)."""
     from hydra import compose
 
-    from eagle_backbone.paths import REPO_ROOT
+    from eagle_backbone.errors import ConfigError
+    from ldlp.bench.contender import parse_contender
 
-    names = [o.split("=", 1)[1] for o in overrides if o.startswith("policy=")]
-    if len(names) != 1:
-        raise ValueError(f"{list(overrides)}: give exactly one policy=NAME (a file under conf/policy/)")
-    if not (REPO_ROOT / "conf" / "policy" / f"{names[0]}.yaml").is_file():
-        raise ValueError(f"policy={names[0]}: there is no conf/policy/{names[0]}.yaml")
+    spec = parse_contender(" ".join(map(str, contender)) if isinstance(contender, (list, tuple)) else contender)
+    if spec.policy is None:
+        raise ConfigError(f"contender {str(spec)!r}: give exactly one policy=NAME (a file under conf/policy/)")
     paths = [f"{k}={cfg[k]}" for k in CHECKPOINT_KEYS if k in cfg]
-    composed = compose(config_name="evaluate", overrides=list(overrides) + paths)
-    return names[0], resolve_in(cfg, composed.policy, defaults=composed)
+    composed = compose(config_name="evaluate", overrides=spec.policy_overrides() + paths)
+    return spec.policy.name, resolve_in(cfg, composed.policy, defaults=composed)
 
 
 def resolve_in(cfg, node, defaults=None):

@@ -22,7 +22,7 @@ SCHEDULES = ("heuristic", "constant")
 
 
 class PeerSpec:
-    """What a ``policy`` config may build besides a draft-length policy: another implementation of
+    """What a ``peer`` config (conf/peer/) builds instead of a draft-length policy: another implementation of
     speculative decoding, which the evaluation runs in place of this engine (on the same target, draft LM
     and prompts, next to the same AR baseline). The evaluation tells the two apart by ``kind``
     (:func:`is_peer`), never by class; a peer declares the ``engine`` it stands for and :meth:`check`s
@@ -43,7 +43,7 @@ def is_peer(obj) -> bool:
 
 
 class TransformersAssisted(PeerSpec):
-    """The peer transformers' assisted generation (``policy=hf_heuristic`` or ``policy=hf_confidence``):
+    """The peer transformers' assisted generation (``peer=hf_heuristic`` or ``peer=hf_confidence``, conf/peer/):
     a standalone draft LM proposes, with transformers' heuristic schedule or its confidence threshold."""
 
     engine = "transformers"

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from ldlp.bench.contender import METHODS  # vLLM's speculative methods a contender may name
+
 FORMAT = "vllm-eagle1-llama/1"  # bump when the converted layout changes: the cache key includes it
 MAX_CONDITION = 1e6  # W_e's condition number above which the fold would lose float32 precision
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -126,43 +128,6 @@ def convert_drafter(drafter_dir: str | Path, target_dir: str | Path, cache_root:
 
 
 # ---- the worker, from the benchmark's side ---------------------------------------------------------------
-
-METHODS = ("eagle", "eagle3")  # vLLM's speculative methods this peer runs; a drafter kind names its own (vllm_method)
-
-
-def parse_contender(spec: str) -> dict | None:
-    """``"engine=vllm"`` -> {"k": None, "method": None, "schedule": None}; ``"engine=vllm spec.k=3"`` -> {"k": 3,
-    "method": "eagle", "schedule": None}; ``"engine=vllm spec.method=eagle3 spec.k=3"`` -> {"k": 3, "method":
-    "eagle3", ...}; ``"engine=vllm spec.k=3 spec.schedule=FILE"`` -> {"k": 3, "method": "eagle", "schedule":
-    "FILE"} (vLLM's Dynamic SD: :mod:`ldlp.bench.vllm_schedule`; without ``spec.k`` the file's largest K is
-    ``num_speculative_tokens``, and "k" is None until the file is read); None for any other contender (a
-    policy string). A ValueError for an engine other than vllm, a bad k or method, or a method without k or a
-    schedule."""
-    words = str(spec).split()
-    kv = dict(w.split("=", 1) for w in words if "=" in w)
-    if "engine" not in kv:
-        return None
-    if kv["engine"] != "vllm":
-        raise ValueError(f"contender {spec!r}: engine must be vllm (the only peer engine), got {kv['engine']!r}")
-    unknown = sorted(set(kv) - {"engine", "spec.k", "spec.method", "spec.schedule"})
-    if unknown or len(kv) != len(words):
-        raise ValueError(f"contender {spec!r}: takes engine=vllm and optionally spec.k=K, spec.method="
-                         f"{'|'.join(METHODS)} and spec.schedule=FILE, not {unknown or words}")
-    k = kv.get("spec.k")
-    if k is not None:
-        if not k.isdigit() or int(k) < 1:
-            raise ValueError(f"contender {spec!r}: spec.k must be an integer >= 1, got {k!r}")
-        k = int(k)
-    method = kv.get("spec.method")
-    schedule = kv.get("spec.schedule")
-    if schedule == "":
-        raise ValueError(f"contender {spec!r}: spec.schedule needs a file (scripts/tune_vllm_schedule.py writes one)")
-    if method is not None and method not in METHODS:
-        raise ValueError(f"contender {spec!r}: spec.method must be one of {'|'.join(METHODS)}, got {method!r}")
-    if method is not None and k is None and schedule is None:
-        raise ValueError(f"contender {spec!r}: spec.method needs spec.k=K (the drafted tokens per step)")
-    speculative = k is not None or schedule is not None
-    return {"k": k, "method": (method or "eagle") if speculative else None, "schedule": schedule}
 
 
 def contender_label(k: int | None, method: str | None = "eagle", schedule=None) -> str:
@@ -449,9 +414,10 @@ def _p90(xs: list[float]) -> float:
     return percentile(xs, 0.9)
 
 
-def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_tokens: int, vllm_cfg, outputs: str | Path,
+def make_contender(spec, model_cfg, prompts: list[list[int]], max_new_tokens: int, vllm_cfg, outputs: str | Path,
                    threads: int = 1, seed: int = 0, log=print):
-    """The batched benchmark's contender for ``parse_contender``'s ``spec``: label ``vllm ar``, ``vllm eagle
+    """The batched benchmark's contender for a peer ``spec`` (:class:`~ldlp.bench.contender.PeerNode`, what
+    :func:`~ldlp.bench.contender.parse_contender` reads from ``engine=vllm ...``): label ``vllm ar``, ``vllm eagle
     k=K`` or ``vllm eagle3 k=K``, policy ``vllm``, gamma 0 or K, and a :class:`VllmRunner` on the pair's target
     (and its drafter: EAGLE-1's converted under ``outputs/vllm_peer/drafters``, EAGLE-3's speculators folder as
     it is; worker logs in ``outputs/vllm_peer/logs``). ``vllm_cfg``: ``python`` (None: this interpreter),
@@ -459,12 +425,12 @@ def make_contender(spec: dict, model_cfg, prompts: list[list[int]], max_new_toke
     ``model.drafter_kind`` (``spec.method=eagle3`` needs ``eagle3``, plain ``spec.k`` needs ``eagle``)."""
     from ldlp.bench.load_sweep import Contender
 
-    k, method = spec["k"], spec.get("method") or "eagle"
+    k, method = spec.k, spec.method or "eagle"
     schedule = None
-    if spec.get("schedule"):  # read and checked before anything starts (ldlp/bench/vllm_schedule.py)
+    if spec.schedule:  # read and checked before anything starts (ldlp/bench/vllm_schedule.py)
         from ldlp.bench.vllm_schedule import check_schedule_made_for, load_schedule
 
-        sch = load_schedule(spec["schedule"], k)
+        sch = load_schedule(spec.schedule, k)
         schedule, k = sch["ranges"], sch["k"]
         check_schedule_made_for(sch, model_cfg, str((vllm_cfg or {}).get("dtype") or "float32"))
     from eagle_backbone.drafter_kinds import get_kind

@@ -99,8 +99,12 @@ def choose(cfg, sweep_dirs, tuned_from: str | Path | None, name: str) -> dict:
             log.warning("head to head: the shipped policy %s is not timed: %s", p, why)
         elif p not in policies:
             shipped.append(p)
-    contenders = [f"policy=static policy.gamma={x}" for x in gammas] + [f"policy={p}" for p in policies + shipped]
+    from ldlp.bench.contender import ContenderSpec, PolicyNode
+
+    # written in the string form compare.py reads back (ldlp/bench/contender.py): "policy=static policy.gamma=5"
+    chosen = [PolicyNode("static", {"gamma": x}) for x in gammas] + [PolicyNode(p) for p in policies + shipped]
     if "oracle" in cfg.sweep.adaptive:
-        contenders.append("policy=oracle")
+        chosen.append(PolicyNode("oracle"))
+    contenders = [str(ContenderSpec(p)) for p in chosen]
     return {"model": name, "static_gammas": gammas, "adaptive": policies, "shipped": shipped, "contenders": contenders}
 

@@ -28,7 +28,7 @@ from ldlp.pipeline.compose import (apply_overrides, checkpoint_args, compose, co
 from ldlp.pipeline.contenders import CONTENDERS
 from ldlp.pipeline.stage import Stage, override_key
 
-EVAL_CONFIGS = ("evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml")
+EVAL_CONFIGS = ("evaluate.yaml", "data/*.yaml", "generation/*.yaml", "policy/*.yaml", "peer/*.yaml")
 
 def _setting(cfg, key: str):
     from omegaconf import OmegaConf
@@ -77,7 +77,13 @@ def validate(cfg) -> None:
     if _setting(cfg, "peer.enabled"):
         _int_setting(cfg, "peer.rounds", 1, default=1)
         _list_setting(cfg, "peer.static_gammas", gamma, "an integer γ >= 1", empty_ok=True)
+        for v in _setting(cfg, "peer.policies") or []:
+            if isinstance(v, str) and not _known_policy(v) and (CONF_DIR / "peer" / f"{v}.yaml").is_file():
+                raise ConfigError(f"pipeline: peer.policies holds {v!r}: a peer (conf/peer/{v}.yaml), not a policy of "
+                                  "this engine; list it in peer.peers (conf/pipeline.yaml)")
         _list_setting(cfg, "peer.policies", _known_policy, "a policy of conf/policy/", empty_ok=True)
+        _list_setting(cfg, "peer.peers", lambda v: isinstance(v, str) and (CONF_DIR / "peer" / f"{v}.yaml").is_file(),
+                      "a peer of conf/peer/", empty_ok=True)
     if _setting(cfg, "head_to_head.enabled"):
         _int_setting(cfg, "head_to_head.rounds", 1)
         _int_setting(cfg, "head_to_head.adaptive", 0)
@@ -91,12 +97,8 @@ def validate(cfg) -> None:
         _list_setting(cfg, "bench_batch.temperatures",
                       lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
                       "a temperature >= 0")
-        for spec in _list_setting(cfg, "bench_batch.contenders", lambda v: isinstance(v, str), "a string"):
-            names = [o.split("=", 1)[1] for o in spec.split() if o.startswith("policy=")]
-            if len(names) != 1 or not _known_policy(names[0]):
-                raise ConfigError(f"pipeline: bench_batch.contenders holds {spec!r}: a contender is one "
-                                  "'policy=NAME [policy.key=value ...]' of conf/policy/NAME.yaml")
-            _check_contender(cfg, names[0], spec)
+        for spec in _bench_contenders(cfg):
+            _check_contender(cfg, spec)
     if not (_setting(cfg, "sweep.static_gammas") or _setting(cfg, "sweep.adaptive")):
         raise ConfigError("pipeline: sweep.static_gammas and sweep.adaptive are both empty: nothing to sweep")
     # a run that decodes nothing makes a page of NaN: refused here, for the main command and every stage's own value
@@ -117,28 +119,42 @@ def validate(cfg) -> None:
                                       "be an integer >= 1 (conf/pipeline.yaml)")
 
 
-def _check_contender(cfg, name: str, spec: str) -> None:
+def _bench_contenders(cfg) -> list:
+    """The load sweep's contenders (``bench_batch.contenders``: strings or nodes), each read by the one contender
+    parser (ldlp/bench/contender.py) and a policy of conf/policy/ (the main command runs no peer engine), or one
+    ConfigError line naming the contender."""
+    from ldlp.bench.contender import parse_contender
+
+    where = "pipeline: bench_batch.contenders holds"
+    specs = [parse_contender(c, where) for c in _list_setting(cfg, "bench_batch.contenders", lambda v: True, "")]
+    for spec in specs:
+        if spec.policy is None:
+            raise ConfigError(f"{where} {str(spec)!r}: a contender is one 'policy=NAME [policy.key=value ...]' of "
+                              "conf/policy/NAME.yaml")
+    return specs
+
+
+def _check_contender(cfg, spec) -> None:
     """A load-sweep contender that sets policy keys, built as scripts/bench_batch.py builds it, so that the dry run
     refuses what the real run would (a policy whose checkpoint is not trained yet is left to the run)."""
     from hydra.errors import HydraException
 
     from eagle_backbone.errors import MissingCheckpoint
-    from ldlp.bench.load_sweep import engine_settings
+    from ldlp.bench.contender import ENGINE_DEFAULTS, engine_settings
     from ldlp.bench.loaders import build_policy, missing_checkpoint
 
-    tokens, _, _ = engine_settings(spec.split(), {})
-    if not any(t.startswith("policy.") for t in tokens):  # the policy's own file as it is
+    engine_settings(spec, ENGINE_DEFAULTS)
+    if not spec.policy.settings:  # the policy's own file as it is
         return
     try:
-        pcfg = compose("evaluate", tokens + checkpoint_args(cfg)).policy
-        missing_checkpoint(name, pcfg)
+        pcfg = compose("evaluate", spec.policy_overrides() + checkpoint_args(cfg)).policy
+        missing_checkpoint(spec.policy.name, pcfg)
         build_policy(pcfg)
     except MissingCheckpoint:
         return
     except (HydraException, ValueError) as e:  # a bad override or the policy's own error, in one line
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"pipeline: bench_batch.contenders holds {spec!r}: {why}") from None
-
+        raise ConfigError(f"pipeline: bench_batch.contenders holds {str(spec)!r}: {why}") from None
 
 
 def plan(cfg, model: str = "embedded", overrides=()) -> list[Stage]:
@@ -215,6 +231,8 @@ def _sweeps(cfg, stages, model, pair, overrides, checkpoints, tuned, costs, attn
                                ["policy=static", f"policy.gamma={list_arg(cfg.peer.static_gammas)}"], ()))
             if cfg.peer.policies:
                 sweeps.append(("peer", cfg.peer.model, [f"policy={list_arg(cfg.peer.policies)}"], ()))
+            if cfg.peer.get("peers"):  # transformers' assisted generation: conf/peer/, selected by peer=NAME
+                sweeps.append(("peer_hf", cfg.peer.model, [f"peer={list_arg(cfg.peer.peers)}"], ()))
         for name, sweep_model, args, after in sweeps:
             if args[0].endswith("="):  # an empty policy list
                 continue
@@ -239,6 +257,8 @@ def _policy_reads(cfg, policies, stages: list[Stage]) -> tuple[tuple[str, ...], 
     per-temperature draft acceptance heads in paths.draft_acceptance), which the fingerprint hashes by content, so
     a retrained head reruns the stages that use them; and whether a policy prices steps by the cost table of
     paths.cost, which the cost stage profiles (:func:`with_cost_stage`)."""
+    from ldlp.policies.pricing import flat_pricing
+
     written = {str(s.out) for s in stages} | {str(Path(cfg.paths.embedded) / "corpus")}
     roots = {str(cfg.paths.get(k)) for k in ("root", "data_dir", "outputs")}
     folders = {str(v) for k, v in cfg.paths.items() if isinstance(v, str)} - roots
@@ -257,7 +277,7 @@ def _policy_reads(cfg, policies, stages: list[Stage]) -> tuple[tuple[str, ...], 
                     compose("evaluate", [f"policy={name}"] + paths_overrides).policy, resolve=True)
             except Exception:  # a policy config that needs more than the defaults: the sweep itself will say so
                 _policy_cache[key] = {}
-        policy = _policy_cache[key]
+        policy = flat_pricing(_policy_cache[key])  # the pricing node's cost_dir among the policy's folders
         reads += [str(v) for v in policy.values() if isinstance(v, str) and v in folders and v not in written]
     cost = str(cfg.paths.get("cost"))
     return tuple(r for r in dict.fromkeys(reads) if r != cost), cost in reads
@@ -313,7 +333,8 @@ def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...
     b = cfg.get("bench_batch")
     if not b or not b.get("enabled"):
         return None
-    contenders = [str(c) for c in b.contenders]
+    specs = _bench_contenders(cfg)
+    contenders = [str(spec) for spec in specs]  # the string form: what the command line takes
     out = Path(cfg.paths.results) / "load_sweep"
     args = ([f"model={model}", "concurrency=[" + list_arg(b.concurrency) + "]",
              "temperatures=[" + list_arg(b.temperatures) + "]",
@@ -321,7 +342,7 @@ def bench_batch_stage(cfg, stages: list[Stage], model: str, pair: tuple[str, ...
              f"rounds={int(b.rounds)}", f"blocks={int(b.blocks)}", f"out_dir={out}", f"hydra.run.dir={out}"]
             + checkpoint_args(cfg) + thread_args(cfg) + list(b.overrides))
     names = {s.name for s in stages}
-    used = {c.split("=", 1)[1].split()[0] for c in contenders}
+    used = {spec.policy.name for spec in specs}
     after = ("corpus",) + tuple(n for n in ("ldlp", "ldlp_survival", "acceptance")
                                 if n in names and (n in used or (n == "ldlp" and "ldlp_ddd" in used)))
     # what the policies read besides the checkpoints, like the weights: the draft acceptance heads

@@ -30,10 +30,10 @@ from ldlp.pipeline.stage import (FINGERPRINT, Stage, changed_inputs, fingerprint
 # profiling of slot counts 1-16, which the load sweep's first run did before; contenders loads no model.
 EXPECTED_S = {
     "bfloat16": {"start": 6, "corpus": 20, "oracle": 146, "ldlp": 33, "acceptance": 13, "cost": 20, "tune": 23,
-                 "sweep:static": 61, "sweep:adaptive": 60, "sweep:peer_static": 22, "sweep:peer": 52,
+                 "sweep:static": 61, "sweep:adaptive": 60, "sweep:peer_static": 22, "sweep:peer": 26, "sweep:peer_hf": 26,
                  "bench_batch": 93, "contenders": 5, "head_to_head": 224},
     "float32": {"start": 8, "corpus": 8, "oracle": 186, "ldlp": 31, "acceptance": 13, "cost": 25, "tune": 27,
-                "sweep:static": 64, "sweep:adaptive": 62, "sweep:peer_static": 20, "sweep:peer": 48,
+                "sweep:static": 64, "sweep:adaptive": 62, "sweep:peer_static": 20, "sweep:peer": 24, "sweep:peer_hf": 24,
                 "bench_batch": 97, "contenders": 8, "head_to_head": 256},
 }
 

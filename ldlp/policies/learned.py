@@ -175,9 +175,7 @@ class LearnedPolicy(DraftPolicy):
     EMA = 0.05  # weight of a step in the online seconds-per-token estimate
 
     def __init__(self, path: str | None = None, max_gamma: int = 8, rule: str = "cost", token_ratio: float | None = None,
-                 cost_dir: str | None = None, model: str | None = None, cost_table: str | None = None,
-                 profile_if_missing: bool = True, online_costs: bool = True, recalibrate: bool | None = None,
-                 *, predictor=None, groups=None,
+                 pricing=None, recalibrate: bool | None = None, *, predictor=None, groups=None,
                  seconds=None, token_s: float | None = None, record: list | None = None, fixed: int | None = None):
         from ldlp.policies.pricing import StepPricing
 
@@ -201,7 +199,7 @@ class LearnedPolicy(DraftPolicy):
             meta = predictor.config.meta or {}
             token_ratio = meta.get("token_ratio") if token_ratio is None else token_ratio
             self.needs_costs = True
-            self.pricing = StepPricing(self.name, cost_dir, model, cost_table, profile_if_missing, online_costs)
+            self.pricing = StepPricing.of(self.name, pricing)  # its ``pricing`` node: the cost table and the costs
         elif predictor is None and fixed is None:
             raise ValueError("learned policy: give path (a predictor folder) or a predictor")
         self.path, self.predictor = path, predictor

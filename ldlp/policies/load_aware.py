@@ -108,9 +108,7 @@ class LoadAwarePolicy(DraftPolicy):
     name = "load_aware"
     needs_costs = True
 
-    def __init__(self, cost_dir: str, model: str, max_gamma: int = 8, prior: float = 0.7, explore_every: int = 32,
-                 profile_if_missing: bool = True, cost_table: str | None = None, online_costs: bool = True,
-                 cost_model: str | None = None, goodput=None):
+    def __init__(self, pricing, max_gamma: int = 8, prior: float = 0.7, explore_every: int = 32, goodput=None):
         self.max_gamma = int_at_least(self.name, "max_gamma", max_gamma, 1)
         # goodput feedback (ldlp/policies/goodput.py): a bandit per load bucket over the static chains and this
         # policy's own plan, rewarded by the tokens per second each step measures
@@ -118,7 +116,7 @@ class LoadAwarePolicy(DraftPolicy):
         self._reward = StepReward(self.goodput) if self.goodput is not None else None
         if not 0 < prior < 1:
             raise ValueError(f"{self.name} policy: prior must be in (0, 1), got {prior!r}")
-        self.pricing = StepPricing(self.name, cost_dir, model, cost_table, profile_if_missing, online_costs, cost_model)
+        self.pricing = StepPricing.of(self.name, pricing)  # its ``pricing`` node: the cost table and the costs
         self.gate = DraftGate(explore_every)
         self.accept = RunningRate(prior, 0.01, 0.99)  # P(draft kept) over observed drafts
         self.feed = FeedRate()
@@ -213,12 +211,9 @@ class _PerSlotEstimates(LoadAwarePolicy):
 
     reads_drafts = True
 
-    def __init__(self, cost_dir: str, model: str, estimator: str = "confidence", max_gamma: int = 8,
-                 recalibrate: bool = True, decay: float = 0.98, prior: float = 0.7, explore_every: int = 32,
-                 profile_if_missing: bool = True, cost_table: str | None = None, online_costs: bool = True,
-                 cost_model: str | None = None, goodput=None):
-        super().__init__(cost_dir, model, max_gamma, prior, explore_every, profile_if_missing, cost_table,
-                         online_costs, cost_model, goodput)
+    def __init__(self, pricing, estimator: str = "confidence", max_gamma: int = 8, recalibrate: bool = True,
+                 decay: float = 0.98, prior: float = 0.7, explore_every: int = 32, goodput=None):
+        super().__init__(pricing, max_gamma, prior, explore_every, goodput)
         if estimator != "confidence" and not Path(estimator).is_dir():
             raise ValueError(f"load_aware policy: estimator={estimator!r} is neither 'confidence' nor a folder of "
                              "draft acceptance heads (python scripts/train_draft_acceptance.py)")

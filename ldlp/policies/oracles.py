@@ -282,19 +282,17 @@ def accepted_lengths(target, candidates, prompt_ids: list[int], max_new_tokens: 
 class OracleBudgetPolicy(DraftPolicy):
     """The batched oracle: knows each row's accepted length L_b and drafts γ_b ∈ [0, L_b] to maximise the batch's
     tokens per millisecond under the step's prices (module docstring). Greedy only. Its prices are found as the
-    load-aware policies find theirs (:class:`~ldlp.policies.pricing.StepPricing`: ``cost_dir``, ``model``,
-    ``cost_table``, ``profile_if_missing``)."""
+    load-aware policies find theirs (:class:`~ldlp.policies.pricing.StepPricing` from its ``pricing`` node:
+    ``cost_dir``, ``model``, ``cost_table``, ``profile_if_missing``, ``online_costs``, ``cost_model``)."""
 
     name = "oracle_budget"
     needs_costs = True
     greedy_only = True
 
-    def __init__(self, cost_dir: str, model: str, k_max: int = 8, profile_if_missing: bool = True,
-                 cost_table: str | None = None, replay_slots: int = 8, online_costs: bool = True,
-                 cost_model: str | None = None):
+    def __init__(self, pricing, k_max: int = 8, replay_slots: int = 8):
         self.k_max = self.max_gamma = int_at_least(self.name, "k_max", k_max, 1)
         replay_slots = int_at_least(self.name, "replay_slots", replay_slots, 1)
-        self.pricing = StepPricing(self.name, cost_dir, model, cost_table, profile_if_missing, online_costs, cost_model)
+        self.pricing = StepPricing.of(self.name, pricing)
         self.known = KnownAcceptance(self.name, self.k_max, every_position=True, slots=replay_slots)
         self.feed = FeedRate()  # the running drafter feed (every draft is kept: no acceptance rate to learn)
 

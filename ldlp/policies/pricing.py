@@ -55,6 +55,20 @@ class FeedRate:
 
 # ---- the price of a step ---------------------------------------------------------------------------------
 
+# a cost-driven policy's ``pricing`` node (conf/policy/*.yaml): what StepPricing is built from
+PRICING_KEYS = ("cost_dir", "model", "cost_table", "profile_if_missing", "online_costs", "cost_model")
+
+
+def flat_pricing(config) -> dict:
+    """A policy config (a dict, or an OmegaConf node's items) with its ``pricing`` node's keys lifted to the top, where they stand in
+    the records of earlier runs (results' ``policy_config``, the head to head's settings)."""
+    if not hasattr(config.get("pricing"), "keys"):  # a dict, or an OmegaConf node read item by item
+        return dict(config)
+    out = {}
+    for k, v in config.items():
+        out.update({p: v[p] for p in v.keys()} if k == "pricing" else {k: v})
+    return out
+
 
 class StepPricing:
     """The prices a cost-driven policy plans with, bound to an engine (:meth:`bind`):
@@ -91,6 +105,22 @@ class StepPricing:
         self.costs: CostTable | OnlineCostModel | None = None
         self.device = torch.device("cpu")
         self._own: dict[str, dict] = {}
+
+    @classmethod
+    def of(cls, policy: str, pricing, model_options: dict | None = None) -> StepPricing:
+        """The prices of ``policy`` from its ``pricing`` node (a mapping of :data:`PRICING_KEYS`, ``online_costs`` the
+        constructor's ``online``; ``cost_dir`` and ``model`` find the table when it is bound); a StepPricing is
+        taken as it is."""
+        if isinstance(pricing, StepPricing):
+            return pricing
+        if pricing is not None and not hasattr(pricing, "keys"):
+            raise ValueError(f"{policy} policy: pricing must be a node of {', '.join(PRICING_KEYS)}, got {pricing!r}")
+        p = {k: pricing[k] for k in pricing.keys()} if pricing is not None else {}  # None: priced by a replay's table
+        unknown = sorted(set(p) - set(PRICING_KEYS))
+        if unknown:
+            raise ValueError(f"{policy} policy: pricing.{unknown[0]} is not a pricing key ({', '.join(PRICING_KEYS)})")
+        return cls(policy, p.get("cost_dir"), p.get("model"), p.get("cost_table"), p.get("profile_if_missing", True),
+                   p.get("online_costs", True), p.get("cost_model"), model_options)
 
     def bind(self, engine) -> None:
         """The table for this engine's setup (profiled with engines like it, when missing) and the costs."""

@@ -99,11 +99,9 @@ class TreeBudgetPolicy(DraftPolicy):
     name = "tree_budget"
     needs_costs = True
 
-    def __init__(self, cost_dir: str, model: str, top_k: int = 2, depth: int = 8, width: int | None = 1,
-                 max_nodes: int = 12, recalibrate: bool = True, decay: float = 0.98, prior: float = 0.8,
-                 sibling_prior: float = 0.1, tree_overhead_ms: float = 1.5, explore_every: int = 8,
-                 profile_if_missing: bool = True, cost_table: str | None = None, online_costs: bool = True,
-                 cost_model: str | None = None, goodput=None):
+    def __init__(self, pricing, top_k: int = 2, depth: int = 8, width: int | None = 1, max_nodes: int = 12,
+                 recalibrate: bool = True, decay: float = 0.98, prior: float = 0.8, sibling_prior: float = 0.1,
+                 tree_overhead_ms: float = 1.5, explore_every: int = 8, goodput=None):
         self.max_gamma = depth = int_at_least(self.name, "depth", depth, 1)
         # goodput feedback (ldlp/policies/goodput.py): the static chains are arms beside this policy's own plan,
         # so trees are kept only where they measurably pay
@@ -121,8 +119,7 @@ class TreeBudgetPolicy(DraftPolicy):
         self.max_nodes = min(int_at_least(self.name, "max_nodes", max_nodes, 1), self.tree.max_nodes)
         self.tree_overhead_ms = float(tree_overhead_ms)
         # the tree's own cost before a tree step is timed: the online model's prior for it
-        self.pricing = StepPricing(self.name, cost_dir, model, cost_table, profile_if_missing, online_costs,
-                                   cost_model, model_options={"tree_prior_ms": self.tree_overhead_ms})
+        self.pricing = StepPricing.of(self.name, pricing, model_options={"tree_prior_ms": self.tree_overhead_ms})
         self.gate = DraftGate(explore_every)
         self.explore_every = int(explore_every)
         self.accept = RunningRate(prior, 0.01, 0.99)  # P(the drafter's first choice kept), the tree's spine
