@@ -73,42 +73,6 @@ def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 5, clock: 
     return statistics.median(times)
 
 
-def paired_ratio(num_tokens, num_seconds, den_tokens, den_seconds, bootstrap: int = 2000, seed: int = 0,
-                 level: float = 0.95) -> dict:
-    """The throughput ratio of a contender (num) to a baseline (den) measured on the same pairs (e.g. the
-    same (round, block) workloads, timed in turns), with a paired bootstrap interval.
-
-    The ratio is (Σ num_tokens / Σ num_seconds) / (Σ den_tokens / Σ den_seconds): tokens per second over all
-    pairs, so tokens need not match between the two (sampled outputs differ), and under greedy decoding
-    it is the ratio of total seconds. The bootstrap draws pairs with replacement (``bootstrap`` times, numpy's
-    generator seeded with ``seed``), each pair keeping both its measurements, and reports the ratio's central
-    ``level`` quantile interval. Returns {"ratio", "ci95" ([lo, hi], or None with fewer than 2 pairs), "pairs",
-    "half_width" (half the interval's width, in ratio units), "resolves_5pct" (half-width at most 0.05: the
-    interval tells a 5% difference from none)}."""
-    import numpy as np
-
-    arrays = [np.asarray(x, dtype=float) for x in (num_tokens, num_seconds, den_tokens, den_seconds)]
-    n = len(arrays[0])
-    if any(a.shape != (n,) for a in arrays):
-        raise ValueError(f"paired_ratio: the four inputs must be 1-D of one length, got shapes {[a.shape for a in arrays]}")
-    if n == 0:
-        raise ValueError("paired_ratio: no pairs")
-    if (arrays[1] <= 0).any() or (arrays[3] <= 0).any():
-        raise ValueError("paired_ratio: seconds must be > 0")
-    if not 0 < level < 1:
-        raise ValueError(f"paired_ratio: level must be in (0, 1), got {level}")
-    nt, ns, dt, ds = arrays
-    ratio = float((nt.sum() / ns.sum()) / (dt.sum() / ds.sum()))
-    out = {"ratio": ratio, "ci95": None, "pairs": int(n), "half_width": None, "resolves_5pct": False}
-    if n < 2:
-        return out
-    pick = np.random.default_rng(seed).integers(0, n, size=(int(bootstrap), n))
-    boot = (nt[pick].sum(1) / ns[pick].sum(1)) / (dt[pick].sum(1) / ds[pick].sum(1))
-    lo, hi = (float(np.quantile(boot, q)) for q in ((1 - level) / 2, (1 + level) / 2))
-    out.update(ci95=[lo, hi], half_width=(hi - lo) / 2, resolves_5pct=(hi - lo) / 2 <= 0.05)
-    return out
-
-
 class ComponentProfile:
     """Per-component seconds in profiled mode only (the timed mode never marks). On a GPU, CUDA events
     recorded at each mark and read once at the end of the step (one synchronisation a step, not one a

@@ -27,7 +27,8 @@ from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
-from eagle_backbone.timing import interleaved, paired_ratio
+from eagle_backbone.timing import interleaved
+from ldlp.bench.stats import paired_ratio
 
 RETIRED = ("engine", "candidates", "sampling", "policy")  # its own policy interface (gamma(ctx) per sequence)
 

@@ -26,7 +26,7 @@ import torch
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
-from eagle_backbone.timing import paired_ratio
+from ldlp.bench.stats import paired_ratio
 from ldlp.bench.workload import run_workload
 
 CORE = "eagle_backbone"

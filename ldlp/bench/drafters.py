@@ -38,7 +38,8 @@ from eagle_backbone.loading import check_drafter_fits, load_drafter, load_target
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.sampling import SamplingConfig
-from eagle_backbone.timing import interleaved, paired_ratio
+from eagle_backbone.timing import interleaved
+from ldlp.bench.stats import paired_ratio
 from ldlp.bench.headtohead import dropped_note
 from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info, skipped_note
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
@@ -46,11 +47,11 @@ from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 log = logging.getLogger(__name__)
 
 
-def _vs(num, den, ref_num, ref_den, bootstrap: int, seed: int) -> tuple[float, list[float] | None]:
-    """(Σ num / Σ den) / (Σ ref_num / Σ ref_den) over prompts and its paired bootstrap 95% interval
-    (:func:`~eagle_backbone.timing.paired_ratio`: the same resampled prompts for every comparison of a run)."""
+def _vs(num, den, ref_num, ref_den, bootstrap: int, seed: int) -> dict:
+    """{"ratio", "ci95"}: (Σ num / Σ den) / (Σ ref_num / Σ ref_den) over prompts and its paired bootstrap 95%
+    interval (:func:`~ldlp.bench.stats.paired_ratio`: the same resampled prompts for every comparison of a run)."""
     r = paired_ratio(num, den, ref_num, ref_den, bootstrap=bootstrap, seed=seed)
-    return r["ratio"], r["ci95"]
+    return {"ratio": r["ratio"], "ci95": r["ci95"]}
 
 
 def prompt_sets(cfg) -> tuple[dict, dict]:
@@ -130,10 +131,9 @@ def pair_rows(result: dict, pairs: list, bootstrap: int, seed: int) -> list[dict
             for T, t_cell in cell["by_temperature"].items():
                 i, j = t_cell["labels"].index(f"{a} γ={g}"), t_cell["labels"].index(f"{b} γ={g}")
                 tok, fwd = np.asarray(t_cell["tokens"])[:, 0], np.asarray(t_cell["target_forwards"])[:, 0]
-                ratio, ci = _vs(tok[i], fwd[i], tok[j], fwd[j], bootstrap, seed)
                 rows.append({"set": set_name, "temperature": float(T), "drafter": a, "over": b, "gamma": g,
                              "tau": float(tok[i].sum() / fwd[i].sum()), "over_tau": float(tok[j].sum() / fwd[j].sum()),
-                             "ratio": ratio, "ci95": ci})
+                             **_vs(tok[i], fwd[i], tok[j], fwd[j], bootstrap, seed)})
     return rows
 
 
@@ -234,9 +234,8 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
         cell["tau_vs_reference"] = {}
         for name in names[1:]:
             i = labels.index(f"{name} γ={tau_gamma}")
-            point, ci = _vs(tau_p[0][i], tau_p[1][i], tau_p[0][ref_tau], tau_p[1][ref_tau], B, seed)
             cell["tau_vs_reference"][name] = {"gamma": tau_gamma, "tau": rows[i]["tau"], "reference_tau": rows[ref_tau]["tau"],
-                                              "ratio": point, "ci95": ci}
+                                              **_vs(tau_p[0][i], tau_p[1][i], tau_p[0][ref_tau], tau_p[1][ref_tau], B, seed)}
         if timed:
             best = {}
             for name in names:
@@ -256,16 +255,14 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
             r0 = best[names[0]]
             for name in names[1:]:
                 b = best[name]
-                point, ci = _vs(tok_p[b], sec_p[b], tok_p[r0], sec_p[r0], B, seed)
                 faster = int((tokens[b].sum(1) / secs[b].sum(1) > tokens[r0].sum(1) / secs[r0].sum(1)).sum())
                 cell["best_static_vs_reference"][name] = {"gamma": contenders[b][1], "reference_gamma": contenders[r0][1],
-                                                          "ratio": point, "ci95": ci, "rounds_faster": faster}
+                                                          **_vs(tok_p[b], sec_p[b], tok_p[r0], sec_p[r0], B, seed),
+                                                          "rounds_faster": faster}
                 # and at every γ: the same γ for both drafters
                 cell.setdefault("same_gamma_vs_reference", {})[name] = {
-                    g: dict(zip(("ratio", "ci95"), _vs(tok_p[labels.index(f"{name} γ={g}")],
-                                                       sec_p[labels.index(f"{name} γ={g}")],
-                                                       tok_p[labels.index(f"{names[0]} γ={g}")],
-                                                       sec_p[labels.index(f"{names[0]} γ={g}")], B, seed)))
+                    g: _vs(tok_p[labels.index(f"{name} γ={g}")], sec_p[labels.index(f"{name} γ={g}")],
+                           tok_p[labels.index(f"{names[0]} γ={g}")], sec_p[labels.index(f"{names[0]} γ={g}")], B, seed)
                     for g in gammas}
         by_temperature[str(T)] = cell
     return by_temperature

@@ -40,7 +40,7 @@ from ldlp.bench.loaders import (
 from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
 from ldlp.bench.conversation import prompt_categories
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
-from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
+from ldlp.bench.stats import best_adaptive, headroom_captured, paired_ratio, verdict_line
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     overall = rounds * tokens.sum(1) / secs.sum((1, 2))  # every round emits the same tokens
     static = [i for i in range(n_policies) if adaptive[i] is False]  # a scripted twin (None) is neither
     ref = max(static, key=lambda i: overall[i]) if static else None  # the fastest static γ over all pairs
-    rng = np.random.default_rng(seed)
-    boot_k = rng.integers(0, len(prompts), size=(bootstrap, len(prompts)))  # prompts drawn with replacement
+    # seconds of one runner over another's on the same pairs, prompts drawn with replacement (each with all its rounds)
+    vs = lambda i, j: paired_ratio(None, secs[i], None, secs[j], bootstrap, seed, tails=(0.025, 0.975))  # noqa: E731
     rows = []
     for i, label in enumerate(labels):
         row = {"contender": label, "policy": names[i] if i < n_policies else "ar",
@@ -149,15 +149,13 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
                "wasted_tokens": int(counts[i, 1] - (tokens[i].sum() - counts[i, 0]))}
         if ref is not None and i != ref and i < n_policies:
             # seconds of the reference over seconds of this contender on the same pairs: > 1 means faster
-            boot = secs[ref][:, boot_k].sum((0, 2)) / secs[i][:, boot_k].sum((0, 2))
-            row.update(vs_best_static=float(secs[ref].sum() / secs[i].sum()),
-                       ci95=[float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+            r = vs(i, ref)
+            row.update(vs_best_static=r["ratio"], ci95=r["ci95"],
                        rounds_faster=int((secs[i].sum(1) < secs[ref].sum(1)).sum()))
         if i < n_policies and "twin_of" in (settings[i] or {}):
             j = labels.index(settings[i]["twin_of"])  # its policy's seconds over the twin's: its own calls' cost
-            boot = secs[j][:, boot_k].sum((0, 2)) / secs[i][:, boot_k].sum((0, 2))
-            row["twin"] = {"of": labels[j], "seconds_ratio": float(secs[j].sum() / secs[i].sum()),
-                           "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+            r = vs(i, j)
+            row["twin"] = {"of": labels[j], "seconds_ratio": r["ratio"], "ci95": r["ci95"],
                            "same_choices": float(np.mean([chosen[j][k] == chosen[i][k] for k in range(len(prompts))]))}
         rows.append(row)
     for row, by in zip(rows, runs_by_category(categories, secs, tokens)):

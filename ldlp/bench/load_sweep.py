@@ -11,7 +11,7 @@ generator. Rows report each round's blocks summed, medians over rounds.
 Each (round, block) is one paired measurement: per (C, T) every adaptive contender's ratio of tokens/s to
 the baselines (batched AR, the best static γ at that (C, T) in hindsight, the static γ best at C=1 used at
 every C, the oracle at T=0) comes with a paired bootstrap 95% interval over those pairs
-(:func:`eagle_backbone.timing.paired_ratio`; the rows: :mod:`ldlp.bench.load_aggregate`). The oracle replays the engine with one slot
+(:func:`ldlp.bench.stats.paired_ratio`; the rows: :mod:`ldlp.bench.load_aggregate`). The oracle replays the engine with one slot
 (``SpeculativeDecoder``) per prompt before the clocks start and runs at T=0 only; so does the batched oracle
 (``policy=oracle_budget``, :mod:`ldlp.policies.oracles`), whose gain over the best static γ at each C the findings
 report as the headroom (``oracle_headroom``).

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.io import atomic_write_json, atomic_write_text
-from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
+from ldlp.bench.stats import best_adaptive, headroom_captured, paired_ratio, verdict_line
 
 
 def contender_key(row: dict) -> str:
@@ -69,19 +69,6 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
     if not static:
         raise ValueError(f"pool: no static contender is in every run (contenders: {keys})")
     ref = min(static, key=lambda k: sum(s[k].sum() for s in secs))  # the same tokens in every run
-    rng = np.random.default_rng(seed)
-    # two-level bootstrap: runs with replacement (the machine's drift between runs), then prompts within each
-    draws = [rng.integers(0, s[ref].shape[1], size=(bootstrap, s[ref].shape[1])) for s in secs]
-    # per run and contender: its seconds summed over each resample of that run's prompts, (bootstrap,)
-    resampled = [{k: v[:, d].sum((0, 2)) for k, v in s.items()} for s, d in zip(secs, draws)]
-    cols = np.arange(bootstrap)[:, None]
-
-    def boot_ratio(k):  # (bootstrap,) pooled ratios of contender k over the runs it is in
-        runs = present[k]
-        pick = np.random.default_rng([seed, *runs]).integers(0, len(runs), size=(bootstrap, len(runs)))
-        seconds = lambda c: np.stack([resampled[j][c] for j in runs])[pick, cols].sum(1)  # noqa: E731
-        return seconds(ref) / seconds(k)
-
     out_rows = []
     for k in keys:
         per_run = [float(s[ref].sum() / s[k].sum()) if k in s else None for s in secs]
@@ -91,9 +78,9 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
                "pooled": float(sum(secs[j][ref].sum() for j in present[k]) / sum(secs[j][k].sum() for j in present[k])),
                "tokens_per_s": [res["rows"][rows[k]]["tokens_per_s"] if k in rows else None
                                 for res, rows in zip(results, keyed)]}
-        if k != ref:
-            b = boot_ratio(k)
-            row["ci95"] = [float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))]
+        if k != ref:  # two-level bootstrap: runs with replacement (the machine's drift between runs), then prompts
+            row["ci95"] = paired_ratio(None, [s.get(k) for s in secs], None, [s[ref] for s in secs], bootstrap, seed,
+                                       tails=(0.025, 0.975), runs=True)["ci95"]
             row["runs_faster"] = sum(r > 1 for r in mine)
         out_rows.append(row)
     out = {"runs": where, "reference": ref, "rows": out_rows,

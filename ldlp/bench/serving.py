@@ -14,7 +14,7 @@ token); the steps' running rows over time (the load the policies saw).
 
 :func:`serve` runs every contender on the same trace in turns (the order rotating between rounds and traces),
 checks greedy outputs against the target's own, and gives each contender's throughput ratio to the best static
-γ on that trace with a paired bootstrap interval over rounds (``eagle_backbone.timing.paired_ratio``). A
+γ on that trace with a paired bootstrap interval over rounds (``ldlp.bench.stats.paired_ratio``). A
 contender's policy object lives across its runs, as a server keeps running: its online state (acceptance rates,
 the goodput learner, the step-cost model) is warm after the first ``warmup_rounds``, which are run in turns like
 the others and reported apart, not in the ratios.
@@ -258,7 +258,7 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
     rounds, and to batched AR; the same over busy seconds (the run's seconds less those with nothing in flight:
     open loop, a contender that keeps up serves what arrives, and the busy seconds are where it differs), against
     the static γ best by that measure."""
-    from eagle_backbone.timing import paired_ratio
+    from ldlp.bench.stats import paired_ratio
 
     measured = [r for r in runs if not r["warmup"]]
     out = []
