@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from ldlp.bench.load_sweep import near_tie
+from ldlp.bench.identity import GreedyReference
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.paths import REPO_ROOT
@@ -93,7 +93,7 @@ def main(cfg: DictConfig) -> None:
         return [timed(f) for f in fns]
 
     # the losslessness reference: the target's own greedy decoding through transformers, before any clock
-    refs = [target.reference_greedy(p, n) for p in prompts]
+    refs = GreedyReference.of_target(target, prompts, n)
     rows = []
     for gamma in cfg.gammas:
         pair_runs = runners(int(gamma))
@@ -103,16 +103,17 @@ def main(cfg: DictConfig) -> None:
         new_runs = [o for rnd in runs[0] for o in rnd]
         old_runs = [o for rnd in runs[1] for o in rnd]
         same = sum(a.tokens == b.tokens for (a, _), (b, _) in zip(new_runs, old_runs))
-        lossless = [sum(o.tokens == refs[j % len(prompts)] for j, (o, _) in enumerate(xs)) for xs in (new_runs, old_runs)]
+        lossless = [sum(refs.same([o.tokens for o, _ in xs], [j % len(prompts) for j in range(len(xs))]))
+                    for xs in (new_runs, old_runs)]
         # every output that leaves the reference, once per (side, prompt): is it a near-tie of the dtype?
         differences = []
         for side, xs in (("engine", new_runs), ("retired loop", old_runs)):
             seen = set()
             for j, (o, _) in enumerate(xs):
                 i = j % len(prompts)
-                if o.tokens != refs[i] and (i, tuple(o.tokens)) not in seen:
+                if not refs.same([o.tokens], [i])[0] and (i, tuple(o.tokens)) not in seen:
                     seen.add((i, tuple(o.tokens)))
-                    differences.append({"side": side, "prompt": i, **near_tie(target, prompts[i], refs[i], o.tokens)})
+                    differences.append({"side": side, "prompt": i, **refs.difference(i, o.tokens)})
         row = {"gamma": int(gamma), "same_tokens": same, "generations": len(new_runs),
                "engine_lossless": lossless[0], "retired_loop_lossless": lossless[1], "differences": differences}
         for clock, secs in (("wall", lambda o, c: o.stats.wall_s), ("cpu", lambda o, c: c)):

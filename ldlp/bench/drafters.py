@@ -41,6 +41,7 @@ from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.timing import interleaved
 from ldlp.bench.stats import paired_ratio
 from ldlp.bench.headtohead import dropped_note
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info, skipped_note
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 
@@ -213,8 +214,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
         bar.close()
         lossless = None
         if greedy:
-            reference = [target.reference_greedy(p, n) for p in prompts]
-            lossless = all(o == reference for o in outputs)
+            lossless = GreedyReference.of_target(target, prompts, n).lossless(outputs)
         tok_p, sec_p = tokens.sum(1), secs.sum(1)  # per runner, per prompt (rounds summed)
         tau_p = tokens[:, 0], fwds[:, 0]  # τ from the first round (the counters repeat at T = 0)
         rows = []

@@ -60,6 +60,7 @@ from ldlp.bench.peer import is_peer
 from ldlp.bench.answers import model_id, write_answers
 from ldlp.bench.categories import category_markdown, category_rows, specbench_tasks
 from ldlp.bench.conversation import Dialogue, load_questions, question_rows
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.stats import median
 
 log = logging.getLogger(__name__)
@@ -152,10 +153,8 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
 
     lossless, mismatches = None, []
     if check:
-        ref_out = {t.prompt_id: t.tokens for turns in ref_runs[0] for t in turns}
-        ar_out = {t.prompt_id: t.tokens for turns in ar_runs[0] for t in turns}
-        mismatches = [pid for pid in dict.fromkeys([*spec_out, *ref_out])
-                      if spec_out.get(pid) != ref_out.get(pid) or ar_out.get(pid) != ref_out.get(pid)]
+        ref_out = GreedyReference({t.prompt_id: t.tokens for turns in ref_runs[0] for t in turns})
+        mismatches = ref_out.differing(spec_out, {t.prompt_id: t.tokens for turns in ar_runs[0] for t in turns})
         lossless = not mismatches
         if mismatches:
             log.warning("policy %s: %d outputs (speculative or AR) differ from the target's own greedy decoding "

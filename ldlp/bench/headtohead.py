@@ -39,6 +39,7 @@ from ldlp.bench.loaders import (
 )
 from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
 from ldlp.bench.conversation import prompt_categories
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 from ldlp.bench.stats import best_adaptive, headroom_captured, paired_ratio, verdict_line
 
@@ -126,8 +127,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     lossless = None
     if sampling.greedy:
         # against the target's own greedy decoding through transformers (untimed), AR included
-        reference = [pair.target.reference_greedy(p, n) for p in prompts]
-        lossless = all(out == reference for out in outputs)
+        lossless = GreedyReference.of_target(pair.target, prompts, n).lossless(outputs)
         if not lossless:
             log.warning("head to head: some greedy outputs differ from the target's own greedy decoding")
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -49,6 +48,7 @@ from eagle_backbone.policy import as_draft_policy
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.load_aggregate import aggregate_runs
 from ldlp.bench.memory import release_freed_memory
 from ldlp.bench.step_costs import hindsight_model, run_step_costs, step_cost_rows
@@ -65,22 +65,6 @@ class Contender:
     make: Callable | None  # zero-argument policy factory (one instance per slot); None: AR
     runner: object | None = None  # a peer engine's runner (vLLM; ldlp/bench/peer_rows.py); None: this engine
     engine: dict = field(default_factory=dict)  # this engine's settings for it (prefill, max_batched_tokens)
-
-
-def near_tie(target, prompt, ref, got) -> dict:
-    """The target's top-2 logit gap at the first position where ``got`` leaves ``ref`` (one forward of
-    the reference prefix, as plain decoding computes it), and the dtype's spacing at the top logit."""
-    i = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    if i >= len(ref) or i >= len(got):
-        return {"position": i, "gap": None, "spacing": None, "near_tie": False, "note": "length differs only"}
-    with torch.inference_mode():
-        logits, _ = target(torch.tensor([prompt + ref[:i]], device=target.device))
-    top = torch.topk(logits[0, -1].float(), 2)
-    gap = float(top.values[0] - top.values[1])
-    eps = torch.finfo(target.dtype).eps  # 2^-mantissa bits: 2^-7 for bfloat16, 2^-23 for float32
-    spacing = 2.0 ** math.floor(math.log2(max(abs(float(top.values[0])), 1e-30))) * eps
-    return {"position": i, "ref_token": ref[i], "got_token": got[i], "gap": gap, "spacing": spacing,
-            "near_tie": gap <= 2 * spacing}
 
 
 def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
@@ -276,10 +260,7 @@ class _Run:
         """(sampling, the contenders that run at this T, the greedy references or None), kernels warmed up."""
         cs = [c if c.label not in replayed else self._replayed(c, samp) for c in contenders]
         cs = [c for c in cs if c is not None]
-        ref = None
-        if samp.greedy:
-            self.log(f"reference: the target's own greedy outputs of {len(self.prompts)} prompts (transformers' forward)")
-            ref = [self.target.reference_greedy(p, self.max_new_tokens) for p in self.prompts]
+        ref = GreedyReference.of_target(self.target, self.prompts, self.max_new_tokens, self.log) if samp.greedy else None
         for c in cs:  # warm up kernels and allocators once per contender (a peer warms up its own engine at each C)
             if c.runner is None:
                 e = BatchedSpeculativeEngine(self.target, self.candidates, slots=2, policy=c.make, sampling=samp,
@@ -360,16 +341,17 @@ class _Run:
             summ["by_category"] = res.by_category([self.categories[i] for i in idx])
         return [o.tokens for o in res.outputs], summ
 
-    def _greedy_check(self, c: Contender, C: int, idx: list[int], outs: list, ref) -> list[bool] | None:
+    def _greedy_check(self, c: Contender, C: int, idx: list[int], outs: list,
+                      ref: GreedyReference | None) -> list[bool] | None:
         """Each output against its prompt's greedy reference (None without references); a first difference per
         (contender, C, prompt) is kept with its near-tie check."""
         if ref is None:
             return None
-        same = [o == ref[i] for o, i in zip(outs, idx)]
+        same = ref.same(outs, idx)
         for o, i, ok in zip(outs, idx, same):
             if not ok and (c.label, C, i) not in self.diffs:
                 self.diffs[(c.label, C, i)] = {"contender": c.label, "concurrency": C, "prompt": i,
-                                               **near_tie(self.target, self.prompts[i], ref[i], o)}
+                                               **ref.difference(i, o)}
         return same
 
     # -- after the timed rounds --

@@ -33,6 +33,7 @@ from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.step_records import GenerationOutput
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.step_cost import OnlineCostModel
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.workload import percentile
 
 SHAPES = ("constant", "ramp")
@@ -207,10 +208,7 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
             raise ConfigError(f"traces.{name}.requests={spec['requests']} but only {len(prompts)} prompts are loaded "
                               "(raise data.limit or lower requests)")
     capacity = max(len(p) for p in prompts) + max_new_tokens + 2
-    ref = None
-    if sampling.greedy:
-        log(f"reference: the target's own greedy outputs of {len(prompts)} prompts (transformers' forward)")
-        ref = [target.reference_greedy(p, max_new_tokens) for p in prompts]
+    ref = GreedyReference.of_target(target, prompts, max_new_tokens, log) if sampling.greedy else None
     for c in contenders:
         if c.label in replayed:
             log(f"{c.label}: replaying the engine with one slot on {len(prompts)} prompts (untimed)")
@@ -233,7 +231,7 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
                 start = len(fb.history) if fb is not None else None
                 res = run_serving(eng, [prompts[i] for i in idx], arrivals, max_new_tokens,
                                   [seed + i for i in idx])
-                same = None if ref is None else sum(o.tokens == ref[i] for o, i in zip(res.outputs, idx))
+                same = None if ref is None else sum(ref.same([o.tokens for o in res.outputs], idx))
                 runs.append({"round": r, "warmup": r < warmup_rounds, "trace": name, "contender": c.label,
                              "policy": c.policy, "gamma": c.gamma, "temperature": sampling.temperature,
                              **res.summary(), "identical": same, "n_requests": len(idx), "policy_s": eng.policy_s,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.vllm_schedule import (
     StepModel,
     acceptance_by_position,
@@ -68,12 +69,13 @@ def check_outputs(calls: list[dict], reference: list[list[int]] | None) -> dict:
     without a reference), "differing" (up to 5 (k, prompt) pairs)}."""
     by_prompt: dict[int, set] = {}
     ok_ref, n, diff = 0, 0, []
+    ref = None if reference is None else GreedyReference(reference)
     for c in calls:
         for i, out in zip(c["prompts"], c["outputs"]):
             by_prompt.setdefault(i, set()).add(tuple(out))
             n += 1
-            if reference is not None:
-                same = list(out) == list(reference[i])
+            if ref is not None:
+                same = ref.same([out], [i])[0]
                 ok_ref += same
                 if not same and len(diff) < 5:
                     diff.append({"k": c["k"], "prompt": i})
