@@ -3,8 +3,10 @@
 On a shared machine the speed drifts over minutes by more than the few percent that separate the
 things compared here, so every comparison runs its contenders in turns: for each round, for each
 item (a prompt, or one step), every runner once, in an order that changes with the round and the
-item (:data:`ORDERS`). :func:`interleaved` is that loop, used by the evaluation, the head to head,
-the choice of the AR baseline, the replay tuner's cost fit, the model card and the target benchmark.
+item (:data:`ORDERS`). :func:`interleaved` is that loop, used by every comparison: the evaluation, the head to
+head, the drafters, the load sweep, the serving traces, the vLLM tuner's grid, the engine against an older
+commit, the attention kernels, the choice of the AR baseline, the replay tuner's cost fit, the model card and
+the target benchmark.
 
 The engine's own clocks live here too: :class:`ComponentProfile` (per-component seconds in profiled mode)
 and :class:`StepClock` (each step's milliseconds for the step-cost records).
@@ -26,24 +28,26 @@ from eagle_backbone.runtime import Clock
 ORDERS = ("fixed", "alternate", "rotate")
 
 
-def turn_order(n_runners: int, order: str, round_: int, item: int, n_items: int) -> list[int]:
-    """The runners' indices in the order they take their turns on ``item`` in ``round_``."""
+def turn_order(n_runners: int, order: str, round_: int, item: int, n_items: int, offset: int = 0) -> list[int]:
+    """The runners' indices in the order they take their turns on ``item`` in ``round_`` (``offset``: added to
+    the turn's count, for a caller that runs its rounds or cells one call at a time)."""
     idx = list(range(n_runners))
     if order == "fixed":
         return idx
     if order == "alternate":
-        return idx if (round_ + item) % 2 == 0 else idx[::-1]
+        return idx if (offset + round_ + item) % 2 == 0 else idx[::-1]
     if order == "rotate":
-        shift = (round_ * n_items + item) % n_runners
+        shift = (offset + round_ * n_items + item) % n_runners
         return idx[shift:] + idx[:shift]
     raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
 
 
 def interleaved(runners: Sequence, items: Sequence, rounds: int, call: Callable, order: str = "alternate",
-                after_item: Callable[[], None] | None = None) -> list[list[list]]:
+                after_item: Callable[[], None] | None = None, offset: int = 0) -> list[list[list]]:
     """``results[i][r][k] = call(runners[i], items[k], k, r)``, run round by round, item by item, every
-    runner taking its turn on each item in the order :func:`turn_order` gives. ``after_item`` is called
-    once all runners have had an item (a progress bar's update)."""
+    runner taking its turn on each item in the order :func:`turn_order` gives (``offset``: its offset, e.g.
+    the round of a caller that runs one round at a time). ``after_item`` is called once all runners have had
+    an item (a progress bar's update)."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if rounds < 1:
@@ -51,7 +55,7 @@ def interleaved(runners: Sequence, items: Sequence, rounds: int, call: Callable,
     results = [[[None] * len(items) for _ in range(rounds)] for _ in runners]
     for r in range(rounds):
         for k, item in enumerate(items):
-            for i in turn_order(len(runners), order, r, k, len(items)):
+            for i in turn_order(len(runners), order, r, k, len(items), offset):
                 results[i][r][k] = call(runners[i], item, k, r)
             if after_item is not None:
                 after_item()

@@ -26,6 +26,7 @@ import torch
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
+from eagle_backbone.timing import interleaved
 from ldlp.bench.stats import paired_ratio
 from ldlp.bench.workload import run_workload
 
@@ -77,24 +78,24 @@ def compare(pair, sets: dict, ref: str, concurrency=(1, 16), gammas=(0, 4), roun
         for C in concurrency:
             for g in gammas:
                 runs = {k: [] for k in engines}
-                agree = True
-                for r in range(rounds):
-                    order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-                    outs = {}
-                    for k in order:
-                        Engine, Static = engines[k]
-                        try:
-                            eng = Engine(pair.target, pair.drafter if g else None, "eagle" if g else None, slots=C,
-                                         policy=Static(g), capacity=capacity)
-                        except (TypeError, AttributeError) as e:
-                            if k == "today":
-                                raise
-                            raise ValueError(f"ref={ref}: its engine does not take today's arguments ({e}); choose "
-                                             "a later ref") from None
-                        res = run_workload(eng, prompts, C, max_new_tokens)
-                        runs[k].append((res.new_tokens, res.cpu_s, res.wall_s))
-                        outs[k] = [o.tokens for o in res.outputs]
-                    agree &= outs["today"] == outs["ref"]
+                outs = {}  # (round, engine) -> its outputs
+
+                def one(k, _, __, r):
+                    Engine, Static = engines[k]
+                    try:
+                        eng = Engine(pair.target, pair.drafter if g else None, "eagle" if g else None, slots=C,
+                                     policy=Static(g), capacity=capacity)
+                    except (TypeError, AttributeError) as e:
+                        if k == "today":
+                            raise
+                        raise ValueError(f"ref={ref}: its engine does not take today's arguments ({e}); choose "
+                                         "a later ref") from None
+                    res = run_workload(eng, prompts, C, max_new_tokens)
+                    runs[k].append((res.new_tokens, res.cpu_s, res.wall_s))
+                    outs[r, k] = [o.tokens for o in res.outputs]
+
+                interleaved(list(engines), [None], rounds, one, order="alternate")  # the first engine alternates
+                agree = all(outs[r, "today"] == outs[r, "ref"] for r in range(rounds))
                 t, o = runs["today"], runs["ref"]
                 ratio = paired_ratio([x[0] for x in t], [x[1] for x in t], [x[0] for x in o], [x[1] for x in o],
                                      bootstrap=bootstrap, seed=seed)

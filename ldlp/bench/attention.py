@@ -43,6 +43,7 @@ from torch import nn
 from eagle_backbone.linear import Projection
 from eagle_backbone.llama import BatchedLlama, attend
 from eagle_backbone.ragged import RaggedBatch
+from eagle_backbone.timing import interleaved
 
 ROUTES = ("gather", "copy", "per_row_qkT", "per_row", "dense", "flex")
 
@@ -66,13 +67,14 @@ def _with_scores(scores, fn):
 def _timed(fns: dict, reps: int) -> dict[str, float]:
     """Median process-CPU ms of each function, interleaved in rotating order (one warm-up round)."""
     times = {n: [] for n in fns}
-    names = list(fns)
-    for r in range(reps + 1):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.process_time()
-            fns[n]()
-            if r:
-                times[n].append(1e3 * (time.process_time() - t0))
+
+    def one(n, _, k, r):  # round r starts with function r mod n
+        t0 = time.process_time()
+        fns[n]()
+        if r:
+            times[n].append(1e3 * (time.process_time() - t0))
+
+    interleaved(list(fns), [None], reps + 1, one, order="rotate")
     return {n: statistics.median(v) for n, v in times.items()}
 
 

@@ -48,6 +48,7 @@ from eagle_backbone.policy import as_draft_policy
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
+from eagle_backbone.timing import interleaved
 from ldlp.bench.identity import GreedyReference
 from ldlp.bench.load_aggregate import aggregate_runs
 from ldlp.bench.memory import release_freed_memory
@@ -292,10 +293,9 @@ class _Run:
         if r == 0 and len(parts) < blocks:
             self.log(f"C={C}: {len(parts)} block(s) of >= {C} prompts (of {blocks} asked): "
                      f"{len(self.prompts)} prompts cannot fill more")
-        for bi, idx in enumerate(parts):
-            k = (turn + bi) % len(cs)
-            for c in cs[k:] + cs[:k]:
-                self._run_block(c, C, samp, ref, idx, r, bi)
+        # block bi starts with contender (turn + bi) mod n
+        interleaved(cs, parts, 1, lambda c, idx, bi, _: self._run_block(c, C, samp, ref, idx, r, bi), order="rotate",
+                    offset=turn)
 
     def _run_block(self, c: Contender, C: int, samp: SamplingConfig, ref, idx: list[int], r: int, bi: int) -> None:
         ps, sd = [self.prompts[i] for i in idx], [self.seeds[i] for i in idx]

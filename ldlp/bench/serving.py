@@ -33,6 +33,7 @@ from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.step_records import GenerationOutput
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.step_cost import OnlineCostModel
+from eagle_backbone.timing import interleaved
 from ldlp.bench.identity import GreedyReference
 from ldlp.bench.workload import percentile
 
@@ -218,34 +219,35 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
     runs: list[dict] = []
     learners: dict = {}
     total = warmup_rounds + rounds
-    for r in range(total):
-        for ti, (name, spec) in enumerate(specs.items()):
-            arrivals = arrival_times(spec)
-            idx = list(range(spec["requests"]))
-            k = (r + ti) % len(contenders)
-            for c in contenders[k:] + contenders[:k]:
-                eng = BatchedSpeculativeEngine(target, candidates, slots=slots, policy=policies[c.label],
-                                               sampling=sampling, capacity=capacity, attn=attn,
-                                               cost_model=models[c.label])
-                fb = getattr(policies[c.label], "goodput", None)
-                start = len(fb.history) if fb is not None else None
-                res = run_serving(eng, [prompts[i] for i in idx], arrivals, max_new_tokens,
-                                  [seed + i for i in idx])
-                same = None if ref is None else sum(ref.same([o.tokens for o in res.outputs], idx))
-                runs.append({"round": r, "warmup": r < warmup_rounds, "trace": name, "contender": c.label,
-                             "policy": c.policy, "gamma": c.gamma, "temperature": sampling.temperature,
-                             **res.summary(), "identical": same, "n_requests": len(idx), "policy_s": eng.policy_s,
-                             "timeline": [[round(t, 4), n, q] for t, n, q in res.timeline],
-                             # this run's choices in the learner's history (it lives across runs, as a server)
-                             "learner_span": None if fb is None else [start, len(fb.history)]})
-                if fb is not None:
-                    learners[c.label] = _learner(policies[c.label])
-                log(f"round {r}{' (warm-up)' if r < warmup_rounds else ''} {name:<8} {c.label:<24} "
-                    f"{runs[-1]['tokens_per_s']:7.1f} tok/s  TPOT p50 {runs[-1]['tpot_ms_median']:6.1f} ms  "
-                    f"p99 {runs[-1]['tpot_ms_p99']:6.1f} ms" + ("" if same is None else f"  identical {same}/{len(idx)}"))
-                if checkpoint:
-                    checkpoint({"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners,
-                                "traces": specs, "skipped": skipped, "complete": False})
+    arrivals = {name: arrival_times(spec) for name, spec in specs.items()}  # each trace's, the same every round
+
+    def one_run(c, name: str, r: int) -> None:
+        idx = list(range(specs[name]["requests"]))
+        eng = BatchedSpeculativeEngine(target, candidates, slots=slots, policy=policies[c.label],
+                                       sampling=sampling, capacity=capacity, attn=attn,
+                                       cost_model=models[c.label])
+        fb = getattr(policies[c.label], "goodput", None)
+        start = len(fb.history) if fb is not None else None
+        res = run_serving(eng, [prompts[i] for i in idx], arrivals[name], max_new_tokens,
+                          [seed + i for i in idx])
+        same = None if ref is None else sum(ref.same([o.tokens for o in res.outputs], idx))
+        runs.append({"round": r, "warmup": r < warmup_rounds, "trace": name, "contender": c.label,
+                     "policy": c.policy, "gamma": c.gamma, "temperature": sampling.temperature,
+                     **res.summary(), "identical": same, "n_requests": len(idx), "policy_s": eng.policy_s,
+                     "timeline": [[round(t, 4), n, q] for t, n, q in res.timeline],
+                     # this run's choices in the learner's history (it lives across runs, as a server)
+                     "learner_span": None if fb is None else [start, len(fb.history)]})
+        if fb is not None:
+            learners[c.label] = _learner(policies[c.label])
+        log(f"round {r}{' (warm-up)' if r < warmup_rounds else ''} {name:<8} {c.label:<24} "
+            f"{runs[-1]['tokens_per_s']:7.1f} tok/s  TPOT p50 {runs[-1]['tpot_ms_median']:6.1f} ms  "
+            f"p99 {runs[-1]['tpot_ms_p99']:6.1f} ms" + ("" if same is None else f"  identical {same}/{len(idx)}"))
+        if checkpoint:
+            checkpoint({"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners,
+                        "traces": specs, "skipped": skipped, "complete": False})
+
+    for r in range(total):  # in round r, trace ti starts with contender (r + ti) mod n
+        interleaved(contenders, list(specs), 1, lambda c, name, ti, _: one_run(c, name, r), order="rotate", offset=r)
     return {"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners, "traces": specs,
             "skipped": skipped, "complete": True}
 
