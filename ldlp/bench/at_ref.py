@@ -27,6 +27,7 @@ from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import capacity_for
 from ldlp.bench.stats import paired_ratio
 from ldlp.bench.workload import run_workload
 
@@ -74,7 +75,7 @@ def compare(pair, sets: dict, ref: str, concurrency=(1, 16), gammas=(0, 4), roun
                                                                         old_policy.StaticPolicy)}
     rows = []
     for name, prompts in sets.items():
-        capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+        capacity = capacity_for(prompts, max_new_tokens)
         for C in concurrency:
             for g in gammas:
                 runs = {k: [] for k in engines}

@@ -232,14 +232,13 @@ def elementwise_kernels(lm: BatchedLlama, tokens=(1, 16, 64, 256), reps: int = 1
 def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_new_tokens: int = 48) -> list[dict]:
     """Batched AR over ``prompts`` at each C, prefill in its own forward: CPU-seconds split into prefill and
     decoding (the share from the engine's profiled mode), tokens per CPU-second with and without the prefill."""
-    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
-
+    from ldlp.bench.engines import EngineFactory
     from ldlp.bench.workload import run_workload
 
     out = []
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    engines = EngineFactory.for_prompts(target, None, prompts, max_new_tokens)
     for C in concurrency:
-        eng = BatchedSpeculativeEngine(target, None, slots=C, capacity=capacity, prefill="separate", profile=True)
+        eng = engines(C, prefill="separate", profile=True)
         res = run_workload(eng, prompts, C, max_new_tokens)
         prefill = eng.prof.s.get("prefill", 0.0)
         total = sum(eng.prof.s.values())

@@ -33,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.candidates import make_candidates
-from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.loading import check_drafter_fits, load_drafter, load_target, tie_drafter_embedding
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import int_setting, resolve_dtype
@@ -41,6 +40,7 @@ from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.timing import interleaved
 from ldlp.bench.stats import paired_ratio
 from ldlp.bench.headtohead import dropped_note
+from ldlp.bench.engines import EngineFactory
 from ldlp.bench.identity import GreedyReference
 from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info, skipped_note
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
@@ -187,7 +187,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
         greedy = sampling.greedy
         timed = greedy or sampled_timed  # every γ and AR in turns, the best static γ of each drafter
         contenders = [(name, g) for name in names for g in (gammas if timed else [tau_gamma])]
-        runners = [engine_runner(f"{name} γ={g}", SpeculativeDecoder(target, gens[name], StaticPolicy(g)), sampling)
+        runners = [engine_runner(f"{name} γ={g}", EngineFactory(target, gens[name]).decoder(StaticPolicy(g)), sampling)
                    for name, g in contenders]
         if timed:
             runners.append(ar_runner("ours", target, sampling))

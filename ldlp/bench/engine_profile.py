@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import EngineFactory
 from ldlp.bench.workload import run_workload
 
 
@@ -69,10 +69,9 @@ def profile_components(target, candidates, prompts, make_policy, concurrency=(1,
     timed sweep): prefill, policy, draft, verify, host read and host bookkeeping, per C (``candidates``: a
     :class:`~eagle_backbone.candidates.CandidateGenerator`, or None for batched AR)."""
     out = []
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    engines = EngineFactory.for_prompts(target, candidates, prompts, max_new_tokens, attn)
     for C in concurrency:
-        eng = BatchedSpeculativeEngine(target, candidates, slots=C, policy=make_policy, capacity=capacity,
-                                       attn=attn, profile=True)
+        eng = engines(C, make_policy, profile=True)
         run_workload(eng, prompts[:C], C, 8)  # warm-up
         eng.prof.s = {}
         res = run_workload(eng, prompts, C, max_new_tokens)

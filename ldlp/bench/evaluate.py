@@ -30,7 +30,6 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.errors import accepted_mismatches
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.metrics import total
@@ -60,6 +59,7 @@ from ldlp.bench.peer import is_peer
 from ldlp.bench.answers import model_id, write_answers
 from ldlp.bench.categories import category_markdown, category_rows, specbench_tasks
 from ldlp.bench.conversation import Dialogue, load_questions, question_rows
+from ldlp.bench.engines import EngineFactory
 from ldlp.bench.identity import GreedyReference
 from ldlp.bench.stats import median
 
@@ -108,7 +108,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         engine = policy.engine
     else:
         prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
-        decoder = SpeculativeDecoder(pair.target, pair.candidates, policy, profile=bool(ev.get("profile", False)))
+        decoder = EngineFactory(pair.target, pair.candidates).decoder(policy, profile=bool(ev.get("profile", False)))
         spec_runner = engine_runner(policy_name, decoder, sampling)
         engine = "ours"
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import (
@@ -39,6 +38,7 @@ from ldlp.bench.loaders import (
 )
 from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
 from ldlp.bench.conversation import prompt_categories
+from ldlp.bench.engines import EngineFactory
 from ldlp.bench.identity import GreedyReference
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 from ldlp.bench.stats import best_adaptive, headroom_captured, paired_ratio, verdict_line
@@ -87,7 +87,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
             if not diff:
                 raise ValueError(f"contender {label!r} is listed twice")
             label += " (" + ", ".join(f"{k}={_short(setting[k])}" for k in diff[:2]) + ")"
-        runners.append(engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, policy), sampling))
+        runners.append(engine_runner(label, EngineFactory(pair.target, pair.candidates).decoder(policy), sampling))
         policies.append(policy)
         labels.append(label)
         settings.append(setting)
@@ -185,7 +185,7 @@ def _add_scripted_twins(pair, sampling, prompts, n, seed, runners, labels, setti
                    for k, p in enumerate(prompts)}
         twin = ScriptedPolicy(scripts, max(max(g, default=0) for g in scripts.values()))
         label = f"{labels[i]}: its choices, scripted"
-        runners.append(engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, twin), sampling))
+        runners.append(engine_runner(label, EngineFactory(pair.target, pair.candidates).decoder(twin), sampling))
         labels.append(label)
         settings.append({"twin_of": labels[i]})
         adaptive.append(None)  # a control: neither the best static nor the best adaptive

@@ -42,13 +42,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.batched_engine import BatchedSpeculativeEngine  # its defaults, read by the contenders' checks
 from eagle_backbone.prefill import MAX_BATCHED_TOKENS, check_prefill
 from eagle_backbone.policy import as_draft_policy
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
 from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import EngineFactory
 from ldlp.bench.identity import GreedyReference
 from ldlp.bench.load_aggregate import aggregate_runs
 from ldlp.bench.memory import release_freed_memory
@@ -89,7 +90,7 @@ def replayed_labels(contenders: list[Contender]) -> set[str]:
 def warm_replays(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
     """Run an oracle's ``begin`` on every prompt once, untimed, with a one-slot engine: its replays are shared by
     every instance (:class:`~ldlp.policies.oracles.KnownAcceptance`), so the engines' slots only look them up."""
-    engine = BatchedSpeculativeEngine(target, candidates, slots=1, policy=c.make(), sampling=sampling)
+    engine = EngineFactory(target, candidates)(1, c.make(), sampling)
     for p in prompts:
         engine.policy.begin(0, p, max_new_tokens)
     return c
@@ -237,7 +238,7 @@ class _Run:
     categories: list | None  # one per prompt; None: no per-category counters
     seed: int  # prompt i samples with seed + i
     seeds: list[int] = field(init=False)
-    capacity: int = field(init=False)
+    engines: EngineFactory = field(init=False)  # every engine of the sweep: caches for its longest prompt
     runs: list[dict] = field(default_factory=list)
     diffs: dict = field(default_factory=dict)  # (contender, C, prompt) -> its first greedy difference
     skipped: list[dict] = field(default_factory=list)
@@ -253,7 +254,7 @@ class _Run:
 
     def __post_init__(self):
         self.seeds = [self.seed + i for i in range(len(self.prompts))]
-        self.capacity = max(len(p) for p in self.prompts) + self.max_new_tokens + 2
+        self.engines = EngineFactory.for_prompts(self.target, self.candidates, self.prompts, self.max_new_tokens, self.attn)
 
     # -- before the clocks: each temperature's contenders, greedy references and warm-up --
 
@@ -264,8 +265,7 @@ class _Run:
         ref = GreedyReference.of_target(self.target, self.prompts, self.max_new_tokens, self.log) if samp.greedy else None
         for c in cs:  # warm up kernels and allocators once per contender (a peer warms up its own engine at each C)
             if c.runner is None:
-                e = BatchedSpeculativeEngine(self.target, self.candidates, slots=2, policy=c.make, sampling=samp,
-                                             capacity=self.capacity, attn=self.attn, **c.engine)
+                e = self.engines(2, c.make, samp, **c.engine)
                 run_workload(e, self.prompts[:2], 2, min(8, self.max_new_tokens), self.seeds[:2])
         release_freed_memory()  # the replays' and warm-ups' engines are gone
         return samp, cs, ref
@@ -317,8 +317,7 @@ class _Run:
         the step counters, and the per-category counters where the prompts have categories."""
         model = self.cost_models.setdefault(c.label, OnlineCostModel())
         age = model.seen
-        eng = BatchedSpeculativeEngine(self.target, self.candidates, slots=C, policy=c.make, sampling=samp,
-                                       capacity=self.capacity, attn=self.attn, cost_model=model, **c.engine)
+        eng = self.engines(C, c.make, samp, cost_model=model, **c.engine)
         key = (c.label, samp.temperature)
         learner = adopt(eng.policy, self.learners.get(key))
         if learner is not None:
@@ -365,9 +364,8 @@ class _Run:
                 continue
             self.profiles.append({"contender": c.label, "policy": c.policy, "concurrency": C,
                                   "temperature": samp.temperature, **profile_pass(
-                                      self.target, self.candidates, [self.prompts[i] for i in idx], c.make, C,
-                                      self.max_new_tokens, samp, [self.seeds[i] for i in idx], self.capacity,
-                                      self.attn, c.engine)})
+                                      self.engines, [self.prompts[i] for i in idx], c.make, C, self.max_new_tokens,
+                                      samp, [self.seeds[i] for i in idx], c.engine)})
             self.log(f"profiled T={samp.temperature:g} C={C:>2} {c.label:<14} " + ", ".join(
                 f"{k} {v:.2f}" for k, v in self.profiles[-1]["ms_per_step"].items()) + " ms/step")
 
@@ -452,14 +450,12 @@ def step_counters(outputs, engine_steps: int) -> dict:
 
 
 @torch.inference_mode()
-def profile_pass(target, candidates, prompts, make_policy, concurrency: int, max_new_tokens: int,
-                 sampling: SamplingConfig, seeds: list[int], capacity: int, attn: str = "eager",
-                 engine: dict | None = None) -> dict:
+def profile_pass(engines: EngineFactory, prompts, make_policy, concurrency: int, max_new_tokens: int,
+                 sampling: SamplingConfig, seeds: list[int], engine: dict | None = None) -> dict:
     """One untimed run of ``prompts`` in the engine's profiled mode (a clock reading, or on a GPU a CUDA event,
     at every phase; never in the timed runs): the seconds of each component (draft, policy, verify, prefill,
     read, host), the engine's steps, and the milliseconds per engine step of each component."""
-    eng = BatchedSpeculativeEngine(target, candidates, slots=concurrency, policy=make_policy, sampling=sampling,
-                                   capacity=capacity, attn=attn, profile=True, **(engine or {}))
+    eng = engines(concurrency, make_policy, sampling, profile=True, **(engine or {}))
     res = run_workload(eng, prompts, concurrency, max_new_tokens, seeds)
     steps = eng.steps
     secs = dict(eng.prof.s)

@@ -206,11 +206,9 @@ def cost_engine_factory(target, candidates, attn: str | None = None, capacity: i
     """``factory(R, policy=None)``: a batched engine of R slots over this pair, as the load-aware policies build them
     to profile their cost table (ldlp/policies/load_aware.py); ``attn`` None: the target's default, as
     ``SpeculativeDecoder`` uses it."""
-    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+    from ldlp.bench.engines import EngineFactory
 
-    def factory(R: int, policy=None):
-        return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=capacity, attn=attn, policy=policy)
-    return factory
+    return EngineFactory(target, candidates, capacity, attn)
 
 
 def engine_cost_key(model_name: str, target, candidates, attn: str | None = None) -> dict | None:

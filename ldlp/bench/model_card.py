@@ -23,7 +23,7 @@ import torch
 from eagle_backbone.candidates import DraftModelCandidateGenerator, EagleCandidateGenerator
 from eagle_backbone.data.conversations import build_prompts, encode_chat, load_conversations, to_messages
 from eagle_backbone.drafter import EagleDrafter
-from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.decoder import autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.loading import load_tokenizer
 from eagle_backbone.metrics import total
@@ -31,6 +31,7 @@ from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import Clock, set_threads
 from eagle_backbone.target import TargetModel, rollback
 from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import EngineFactory
 from ldlp.bench.identity import GreedyReference
 
 
@@ -110,7 +111,7 @@ def static_gamma_table(target, candidates: dict, prompts: list[list[int]], gamma
         _, cand, g = config
         if cand is None:
             return autoregressive_generate(target, p, max_new_tokens)
-        return SpeculativeDecoder(target, cand, StaticPolicy(g)).generate(p, max_new_tokens)
+        return EngineFactory(target, cand).decoder(StaticPolicy(g)).generate(p, max_new_tokens)
 
     outs = interleaved(configs, prompts, repeats, generate, order="fixed")
     # every speculative output against AR's on the same prompt in the same round

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.step_records import GenerationOutput
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.step_cost import OnlineCostModel
 from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import EngineFactory
 from ldlp.bench.identity import GreedyReference
 from ldlp.bench.workload import percentile
 
@@ -208,7 +208,7 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
         if spec["requests"] > len(prompts):
             raise ConfigError(f"traces.{name}.requests={spec['requests']} but only {len(prompts)} prompts are loaded "
                               "(raise data.limit or lower requests)")
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    engines = EngineFactory.for_prompts(target, candidates, prompts, max_new_tokens, attn)
     ref = GreedyReference.of_target(target, prompts, max_new_tokens, log) if sampling.greedy else None
     for c in contenders:
         if c.label in replayed:
@@ -223,9 +223,7 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
 
     def one_run(c, name: str, r: int) -> None:
         idx = list(range(specs[name]["requests"]))
-        eng = BatchedSpeculativeEngine(target, candidates, slots=slots, policy=policies[c.label],
-                                       sampling=sampling, capacity=capacity, attn=attn,
-                                       cost_model=models[c.label])
+        eng = engines(slots, policies[c.label], sampling, cost_model=models[c.label])
         fb = getattr(policies[c.label], "goodput", None)
         start = len(fb.history) if fb is not None else None
         res = run_serving(eng, [prompts[i] for i in idx], arrivals[name], max_new_tokens,
