@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.bench.evaluate import evaluate, one_line
+from ldlp.report.categories import write_categories
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
@@ -19,7 +20,7 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     result = evaluate(cfg, policy_name=hc.runtime.choices.get("policy"), out_dir=hc.runtime.output_dir)
     print(one_line(result), flush=True)
-    if result.get("categories_md"):  # two categories or more: the per-category table (Spec-Bench's figures too)
+    if write_categories(result, hc.runtime.output_dir):  # two categories or more: the per-category table
         print(open(result["categories_md"], encoding="utf-8").read(), flush=True)
 
 

@@ -106,19 +106,3 @@ def compare(pair, sets: dict, ref: str, concurrency=(1, 16), gammas=(0, 4), roun
                              "ratio": ratio["ratio"], "ci95": ratio["ci95"], "outputs_agree": agree})
                 log(f"{name} C={C} γ={g}: today/ref {ratio['ratio']:.2f} {ratio['ci95']} agree={agree}")
     return rows
-
-
-def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"# This engine against the engine at {meta['ref']}", "",
-             f"model: {meta['model']}, dtype: {meta['dtype']}, threads: {meta['threads']}, cpu: {meta['cpu']}, "
-             f"{meta['max_new_tokens']} new tokens a prompt, {meta['rounds']} rounds in turns", "",
-             f"Command: `{meta['command']}`", "",
-             "Generated tokens per process CPU-second (median over rounds) and the paired ratio, today over the ref, "
-             "with its bootstrap 95% interval over the rounds (> 1: today is faster).", "",
-             "| prompt set | C | γ | today | ref | today / ref | 95% interval | greedy outputs agree |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        ci = "–" if r["ci95"] is None else f"{r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}"
-        lines.append(f"| {r['set']} | {r['concurrency']} | {r['gamma']} | {r['today_tokens_per_cpu_s']:.1f} | "
-                     f"{r['ref_tokens_per_cpu_s']:.1f} | {r['ratio']:.2f} | {ci} | {'yes' if r['outputs_agree'] else 'NO'} |")
-    return "\n".join(lines) + "\n"

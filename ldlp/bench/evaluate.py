@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from eagle_backbone.cost import table_record
 from eagle_backbone.errors import accepted_mismatches
-from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.io import atomic_write_json
 from eagle_backbone.metrics import total
 from eagle_backbone.runtime import resolve_dtype, set_threads
 from eagle_backbone.timing import interleaved
@@ -57,7 +57,7 @@ from ldlp.bench.runners import (
 )
 from ldlp.bench.peer import is_peer
 from ldlp.bench.answers import model_id, write_answers
-from ldlp.bench.categories import category_markdown, category_rows, specbench_tasks
+from ldlp.bench.categories import category_rows, specbench_tasks
 from ldlp.bench.conversation import Dialogue, load_questions, question_rows
 from ldlp.bench.engines import EngineFactory
 from ldlp.bench.identity import GreedyReference
@@ -226,11 +226,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     if out_dir is not None:
         # answer files (FastChat's judge, Spec-Bench's speed.py): ldlp/bench/answers.py
         result["answers"] = write_answers(qrows, out_dir, result["model_id"], result["ar_model_id"])
-        table = category_markdown([(result["model_id"], by_category, all_categories, result["by_task"])])
-        if table:
-            atomic_write_text(Path(out_dir) / "categories.md", table)
-            result["categories_md"] = str(Path(out_dir) / "categories.md")
-        write_results(result, out_dir)
+        write_results(result, out_dir)  # the per-category page: ldlp.report.categories.write_categories
     return result
 
 

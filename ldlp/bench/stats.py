@@ -132,13 +132,6 @@ def best_adaptive(rows: list[dict], ratio: str) -> tuple[dict | None, dict]:
                   "adaptive_beats_static": best["ci95"][0] > 1}
 
 
-def verdict_line(result: dict, ref: str, what: str) -> str:
-    lo, hi = result["adaptive_gain_ci95"]
-    word = "faster than" if lo > 0 else "slower than" if hi < 0 else "not distinguishable from"
-    return (f"- {what}: **{result['best_adaptive']}**, {100 * result['adaptive_gain']:+.1f}% vs {ref} "
-            f"(95% interval {100 * lo:+.1f}% to {100 * hi:+.1f}%): {word} the best static γ")
-
-
 def headroom_captured(best: float, static: float, oracle: float | None) -> float | None:
     """(best − static) / (oracle − static): the share of the oracle's gain over the best static γ that an
     adaptive policy captures, in any unit where larger is better (tokens/s, or ratios to the static
