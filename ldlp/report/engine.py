@@ -96,3 +96,63 @@ def attention_markdown(result: dict) -> str:
                          f"| {r['decode_tokens_per_cpu_s']:.1f} "
                          f"| {r['decode_tokens_per_cpu_s'] / base['decode_tokens_per_cpu_s']:.2f}× |")
     return "\n".join(lines) + "\n"
+
+
+def cpu_line(machine: dict) -> str:
+    """The CPU a run ran on, its bfloat16 matmuls and torch's version, in a few words."""
+    bf16 = {True: "bf16 matmuls in hardware", False: "bf16 matmuls emulated", None: "bf16 support unknown"}
+    return f"{machine['cpu']} ({bf16[machine.get('cpu_bf16')]}, torch {machine['torch']})"
+
+
+def retired_loop_markdown(rows: list[dict], meta: dict, command: str) -> str:
+    """The page of scripts/bench_retired_loop.py: the engine against the retired batch-1 loop, per static γ and
+    clock, and the outputs that leave the target's greedy decoding."""
+    md = [f"# Batch 1: the engine against the retired batch-1 loop (git {meta['ref']})", "",
+          f"{meta['model']} ({meta['dtype']}), {meta['prompts']} prompts x {meta['max_new_tokens']} new tokens, "
+          f"greedy, {meta['rounds']} interleaved rounds, {meta['threads']} thread(s), on "
+          f"{cpu_line(meta['machine'])}. Ratio: engine tokens/s over the "
+          "retired loop's, with a paired bootstrap 95% interval over (round, prompt); by wall clock and by the "
+          "process's CPU seconds (which other jobs on a shared machine do not inflate). Greedy tokens are compared with each other and with the target's own greedy "
+          "decoding through transformers (`TargetModel.reference_greedy`).", "",
+          "| static γ | clock | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens | "
+          "engine = target greedy | retired loop = target greedy |",
+          "|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    md += [f"| {r['gamma']} | {k} | {r[k]['engine_tokens_per_s']:.1f} | {r[k]['retired_loop_tokens_per_s']:.1f} | "
+           f"{r[k]['ratio']:.3f} | {r[k]['ci95'][0]:.3f}-{r[k]['ci95'][1]:.3f} | {r['same_tokens']}/{r['generations']} | "
+           f"{r['engine_lossless']}/{r['generations']} | {r['retired_loop_lossless']}/{r['generations']} |"
+           for r in rows for k in ("wall", "cpu")]
+    diffs = [(r["gamma"], d) for r in rows for d in r["differences"]]
+    if diffs:
+        md += ["", "Outputs that leave the target's greedy decoding, each at its first differing token: the target's "
+               "top-2 logit gap there (the reference prefix in one forward) against the dtype's spacing at the top "
+               "logit; a near-tie is a gap within two spacings, where rounding alone can flip the argmax.", "",
+               "| static γ | side | prompt | token | reference / got | top-2 gap | spacing | near-tie |",
+               "|---:|---|---:|---:|---|---:|---:|---|"]
+        def num(x):
+            return "–" if x is None else f"{x:.5f}"
+
+        md += [f"| {g} | {d['side']} | {d['prompt']} | {d['position']} | {d.get('ref_token')} / {d.get('got_token')} | "
+               f"{num(d['gap'])} | {num(d['spacing'])} | {'yes' if d['near_tie'] else 'NO'} |" for g, d in diffs]
+    md += ["", f"Command: `{command}` (at git {meta['commit']})"]
+    return "\n".join(md) + "\n"
+
+
+def target_costs_markdown(rows: list[dict], lengths: list[int]) -> str:
+    """scripts/bench_target.py's table: per dtype and attention, the median ms of a forward at each T, the
+    ratio of the longest to T = 1, and the batch-invariance check."""
+    T_max = max(lengths)
+    lines = ["| dtype | attention | " + " | ".join(f"T={T}" for T in lengths) + f" | T={T_max} / T=1 "
+             "| verification logits bitwise equal to decoding's | argmax flips |",
+             "|---|---|" + "---:|" * (len(lengths) + 3)]
+    for r in rows:
+        ms = r["ms"]
+        lines.append(f"| {r['dtype']} | {r['attn_implementation']} | " + " | ".join(f"{ms[T]:.2f}" for T in lengths)
+                     + f" | {ms[T_max] / ms[1]:.2f} | {r['bitwise_equal']}/{r['positions']} | {r['argmax_flips']} |")
+    return "\n".join(lines)
+
+
+def tree_ranks_markdown(result: dict) -> str:
+    """scripts/bench_tree_ranks.py's table: per rank of the drafter's choice, how often the target kept it."""
+    lines = ["| rank | tested | kept | rate |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r['rank']} | {r['tested']} | {r['kept']} | {r['rate']:.3f} |" for r in result["by_rank"] if r["tested"]]
+    return "\n".join(lines)
