@@ -21,20 +21,17 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from ldlp.bench.load_sweep import near_tie
+from ldlp.bench.identity import GreedyReference
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
-from eagle_backbone.timing import interleaved, paired_ratio
+from eagle_backbone.timing import interleaved
+from ldlp.bench.stats import paired_ratio
+from ldlp.report.engine import retired_loop_markdown
 
 RETIRED = ("engine", "candidates", "sampling", "policy")  # its own policy interface (gamma(ctx) per sequence)
-
-
-def cpu_line(machine: dict) -> str:
-    bf16 = {True: "bf16 matmuls in hardware", False: "bf16 matmuls emulated", None: "bf16 support unknown"}
-    return f"{machine['cpu']} ({bf16[machine.get('cpu_bf16')]}, torch {machine['torch']})"
 
 
 def load_retired(ref: str):
@@ -92,7 +89,7 @@ def main(cfg: DictConfig) -> None:
         return [timed(f) for f in fns]
 
     # the losslessness reference: the target's own greedy decoding through transformers, before any clock
-    refs = [target.reference_greedy(p, n) for p in prompts]
+    refs = GreedyReference.of_target(target, prompts, n)
     rows = []
     for gamma in cfg.gammas:
         pair_runs = runners(int(gamma))
@@ -101,17 +98,18 @@ def main(cfg: DictConfig) -> None:
         runs = interleaved(pair_runs, prompts, int(cfg.rounds), lambda r, p, k, rep: r(p), order="alternate")
         new_runs = [o for rnd in runs[0] for o in rnd]
         old_runs = [o for rnd in runs[1] for o in rnd]
-        same = sum(a.tokens == b.tokens for (a, _), (b, _) in zip(new_runs, old_runs))
-        lossless = [sum(o.tokens == refs[j % len(prompts)] for j, (o, _) in enumerate(xs)) for xs in (new_runs, old_runs)]
+        same = sum(GreedyReference([b.tokens for b, _ in old_runs]).same([a.tokens for a, _ in new_runs]))
+        lossless = [sum(refs.same([o.tokens for o, _ in xs], [j % len(prompts) for j in range(len(xs))]))
+                    for xs in (new_runs, old_runs)]
         # every output that leaves the reference, once per (side, prompt): is it a near-tie of the dtype?
         differences = []
         for side, xs in (("engine", new_runs), ("retired loop", old_runs)):
             seen = set()
             for j, (o, _) in enumerate(xs):
                 i = j % len(prompts)
-                if o.tokens != refs[i] and (i, tuple(o.tokens)) not in seen:
+                if not refs.same([o.tokens], [i])[0] and (i, tuple(o.tokens)) not in seen:
                     seen.add((i, tuple(o.tokens)))
-                    differences.append({"side": side, "prompt": i, **near_tie(target, prompts[i], refs[i], o.tokens)})
+                    differences.append({"side": side, "prompt": i, **refs.difference(i, o.tokens)})
         row = {"gamma": int(gamma), "same_tokens": same, "generations": len(new_runs),
                "engine_lossless": lossless[0], "retired_loop_lossless": lossless[1], "differences": differences}
         for clock, secs in (("wall", lambda o, c: o.stats.wall_s), ("cpu", lambda o, c: c)):
@@ -132,34 +130,9 @@ def main(cfg: DictConfig) -> None:
             "dtype": str(cfg.model.dtype), "prompts": len(prompts), "max_new_tokens": n, "rounds": int(cfg.rounds),
             "threads": threads, "machine": machine_info()}
     atomic_write_json(out / "parity.json", {"meta": meta, "rows": rows})
-    md = [f"# Batch 1: the engine against the retired batch-1 loop (git {cfg.ref})", "",
-          f"{meta['model']} ({meta['dtype']}), {len(prompts)} prompts x {n} new tokens, greedy, {meta['rounds']} "
-          f"interleaved rounds, {threads} thread(s), on {cpu_line(meta['machine'])}. Ratio: engine tokens/s over the "
-          "retired loop's, with a paired bootstrap 95% interval over (round, prompt); by wall clock and by the "
-          "process's CPU seconds (which other jobs on a shared machine do not inflate). Greedy tokens are compared with each other and with the target's own greedy "
-          "decoding through transformers (`TargetModel.reference_greedy`).", "",
-          "| static γ | clock | engine tok/s | retired loop tok/s | ratio | 95% interval | same tokens | "
-          "engine = target greedy | retired loop = target greedy |",
-          "|---:|---|---:|---:|---:|---|---:|---:|---:|"]
-    md += [f"| {r['gamma']} | {k} | {r[k]['engine_tokens_per_s']:.1f} | {r[k]['retired_loop_tokens_per_s']:.1f} | "
-           f"{r[k]['ratio']:.3f} | {r[k]['ci95'][0]:.3f}-{r[k]['ci95'][1]:.3f} | {r['same_tokens']}/{r['generations']} | "
-           f"{r['engine_lossless']}/{r['generations']} | {r['retired_loop_lossless']}/{r['generations']} |"
-           for r in rows for k in ("wall", "cpu")]
-    diffs = [(r["gamma"], d) for r in rows for d in r["differences"]]
-    if diffs:
-        md += ["", "Outputs that leave the target's greedy decoding, each at its first differing token: the target's "
-               "top-2 logit gap there (the reference prefix in one forward) against the dtype's spacing at the top "
-               "logit; a near-tie is a gap within two spacings, where rounding alone can flip the argmax.", "",
-               "| static γ | side | prompt | token | reference / got | top-2 gap | spacing | near-tie |",
-               "|---:|---|---:|---:|---|---:|---:|---|"]
-        def num(x):
-            return "–" if x is None else f"{x:.5f}"
-
-        md += [f"| {g} | {d['side']} | {d['prompt']} | {d['position']} | {d.get('ref_token')} / {d.get('got_token')} | "
-               f"{num(d['gap'])} | {num(d['spacing'])} | {'yes' if d['near_tie'] else 'NO'} |" for g, d in diffs]
     args = " ".join(shlex.quote(o) for o in HydraConfig.get().overrides.task)  # the command as it was typed
-    md += ["", f"Command: `python scripts/bench_retired_loop.py {args}` (at git {meta['commit']})"]
-    atomic_write_text(out / "parity.md", "\n".join(md) + "\n")
+    page = retired_loop_markdown(rows, meta, f"python scripts/bench_retired_loop.py {args}")
+    atomic_write_text(out / "parity.md", page)
     print(f"wrote {out / 'parity.md'}")
 
 

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from ldlp.bench.target import batch_invariance, forward_costs
+from ldlp.report.engine import target_costs_markdown
 from eagle_backbone.loading import load_target
 
 
@@ -33,16 +34,9 @@ def main(cfg: DictConfig) -> None:
         dtype, attn = key.split()
         rows.append({"dtype": dtype, "attn_implementation": attn, "ms": {T: 1e3 * s for T, s in costs[key].items()},
                      **inv})
-    T_max = max(cfg.lengths)
     print(f"{cfg.model.name}: median ms of a target forward scoring T tokens after {cfg.context} cached "
           f"({cfg.reps} rounds interleaving the settings, {torch.get_num_threads()} threads)\n")
-    print("| dtype | attention | " + " | ".join(f"T={T}" for T in cfg.lengths) + f" | T={T_max} / T=1 "
-          "| verification logits bitwise equal to decoding's | argmax flips |")
-    print("|---|---|" + "---:|" * (len(cfg.lengths) + 3))
-    for r in rows:
-        ms = r["ms"]
-        print(f"| {r['dtype']} | {r['attn_implementation']} | " + " | ".join(f"{ms[T]:.2f}" for T in cfg.lengths)
-              + f" | {ms[T_max] / ms[1]:.2f} | {r['bitwise_equal']}/{r['positions']} | {r['argmax_flips']} |")
+    print(target_costs_markdown(rows, list(cfg.lengths)))
     if cfg.out:
         with open(cfg.out, "w") as f:
             json.dump(rows, f, indent=2)

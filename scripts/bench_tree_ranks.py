@@ -18,6 +18,7 @@ def main(cfg: DictConfig) -> None:
     from eagle_backbone.io import atomic_write_json
     from ldlp.bench.loaders import load_pair_cached, load_prompts, load_tokenizer_cached, sampling_config
     from ldlp.bench.tree_ranks import choice_rates
+    from ldlp.report.engine import tree_ranks_markdown
 
     start(cfg)
     prompts = [ids for _, ids in load_prompts(cfg.data, load_tokenizer_cached(cfg.model))]
@@ -26,9 +27,7 @@ def main(cfg: DictConfig) -> None:
                        int(cfg.generation.max_new_tokens), int(cfg.slots), sampling_config(cfg.generation))
     out["meta"] = {"model": cfg.model.name, "dtype": str(pair.target.dtype), "data": cfg.data.name,
                    "temperature": float(cfg.generation.temperature)}
-    lines = ["| rank | tested | kept | rate |", "|---:|---:|---:|---:|"]
-    lines += [f"| {r['rank']} | {r['tested']} | {r['kept']} | {r['rate']:.3f} |" for r in out["by_rank"] if r["tested"]]
-    print("\n".join(lines))
+    print(tree_ranks_markdown(out))
     if cfg.out:
         atomic_write_json(cfg.out, out)
         log.info("wrote %s", cfg.out)

@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 from eagle_backbone.errors import ConfigError, accepted_mismatches
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from ldlp.bench.contender import parse_contender
-from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
+from ldlp.bench.headtohead import head_to_head
+from ldlp.report.headtohead import head_to_head_markdown
 from ldlp.bench.loaders import policy_config
 from ldlp.pipeline.processes import out_dir_lock
 

@@ -15,6 +15,7 @@ from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet n
 from eagle_backbone.errors import ConfigError
 from ldlp.bench.contender import flat_pricing_args, peer_alias
 from ldlp.bench.evaluate import evaluate, one_line
+from ldlp.report.categories import write_categories
 
 
 @hydra.main(config_path="../conf", config_name="evaluate", version_base="1.3")
@@ -25,7 +26,7 @@ def main(cfg: DictConfig) -> None:
     name = hc.runtime.choices.get("peer") or hc.runtime.choices.get("policy")  # a peer runs instead of the policy
     result = evaluate(cfg, policy_name=name, out_dir=hc.runtime.output_dir)
     print(one_line(result), flush=True)
-    if result.get("categories_md"):  # two categories or more: the per-category table (Spec-Bench's figures too)
+    if write_categories(result, hc.runtime.output_dir):  # two categories or more: the per-category table
         print(open(result["categories_md"], encoding="utf-8").read(), flush=True)
 
 

@@ -9,7 +9,8 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import repo_path
-from ldlp.bench.pool import pool_folders, pooled_markdown
+from ldlp.bench.pool import pool_folders
+from ldlp.report.headtohead import pooled_markdown, write_pooled
 from ldlp.report.pages import publish_pooled
 
 
@@ -19,7 +20,7 @@ def main(cfg: DictConfig) -> None:
     start(cfg, loads_models=False)
     pooled = pool_folders(list(cfg.runs), cfg.out_dir, int(cfg.bootstrap), int(cfg.seed))
     print(pooled_markdown(pooled))
-    print(f"wrote {cfg.out_dir}/pooled.md")
+    print(f"wrote {write_pooled(cfg.out_dir, pooled)}")
     if cfg.update_readme:
         readme = repo_path("docs/evaluation.md")  # the pooled block lives on the evaluation page
         if not publish_pooled(readme, pooled, cfg.out_dir, "python scripts/pool_head_to_head.py update_readme=true"):

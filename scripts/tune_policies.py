@@ -17,7 +17,8 @@ from eagle_backbone.cost import CostTable
 from eagle_backbone.paths import REPO_ROOT
 from ldlp.bench.loaders import build_policy, cost_engine_factory, load_pair_cached, load_prompts, policy_config, \
     replay_costs, run_setup
-from ldlp.bench.replay import OracleRows, best_per_policy, costs_record, grid, tune, tuning_markdown
+from ldlp.bench.replay import OracleRows, best_per_policy, costs_record, grid, tune
+from ldlp.report.replay import tuning_markdown
 
 
 def _builder(cfg: DictConfig, name: str):

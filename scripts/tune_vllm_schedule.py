@@ -131,6 +131,7 @@ def main(cfg: DictConfig) -> None:
     grid = _check(cfg)
     from eagle_backbone.drafter_kinds import get_kind
     from eagle_backbone.loading import load_pair
+    from ldlp.bench.identity import GreedyReference
     from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
     from ldlp.bench.vllm_peer import (
         METHODS,
@@ -167,7 +168,7 @@ def main(cfg: DictConfig) -> None:
         pair = load_pair(cfg.model)
         stops = pair.target.eos_token_ids
         t0 = time.perf_counter()
-        reference = [pair.target.reference_greedy(p, max_new) for p in used]
+        reference = GreedyReference.of_target(pair.target, used, max_new).tokens
         log.info("the target's greedy decoding of %d prompts: %.0f s", len(used), time.perf_counter() - t0)
     root = Path(cfg.paths.outputs) / "vllm_peer"
     if method == "eagle3":  # vLLM reads the head as it is; an EAGLE-1 drafter is converted to its layout

@@ -471,7 +471,8 @@ def test_ragged_attention_and_greedy_identity_on_a_gpu(t32, draft_lm):
 def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
     """scripts/bench_attention.py's library on a tiny model: every route (flex where this build runs it), the
     linear kernels and the scaling rows, and the page written from them; no figure is checked (timings)."""
-    from ldlp.bench.attention import attention_routes, elementwise_kernels, engine_scaling, linear_kernels, markdown
+    from ldlp.bench.attention import attention_routes, elementwise_kernels, engine_scaling, linear_kernels
+    from ldlp.report.engine import attention_markdown as markdown
 
     lm = BatchedLlama(t32.model, 64)
     routes = attention_routes(lm, [5, 20, 40], slots=(1, 3), reps=1)

@@ -78,6 +78,35 @@ def test_paired_ratio_interval_covers_and_narrows_with_pairs():
     assert a == paired_ratio([1, 2, 3], [1.0, 1.1, 0.9], [1, 2, 3], [1.2, 1.0, 1.1], seed=5)
 
 
+def test_paired_ratio_resamples_the_last_axis_and_pools_runs():
+    """Seconds of shape (rounds, prompts) resample prompts, each with all its rounds; without tokens the ratio is
+    one of seconds; runs=True pools the runs a contender ran in."""
+    rng = np.random.default_rng(0)
+    a, b = rng.random((3, 8)) + 0.5, rng.random((3, 8)) + 0.5
+    out = paired_ratio(None, a, None, b, bootstrap=400, seed=2)
+    assert out["ratio"] == pytest.approx(b.sum() / a.sum()) and out["pairs"] == 8
+    assert out["ci95"][0] <= out["ratio"] <= out["ci95"][1]
+    tokens = np.full(8, 10.0)  # the same tokens: the one-axis form gives the same ratio over prompts' seconds
+    flat = paired_ratio(tokens, a.sum(0), tokens, b.sum(0), bootstrap=400, seed=2)
+    assert flat["ratio"] == pytest.approx(out["ratio"]) and flat["ci95"] == pytest.approx(out["ci95"])
+    runs = paired_ratio(None, [a, None, a], None, [b, b, b], bootstrap=400, seed=2, runs=True)
+    assert runs["ratio"] == pytest.approx(b.sum() / a.sum()) and runs["pairs"] == 16
+    with pytest.raises(ValueError, match="both token counts or neither"):
+        paired_ratio(None, a, tokens, b)
+
+
+def test_one_greedy_reference_compares_every_output():
+    from ldlp.bench.identity import GreedyReference
+
+    ref = GreedyReference([[1, 2, 3], [4, 5]])
+    assert ref.same([[1, 2, 3], (4, 6)]) == [True, False]
+    assert ref.same([[4, 5]], [1]) == [True]
+    assert ref.lossless([[[1, 2, 3], [4, 5]], [(1, 2, 3), (4, 5)]]) and not ref.lossless([[[1, 2], [4, 5]]])
+    keyed = GreedyReference({"a": [1], "b": [2]})
+    assert keyed.differing({"a": [1], "b": [3]}, {"a": [9], "b": [2]}) == ["a", "b"]
+    assert keyed.differing({"a": [1]}, {"a": [1], "b": [2]}) == ["b"]  # a missing output is a difference
+
+
 def test_paired_ratio_bad_input():
     with pytest.raises(ValueError, match="one length"):
         paired_ratio([1, 2], [1.0], [1, 2], [1.0, 1.0])

@@ -358,7 +358,8 @@ def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same
     is missing is skipped with one line on the page, the others measured."""
     from conftest import compose_config
 
-    from ldlp.bench.drafters import bench_drafters, drafters_markdown
+    from ldlp.bench.drafters import bench_drafters
+    from ldlp.report.drafters import drafters_markdown
 
     cfg = compose_config("bench_drafters", ["data.limit=4", "generation.max_new_tokens=8",
                                             "gammas=[3,4]", "tau_gamma=3", "temperatures=[0.0]", "rounds=1",

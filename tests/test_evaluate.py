@@ -558,7 +558,7 @@ def test_records_skipped_under_on_error_skip_are_on_the_results_page_not_only_th
 def test_the_dropped_note_states_the_share_in_bold_over_5_percent():
     """The phrase every table's header line (the sweep's, the head to head's, README's block) puts after its
     prompt count."""
-    from ldlp.bench.headtohead import dropped_note
+    from ldlp.report.notes import dropped_note
 
     result = {"n_prompts": 56, "n_dropped": 24, "dropped_reason": "longer than max_prompt_tokens=1536"}
     assert dropped_note(result) == " (**24 of 80 prompts (30%) dropped: longer than max_prompt_tokens=1536**)"
@@ -577,7 +577,8 @@ def test_one_policy_twice_is_named_by_the_setting_that_differs(tiny_models, prom
 def test_head_to_head_scripted_twins_replay_each_adaptive_contenders_choices(tiny_models, prompt_file):
     """scripted_twins=true: an adaptive contender's γ choices, replayed by a scripted twin in the same turns, give
     the same steps (same drafts, same outputs), and the twin is neither the best static nor an adaptive contender."""
-    from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
+    from ldlp.bench.headtohead import head_to_head
+    from ldlp.report.headtohead import head_to_head_markdown
 
     base = overrides(tiny_models, prompt_file) + ["evaluation.progress=false", "+scripted_twins=true"]
     cfg = compose_eval(base + ["policy=static"])

@@ -58,7 +58,7 @@ def test_the_card_prints_both_steps_and_their_ratio():
     import json
     from pathlib import Path
 
-    from ldlp.bench.model_card import render_card
+    from ldlp.report.model_card import render_card
 
     card = json.loads((Path(__file__).parents[1] / "data" / "embedded" / "model_card.json").read_text())
     card["eagle3"]["costs"] = {"target_step_s": 0.010, "eagle3_step_s": 0.0025, "c_eagle3": 0.25,

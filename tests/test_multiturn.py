@@ -45,9 +45,11 @@ def compose_eval(models: Path, questions: Path, extra=()):
 @pytest.fixture(scope="module")
 def two_turn_run(tiny_models, question_file, tmp_path_factory):
     from ldlp.bench.evaluate import evaluate
+    from ldlp.report.categories import write_categories
 
     out = tmp_path_factory.mktemp("run")
     result = evaluate(compose_eval(tiny_models, question_file), policy_name="static", out_dir=out)
+    write_categories(result, out)  # as scripts/evaluate.py does: the rows from bench, the page from report
     return result, out
 
 
@@ -199,7 +201,8 @@ def test_sampling_keeps_one_stream_per_conversation(tiny_models, question_file):
 
 
 def test_head_to_head_rows_carry_seconds_and_tokens_per_category(tiny_models, question_file):
-    from ldlp.bench.headtohead import head_to_head, head_to_head_markdown
+    from ldlp.bench.headtohead import head_to_head
+    from ldlp.report.headtohead import head_to_head_markdown
 
     cfg = compose_eval(tiny_models, question_file, ["data.turns=first"])
     two = compose_eval(tiny_models, question_file, ["policy.gamma=2"]).policy
@@ -216,7 +219,8 @@ def test_head_to_head_rows_carry_seconds_and_tokens_per_category(tiny_models, qu
 
 
 def test_spec_bench_tasks_pool_mt_bench_categories():
-    from ldlp.bench.categories import category_markdown, category_rows, specbench_tasks
+    from ldlp.bench.categories import category_rows, specbench_tasks
+    from ldlp.report.categories import category_markdown
 
     def row(qid, cat, tokens, secs):
         return {"question_id": qid, "category": cat, "n_turns": len(tokens), "turns": ["x"] * len(tokens),

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from conftest import one_line
 
-from ldlp.bench.pool import pool, pool_folders, pooled_markdown
+from ldlp.bench.pool import pool, pool_folders
+from ldlp.report.headtohead import pooled_markdown, write_pooled
 from ldlp.report.pages import publish_pooled
 
 
@@ -107,6 +108,7 @@ def test_pool_folders_writes_the_table_and_the_readme_block(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- head_to_head_long:start -->\nold\n<!-- head_to_head_long:end -->\nrest\n")
     p = pool_folders([str(tmp_path / "run-*")], tmp_path / "out", bootstrap=100)
+    assert write_pooled(tmp_path / "out", p) == tmp_path / "out" / "pooled.md"
     assert p["runs"] == ["run-1", "run-2", "run-3"]
     assert publish_pooled(readme, p, tmp_path / "out", "cmd")
     md = (tmp_path / "out" / "pooled.md").read_text()
@@ -138,7 +140,8 @@ def test_pooling_refuses_runs_of_different_prompt_sets():
 def test_load_sweep_folders_pool_into_paired_ratios_over_a_reference(tmp_path):
     """scripts/pool_paired_ratios.py's library: one pair per (folder, round, block) where both ran; a folder
     without runs is named in one line."""
-    from ldlp.bench.pool import pooled_batch_markdown, pooled_batch_ratios
+    from ldlp.bench.pool import pooled_batch_ratios
+    from ldlp.report.headtohead import pooled_batch_markdown
 
     def run(contender, rnd, tokens_per_cpu_s, C=16):
         return {"contender": contender, "concurrency": C, "round": rnd, "block": 0, "new_tokens": 100,

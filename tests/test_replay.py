@@ -10,8 +10,8 @@ from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.cost import CostTable
-from ldlp.bench.replay import (OracleRows, costs_record, fit_costs, grid, replay, stand_in_probs, step_seconds, tune,
-                               tuning_markdown)
+from ldlp.bench.replay import OracleRows, costs_record, fit_costs, grid, replay, stand_in_probs, step_seconds, tune
+from ldlp.report.replay import tuning_markdown
 from ldlp.policies.threshold import ConfidencePolicy, DDDPolicy, HeuristicPolicy
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [6]]

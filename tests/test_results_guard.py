@@ -340,7 +340,7 @@ def test_a_tuned_file_records_the_drafter_weights_it_was_tuned_with():
 
 
 def test_an_accepted_mismatch_is_stated_below_the_pages_title():
-    from ldlp.bench.loaders import with_mismatch_lines
+    from ldlp.report.notes import with_mismatch_lines
 
     md = "### Head to head (tiny)\n\nsome text\n\n| table |\n"
     assert with_mismatch_lines(md, {"accepted_mismatches": []}) == md
@@ -354,7 +354,7 @@ def test_an_accepted_mismatch_is_stated_below_the_pages_title():
 def test_skipped_records_are_stated_on_the_load_sweep_and_drafters_pages(tmp_path):
     """data.on_error=skip: the malformed records skipped are on the load sweep's page (and its JSON) and the drafters
     page beside the prompt count, as on the results and head-to-head pages, not only in the log."""
-    from ldlp.bench.drafters import drafters_markdown
+    from ldlp.report.drafters import drafters_markdown
     from ldlp.bench.load_aggregate import read_result
     from ldlp.bench.load_sweep import prompts_meta
     from ldlp.bench.loaders import PromptSet, prompt_set_info

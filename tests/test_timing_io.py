@@ -23,6 +23,8 @@ def test_orders():
     firsts = [turn_order(3, "rotate", r, k, 2)[0] for r in range(3) for k in range(2)]
     assert firsts == [0, 1, 2, 0, 1, 2]
     assert turn_order(3, "rotate", 0, 1, 2) == [1, 2, 0]
+    # an offset: a caller running one round (or cell) at a time goes on where it stopped
+    assert turn_order(3, "rotate", 0, 1, 2, offset=4) == [2, 0, 1] and turn_order(2, "alternate", 0, 0, 1, 1) == [1, 0]
     with pytest.raises(ValueError, match="order"):
         turn_order(2, "random", 0, 0, 1)
 

@@ -26,7 +26,10 @@ import torch
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
-from eagle_backbone.timing import paired_ratio
+from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import capacity_for
+from ldlp.bench.identity import GreedyReference
+from ldlp.bench.stats import paired_ratio
 from ldlp.bench.workload import run_workload
 
 CORE = "eagle_backbone"
@@ -73,28 +76,28 @@ def compare(pair, sets: dict, ref: str, concurrency=(1, 16), gammas=(0, 4), roun
                                                                         old_policy.StaticPolicy)}
     rows = []
     for name, prompts in sets.items():
-        capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+        capacity = capacity_for(prompts, max_new_tokens)
         for C in concurrency:
             for g in gammas:
                 runs = {k: [] for k in engines}
-                agree = True
-                for r in range(rounds):
-                    order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-                    outs = {}
-                    for k in order:
-                        Engine, Static = engines[k]
-                        try:
-                            eng = Engine(pair.target, pair.drafter if g else None, "eagle" if g else None, slots=C,
-                                         policy=Static(g), capacity=capacity)
-                        except (TypeError, AttributeError) as e:
-                            if k == "today":
-                                raise
-                            raise ValueError(f"ref={ref}: its engine does not take today's arguments ({e}); choose "
-                                             "a later ref") from None
-                        res = run_workload(eng, prompts, C, max_new_tokens)
-                        runs[k].append((res.new_tokens, res.cpu_s, res.wall_s))
-                        outs[k] = [o.tokens for o in res.outputs]
-                    agree &= outs["today"] == outs["ref"]
+                outs = {}  # (round, engine) -> its outputs
+
+                def one(k, _, __, r):
+                    Engine, Static = engines[k]
+                    try:
+                        eng = Engine(pair.target, pair.drafter if g else None, "eagle" if g else None, slots=C,
+                                     policy=Static(g), capacity=capacity)
+                    except (TypeError, AttributeError) as e:
+                        if k == "today":
+                            raise
+                        raise ValueError(f"ref={ref}: its engine does not take today's arguments ({e}); choose "
+                                         "a later ref") from None
+                    res = run_workload(eng, prompts, C, max_new_tokens)
+                    runs[k].append((res.new_tokens, res.cpu_s, res.wall_s))
+                    outs[r, k] = [o.tokens for o in res.outputs]
+
+                interleaved(list(engines), [None], rounds, one, order="alternate")  # the first engine alternates
+                agree = all(GreedyReference(outs[r, "ref"]).lossless([outs[r, "today"]]) for r in range(rounds))
                 t, o = runs["today"], runs["ref"]
                 ratio = paired_ratio([x[0] for x in t], [x[1] for x in t], [x[0] for x in o], [x[1] for x in o],
                                      bootstrap=bootstrap, seed=seed)
@@ -104,19 +107,3 @@ def compare(pair, sets: dict, ref: str, concurrency=(1, 16), gammas=(0, 4), roun
                              "ratio": ratio["ratio"], "ci95": ratio["ci95"], "outputs_agree": agree})
                 log(f"{name} C={C} γ={g}: today/ref {ratio['ratio']:.2f} {ratio['ci95']} agree={agree}")
     return rows
-
-
-def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"# This engine against the engine at {meta['ref']}", "",
-             f"model: {meta['model']}, dtype: {meta['dtype']}, threads: {meta['threads']}, cpu: {meta['cpu']}, "
-             f"{meta['max_new_tokens']} new tokens a prompt, {meta['rounds']} rounds in turns", "",
-             f"Command: `{meta['command']}`", "",
-             "Generated tokens per process CPU-second (median over rounds) and the paired ratio, today over the ref, "
-             "with its bootstrap 95% interval over the rounds (> 1: today is faster).", "",
-             "| prompt set | C | γ | today | ref | today / ref | 95% interval | greedy outputs agree |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        ci = "–" if r["ci95"] is None else f"{r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}"
-        lines.append(f"| {r['set']} | {r['concurrency']} | {r['gamma']} | {r['today_tokens_per_cpu_s']:.1f} | "
-                     f"{r['ref_tokens_per_cpu_s']:.1f} | {r['ratio']:.2f} | {ci} | {'yes' if r['outputs_agree'] else 'NO'} |")
-    return "\n".join(lines) + "\n"

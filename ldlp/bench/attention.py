@@ -43,6 +43,7 @@ from torch import nn
 from eagle_backbone.linear import Projection
 from eagle_backbone.llama import BatchedLlama, attend
 from eagle_backbone.ragged import RaggedBatch
+from eagle_backbone.timing import interleaved
 
 ROUTES = ("gather", "copy", "per_row_qkT", "per_row", "dense", "flex")
 
@@ -66,13 +67,14 @@ def _with_scores(scores, fn):
 def _timed(fns: dict, reps: int) -> dict[str, float]:
     """Median process-CPU ms of each function, interleaved in rotating order (one warm-up round)."""
     times = {n: [] for n in fns}
-    names = list(fns)
-    for r in range(reps + 1):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.process_time()
-            fns[n]()
-            if r:
-                times[n].append(1e3 * (time.process_time() - t0))
+
+    def one(n, _, k, r):  # round r starts with function r mod n
+        t0 = time.process_time()
+        fns[n]()
+        if r:
+            times[n].append(1e3 * (time.process_time() - t0))
+
+    interleaved(list(fns), [None], reps + 1, one, order="rotate")
     return {n: statistics.median(v) for n, v in times.items()}
 
 
@@ -230,14 +232,13 @@ def elementwise_kernels(lm: BatchedLlama, tokens=(1, 16, 64, 256), reps: int = 1
 def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_new_tokens: int = 48) -> list[dict]:
     """Batched AR over ``prompts`` at each C, prefill in its own forward: CPU-seconds split into prefill and
     decoding (the share from the engine's profiled mode), tokens per CPU-second with and without the prefill."""
-    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
-
+    from ldlp.bench.engines import EngineFactory
     from ldlp.bench.workload import run_workload
 
     out = []
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    engines = EngineFactory.for_prompts(target, None, prompts, max_new_tokens)
     for C in concurrency:
-        eng = BatchedSpeculativeEngine(target, None, slots=C, capacity=capacity, prefill="separate", profile=True)
+        eng = engines(C, prefill="separate", profile=True)
         res = run_workload(eng, prompts, C, max_new_tokens)
         prefill = eng.prof.s.get("prefill", 0.0)
         total = sum(eng.prof.s.values())
@@ -246,78 +247,3 @@ def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_ne
                     "tokens_per_cpu_s": res.new_tokens / res.cpu_s, "prefill_share": share,
                     "decode_tokens_per_cpu_s": res.new_tokens / (res.cpu_s * (1 - share))})
     return out
-
-
-def markdown(result: dict) -> str:
-    """The page: the routes per dtype and set, then the engine's scaling per set."""
-    m = result["meta"]
-    lines = ["# The engine at real prompt lengths", "",
-             f"model: {m['model']}, threads: {m['threads']}, cpu: {m['machine'].get('cpu')} "
-             f"(bf16 matmuls in hardware: {m['machine'].get('cpu_bf16')}), torch {m['machine'].get('torch')}", "",
-             f"Command: `{m['command']}`", "",
-             "## Attention routes of one decoding step (all layers, one new token a row)", "",
-             "Median process-CPU ms, interleaved; `gather`/`copy` are the retired route (every row's K/V prefix "
-             "copied, attention over the longest context); `per_row` and `dense` are the engine's (views of the "
-             "cache); `per_row_qkT` is `per_row` with its scores as q @ kᵀ over the cache's transposed view, the "
-             "engine's form before its bfloat16 one (the same code in float32). MB: the K/V the retired route "
-             "copies a step.", ""]
-    routes = [r for r in ROUTES if any(r in row["ms"] for x in result["routes"] for row in x["rows"])]
-    lines += ["| dtype | prompt set | R | mean / max context | " + " | ".join(routes) + " | MB copied | retired / per_row |",
-              "|---|---|---:|---|" + "---:|" * (len(routes) + 2)]
-    for x in result["routes"]:
-        for row in x["rows"]:
-            ms = row["ms"]
-            cells = " | ".join(f"{ms[r]:.2f}" if r in ms else "–" for r in routes)
-            retired = min(ms["gather"], ms["copy"]) if row["slots"] > 1 else ms["copy"]
-            lines.append(f"| {x['dtype']} | {x['set']} | {row['slots']} | {row['mean_context']:.0f} / {row['max_context']} "
-                         f"| {cells} | {row['copied_mb']:.0f} | {retired / ms['per_row']:.2f}× |")
-    errs = {e for x in result["routes"] for row in x["rows"] for e in row["errors"].values()}
-    if errs:
-        lines += ["", "Routes that did not run: " + "; ".join(sorted(errs))]
-    lines += ["", "## Linear kernels (one layer's projections at M tokens)", "",
-              "Median process-CPU ms; same bits alone: a row scored alone (M = 1) gets the bits it gets inside M rows.", "",
-              "`engine (fused)`: the engine's calls, q/k/v fused into one matmul and gate/up into another, each routed "
-              "on the route `Projection` takes (one kernel at every M, padded to its invariant rows); fused = same bits: its outputs equal one call a projection's.", "",
-              "| dtype | M | F.linear | oneDNN | oneDNN packed | engine (fused) | F.linear / oneDNN | F.linear / packed "
-              "| F.linear / engine | same bits alone (F.linear, oneDNN, packed) | fused = same bits |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for x in result.get("linear", []):
-        for r in x["rows"]:
-            ms, same, base = r["ms"], r["same_bits_alone"], r["ms"]["F.linear"]
-            cells = [ms.get(k) for k in ("onednn", "onednn_packed", "engine_fused")]
-            times = " | ".join("–" if c is None else f"{c:.3f}" for c in cells)
-            speed = " | ".join("–" if c is None else f"{base / c:.2f}×" for c in cells)
-            lines.append(f"| {x['dtype']} | {r['tokens']} | {base:.3f} | {times} | {speed} | "
-                         f"{same.get('F.linear')}, {same.get('onednn', '–')}, {same.get('onednn_packed', '–')} | "
-                         f"{r.get('fused_same_bits', '–')} |")
-    if result.get("elementwise"):
-        lines += ["", "## Elementwise ops (one layer's norms, rotary and SiLU-and-multiply at M tokens)", "",
-                  "Median process-CPU ms; `engine`: torch's fused rms_norm and q, k turned in one pass; `compiled`: "
-                  "the eager functions through torch.compile(dynamic=True); same bits: equal to eager's.", "",
-                  "| dtype | M | eager | engine | compiled | eager / engine | eager / compiled | same bits (engine, compiled) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
-        for x in result["elementwise"]:
-            for r in x["rows"]:
-                ms, same = r["ms"], r["same_bits"]
-                comp = ms.get("compiled")
-                comp_ms, comp_x = ("–", "–") if comp is None else (f"{comp:.3f}", f"{ms['eager'] / comp:.2f}×")
-                lines.append(f"| {x['dtype']} | {r['tokens']} | {ms['eager']:.3f} | {ms['engine']:.3f} | {comp_ms} | "
-                             f"{ms['eager'] / ms['engine']:.2f}× | {comp_x} | "
-                             f"{same.get('engine')}, {same.get('compiled', '–')} |")
-        secs = [f"{x['dtype']} {x['compile_s']:.0f} s" for x in result["elementwise"] if x.get("compile_s") is not None]
-        if secs:
-            lines += ["", "torch.compile's first call (the compile): " + ", ".join(secs) + "."]
-    lines += ["", f"## Batched AR against C ({m['dtype']}, {m['max_new_tokens']} new tokens a prompt)", "",
-              "Generated tokens per process CPU-second (one thread: the compute spent), with the prefill's share "
-              "of the engine's time (prefill in its own forward here) and the tokens per CPU-second of decoding "
-              "alone. Scaling: over C = 1.", "",
-              "| prompt set | mean prompt tokens | C | tokens / CPU-s | scaling | prefill share | decode tokens / CPU-s | decode scaling |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in result["scaling"]:
-        base = s["rows"][0]
-        for r in s["rows"]:
-            lines.append(f"| {s['set']} | {s['mean_prompt_tokens']:.0f} | {r['concurrency']} | {r['tokens_per_cpu_s']:.1f} "
-                         f"| {r['tokens_per_cpu_s'] / base['tokens_per_cpu_s']:.2f}× | {r['prefill_share']:.0%} "
-                         f"| {r['decode_tokens_per_cpu_s']:.1f} "
-                         f"| {r['decode_tokens_per_cpu_s'] / base['decode_tokens_per_cpu_s']:.2f}× |")
-    return "\n".join(lines) + "\n"

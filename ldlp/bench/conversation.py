@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_backbone.metrics import GenerationStats
+from ldlp.bench.identity import GreedyReference
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +219,12 @@ def question_rows(questions: list[Question], spec_runs, ar_runs, check_lossless:
     forwards, Spec-Bench's accept lengths (tokens per verification step, the bonus token included), the
     decoded texts, turns dropped and whether every turn, speculative and AR, equals the reference's
     (``ref_runs``, default AR's; None unless ``check_lossless``)."""
+    # per question, its turns' reference tokens
+    reference = GreedyReference([[t.tokens for t in turns] for turns in (ref_runs or ar_runs)[0]])
     rows = []
     for k, q in enumerate(questions):
         spec = [run[k] for run in spec_runs]
         ar = [run[k] for run in ar_runs]
-        ref = [t.tokens for t in (ref_runs or ar_runs)[0][k]]
         row = {"question_id": q.id, "category": q.category, "n_turns": q.n_turns,
                "prompt_ids": [t.prompt_id for t in spec[0]],
                "turns": [t.text for t in spec[0]], "new_tokens": [t.stats.new_tokens for t in spec[0]],
@@ -232,7 +234,8 @@ def question_rows(questions: list[Question], spec_runs, ar_runs, check_lossless:
                "ar_wall_time": _median_per_turn(ar),
                "ar_accept_lengths": [1 for t in ar[0] for _ in range(max(0, t.stats.new_tokens - 1))],
                "n_dropped": q.n_turns - len(spec[0]),
-               "lossless": ([t.tokens for t in spec[0]] == ref == [t.tokens for t in ar[0]]) if check_lossless else None}
+               "lossless": all(reference.same([[t.tokens for t in spec[0]], [t.tokens for t in ar[0]]], [k, k]))
+               if check_lossless else None}
         rows.append(row)
     return rows
 

@@ -33,24 +33,25 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.drafter_kinds import make_candidates
-from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.loading import check_drafter_fits, load_drafter, load_target, tie_drafter_embedding
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.sampling import SamplingConfig
-from eagle_backbone.timing import interleaved, paired_ratio
-from ldlp.bench.headtohead import dropped_note
-from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info, skipped_note
+from eagle_backbone.timing import interleaved
+from ldlp.bench.stats import paired_ratio
+from ldlp.bench.engines import EngineFactory
+from ldlp.bench.identity import GreedyReference
+from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
 
 log = logging.getLogger(__name__)
 
 
-def _vs(num, den, ref_num, ref_den, bootstrap: int, seed: int) -> tuple[float, list[float] | None]:
-    """(Σ num / Σ den) / (Σ ref_num / Σ ref_den) over prompts and its paired bootstrap 95% interval
-    (:func:`~eagle_backbone.timing.paired_ratio`: the same resampled prompts for every comparison of a run)."""
+def _vs(num, den, ref_num, ref_den, bootstrap: int, seed: int) -> dict:
+    """{"ratio", "ci95"}: (Σ num / Σ den) / (Σ ref_num / Σ ref_den) over prompts and its paired bootstrap 95%
+    interval (:func:`~ldlp.bench.stats.paired_ratio`: the same resampled prompts for every comparison of a run)."""
     r = paired_ratio(num, den, ref_num, ref_den, bootstrap=bootstrap, seed=seed)
-    return r["ratio"], r["ci95"]
+    return {"ratio": r["ratio"], "ci95": r["ci95"]}
 
 
 def prompt_sets(cfg) -> tuple[dict, dict]:
@@ -130,10 +131,9 @@ def pair_rows(result: dict, pairs: list, bootstrap: int, seed: int) -> list[dict
             for T, t_cell in cell["by_temperature"].items():
                 i, j = t_cell["labels"].index(f"{a} γ={g}"), t_cell["labels"].index(f"{b} γ={g}")
                 tok, fwd = np.asarray(t_cell["tokens"])[:, 0], np.asarray(t_cell["target_forwards"])[:, 0]
-                ratio, ci = _vs(tok[i], fwd[i], tok[j], fwd[j], bootstrap, seed)
                 rows.append({"set": set_name, "temperature": float(T), "drafter": a, "over": b, "gamma": g,
                              "tau": float(tok[i].sum() / fwd[i].sum()), "over_tau": float(tok[j].sum() / fwd[j].sum()),
-                             "ratio": ratio, "ci95": ci})
+                             **_vs(tok[i], fwd[i], tok[j], fwd[j], bootstrap, seed)})
     return rows
 
 
@@ -186,7 +186,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
         greedy = sampling.greedy
         timed = greedy or sampled_timed  # every γ and AR in turns, the best static γ of each drafter
         contenders = [(name, g) for name in names for g in (gammas if timed else [tau_gamma])]
-        runners = [engine_runner(f"{name} γ={g}", SpeculativeDecoder(target, gens[name], StaticPolicy(g)), sampling)
+        runners = [engine_runner(f"{name} γ={g}", EngineFactory(target, gens[name]).decoder(StaticPolicy(g)), sampling)
                    for name, g in contenders]
         if timed:
             runners.append(ar_runner("ours", target, sampling))
@@ -213,8 +213,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
         bar.close()
         lossless = None
         if greedy:
-            reference = [target.reference_greedy(p, n) for p in prompts]
-            lossless = all(o == reference for o in outputs)
+            lossless = GreedyReference.of_target(target, prompts, n).lossless(outputs)
         tok_p, sec_p = tokens.sum(1), secs.sum(1)  # per runner, per prompt (rounds summed)
         tau_p = tokens[:, 0], fwds[:, 0]  # τ from the first round (the counters repeat at T = 0)
         rows = []
@@ -234,9 +233,8 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
         cell["tau_vs_reference"] = {}
         for name in names[1:]:
             i = labels.index(f"{name} γ={tau_gamma}")
-            point, ci = _vs(tau_p[0][i], tau_p[1][i], tau_p[0][ref_tau], tau_p[1][ref_tau], B, seed)
             cell["tau_vs_reference"][name] = {"gamma": tau_gamma, "tau": rows[i]["tau"], "reference_tau": rows[ref_tau]["tau"],
-                                              "ratio": point, "ci95": ci}
+                                              **_vs(tau_p[0][i], tau_p[1][i], tau_p[0][ref_tau], tau_p[1][ref_tau], B, seed)}
         if timed:
             best = {}
             for name in names:
@@ -256,110 +254,14 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
             r0 = best[names[0]]
             for name in names[1:]:
                 b = best[name]
-                point, ci = _vs(tok_p[b], sec_p[b], tok_p[r0], sec_p[r0], B, seed)
                 faster = int((tokens[b].sum(1) / secs[b].sum(1) > tokens[r0].sum(1) / secs[r0].sum(1)).sum())
                 cell["best_static_vs_reference"][name] = {"gamma": contenders[b][1], "reference_gamma": contenders[r0][1],
-                                                          "ratio": point, "ci95": ci, "rounds_faster": faster}
+                                                          **_vs(tok_p[b], sec_p[b], tok_p[r0], sec_p[r0], B, seed),
+                                                          "rounds_faster": faster}
                 # and at every γ: the same γ for both drafters
                 cell.setdefault("same_gamma_vs_reference", {})[name] = {
-                    g: dict(zip(("ratio", "ci95"), _vs(tok_p[labels.index(f"{name} γ={g}")],
-                                                       sec_p[labels.index(f"{name} γ={g}")],
-                                                       tok_p[labels.index(f"{names[0]} γ={g}")],
-                                                       sec_p[labels.index(f"{names[0]} γ={g}")], B, seed)))
+                    g: _vs(tok_p[labels.index(f"{name} γ={g}")], sec_p[labels.index(f"{name} γ={g}")],
+                           tok_p[labels.index(f"{names[0]} γ={g}")], sec_p[labels.index(f"{names[0]} γ={g}")], B, seed)
                     for g in gammas}
         by_temperature[str(T)] = cell
     return by_temperature
-
-
-def _ci(x: dict) -> str:
-    if not x.get("ci95"):  # one prompt: no interval
-        return f"{x['ratio']:.3f}"
-    return f"{x['ratio']:.3f} ({x['ci95'][0]:.3f}–{x['ci95'][1]:.3f})"
-
-
-def _prompt_notes(result: dict) -> str:
-    """The prompts dropped for length and the malformed records skipped (``data.on_error=skip``), after the prompt
-    count as the head to head states them; nothing for a result of before they were recorded."""
-    if "n_dropped" not in result:
-        return ""
-    return dropped_note(result) + skipped_note(result)
-
-
-def _set_notes(cell: dict) -> str:
-    """:func:`_prompt_notes` of one prompt set's cell (its loader's info, with the count it kept)."""
-    return _prompt_notes({**(cell.get("prompt_set") or {}), "n_prompts": cell["n_prompts"]})
-
-
-def drafters_markdown(result: dict) -> str:
-    ref = result["reference"]
-    kinds = ", ".join(f"`{k}` ({v.get('drafter_kind')})" for k, v in result["drafters"].items())
-    sets = ", ".join(f"{name} ({c['n_prompts']} prompts of {c['dataset']}{_set_notes(c)})"
-                     for name, c in result["sets"].items())
-    lines = [f"### Drafters head to head ({result['model']}, {result['dtype']})", "",
-             f"Drafters {kinds} on one target; prompt sets {sets}; {result['max_new_tokens']} new tokens at most. "
-             f"Ratios are against `{ref}` on the same prompts, with a bootstrap 95% interval over prompts.", ""]
-    lines += [f"- prompt set {name} skipped: {why}" for name, why in result.get("skipped", {}).items()]
-    if result.get("skipped"):
-        lines.append("")
-    lines += [f"#### τ at static γ = {result['tau_gamma']}, every prompt set", "",
-              f"| prompt set | T | prompts | drafter | τ | {ref} τ | ratio (95% interval) | lossless |",
-              "|---|---:|---:|---|---:|---:|---|---|"]
-    for r in result["summary"]:
-        lossless = "" if r["lossless"] is None else ("yes" if r["lossless"] else "**no**")
-        lines.append(f"| {r['set']} | {r['temperature']:g} | {r['n_prompts']} | {r['drafter']} | {r['tau']:.2f} | "
-                     f"{r['reference_tau']:.2f} | {_ci(r)} | {lossless} |")
-    lines.append("")
-    if result.get("speed_summary"):
-        lines += ["#### tokens/s of each drafter's best static γ, every prompt set (timed in turns)", "",
-                  f"| prompt set | T | prompts × rounds | drafter | γ | tokens/s (× AR) | {ref} γ | {ref} tokens/s (× AR) | "
-                  "ratio (95% interval) | rounds faster |", "|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
-        lines += [f"| {r['set']} | {r['temperature']:g} | {r['n_prompts']} × {r['rounds']} | {r['drafter']} | {r['gamma']} | "
-                  f"{r['tokens_per_s']:.1f} ({r['speedup_vs_ar']:.2f}) | {r['reference_gamma']} | "
-                  f"{r['reference_tokens_per_s']:.1f} ({r['reference_speedup_vs_ar']:.2f}) | {_ci(r)} | "
-                  f"{r['rounds_faster']}/{r['rounds']} |" for r in result["speed_summary"]]
-        lines.append("")
-    if result.get("pairs"):
-        lines += [f"#### τ of one drafter over another at γ = {result['tau_gamma']}", "",
-                  "| prompt set | T | drafter | over | τ | τ | ratio (95% interval) |", "|---|---:|---|---|---:|---:|---|"]
-        lines += [f"| {r['set']} | {r['temperature']:g} | {r['drafter']} | {r['over']} | {r['tau']:.2f} | "
-                  f"{r['over_tau']:.2f} | {_ci(r)} |" for r in result["pairs"]]
-        lines.append("")
-    for name, cell in result["sets"].items():
-        lines += [f"### {name}: {cell['n_prompts']} prompts of {cell['dataset']}{_set_notes(cell)}",
-                  ""]
-        lines += _set_markdown(cell["by_temperature"], ref)
-    return "\n".join(lines)
-
-
-def _set_markdown(by_temperature: dict, ref: str) -> list[str]:
-    lines = []
-    for T, cell in by_temperature.items():
-        greedy = float(T) == 0.0
-        timed = "best_static" in cell  # T = 0, and T > 0 with sampled_timed: every γ and AR, timed
-        lines += [f"#### T = {T}" + (f" (lossless: {cell['lossless']})" if greedy else ""), "",
-                  f"{cell['rounds']} round(s), contenders in turns on every prompt (rotating order).", "",
-                  "| contender | τ | tokens/s |" + (" speedup vs AR |" if timed else ""),
-                  "|---|---:|---:|" + ("---:|" if timed else "")]
-        for row in cell["rows"]:
-            lines.append(f"| {row['contender']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} |"
-                         + (f" {row['speedup_vs_ar']:.2f} |" if timed else ""))
-        lines.append("")
-        for name, x in cell["tau_vs_reference"].items():
-            lines.append(f"- τ at γ={x['gamma']}: {name} {x['tau']:.2f} vs {ref} {x['reference_tau']:.2f}: "
-                         f"ratio {_ci(x)}")
-        if timed:
-            for name, b in cell["best_static"].items():
-                lines.append(f"- best static γ of {name}: γ={b['gamma']}, {b['tokens_per_s']:.1f} tokens/s "
-                             f"({b['speedup_vs_ar']:.2f}× AR, τ {b['tau']:.2f})")
-            for name, x in cell["best_static_vs_reference"].items():
-                lines.append(f"- tokens/s, best static γ, {name} (γ={x['gamma']}) vs {ref} (γ={x['reference_gamma']}): "
-                             f"{_ci(x)}; faster in {x['rounds_faster']}/{cell['rounds']} rounds")
-            for name, per in cell.get("same_gamma_vs_reference", {}).items():
-                lines.append(f"- tokens/s at the same γ, {name} vs {ref}: "
-                             + ", ".join(f"γ={g}: {_ci(x)}" for g, x in per.items()))
-            for name, lin in cell.get("costs", {}).items():
-                if lin and lin.get("c") is not None:  # one γ alone fits no step cost (step_ms 0): no c
-                    lines.append(f"- fitted costs of {name}: {lin['step_ms']:.2f} ms a target pass (a step's fixed cost), "
-                                 f"{lin['draft_ms']:.2f} ms a drafted token: c = {lin['c']:.3f}")
-        lines.append("")
-    return lines

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import EngineFactory
 from ldlp.bench.workload import run_workload
 
 
@@ -39,20 +40,22 @@ def prefill_join_cost(target, concurrency=(2, 4, 8, 16, 32), prompt_len: int = 4
         step_tok = torch.randint(4, V, ((C - 1) * (gamma + 1),), generator=g).to(dev)
         prompt = torch.randint(4, V, (prompt_len,), generator=g).to(dev)
         times = {"separate": [], "joined": []}
-        for i in range(reps + 2):
-            for how in ("separate", "joined") if i % 2 else ("joined", "separate"):
-                t0 = time.process_time()
-                if how == "separate":
-                    lm.logits(lm(prompt, new, cache)[-1:])
-                    if C > 1:
-                        lm.logits(lm(step_tok, step, cache))
-                else:
-                    h = lm(torch.cat([step_tok, prompt]), joined, cache)
-                    lm.logits(h[step.n:][-1:])
-                    if C > 1:
-                        lm.logits(h[: step.n])
-                if i >= 2:
-                    times[how].append(1e3 * (time.process_time() - t0))
+
+        def one(how, _, __, i):  # two warm-up rounds; joined first in even rounds
+            t0 = time.process_time()
+            if how == "separate":
+                lm.logits(lm(prompt, new, cache)[-1:])
+                if C > 1:
+                    lm.logits(lm(step_tok, step, cache))
+            else:
+                h = lm(torch.cat([step_tok, prompt]), joined, cache)
+                lm.logits(h[step.n:][-1:])
+                if C > 1:
+                    lm.logits(h[: step.n])
+            if i >= 2:
+                times[how].append(1e3 * (time.process_time() - t0))
+
+        interleaved(("joined", "separate"), [None], reps + 2, one, order="alternate")
         sep, joi = statistics.median(times["separate"]), statistics.median(times["joined"])
         rows_out.append({"concurrency": C, "prompt_len": prompt_len, "gamma": gamma, "separate_ms": sep,
                          "joined_ms": joi, "joined_over_separate": joi / sep})
@@ -66,10 +69,9 @@ def profile_components(target, candidates, prompts, make_policy, concurrency=(1,
     timed sweep): prefill, policy, draft, verify, host read and host bookkeeping, per C (``candidates``: a
     :class:`~eagle_backbone.candidates.CandidateGenerator`, or None for batched AR)."""
     out = []
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    engines = EngineFactory.for_prompts(target, candidates, prompts, max_new_tokens, attn)
     for C in concurrency:
-        eng = BatchedSpeculativeEngine(target, candidates, slots=C, policy=make_policy, capacity=capacity,
-                                       attn=attn, profile=True)
+        eng = engines(C, make_policy, profile=True)
         run_workload(eng, prompts[:C], C, 8)  # warm-up
         eng.prof.s = {}
         res = run_workload(eng, prompts, C, max_new_tokens)

@@ -30,9 +30,8 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.errors import accepted_mismatches
-from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.io import atomic_write_json
 from eagle_backbone.metrics import total
 from eagle_backbone.runtime import resolve_dtype, set_threads
 from eagle_backbone.timing import interleaved
@@ -58,8 +57,10 @@ from ldlp.bench.runners import (
 )
 from ldlp.bench.peer import is_peer
 from ldlp.bench.answers import model_id, write_answers
-from ldlp.bench.categories import category_markdown, category_rows, specbench_tasks
+from ldlp.bench.categories import category_rows, specbench_tasks
 from ldlp.bench.conversation import Dialogue, load_questions, question_rows
+from ldlp.bench.engines import EngineFactory
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.stats import median
 from ldlp.policies.pricing import flat_pricing
 
@@ -110,7 +111,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         engine = policy.engine
     else:
         prepare_cost_tables([policy], pair.target, pair.candidates, None, 1)  # batch 1: one slot's costs
-        decoder = SpeculativeDecoder(pair.target, pair.candidates, policy, profile=bool(ev.get("profile", False)))
+        decoder = EngineFactory(pair.target, pair.candidates).decoder(policy, profile=bool(ev.get("profile", False)))
         spec_runner = engine_runner(policy_name, decoder, sampling)
         engine = "ours"
 
@@ -155,10 +156,8 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
 
     lossless, mismatches = None, []
     if check:
-        ref_out = {t.prompt_id: t.tokens for turns in ref_runs[0] for t in turns}
-        ar_out = {t.prompt_id: t.tokens for turns in ar_runs[0] for t in turns}
-        mismatches = [pid for pid in dict.fromkeys([*spec_out, *ref_out])
-                      if spec_out.get(pid) != ref_out.get(pid) or ar_out.get(pid) != ref_out.get(pid)]
+        ref_out = GreedyReference({t.prompt_id: t.tokens for turns in ref_runs[0] for t in turns})
+        mismatches = ref_out.differing(spec_out, {t.prompt_id: t.tokens for turns in ar_runs[0] for t in turns})
         lossless = not mismatches
         if mismatches:
             log.warning("policy %s: %d outputs (speculative or AR) differ from the target's own greedy decoding "
@@ -230,11 +229,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     if out_dir is not None:
         # answer files (FastChat's judge, Spec-Bench's speed.py): ldlp/bench/answers.py
         result["answers"] = write_answers(qrows, out_dir, result["model_id"], result["ar_model_id"])
-        table = category_markdown([(result["model_id"], by_category, all_categories, result["by_task"])])
-        if table:
-            atomic_write_text(Path(out_dir) / "categories.md", table)
-            result["categories_md"] = str(Path(out_dir) / "categories.md")
-        write_results(result, out_dir)
+        write_results(result, out_dir)  # the per-category page: ldlp.report.categories.write_categories
     return result
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.timing import interleaved
 from ldlp.bench.loaders import (
@@ -34,13 +33,13 @@ from ldlp.bench.loaders import (
     machine_info,
     prepare_cost_tables,
     sampling_config,
-    skipped_note,
-    with_mismatch_lines,
 )
-from ldlp.bench.categories import runs_by_category, runs_by_category_markdown
+from ldlp.bench.categories import runs_by_category
 from ldlp.bench.conversation import prompt_categories
+from ldlp.bench.engines import EngineFactory
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
-from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
+from ldlp.bench.stats import best_adaptive, headroom_captured, paired_ratio
 from ldlp.policies.pricing import flat_pricing
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
             if not diff:
                 raise ValueError(f"contender {label!r} is listed twice")
             label += " (" + ", ".join(f"{k}={_short(setting[k])}" for k in diff[:2]) + ")"
-        runners.append(engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, policy), sampling))
+        runners.append(engine_runner(label, EngineFactory(pair.target, pair.candidates).decoder(policy), sampling))
         policies.append(policy)
         labels.append(label)
         settings.append(setting)
@@ -128,8 +127,7 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     lossless = None
     if sampling.greedy:
         # against the target's own greedy decoding through transformers (untimed), AR included
-        reference = [pair.target.reference_greedy(p, n) for p in prompts]
-        lossless = all(out == reference for out in outputs)
+        lossless = GreedyReference.of_target(pair.target, prompts, n).lossless(outputs)
         if not lossless:
             log.warning("head to head: some greedy outputs differ from the target's own greedy decoding")
 
@@ -137,8 +135,8 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
     overall = rounds * tokens.sum(1) / secs.sum((1, 2))  # every round emits the same tokens
     static = [i for i in range(n_policies) if adaptive[i] is False]  # a scripted twin (None) is neither
     ref = max(static, key=lambda i: overall[i]) if static else None  # the fastest static γ over all pairs
-    rng = np.random.default_rng(seed)
-    boot_k = rng.integers(0, len(prompts), size=(bootstrap, len(prompts)))  # prompts drawn with replacement
+    # seconds of one runner over another's on the same pairs, prompts drawn with replacement (each with all its rounds)
+    vs = lambda i, j: paired_ratio(None, secs[i], None, secs[j], bootstrap, seed, tails=(0.025, 0.975))  # noqa: E731
     rows = []
     for i, label in enumerate(labels):
         row = {"contender": label, "policy": names[i] if i < n_policies else "ar",
@@ -151,15 +149,13 @@ def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, boo
                "wasted_tokens": int(counts[i, 1] - (tokens[i].sum() - counts[i, 0]))}
         if ref is not None and i != ref and i < n_policies:
             # seconds of the reference over seconds of this contender on the same pairs: > 1 means faster
-            boot = secs[ref][:, boot_k].sum((0, 2)) / secs[i][:, boot_k].sum((0, 2))
-            row.update(vs_best_static=float(secs[ref].sum() / secs[i].sum()),
-                       ci95=[float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+            r = vs(i, ref)
+            row.update(vs_best_static=r["ratio"], ci95=r["ci95"],
                        rounds_faster=int((secs[i].sum(1) < secs[ref].sum(1)).sum()))
         if i < n_policies and "twin_of" in (settings[i] or {}):
             j = labels.index(settings[i]["twin_of"])  # its policy's seconds over the twin's: its own calls' cost
-            boot = secs[j][:, boot_k].sum((0, 2)) / secs[i][:, boot_k].sum((0, 2))
-            row["twin"] = {"of": labels[j], "seconds_ratio": float(secs[j].sum() / secs[i].sum()),
-                           "ci95": [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))],
+            r = vs(i, j)
+            row["twin"] = {"of": labels[j], "seconds_ratio": r["ratio"], "ci95": r["ci95"],
                            "same_choices": float(np.mean([chosen[j][k] == chosen[i][k] for k in range(len(prompts))]))}
         rows.append(row)
     for row, by in zip(rows, runs_by_category(categories, secs, tokens)):
@@ -189,25 +185,12 @@ def _add_scripted_twins(pair, sampling, prompts, n, seed, runners, labels, setti
                    for k, p in enumerate(prompts)}
         twin = ScriptedPolicy(scripts, max(max(g, default=0) for g in scripts.values()))
         label = f"{labels[i]}: its choices, scripted"
-        runners.append(engine_runner(label, SpeculativeDecoder(pair.target, pair.candidates, twin), sampling))
+        runners.append(engine_runner(label, EngineFactory(pair.target, pair.candidates).decoder(twin), sampling))
         labels.append(label)
         settings.append({"twin_of": labels[i]})
         adaptive.append(None)  # a control: neither the best static nor the best adaptive
         policies.append(twin)
         names.append("scripted")
-
-
-def dropped_note(result: dict) -> str:
-    """`` (N dropped: why)`` after a table's prompt count; in bold with the share when above 5%."""
-    dropped, n = result.get("n_dropped"), result.get("n_prompts") or 0
-    if dropped is None:
-        return " (dropped prompts not recorded)"
-    if not dropped:
-        return ", none dropped"
-    why = result.get("dropped_reason") or "reason not recorded"
-    share = dropped / (n + dropped)
-    return (f" (**{dropped} of {n + dropped} prompts ({100 * share:.0f}%) dropped: {why}**)" if share > 0.05
-            else f" ({dropped} dropped: {why})")
 
 
 def _costs(stats) -> dict | None:
@@ -235,58 +218,3 @@ def verdict(result: dict) -> dict:
     if captured is not None:
         out["headroom_captured"] = captured
     return out
-
-
-def head_to_head_markdown(result: dict) -> str:
-    ref = result["reference"]
-    lines = [f"### Head to head ({result['model']})", "",
-             f"{len(result['rows']) - 1} contenders and the AR baseline take turns on every prompt (rotating order) "
-             f"for {result['rounds']} rounds in one process: {result['n_prompts']} prompts of {result['dataset']}"
-             f"{dropped_note(result)}{skipped_note(result)}, "
-             f"{result['max_new_tokens']} new tokens at most, greedy. `vs {ref}` is the ratio of seconds on the same "
-             "(round, prompt) pairs (> 1: faster than the best static contender), with a bootstrap 95% interval "
-             "that resamples prompts (each with all its rounds); tokens/s are totals over all pairs.", "",
-             "`policy time`: the policy's own calls (its plan, stop and observe) as a share of its seconds.", "",
-             f"| contender | setting | τ | wasted | tokens/s | speedup vs AR | vs {ref} | 95% interval | rounds faster "
-             "| policy time |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
-        setting = ", ".join(f"{k}={v}" for k, v in (r.get("setting") or {}).items() if k != "path") or "–"
-        vs = f"{r['vs_best_static']:.3f}" if "vs_best_static" in r else ("1 (reference)" if r["contender"] == ref
-                                                                          else "–")
-        ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
-        faster = f"{r['rounds_faster']}/{result['rounds']}" if "rounds_faster" in r else "–"
-        wasted = r["wasted_tokens"] if r["contender"] != "AR" else "–"
-        own = f"{100 * r['policy_share']:.1f}%" if r.get("policy_share") is not None else "–"
-        lines.append(f"| {r['contender']} | {setting} | {r['tau']:.2f} | {wasted} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {vs} | {ci} | {faster} | {own} |")
-    lines.append("")
-    if "best_adaptive" in result:
-        lines.append(verdict_line(result, ref, "best adaptive"))
-    if "headroom_captured" in result:
-        lines.append(f"- headroom captured: **{100 * result['headroom_captured']:.0f}%** of (oracle − best static) "
-                     "in tokens/s, all timed in turns")
-    for r in result["rows"]:
-        t = r.get("twin")
-        if t:
-            lines.append(f"- {t['of']}'s own time: its γ choices, scripted, took turns beside it; the policy took "
-                         f"{t['seconds_ratio']:.3f}× the twin's seconds (95% interval {t['ci95'][0]:.3f} – "
-                         f"{t['ci95'][1]:.3f}); {100 * t['same_choices']:.0f}% of the prompts saw the same choices "
-                         "in the first timed round")
-    c = result.get("costs")
-    if c:
-        lines.append(f"- time fitted to these generations: {c['step_ms']:.2f} ms per target pass + {c['draft_ms']:.2f} ms "
-                     f"per drafted token + {c['accepted_ms']:.2f} ms per accepted token")
-    if result["lossless"] is not None:
-        lines.append("- every greedy output (AR's included) equals the target's own greedy decoding through transformers"
-                     if result["lossless"] else "- **some greedy outputs differ from the target's own greedy decoding**")
-    cats = runs_by_category_markdown(result["rows"])
-    if cats:
-        lines += ["", "Speedup over AR per category (prompts in each), from the same turns:", "", cats.rstrip("\n")]
-    # below its title, the files made for another setup that accept_mismatch=true let drive the run
-    return with_mismatch_lines("\n".join(lines) + "\n", result)
-
-
-# -- several head-to-head runs, pooled ---------------------------------------------------------------------
-
-

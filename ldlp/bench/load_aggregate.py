@@ -117,7 +117,7 @@ def _cell_row(label, C, T, xs: list[dict], n_prompts: int, profiles) -> dict:
 
 def _ratios(runs: list[dict], row: dict, base: dict, bootstrap: int, seed: int) -> dict:
     """An adaptive row's paired ratios to the baselines at its (C, T) (``base``: :func:`baselines`'s cell)."""
-    from eagle_backbone.timing import paired_ratio  # the one paired bootstrap of the project's comparisons
+    from ldlp.bench.stats import paired_ratio
 
     vs = {}
     for name in BASELINES:
@@ -140,7 +140,7 @@ def aggregate_runs(runs: list[dict], default_temperature: float, n_prompts: int,
     """One row per (contender, C, T): each round's blocks combined (:func:`_combine`), then the median
     over rounds (counters: the first round's, with the scored tokens per step); the profiled pass's milliseconds
     per step where ``profiles`` has the cell; and for adaptive contenders the paired ratios to the
-    baselines (:func:`baselines`, :func:`eagle_backbone.timing.paired_ratio`). A run without a temperature is at
+    baselines (:func:`baselines`, :func:`ldlp.bench.stats.paired_ratio`). A run without a temperature is at
     ``default_temperature``."""
     cells: dict[tuple, list[dict]] = {}
     for x in runs:

@@ -11,7 +11,7 @@ generator. Rows report each round's blocks summed, medians over rounds.
 Each (round, block) is one paired measurement: per (C, T) every adaptive contender's ratio of tokens/s to
 the baselines (batched AR, the best static γ at that (C, T) in hindsight, the static γ best at C=1 used at
 every C, the oracle at T=0) comes with a paired bootstrap 95% interval over those pairs
-(:func:`eagle_backbone.timing.paired_ratio`; the rows: :mod:`ldlp.bench.load_aggregate`). The oracle replays the engine with one slot
+(:func:`ldlp.bench.stats.paired_ratio`; the rows: :mod:`ldlp.bench.load_aggregate`). The oracle replays the engine with one slot
 (``SpeculativeDecoder``) per prompt before the clocks start and runs at T=0 only; so does the batched oracle
 (``policy=oracle_budget``, :mod:`ldlp.policies.oracles`), whose gain over the best static γ at each C the findings
 report as the headroom (``oracle_headroom``).
@@ -34,19 +34,20 @@ them from configs is the script's). :mod:`ldlp.bench.load_aggregate` turns its r
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from eagle_backbone.cost import table_record
-from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import as_draft_policy
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
+from eagle_backbone.timing import interleaved
 from ldlp.bench.contender import ENGINE_DEFAULTS, draft_cap
+from ldlp.bench.engines import EngineFactory
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.load_aggregate import aggregate_runs
 from ldlp.bench.memory import release_freed_memory
 from ldlp.bench.step_costs import hindsight_model, run_step_costs, step_cost_rows
@@ -63,22 +64,6 @@ class Contender:
     make: Callable | None  # zero-argument policy factory (one instance per slot); None: AR
     runner: object | None = None  # a peer engine's runner (vLLM; ldlp/bench/peer_rows.py); None: this engine
     engine: dict = field(default_factory=dict)  # this engine's settings for it (prefill, max_batched_tokens)
-
-
-def near_tie(target, prompt, ref, got) -> dict:
-    """The target's top-2 logit gap at the first position where ``got`` leaves ``ref`` (one forward of
-    the reference prefix, as plain decoding computes it), and the dtype's spacing at the top logit."""
-    i = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    if i >= len(ref) or i >= len(got):
-        return {"position": i, "gap": None, "spacing": None, "near_tie": False, "note": "length differs only"}
-    with torch.inference_mode():
-        logits, _ = target(torch.tensor([prompt + ref[:i]], device=target.device))
-    top = torch.topk(logits[0, -1].float(), 2)
-    gap = float(top.values[0] - top.values[1])
-    eps = torch.finfo(target.dtype).eps  # 2^-mantissa bits: 2^-7 for bfloat16, 2^-23 for float32
-    spacing = 2.0 ** math.floor(math.log2(max(abs(float(top.values[0])), 1e-30))) * eps
-    return {"position": i, "ref_token": ref[i], "got_token": got[i], "gap": gap, "spacing": spacing,
-            "near_tie": gap <= 2 * spacing}
 
 
 def split_blocks(n: int, concurrency: int, blocks: int) -> list[list[int]]:
@@ -102,7 +87,7 @@ def replayed_labels(contenders: list[Contender]) -> set[str]:
 def warm_replays(c: Contender, target, candidates, prompts, max_new_tokens, sampling) -> Contender:
     """Run an oracle's ``begin`` on every prompt once, untimed, with a one-slot engine: its replays are shared by
     every instance (:class:`~ldlp.policies.oracles.KnownAcceptance`), so the engines' slots only look them up."""
-    engine = BatchedSpeculativeEngine(target, candidates, slots=1, policy=c.make(), sampling=sampling)
+    engine = EngineFactory(target, candidates)(1, c.make(), sampling)
     for p in prompts:
         engine.policy.begin(0, p, max_new_tokens)
     return c
@@ -211,7 +196,7 @@ class _Run:
     categories: list | None  # one per prompt; None: no per-category counters
     seed: int  # prompt i samples with seed + i
     seeds: list[int] = field(init=False)
-    capacity: int = field(init=False)
+    engines: EngineFactory = field(init=False)  # every engine of the sweep: caches for its longest prompt
     runs: list[dict] = field(default_factory=list)
     diffs: dict = field(default_factory=dict)  # (contender, C, prompt) -> its first greedy difference
     skipped: list[dict] = field(default_factory=list)
@@ -227,7 +212,7 @@ class _Run:
 
     def __post_init__(self):
         self.seeds = [self.seed + i for i in range(len(self.prompts))]
-        self.capacity = max(len(p) for p in self.prompts) + self.max_new_tokens + 2
+        self.engines = EngineFactory.for_prompts(self.target, self.candidates, self.prompts, self.max_new_tokens, self.attn)
 
     # -- before the clocks: each temperature's contenders, greedy references and warm-up --
 
@@ -235,14 +220,10 @@ class _Run:
         """(sampling, the contenders that run at this T, the greedy references or None), kernels warmed up."""
         cs = [c if c.label not in replayed else self._replayed(c, samp) for c in contenders]
         cs = [c for c in cs if c is not None]
-        ref = None
-        if samp.greedy:
-            self.log(f"reference: the target's own greedy outputs of {len(self.prompts)} prompts (transformers' forward)")
-            ref = [self.target.reference_greedy(p, self.max_new_tokens) for p in self.prompts]
+        ref = GreedyReference.of_target(self.target, self.prompts, self.max_new_tokens, self.log) if samp.greedy else None
         for c in cs:  # warm up kernels and allocators once per contender (a peer warms up its own engine at each C)
             if c.runner is None:
-                e = BatchedSpeculativeEngine(self.target, self.candidates, slots=2, policy=c.make, sampling=samp,
-                                             capacity=self.capacity, attn=self.attn, **c.engine)
+                e = self.engines(2, c.make, samp, **c.engine)
                 run_workload(e, self.prompts[:2], 2, min(8, self.max_new_tokens), self.seeds[:2])
         release_freed_memory()  # the replays' and warm-ups' engines are gone
         return samp, cs, ref
@@ -270,10 +251,9 @@ class _Run:
         if r == 0 and len(parts) < blocks:
             self.log(f"C={C}: {len(parts)} block(s) of >= {C} prompts (of {blocks} asked): "
                      f"{len(self.prompts)} prompts cannot fill more")
-        for bi, idx in enumerate(parts):
-            k = (turn + bi) % len(cs)
-            for c in cs[k:] + cs[:k]:
-                self._run_block(c, C, samp, ref, idx, r, bi)
+        # block bi starts with contender (turn + bi) mod n
+        interleaved(cs, parts, 1, lambda c, idx, bi, _: self._run_block(c, C, samp, ref, idx, r, bi), order="rotate",
+                    offset=turn)
 
     def _run_block(self, c: Contender, C: int, samp: SamplingConfig, ref, idx: list[int], r: int, bi: int) -> None:
         ps, sd = [self.prompts[i] for i in idx], [self.seeds[i] for i in idx]
@@ -295,8 +275,7 @@ class _Run:
         the step counters, and the per-category counters where the prompts have categories."""
         model = self.cost_models.setdefault(c.label, OnlineCostModel())
         age = model.seen
-        eng = BatchedSpeculativeEngine(self.target, self.candidates, slots=C, policy=c.make, sampling=samp,
-                                       capacity=self.capacity, attn=self.attn, cost_model=model, **c.engine)
+        eng = self.engines(C, c.make, samp, cost_model=model, **c.engine)
         key = (c.label, samp.temperature)
         learner = adopt(eng.policy, self.learners.get(key))
         if learner is not None:
@@ -319,16 +298,17 @@ class _Run:
             summ["by_category"] = res.by_category([self.categories[i] for i in idx])
         return [o.tokens for o in res.outputs], summ
 
-    def _greedy_check(self, c: Contender, C: int, idx: list[int], outs: list, ref) -> list[bool] | None:
+    def _greedy_check(self, c: Contender, C: int, idx: list[int], outs: list,
+                      ref: GreedyReference | None) -> list[bool] | None:
         """Each output against its prompt's greedy reference (None without references); a first difference per
         (contender, C, prompt) is kept with its near-tie check."""
         if ref is None:
             return None
-        same = [o == ref[i] for o, i in zip(outs, idx)]
+        same = ref.same(outs, idx)
         for o, i, ok in zip(outs, idx, same):
             if not ok and (c.label, C, i) not in self.diffs:
                 self.diffs[(c.label, C, i)] = {"contender": c.label, "concurrency": C, "prompt": i,
-                                               **near_tie(self.target, self.prompts[i], ref[i], o)}
+                                               **ref.difference(i, o)}
         return same
 
     # -- after the timed rounds --
@@ -342,9 +322,8 @@ class _Run:
                 continue
             self.profiles.append({"contender": c.label, "policy": c.policy, "concurrency": C,
                                   "temperature": samp.temperature, **profile_pass(
-                                      self.target, self.candidates, [self.prompts[i] for i in idx], c.make, C,
-                                      self.max_new_tokens, samp, [self.seeds[i] for i in idx], self.capacity,
-                                      self.attn, c.engine)})
+                                      self.engines, [self.prompts[i] for i in idx], c.make, C, self.max_new_tokens,
+                                      samp, [self.seeds[i] for i in idx], c.engine)})
             self.log(f"profiled T={samp.temperature:g} C={C:>2} {c.label:<14} " + ", ".join(
                 f"{k} {v:.2f}" for k, v in self.profiles[-1]["ms_per_step"].items()) + " ms/step")
 
@@ -429,14 +408,12 @@ def step_counters(outputs, engine_steps: int) -> dict:
 
 
 @torch.inference_mode()
-def profile_pass(target, candidates, prompts, make_policy, concurrency: int, max_new_tokens: int,
-                 sampling: SamplingConfig, seeds: list[int], capacity: int, attn: str = "eager",
-                 engine: dict | None = None) -> dict:
+def profile_pass(engines: EngineFactory, prompts, make_policy, concurrency: int, max_new_tokens: int,
+                 sampling: SamplingConfig, seeds: list[int], engine: dict | None = None) -> dict:
     """One untimed run of ``prompts`` in the engine's profiled mode (a clock reading, or on a GPU a CUDA event,
     at every phase; never in the timed runs): the seconds of each component (draft, policy, verify, prefill,
     read, host), the engine's steps, and the milliseconds per engine step of each component."""
-    eng = BatchedSpeculativeEngine(target, candidates, slots=concurrency, policy=make_policy, sampling=sampling,
-                                   capacity=capacity, attn=attn, profile=True, **(engine or {}))
+    eng = engines(concurrency, make_policy, sampling, profile=True, **(engine or {}))
     res = run_workload(eng, prompts, concurrency, max_new_tokens, seeds)
     steps = eng.steps
     secs = dict(eng.prof.s)

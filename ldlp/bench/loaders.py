@@ -82,29 +82,6 @@ def prompt_set_info(data_cfg, n_dropped: int = 0, n_skipped: int = 0) -> dict:
             "n_skipped_records": int(n_skipped)}
 
 
-def skipped_note(result: dict) -> str:
-    """``, N malformed records skipped (...)`` after a page's prompt count (beside ``dropped_note``) when the run read
-    its prompt file with ``data.on_error=skip`` and skipped any (``n_skipped_records``); empty otherwise."""
-    k = int(result.get("n_skipped_records") or 0)
-    return (f", **{k} malformed record{'s' if k != 1 else ''} of the prompt file skipped** (data.on_error=skip; the "
-            "log names the first)") if k else ""
-
-
-def mismatch_lines(result: dict) -> list[str]:
-    """A page's lines for the learned files made for another setup that ``accept_mismatch=true`` let drive the run
-    (``accepted_mismatches``, eagle_backbone/errors.py), each its message; none when it accepted none."""
-    return [f"**Accepted mismatch** (accept_mismatch=true): {m}" for m in result.get("accepted_mismatches") or []]
-
-
-def with_mismatch_lines(md: str, result: dict) -> str:
-    """A page ``md`` with :func:`mismatch_lines` below its title (first line), those it does not show already."""
-    lines = [line for line in mismatch_lines(result) if line not in md]
-    if not lines:
-        return md
-    title, _, rest = md.partition("\n")
-    return "\n\n".join([title, *lines]) + ("\n" + rest if rest.startswith("\n") else "\n\n" + rest)
-
-
 def load_prompts(data_cfg, tokenizer) -> PromptSet:
     """(conversation id, prompt token ids) for the prompt set ``data_cfg`` (its first ``limit`` items), as a
     :class:`PromptSet` whose ``info`` identifies the set and counts the prompts dropped for length."""
@@ -207,11 +184,9 @@ def cost_engine_factory(target, candidates, attn: str | None = None, capacity: i
     """``factory(R, policy=None)``: a batched engine of R slots over this pair, as the load-aware policies build them
     to profile their cost table (ldlp/policies/load_aware.py); ``attn`` None: the target's default, as
     ``SpeculativeDecoder`` uses it."""
-    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+    from ldlp.bench.engines import EngineFactory
 
-    def factory(R: int, policy=None):
-        return BatchedSpeculativeEngine(target, candidates, slots=R, capacity=capacity, attn=attn, policy=policy)
-    return factory
+    return EngineFactory(target, candidates, capacity, attn)
 
 
 def engine_cost_key(model_name: str, target, candidates, attn: str | None = None) -> dict | None:

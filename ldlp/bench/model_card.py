@@ -1,4 +1,5 @@
-"""Measure the embedded models and write ``data/embedded/MODEL_CARD.md`` (every figure from a run).
+"""Measure the embedded models into ``data/embedded/model_card.json`` (every figure from a run), from which
+:mod:`ldlp.report.model_card` renders ``MODEL_CARD.md``.
 
 Quality: validation loss/perplexity of the target and the draft LM against a unigram baseline, and
 the drafter's teacher-forced top-1 agreement with the target. Cost: c = (one drafter step) / (one
@@ -6,7 +7,7 @@ target step), timed interleaved in one process. Decoding: AR tokens/s, and τ an
 γ = 1..6 on the test split, with the EAGLE drafter and with the draft LM. The EAGLE-3 head
 (``data/embedded/eagle3``, when shipped) gets its own entry (:func:`eagle3_entry`: size, training, its
 validation top-1 by depth, c on the engine's drafting path, and its static-γ rows); ``only=eagle3`` measures
-that entry alone and merges it into the existing ``model_card.json`` before the card is rendered again.
+that entry alone and merges it into the existing ``model_card.json``.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.data.conversations import build_prompts, encode_chat, load_conversations, to_messages
 from eagle_backbone.drafter import EagleDrafter
-from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
-from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.decoder import autoregressive_generate
+from eagle_backbone.io import atomic_write_json
 from eagle_backbone.loading import load_tokenizer
 from eagle_backbone.metrics import total
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import Clock, set_threads
 from eagle_backbone.target import TargetModel, rollback
 from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import EngineFactory
+from ldlp.bench.identity import GreedyReference
 
 
 def _tokens(tokenizer, convs) -> list[int]:
@@ -110,11 +113,12 @@ def static_gamma_table(target, candidates: dict, prompts: list[list[int]], gamma
         _, cand, g = config
         if cand is None:
             return autoregressive_generate(target, p, max_new_tokens)
-        return SpeculativeDecoder(target, cand, StaticPolicy(g)).generate(p, max_new_tokens)
+        return EngineFactory(target, cand).decoder(StaticPolicy(g)).generate(p, max_new_tokens)
 
     outs = interleaved(configs, prompts, repeats, generate, order="fixed")
-    lossless = all(out.tokens == ar.tokens for per in outs[1:] for row, ar_row in zip(per, outs[0])
-                   for out, ar in zip(row, ar_row))
+    # every speculative output against AR's on the same prompt in the same round
+    lossless = all(all(GreedyReference([ar.tokens for ar in ar_row]).same([out.tokens for out in row]))
+                   for per in outs[1:] for row, ar_row in zip(per, outs[0]))
     runs = {(name, g): [total([o.stats for o in row]) for row in per] for (name, _, g), per in zip(configs, outs)}
     ar_tps = statistics.median(s.tokens_per_s for s in runs[("ar", None)])
     rows = []
@@ -221,7 +225,8 @@ def _test_prompts(cfg, tokenizer, corpus: Path):
 
 
 def update_eagle3(cfg) -> dict:
-    """``only=eagle3``: measure the EAGLE-3 entry alone, merge it into model_card.json, render the card again."""
+    """``only=eagle3``: measure the EAGLE-3 entry alone, merge it into model_card.json (the card:
+    :func:`ldlp.report.model_card.write_card`)."""
     set_threads(cfg.get("threads"))
     root = Path(cfg.embedded_dir)
     card = json.loads((root / "model_card.json").read_text())
@@ -235,7 +240,6 @@ def update_eagle3(cfg) -> dict:
     card["eagle3"]["measured_apart"] = True  # its own run: its AR baseline and step costs are its own
     card["shipped_mb"] = _shipped_mb(root)
     atomic_write_json(root / "model_card.json", card, newline=False)
-    atomic_write_text(root / "MODEL_CARD.md", render_card(card))
     return card
 
 
@@ -261,12 +265,11 @@ def predictor_entry(root: Path) -> dict | None:
 
 
 def update_predictor(cfg) -> dict:
-    """``only=predictor``: the shipped predictor's entry alone, merged into model_card.json, the card rendered."""
+    """``only=predictor``: the shipped predictor's entry alone, merged into model_card.json."""
     root = Path(cfg.embedded_dir)
     card = json.loads((root / "model_card.json").read_text())
     card["predictor"] = predictor_entry(root)
     atomic_write_json(root / "model_card.json", card, newline=False)
-    atomic_write_text(root / "MODEL_CARD.md", render_card(card))
     return card
 
 
@@ -339,102 +342,4 @@ def build_model_card(cfg) -> dict:
         for part in ("target", "draft_lm", "drafter"):
             card[part].pop(key, None)
     atomic_write_json(root / "model_card.json", card, newline=False)
-    atomic_write_text(root / "MODEL_CARD.md", render_card(card))
     return card
-
-
-def render_card(c: dict) -> str:
-    t, d, lm, k, dec = c["target"], c["drafter"], c["draft_lm"], c["costs"], c["decoding"]
-    ok = lambda cond: "met" if cond else "NOT met"  # noqa: E731
-    hours = lambda s: f"{s / 60:.0f} min" if s else "n/a"  # noqa: E731
-    e3 = c.get("eagle3")
-    lines = [
-        "# Embedded models: a Llama target, its EAGLE-1 " + ("and EAGLE-3 drafters" if e3 else "drafter")
-        + " and a small draft LM",
-        "",
-        "Generated by `python scripts/model_card.py` (do not edit by hand); rebuilt from scratch with "
-        f"`{c['command']}`.",
-        "",
-        "## Data",
-        f"- Corpus: conversations built from the Python {c['corpus']['python_version']} standard library "
-        "(docstrings, source, language-reference topics), ShareGPT layout, split by module. "
-        f"Counts: {c['corpus']['counts']}; sha256 `{c['corpus']['sha256'][:16]}…`.",
-        f"- Tokenizer: byte-level BPE, {c['tokenizer_vocab']} tokens, Vicuna-style chat template.",
-        "",
-        "## Models",
-        "| model | params | steps | tokens seen | training time | val loss | val ppl | seed |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| target (LlamaForCausalLM) | {t['params'] / 1e6:.1f}M | {t.get('steps', 'n/a')} | "
-        f"{t.get('tokens_seen', 0) / 1e6:.1f}M | {hours(t.get('train_seconds_total', t.get('train_seconds_this_run')))} | "
-        f"{t['val_loss']:.3f} | {t['val_ppl']:.1f} | {t.get('seed', 0)} |",
-        f"| draft LM (LlamaForCausalLM) | {lm['params'] / 1e6:.1f}M | {lm.get('steps', 'n/a')} | "
-        f"{lm.get('tokens_seen', 0) / 1e6:.1f}M | {hours(lm.get('train_seconds_total', lm.get('train_seconds_this_run')))} | "
-        f"{lm['val_loss']:.3f} | {lm['val_ppl']:.1f} | {lm.get('seed', 0)} |",
-        f"| EAGLE-1 drafter | {d['params'] / 1e6:.2f}M (+ shared embedding/head) | {d.get('steps', 'n/a')} | "
-        f"{d.get('tokens_seen', 0) / 1e6:.1f}M | {hours(d.get('train_seconds_total', d.get('train_seconds_this_run')))} | "
-        "— | — | " + f"{d.get('seed', 0)} |",
-    ]
-    if e3:
-        lines.append(f"| EAGLE-3 head (layers {e3.get('layers')}) | {e3['params'] / 1e6:.2f}M (fc, layer, norm, LM head) | "
-                     f"{e3.get('steps', 'n/a')} | – | {hours(e3.get('train_seconds_total') or e3.get('train_seconds_this_run'))} + distillation | — | — | "
-                     f"{e3.get('seed', 0)} |")
-    lines += [
-        "",
-        f"- Unigram baseline perplexity on validation: **{t['unigram_val_ppl']:.1f}** vs target **{t['val_ppl']:.1f}** "
-        f"({ok(t['val_ppl'] < t['unigram_val_ppl'])}: clearly below the baseline).",
-        f"- Drafter top-1 agreement with the target (validation, teacher-forced): **{d['val_top1']:.3f}** "
-        f"(target >= 0.6: {ok(d['val_top1'] >= 0.6)}).",
-        f"- Step cost on this CPU (median of interleaved single-token steps): target {k['target_step_s'] * 1e3:.2f} ms, "
-        f"EAGLE drafter {k['eagle_step_s'] * 1e3:.2f} ms, draft LM {k['draft_lm_step_s'] * 1e3:.2f} ms; "
-        f"**c = {k['c_eagle']:.3f}** for EAGLE (target <= 0.3: {ok(k['c_eagle'] <= 0.3)}), c = {k['c_draft_lm']:.3f} for the draft LM.",
-    ]
-    if e3:
-        k3, top1 = e3["costs"], e3.get("val_top1_by_depth") or []
-        lines.append("- EAGLE-3 head: top-1 agreement with the target on its validation blocks, by draft depth 1.."
-                     f"{len(top1)}: " + ", ".join(f"{x:.3f}" for x in top1) + "; step cost on the engine's drafting "
-                     f"path {k3['eagle3_step_s'] * 1e3:.2f} ms against a target step of {k3['target_step_s'] * 1e3:.2f} ms: "
-                     f"**c = {k3['c_eagle3']:.3f}** (docs/eagle3.md; goal <= 0.25: {ok(k3['c_eagle3'] <= 0.25)})"
-                     + (f"; the EAGLE-1 drafter in the same loop (timed apart, each step its own): "
-                        f"{k3['eagle_step_s'] * 1e3:.3f} ms, c = {k3['c_eagle']:.3f}, the EAGLE-3 step "
-                        f"{k3['eagle3_step_s'] / k3['eagle_step_s']:.3f}× it" if "c_eagle" in k3 else "")
-                     + (", measured in its own run" if e3.get("measured_apart") else "") + ".")
-    lines += [
-        f"- Shipped size: {c['shipped_mb']:.1f} MB (safetensors, bfloat16).",
-        "",
-        "## Decoding on the test split (greedy)",
-        f"{dec['n_prompts']} prompts, up to {dec['max_new_tokens']} new tokens, median of {dec['repeats']} "
-        f"interleaved repeats, {dec.get('dtype', 'float32')} with {dec.get('attn_implementation', 'sdpa')} attention "
-        "(the step costs above too). "
-        f"AR baseline: **{dec['ar_tokens_per_s']:.1f} tokens/s**. "
-        f"All speculative outputs identical to AR: **{dec['lossless']}**.",
-        "",
-        "| drafter | γ | τ | acceptance | tokens/s | speedup |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [f"| {r['drafter']} | {r['gamma']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | "
-              f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |" for r in dec["rows"]]
-    if e3:
-        d3 = e3["decoding"]
-        lines += ["", f"EAGLE-3 head{' (its own run' if e3.get('measured_apart') else ' (the same run'}: "
-                  f"{d3['n_prompts']} prompts, {d3['max_new_tokens']} new tokens, {d3['repeats']} repeats, "
-                  f"{d3['dtype']}; AR baseline {d3['ar_tokens_per_s']:.1f} tokens/s; lossless: **{d3['lossless']}**):", "",
-                  "| drafter | γ | τ | acceptance | tokens/s | speedup |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['drafter']} | {r['gamma']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | "
-                  f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |" for r in d3["rows"]]
-    p = c.get("predictor")
-    if p:
-        v = p.get("validation") or {}
-        lines += ["", "## The draft-length predictor (`policy=learned`, data/embedded/predictor)", "",
-                  f"AdaEAGLE's LDLP ({p['params'] / 1e3:.0f}k parameters, {p['head']} head over lengths 0..{p['k_max']}) "
-                  f"reading {', '.join(p['inputs'] or [])} (docs/predictors.md). Trained on {p['train_examples']} steps "
-                  f"recorded by replaying static γ = {p['behaviours']} over {p['oracle_sequences']} oracle sequences "
-                  f"({p['oracle_positions']} positions); validation ({p['validation_examples']} steps): MAE "
-                  f"{v.get('mae', float('nan')):.3f}, AUC {v.get('auc_mean', float('nan')):.3f} (first draft "
-                  f"{v.get('auc_1', float('nan')):.3f}). A token is worth {p['token_ratio']:.3f} plain steps at the "
-                  f"start. Rebuilt with `{p['command']}` (labels: docs/predictors.md).", ""]
-    m = c["machine"]
-    lines += ["", f"Machine: {m['platform']}, {m['processor']}, torch {m['torch']} with {m['torch_threads']} threads.",
-              "", "## Greedy answers to held-out (test split) prompts", ""]
-    for s in c["samples"]:
-        lines += [f"**{s['id']}** — prompt: `{s['prompt'][-120:]}`", "", "```", s["answer"][:600], "```", ""]
-    return "\n".join(lines) + "\n"

@@ -26,7 +26,7 @@ def _pairs(runs: list[dict], label: str, C: int, T: float, clock: str = "wall") 
 
 
 def _ratio(runs, mine: str, theirs: str, C: int, T: float, clock: str = "wall") -> dict | None:
-    from eagle_backbone.timing import paired_ratio
+    from ldlp.bench.stats import paired_ratio
 
     a, b = _pairs(runs, mine, C, T, clock), _pairs(runs, theirs, C, T, clock)
     common = sorted(set(a) & set(b))

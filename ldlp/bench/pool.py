@@ -3,13 +3,12 @@ resamples runs, then prompts (``scripts/pool_head_to_head.py``)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
-from eagle_backbone.io import atomic_write_json, atomic_write_text
-from ldlp.bench.stats import best_adaptive, headroom_captured, verdict_line
+from eagle_backbone.io import atomic_write_json
+from ldlp.bench.stats import best_adaptive, headroom_captured, paired_ratio
 
 
 def contender_key(row: dict) -> str:
@@ -69,19 +68,6 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
     if not static:
         raise ValueError(f"pool: no static contender is in every run (contenders: {keys})")
     ref = min(static, key=lambda k: sum(s[k].sum() for s in secs))  # the same tokens in every run
-    rng = np.random.default_rng(seed)
-    # two-level bootstrap: runs with replacement (the machine's drift between runs), then prompts within each
-    draws = [rng.integers(0, s[ref].shape[1], size=(bootstrap, s[ref].shape[1])) for s in secs]
-    # per run and contender: its seconds summed over each resample of that run's prompts, (bootstrap,)
-    resampled = [{k: v[:, d].sum((0, 2)) for k, v in s.items()} for s, d in zip(secs, draws)]
-    cols = np.arange(bootstrap)[:, None]
-
-    def boot_ratio(k):  # (bootstrap,) pooled ratios of contender k over the runs it is in
-        runs = present[k]
-        pick = np.random.default_rng([seed, *runs]).integers(0, len(runs), size=(bootstrap, len(runs)))
-        seconds = lambda c: np.stack([resampled[j][c] for j in runs])[pick, cols].sum(1)  # noqa: E731
-        return seconds(ref) / seconds(k)
-
     out_rows = []
     for k in keys:
         per_run = [float(s[ref].sum() / s[k].sum()) if k in s else None for s in secs]
@@ -91,9 +77,9 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
                "pooled": float(sum(secs[j][ref].sum() for j in present[k]) / sum(secs[j][k].sum() for j in present[k])),
                "tokens_per_s": [res["rows"][rows[k]]["tokens_per_s"] if k in rows else None
                                 for res, rows in zip(results, keyed)]}
-        if k != ref:
-            b = boot_ratio(k)
-            row["ci95"] = [float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))]
+        if k != ref:  # two-level bootstrap: runs with replacement (the machine's drift between runs), then prompts
+            row["ci95"] = paired_ratio(None, [s.get(k) for s in secs], None, [s[ref] for s in secs], bootstrap, seed,
+                                       tails=(0.025, 0.975), runs=True)["ci95"]
             row["runs_faster"] = sum(r > 1 for r in mine)
         out_rows.append(row)
     out = {"runs": where, "reference": ref, "rows": out_rows,
@@ -109,38 +95,10 @@ def pool(results: list[dict], names: list[str] | None = None, bootstrap: int = 2
     return out
 
 
-def pooled_markdown(p: dict, links: list[str] | None = None) -> str:
-    ref, n = p["reference"], len(p["runs"])
-    runs = [f"[{r}]({link})" for r, link in zip(p["runs"], links)] if links else p["runs"]
-    lines = [f"{n} head-to-head runs ({', '.join(runs)}), {p['pairs']} timed (round, prompt) pairs of the reference "
-             f"in all. Ratios are seconds of **{ref}** (the static contender fastest over all runs) over the "
-             "contender's, on the same pairs: > 1 is faster. A contender is pooled over the runs it is in (– where "
-             "it did not run); the 95% interval of its pooled ratio resamples those runs, then prompts within each.",
-             "",
-             "| contender | " + " | ".join(f"{r}" for r in p["runs"]) + " | median | pooled | 95% interval | runs faster |",
-             "|---|" + "---:|" * (n + 4)]
-    for r in p["rows"]:
-        cells = " | ".join("–" if v is None else f"{v:.3f}" for v in r["per_run"])
-        ci = f"{r['ci95'][0]:.3f} – {r['ci95'][1]:.3f}" if "ci95" in r else "–"
-        n_in = sum(v is not None for v in r["per_run"])
-        faster = f"{r['runs_faster']}/{n_in}" if "runs_faster" in r else "reference"
-        lines.append(f"| {r['contender']} | {cells} | {r['median']:.3f} | {r['pooled']:.3f} | {ci} | {faster} |")
-    lines.append("")
-    lines.append(f"- {ref} over AR, per run: " + ", ".join(f"{s:.2f}x" for s in p["ar_speedup_of_reference"]))
-    if "best_adaptive" in p:
-        lines.append(verdict_line(p, ref, "best adaptive, pooled"))
-    if "headroom_captured" in p:
-        lines.append(f"- headroom captured: **{100 * p['headroom_captured']:.0f}%** of (oracle − {ref}), both pooled "
-                     "(over the runs each is in)")
-    if any(p["costs"]):
-        lines.append("- fitted per target pass / per drafted token, per run: " + ", ".join(
-            f"{c['step_ms']:.1f} / {c['draft_ms']:.2f} ms" if c else "–" for c in p["costs"]))
-    return "\n".join(lines) + "\n"
-
-
 def pool_folders(patterns: list[str], out_dir: str | Path, bootstrap: int = 2000, seed: int = 0) -> dict:
     """:func:`pool` over the ``head_to_head.json`` of every folder matching ``patterns`` (globs, in sorted
-    order); writes pooled.json and pooled.md to ``out_dir``. The result's ``files`` lists the runs read."""
+    order); writes pooled.json to ``out_dir`` (its page: :func:`ldlp.report.headtohead.write_pooled`). The result's
+    ``files`` lists the runs read."""
     import glob
     import json
 
@@ -161,10 +119,7 @@ def pool_folders(patterns: list[str], out_dir: str | Path, bootstrap: int = 2000
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pooled = pool(results, [f.parent.name for f in files], bootstrap, seed)
-    links = [os.path.relpath(f.parent / "head_to_head.md", out) for f in files]
-    md = pooled_markdown(pooled, links)
     atomic_write_json(out / "pooled.json", pooled)
-    atomic_write_text(out / "pooled.md", md)
     return {**pooled, "files": [str(f) for f in files]}
 
 
@@ -191,17 +146,3 @@ def pooled_batch_ratios(folders: list[Path], reference: str) -> dict[tuple[int, 
     if not out:
         raise ValueError(f"no contender shares a (round, block) with {reference!r} in {', '.join(map(str, folders))}")
     return out
-
-
-def pooled_batch_markdown(rows: dict[tuple[int, str], list[tuple[float, float]]], reference: str) -> str:
-    """The table of :func:`pooled_batch_ratios`: per C and contender, the median and geometric mean of the CPU
-    ratios, the pairs above 1, and the median wall-clock ratio."""
-    import statistics
-
-    lines = [f"tokens per CPU-second over {reference!r}, paired by (folder, round, block)",
-             "| C | contender | median | geometric mean | pairs above 1 | wall median |", "|---:|---|---:|---:|---:|---:|"]
-    for (C, label), pairs in sorted(rows.items()):
-        cpu, wall = [p[0] for p in pairs], [p[1] for p in pairs]
-        lines.append(f"| {C} | {label} | {statistics.median(cpu):.3f} | {statistics.geometric_mean(cpu):.3f} | "
-                     f"{sum(x > 1 for x in cpu)}/{len(cpu)} | {statistics.median(wall):.3f} |")
-    return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ token); the steps' running rows over time (the load the policies saw).
 
 :func:`serve` runs every contender on the same trace in turns (the order rotating between rounds and traces),
 checks greedy outputs against the target's own, and gives each contender's throughput ratio to the best static
-γ on that trace with a paired bootstrap interval over rounds (``eagle_backbone.timing.paired_ratio``). A
+γ on that trace with a paired bootstrap interval over rounds (``ldlp.bench.stats.paired_ratio``). A
 contender's policy object lives across its runs, as a server keeps running: its online state (acceptance rates,
 the goodput learner, the step-cost model) is warm after the first ``warmup_rounds``, which are run in turns like
 the others and reported apart, not in the ratios.
@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.step_records import GenerationOutput
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.step_cost import OnlineCostModel
+from eagle_backbone.timing import interleaved
+from ldlp.bench.engines import EngineFactory
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.workload import percentile
 
 SHAPES = ("constant", "ramp")
@@ -212,11 +214,8 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
         if spec["requests"] > len(prompts):
             raise ConfigError(f"traces.{name}.requests={spec['requests']} but only {len(prompts)} prompts are loaded "
                               "(raise data.limit or lower requests)")
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
-    ref = None
-    if sampling.greedy:
-        log(f"reference: the target's own greedy outputs of {len(prompts)} prompts (transformers' forward)")
-        ref = [target.reference_greedy(p, max_new_tokens) for p in prompts]
+    engines = EngineFactory.for_prompts(target, candidates, prompts, max_new_tokens, attn)
+    ref = GreedyReference.of_target(target, prompts, max_new_tokens, log) if sampling.greedy else None
     for c in contenders:
         if c.label in replayed:
             log(f"{c.label}: replaying the engine with one slot on {len(prompts)} prompts (untimed)")
@@ -226,41 +225,36 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
     runs: list[dict] = []
     learners: dict = {}
     total = warmup_rounds + rounds
-    for r in range(total):
-        for ti, (name, spec) in enumerate(specs.items()):
-            arrivals = arrival_times(spec)
-            idx = list(range(spec["requests"]))
-            k = (r + ti) % len(contenders)
-            for c in contenders[k:] + contenders[:k]:
-                if c.runner is not None:  # a peer engine (vLLM) serves the same trace on its own scheduler
-                    runs.append(_peer_run(c, [prompts[i] for i in idx], arrivals, max_new_tokens,
-                                          [seed + i for i in idx], slots, sampling, target.eos_token_ids, ref, idx,
-                                          {"round": r, "warmup": r < warmup_rounds, "trace": name}))
-                    log(_run_line(runs[-1]))
-                    if checkpoint:
-                        checkpoint({"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners,
-                                    "traces": specs, "skipped": skipped, "complete": False})
-                    continue
-                eng = BatchedSpeculativeEngine(target, candidates, slots=slots, policy=policies[c.label],
-                                               sampling=sampling, capacity=capacity, attn=attn,
-                                               cost_model=models[c.label])
-                fb = getattr(policies[c.label], "goodput", None)
-                start = len(fb.history) if fb is not None else None
-                res = run_serving(eng, [prompts[i] for i in idx], arrivals, max_new_tokens,
-                                  [seed + i for i in idx])
-                same = None if ref is None else sum(o.tokens == ref[i] for o, i in zip(res.outputs, idx))
-                runs.append({"round": r, "warmup": r < warmup_rounds, "trace": name, "contender": c.label,
-                             "policy": c.policy, "gamma": c.gamma, "temperature": sampling.temperature,
-                             **res.summary(), "identical": same, "n_requests": len(idx), "policy_s": eng.policy_s,
-                             "timeline": [[round(t, 4), n, q] for t, n, q in res.timeline],
-                             # this run's choices in the learner's history (it lives across runs, as a server)
-                             "learner_span": None if fb is None else [start, len(fb.history)]})
-                if fb is not None:
-                    learners[c.label] = _learner(policies[c.label])
-                log(_run_line(runs[-1]))
-                if checkpoint:
-                    checkpoint({"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners,
-                                "traces": specs, "skipped": skipped, "complete": False})
+    arrivals = {name: arrival_times(spec) for name, spec in specs.items()}  # each trace's, the same every round
+
+    def one_run(c, name: str, r: int) -> None:
+        idx = list(range(specs[name]["requests"]))
+        where = {"round": r, "warmup": r < warmup_rounds, "trace": name}
+        if c.runner is not None:  # a peer engine (vLLM) serves the same trace on its own scheduler
+            runs.append(_peer_run(c, [prompts[i] for i in idx], arrivals[name], max_new_tokens,
+                                  [seed + i for i in idx], slots, sampling, target.eos_token_ids, ref, idx, where))
+        else:
+            eng = engines(slots, policies[c.label], sampling, cost_model=models[c.label])
+            fb = getattr(policies[c.label], "goodput", None)
+            start = len(fb.history) if fb is not None else None
+            res = run_serving(eng, [prompts[i] for i in idx], arrivals[name], max_new_tokens,
+                              [seed + i for i in idx])
+            same = None if ref is None else sum(ref.same([o.tokens for o in res.outputs], idx))
+            runs.append({**where, "contender": c.label, "policy": c.policy, "gamma": c.gamma,
+                         "temperature": sampling.temperature, **res.summary(), "identical": same,
+                         "n_requests": len(idx), "policy_s": eng.policy_s,
+                         "timeline": [[round(t, 4), n, q] for t, n, q in res.timeline],
+                         # this run's choices in the learner's history (it lives across runs, as a server)
+                         "learner_span": None if fb is None else [start, len(fb.history)]})
+            if fb is not None:
+                learners[c.label] = _learner(policies[c.label])
+        log(_run_line(runs[-1]))
+        if checkpoint:
+            checkpoint({"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners,
+                        "traces": specs, "skipped": skipped, "complete": False})
+
+    for r in range(total):  # in round r, trace ti starts with contender (r + ti) mod n
+        interleaved(contenders, list(specs), 1, lambda c, name, ti, _: one_run(c, name, r), order="rotate", offset=r)
     return {"runs": runs, "rows": serving_rows(runs, bootstrap, seed), "learners": learners, "traces": specs,
             "skipped": skipped, "complete": True}
 
@@ -276,7 +270,7 @@ def _peer_run(c, prompts, arrivals, max_new_tokens, seeds, slots, sampling, stop
     """One run of a peer contender (``c.runner``: :meth:`~ldlp.bench.vllm_peer.VllmRunner.serve`) on a trace, as
     :func:`serve` records this engine's runs; its greedy outputs checked against the target's like every run."""
     outs, summ = c.runner.serve(prompts, arrivals, max_new_tokens, seeds, slots, sampling, stop_ids)
-    same = None if ref is None else sum(o == ref[i] for o, i in zip(outs, idx))
+    same = None if ref is None else sum(ref.same(outs, idx))
     timeline = summ.pop("timeline", None) or []
     return {**where, "contender": c.label, "policy": c.policy, "gamma": c.gamma, "temperature": sampling.temperature,
             **summ, "identical": same, "n_requests": len(idx), "policy_s": 0.0,
@@ -289,7 +283,7 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
     rounds, and to batched AR; the same over busy seconds (the run's seconds less those with nothing in flight:
     open loop, a contender that keeps up serves what arrives, and the busy seconds are where it differs), against
     the static γ best by that measure."""
-    from eagle_backbone.timing import paired_ratio
+    from ldlp.bench.stats import paired_ratio
 
     measured = [r for r in runs if not r["warmup"]]
     out = []

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import DraftPolicy, TreeOutcome
 from eagle_backbone.tree_draft import TreeSpec
+from ldlp.bench.engines import EngineFactory
 
 
 class _FullTree(DraftPolicy):
@@ -38,7 +38,7 @@ def choice_rates(target, candidates, prompts: list[list[int]], top_k: int, depth
     """Decode ``prompts`` with width-1 trees of ``top_k`` children a node to ``depth`` (every node scored):
     per (depth, rank) the tested and kept counts and the rate, and per rank over all depths."""
     policy = _FullTree(TreeSpec(top_k, depth, width=1))
-    engine = BatchedSpeculativeEngine(target, candidates, slots=slots, policy=policy, sampling=sampling)
+    engine = EngineFactory(target, candidates)(slots, policy, sampling)
     for i in range(0, len(prompts), slots):
         batch = prompts[i: i + slots]
         engine.generate(batch, max_new_tokens, seeds=list(range(i, i + len(batch))))

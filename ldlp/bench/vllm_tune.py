@@ -21,6 +21,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from eagle_backbone.timing import interleaved
+from ldlp.bench.identity import GreedyReference
 from ldlp.bench.vllm_schedule import (
     StepModel,
     acceptance_by_position,
@@ -49,15 +51,15 @@ def measure_grid(runners: dict, prompts: list[list[int]], concurrency: list[int]
     for r in range(rounds):
         t0 = time.perf_counter()
         for ci, C in enumerate(concurrency):
-            for j, idx in enumerate(_chunks(len(prompts), C, prompts_per_cell)):
-                shift = (r * 7 + ci * 3 + j) % len(ks)
-                for K in ks[shift:] + ks[:shift]:
-                    rep = runners[K].generate([prompts[i] for i in idx], max_new_tokens, stop_ids)
-                    calls.append({"round": r, "C": C, "chunk": j, "k": K, "prompts": idx, "outputs": rep["outputs"],
-                                  "new_tokens": sum(len(o) for o in rep["outputs"]),
-                                  **{key: rep.get(key) for key in ("wall_s", "cpu_s", "num_drafts", "num_draft_tokens",
-                                                                   "num_accepted_tokens", "accepted_per_pos",
-                                                                   "steps")}})
+            def call(K, idx, j, _):
+                rep = runners[K].generate([prompts[i] for i in idx], max_new_tokens, stop_ids)
+                calls.append({"round": r, "C": C, "chunk": j, "k": K, "prompts": idx, "outputs": rep["outputs"],
+                              "new_tokens": sum(len(o) for o in rep["outputs"]),
+                              **{key: rep.get(key) for key in ("wall_s", "cpu_s", "num_drafts", "num_draft_tokens",
+                                                               "num_accepted_tokens", "accepted_per_pos", "steps")}})
+
+            # chunk j at (round r, the ci-th C) starts with K number (7 r + 3 ci + j) mod len(ks)
+            interleaved(ks, _chunks(len(prompts), C, prompts_per_cell), 1, call, order="rotate", offset=r * 7 + ci * 3)
         log(f"grid round {r + 1}/{rounds}: {time.perf_counter() - t0:.0f} s")
     return calls
 
@@ -68,12 +70,13 @@ def check_outputs(calls: list[dict], reference: list[list[int]] | None) -> dict:
     without a reference), "differing" (up to 5 (k, prompt) pairs)}."""
     by_prompt: dict[int, set] = {}
     ok_ref, n, diff = 0, 0, []
+    ref = None if reference is None else GreedyReference(reference)
     for c in calls:
         for i, out in zip(c["prompts"], c["outputs"]):
             by_prompt.setdefault(i, set()).add(tuple(out))
             n += 1
-            if reference is not None:
-                same = list(out) == list(reference[i])
+            if ref is not None:
+                same = ref.same([out], [i])[0]
                 ok_ref += same
                 if not same and len(diff) < 5:
                     diff.append({"k": c["k"], "prompt": i})

@@ -263,8 +263,7 @@ def headline_block(summary: dict, name: str, command: str, page: str) -> str:
     if h2h:
         ref = h2h["reference"]
         # n_dropped next to n_prompts, in bold above 5%
-        from ldlp.bench.headtohead import dropped_note
-        from ldlp.bench.loaders import skipped_note
+        from ldlp.report.notes import dropped_note, skipped_note
 
         lines += [(f"Head to head of the main command ({h2h['n_prompts']} prompts{dropped_note(h2h)}{skipped_note(h2h)} "
                    f"× {h2h['rounds']} "

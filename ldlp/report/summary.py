@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 
 from eagle_backbone.io import atomic_path, atomic_write_text
-from ldlp.bench.categories import category_markdown, merge_runs
+from ldlp.bench.categories import merge_runs
+from ldlp.report.categories import category_markdown
 from ldlp.bench.stats import headroom_captured, median, percent
 from ldlp.report.figures import pyplot, save_figure
 
@@ -269,8 +270,7 @@ def sweep_markdown(rows: list[dict], heads: dict, title: str = "Static vs adapti
 
 def _prompt_set_line(first: dict) -> str:
     """The table's header line: the prompt set, its prompts and those dropped (stated when over 5%)."""
-    from ldlp.bench.headtohead import dropped_note
-    from ldlp.bench.loaders import skipped_note
+    from ldlp.report.notes import dropped_note, skipped_note
 
     line = (f"Prompt set **{_set_label(first)}**, {first.get('n_prompts')} prompts{dropped_note(first)}"
             f"{skipped_note(first)}")
@@ -347,7 +347,7 @@ def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft
     out.mkdir(parents=True, exist_ok=True)
     md = sweep_markdown(rows, heads, title)
     if head_to_head is not None:
-        from ldlp.bench.headtohead import head_to_head_markdown
+        from ldlp.report.headtohead import head_to_head_markdown
         md += "\n" + head_to_head_markdown(head_to_head)
         heads.setdefault(head_to_head.get("model"), {})["head_to_head"] = head_to_head
     atomic_write_text(out / "results.md", md)
