@@ -346,6 +346,9 @@ def test_train_script_tiny_run(script_inputs):
     assert list((root / "runs" / "single").rglob("metrics.csv"))  # the CSV logger wrote
 
 
+# Lightning's own plumbing, run end to end (DDP's two processes, wandb's offline logger): marked slow to keep CI's
+# clean-clone run within its 10 minutes; `pytest -m slow` runs them (the one-process script run above stays)
+@pytest.mark.slow
 def test_train_script_ddp_two_processes(script_inputs):
     root, target, oracle = script_inputs
     out = run_script(root, target, oracle, "ddp", "trainer=ddp", "trainer.max_epochs=1",
@@ -354,6 +357,7 @@ def test_train_script_ddp_two_processes(script_inputs):
     assert json.loads((out / "metrics.json").read_text())["steps"] > 0
 
 
+@pytest.mark.slow
 def test_train_script_wandb_offline(script_inputs):
     pytest.importorskip("wandb")
     root, target, oracle = script_inputs
