@@ -335,20 +335,25 @@ class VllmRunner:
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
 
+    def _call(self, cmd: str, prompts, C: int, max_new_tokens: int, seeds, sampling, stop_ids, **extra) -> dict:
+        """One ``generate`` or ``serve`` on a worker with at most C in flight (started and warmed up first, untimed,
+        when the running one has another C): the prompts, budget, stop tokens and sampling as the engine's."""
+        if self.C != C:
+            self._start(C)
+            self.warm_up(prompts, C, min(8, max_new_tokens), stop_ids)
+        return self.worker.call({"cmd": cmd, "prompts": prompts, "max_new_tokens": int(max_new_tokens),
+                                 "stop_token_ids": sorted(stop_ids),
+                                 "temperature": float(getattr(sampling, "temperature", 0.0) or 0.0),
+                                 "top_k": getattr(sampling, "top_k", 0), "top_p": getattr(sampling, "top_p", 1.0),
+                                 "seeds": list(seeds), **extra})
+
     def run(self, prompts: list[list[int]], C: int, max_new_tokens: int, seeds: list[int], sampling=None,
             stop_ids=()) -> tuple[list, dict]:
         """Decode ``prompts`` with at most C in flight (a worker for this C is started and warmed up first,
         untimed); ``sampling``: a :class:`~eagle_backbone.sampling.SamplingConfig` (None: greedy), each
         sequence seeded with its seed at T > 0; ``stop_ids``: the target's stop tokens (kept in the output,
         as the engine keeps them)."""
-        if self.C != C:
-            self._start(C)
-            self.warm_up(prompts, C, min(8, max_new_tokens), stop_ids)
-        T = float(getattr(sampling, "temperature", 0.0) or 0.0)
-        r = self.worker.call({"cmd": "generate", "prompts": prompts, "max_new_tokens": int(max_new_tokens),
-                              "stop_token_ids": sorted(stop_ids), "temperature": T,
-                              "top_k": getattr(sampling, "top_k", 0), "top_p": getattr(sampling, "top_p", 1.0),
-                              "seeds": list(seeds)})
+        r = self._call("generate", prompts, C, max_new_tokens, seeds, sampling, stop_ids)
         outs = r["outputs"]
         tok = sum(len(o) for o in outs)
         # a target forward per sequence: its prefill, then one per decode step (one per draft with EAGLE)
@@ -376,14 +381,8 @@ class VllmRunner:
         numbers are read off this engine and vLLM (``timeline``: ``[seconds, running, waiting]`` per step)."""
         from ldlp.bench.serving import ServingResult
 
-        if self.C != slots:
-            self._start(slots)
-            self.warm_up(prompts, slots, min(8, max_new_tokens), stop_ids)
-        T = float(getattr(sampling, "temperature", 0.0) or 0.0)
-        r = self.worker.call({"cmd": "serve", "prompts": prompts, "arrivals": [float(a) for a in arrivals],
-                              "max_new_tokens": int(max_new_tokens), "stop_token_ids": sorted(stop_ids),
-                              "temperature": T, "top_k": getattr(sampling, "top_k", 0),
-                              "top_p": getattr(sampling, "top_p", 1.0), "seeds": list(seeds)})
+        r = self._call("serve", prompts, slots, max_new_tokens, seeds, sampling, stop_ids,
+                       arrivals=[float(a) for a in arrivals])
         outs = r["outputs"]
         res = ServingResult([], r["wall_s"], steps=r["steps"], idle_s=r["idle_s"],
                             timeline=[tuple(x) for x in r["timeline"]])
