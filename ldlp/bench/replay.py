@@ -6,11 +6,12 @@ and entropy per step are stored), and drafting k tokens there keeps ``min(label,
 moves ``min(label, k) + 1`` positions on. :func:`replay` therefore walks each collected sequence the
 way the engine would, asking the *real* policy objects (``gamma``, ``keep_drafting``, ``observe``), and
 counts target forwards, drafted and accepted tokens exactly, without running a model. Only time is
-modelled, by a step's profiled cost table, :class:`~eagle_backbone.cost.CostTable` (the table the
-cost-driven policies start from before the engine's online model refits it), read at one slot through its step formula (``CostTable.step_ms``,
-:func:`step_seconds`). ``scripts/tune_policies.py`` prices by this setup's measured table (profiled at one
-slot when missing); :meth:`CostTable.linear <eagle_backbone.cost.CostTable.linear>` builds a synthetic
-linear one.
+modelled, by anything with the step formula of :meth:`CostTable.step_ms <eagle_backbone.cost.CostTable.step_ms>`,
+read at one slot (:func:`step_seconds`). ``scripts/tune_policies.py`` prices by the engines' step-cost model,
+:class:`~eagle_backbone.step_cost.OnlineCostModel` (``costs.model``: one fitted in hindsight; else one warm-started
+from this setup's profiled :class:`~eagle_backbone.cost.CostTable`, profiled at one slot when missing:
+:func:`ldlp.bench.loaders.replay_costs`); :meth:`CostTable.linear <eagle_backbone.cost.CostTable.linear>` builds a
+synthetic linear table, and :func:`fit_costs` fits one to timed generations.
 
 ``keep_drafting`` receives a stand-in for the drafter's distribution with the stored top-1
 probability as its largest entry and (to rounding) the stored entropy: enough for the rules that read
