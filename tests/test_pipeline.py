@@ -505,6 +505,10 @@ def test_two_main_commands_cannot_hold_the_same_folders(tmp_path):
 # ---- sharded collection through the launcher (pip install -e ".[slurm]") -----------------------------------
 
 
+# hydra-submitit-launcher's plumbing end to end (three processes start torch): marked slow to keep CI's
+# clean-clone run within its 10 minutes; `pytest -m slow` runs it (tests/test_oracle.py checks in one process
+# that two shards give the labels of one collector)
+@pytest.mark.slow
 def test_sharded_collection_through_the_submitit_launcher_gives_the_labels_of_one_collector(tmp_path):
     """conf/launcher/local.yaml: the collectors as processes of hydra-submitit-launcher's local executor, the code
     path of conf/launcher/slurm.yaml without a cluster. Two shards give the labels one collector gives."""
