@@ -391,7 +391,7 @@ def test_import_statement_parser():
 
 
 def test_reading_labels_and_replaying_policies_do_not_import_lightning():
-    code = ("import sys, ldlp.labels.store, ldlp.bench.replay, ldlp.training.acceptance; "
+    code = ("import sys, ldlp.labels.store, ldlp.bench.harness.replay, ldlp.training.acceptance; "
             "assert 'lightning' not in sys.modules, sorted(m for m in sys.modules if 'lightning' in m)[:5]")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
