@@ -94,7 +94,7 @@ class CandidateGenerator:
     # how the oracle collector drafts its rows: the name of one of ldlp.labels.oracle's recipes ("eagle", "eagle3")
     # or a callable with oracle_labels' arguments and rows; None: not labelled by the oracle
     oracle_rows = None
-    vllm_method: str | None = None  # vLLM's speculative method that serves this drafter (ldlp.bench.vllm_peer)
+    vllm_method: str | None = None  # vLLM's speculative method that serves this drafter (ldlp.bench.peers.vllm_peer)
     causal_lm = False  # the drafter is a standalone causal LM (transformers' assisted generation runs it)
 
     # ---- the kind: weights -----------------------------------------------------------------------

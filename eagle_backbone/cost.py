@@ -6,7 +6,7 @@ It is the prior, not the price the policies plan with: the engine's online step-
 steps, and the cost-driven policies, the batched oracle, replay and tuning price steps by that model (or by one
 fitted in hindsight, ``policy.cost_model``; ``policy.online_costs=false`` plans on the table as it is).
 :meth:`CostTable.linear` is a synthetic linear price (replay's ``fit_costs`` fits one to timed generations);
-vLLM's steps have a model of their own (``ldlp.bench.vllm_schedule.StepModel``, the Dynamic-SD tuner's).
+vLLM's steps have a model of their own (``ldlp.bench.peers.vllm_schedule.StepModel``, the Dynamic-SD tuner's).
 
 What a step costs depends on the load: the target's verification forward for R slots scoring N tokens
 in all (nearly free while the target is memory-bound, linear once it is compute-bound), a drafter

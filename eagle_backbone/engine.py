@@ -6,8 +6,8 @@
 
 The engine's modules: ``batched_engine`` (the step and its phases), ``step_records`` (what the phases pass
 on), ``prefill`` (prefill scheduling), ``tree_step`` (the phases for draft trees), ``decoder`` (batch 1),
-and its clocks in ``timing``. The project's own code imports from those (``ldlp.bench.at_ref`` reads another
-commit's engine through this module's name, so keep it).
+and its clocks in ``timing``. The project's own code imports from those (``ldlp.bench.measurements.at_ref`` reads
+another commit's engine through this module's name, so keep it).
 """
 
 from __future__ import annotations

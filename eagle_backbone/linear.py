@@ -5,7 +5,8 @@ Greedy speculative decoding is lossless only if a token's logits are the same bi
 among γ + 1 tokens, in a tree, in a batch of 32 rows, or decodes it alone. CPU matmul kernels do not promise
 that: each kernel has a few *small-M* code paths whose reduction order differs from its general one. Measured
 on the embedded target's own activations, in both dtypes, with and without AVX-512 (docs/embedded.md, "Batch
-invariance"; ``ldlp.bench.target.engine_batch_invariance`` checks the whole forward, tests/test_embedded.py):
+invariance"; ``ldlp.bench.measurements.target.engine_batch_invariance`` checks the whole forward,
+tests/test_embedded.py):
 
 * oneDNN's matmul on a packed weight (``packed``): one row differs from the same row among 2 or more; from
   2 rows on every row has the same bits, float32 and bfloat16, AVX2 and AVX-512;

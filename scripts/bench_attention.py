@@ -23,9 +23,9 @@ def main(cfg: DictConfig) -> None:
     from eagle_backbone.io import atomic_write_json, atomic_write_text
     from eagle_backbone.loading import load_target
     from eagle_backbone.runtime import resolve_dtype
-    from ldlp.bench.attention import attention_routes, elementwise_kernels, engine_scaling, linear_kernels
+    from ldlp.bench.measurements.attention import attention_routes, elementwise_kernels, engine_scaling, linear_kernels
     from ldlp.report.engine import attention_markdown as markdown
-    from ldlp.bench.loaders import load_tokenizer_cached, machine_info, short_and_long_prompts
+    from ldlp.bench.harness.loaders import load_tokenizer_cached, machine_info, short_and_long_prompts
 
     from eagle_backbone.runtime import int_list_setting, int_setting
 

@@ -23,9 +23,10 @@ log = logging.getLogger("bench_batch")
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.drafter_kinds import make_candidates
     from eagle_backbone.errors import ConfigError, MissingCheckpoint, accepted_mismatches
-    from ldlp.bench.contender import engine_defaults, engine_label, engine_settings, parse_contender, policy_label
-    from ldlp.bench.conversation import prompt_categories
-    from ldlp.bench.load_sweep import (
+    from ldlp.bench.harness.contender import (engine_defaults, engine_label, engine_settings, parse_contender,
+                                              policy_label)
+    from ldlp.bench.comparisons.conversation import prompt_categories
+    from ldlp.bench.comparisons.load_sweep import (
         Contender,
         check_contenders,
         check_sweep_args,
@@ -34,8 +35,8 @@ def main(cfg: DictConfig) -> None:
         skipped_records,
         sweep,
     )
-    from ldlp.bench.memory import RssSampler
-    from ldlp.bench.loaders import (
+    from ldlp.bench.harness.memory import RssSampler
+    from ldlp.bench.harness.loaders import (
         build_policy,
         check_turns_kept,
         load_pair_cached,
@@ -48,8 +49,8 @@ def main(cfg: DictConfig) -> None:
         prepare_cost_tables,
         sampling_config,
     )
-    from ldlp.bench.peer import is_peer
-    from ldlp.bench.vllm_peer import make_contender
+    from ldlp.bench.harness.peer import is_peer
+    from ldlp.bench.peers.vllm_peer import make_contender
     from ldlp.pipeline.processes import out_dir_lock
     from ldlp.report.load_sweep import render, write, written
 
@@ -70,7 +71,7 @@ def main(cfg: DictConfig) -> None:
     threads = start(cfg)
     serving = cfg.get("serving")
     if serving:  # open loop: the traces checked now, before anything loads
-        from ldlp.bench.serving import check_trace
+        from ldlp.bench.comparisons.serving import check_trace
 
         traces = {name: check_trace(name, spec) for name, spec in serving.traces.items()}
     # the raw values, checked before anything loads (a 1.5 is refused, not truncated); None: the generation's T
@@ -92,7 +93,7 @@ def main(cfg: DictConfig) -> None:
     skipped = []  # contenders whose checkpoint this clone has not trained: in the JSON and on the page
     probes = {}
     for spec in specs:
-        if spec.peer is not None:  # vLLM as a peer (ldlp/bench/vllm_peer.py)
+        if spec.peer is not None:  # vLLM as a peer (ldlp/bench/peers/vllm_peer.py)
             contenders.append(make_contender(spec.peer, cfg.model, prompts, int(cfg.generation.max_new_tokens),
                                              cfg.get("vllm"), cfg.paths.outputs, threads=threads, seed=int(cfg.seed),
                                              log=log.info))
@@ -162,15 +163,16 @@ def main(cfg: DictConfig) -> None:
 
 
 def serve_traces(cfg, contenders, skipped, probes, prompts, traces, out, threads, records=None) -> None:
-    """``serving=...``: every contender of this engine on the arrival traces (ldlp/bench/serving.py); ``records``:
-    the malformed records of the prompt file skipped (``ldlp.bench.load_sweep.skipped_records``), on the page."""
+    """``serving=...``: every contender of this engine on the arrival traces (ldlp/bench/comparisons/serving.py);
+    ``records``: the malformed records of the prompt file skipped
+    (``ldlp.bench.comparisons.load_sweep.skipped_records``), on the page."""
     import sys
 
     from eagle_backbone.drafter_kinds import make_candidates
     from eagle_backbone.made_for import run_made_for
-    from ldlp.bench.loaders import load_pair_cached, machine_info, prepare_cost_tables, sampling_config
-    from ldlp.bench.memory import RssSampler
-    from ldlp.bench.serving import serve
+    from ldlp.bench.harness.loaders import load_pair_cached, machine_info, prepare_cost_tables, sampling_config
+    from ldlp.bench.harness.memory import RssSampler
+    from ldlp.bench.comparisons.serving import serve
     from ldlp.pipeline.processes import out_dir_lock
     from ldlp.report.serving import OUTPUT_FILES, write
 

@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from eagle_backbone.io import atomic_write_json, atomic_write_text
-from ldlp.bench.drafters import bench_drafters
+from ldlp.bench.peers.drafters import bench_drafters
 from ldlp.report.drafters import drafters_markdown
 from ldlp.pipeline.processes import out_dir_lock
 

@@ -16,9 +16,9 @@ from omegaconf import DictConfig
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.io import atomic_write_json, atomic_write_text
-    from ldlp.bench.at_ref import compare
+    from ldlp.bench.measurements.at_ref import compare
     from ldlp.report.engine import at_ref_markdown as markdown
-    from ldlp.bench.loaders import load_pair_cached, load_tokenizer_cached, machine_info, short_and_long_prompts
+    from ldlp.bench.harness.loaders import load_pair_cached, load_tokenizer_cached, machine_info, short_and_long_prompts
 
     from eagle_backbone.runtime import int_list_setting, int_setting
 

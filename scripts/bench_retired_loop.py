@@ -21,14 +21,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from ldlp.bench.identity import GreedyReference
+from ldlp.bench.harness.identity import GreedyReference
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.timing import interleaved
-from ldlp.bench.stats import paired_ratio
+from ldlp.bench.harness.stats import paired_ratio
 from ldlp.report.engine import retired_loop_markdown
 
 RETIRED = ("engine", "candidates", "sampling", "policy")  # its own policy interface (gamma(ctx) per sequence)
@@ -62,7 +62,7 @@ def main(cfg: DictConfig) -> None:
     commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=REPO_ROOT,
                             capture_output=True, text=True)
     old_engine, old_cands = load_retired(str(cfg.ref))
-    from ldlp.bench.loaders import load_pair_cached, load_prompts, machine_info
+    from ldlp.bench.harness.loaders import load_pair_cached, load_prompts, machine_info
 
     pair = load_pair_cached(cfg.model)
     prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]

@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from ldlp.bench.target import batch_invariance, forward_costs
+from ldlp.bench.measurements.target import batch_invariance, forward_costs
 from ldlp.report.engine import target_costs_markdown
 from eagle_backbone.loading import load_target
 

@@ -16,8 +16,8 @@ log = logging.getLogger("bench_tree_ranks")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     from eagle_backbone.io import atomic_write_json
-    from ldlp.bench.loaders import load_pair_cached, load_prompts, load_tokenizer_cached, sampling_config
-    from ldlp.bench.tree_ranks import choice_rates
+    from ldlp.bench.harness.loaders import load_pair_cached, load_prompts, load_tokenizer_cached, sampling_config
+    from ldlp.bench.measurements.tree_ranks import choice_rates
     from ldlp.report.engine import tree_ranks_markdown
 
     start(cfg)

@@ -16,10 +16,10 @@ from omegaconf import DictConfig
 
 from eagle_backbone.errors import ConfigError, accepted_mismatches
 from eagle_backbone.io import atomic_write_json, atomic_write_text
-from ldlp.bench.contender import parse_contender
-from ldlp.bench.headtohead import head_to_head
+from ldlp.bench.harness.contender import parse_contender
+from ldlp.bench.comparisons.headtohead import head_to_head
 from ldlp.report.headtohead import head_to_head_markdown
-from ldlp.bench.loaders import policy_config
+from ldlp.bench.harness.loaders import policy_config
 from ldlp.pipeline.processes import out_dir_lock
 
 
@@ -50,7 +50,7 @@ def _batch_one(spec):
 
 def _contenders(cfg: DictConfig) -> list:
     """``contenders``, or those of the file ``contenders_from`` names (its "contenders" list), each read by the one
-    contender parser (a string or a node: ldlp/bench/contender.py) before anything loads."""
+    contender parser (a string or a node: ldlp/bench/harness/contender.py) before anything loads."""
     if not cfg.get("contenders_from"):
         return [parse_contender(c) for c in cfg.contenders]
     path = Path(cfg.contenders_from)

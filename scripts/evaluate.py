@@ -13,8 +13,8 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.errors import ConfigError
-from ldlp.bench.contender import flat_pricing_args, peer_alias
-from ldlp.bench.evaluate import evaluate, one_line
+from ldlp.bench.harness.contender import flat_pricing_args, peer_alias
+from ldlp.bench.comparisons.evaluate import evaluate, one_line
 from ldlp.report.categories import write_categories
 
 

@@ -4,7 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from ldlp.bench.model_card import build_model_card
+from ldlp.bench.measurements.model_card import build_model_card
 from ldlp.report.model_card import write_card
 
 

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.paths import repo_path
-from ldlp.bench.pool import pool_folders
+from ldlp.bench.comparisons.pool import pool_folders
 from ldlp.report.headtohead import pooled_markdown, write_pooled
 from ldlp.report.pages import publish_pooled
 

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.io import atomic_write_text
-from ldlp.bench.pool import pooled_batch_ratios
+from ldlp.bench.comparisons.pool import pooled_batch_ratios
 from ldlp.report.headtohead import pooled_batch_markdown
 
 

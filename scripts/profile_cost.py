@@ -22,7 +22,7 @@ def main(cfg: DictConfig) -> None:
     )
     from eagle_backbone.batched_engine import BatchedSpeculativeEngine
     from ldlp.report.load_sweep import check_markdown
-    from ldlp.bench.loaders import load_pair_cached
+    from ldlp.bench.harness.loaders import load_pair_cached
 
     from eagle_backbone.runtime import int_list_setting, int_setting
 
@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> None:
         int_list_setting("check.gammas", cfg.check.gammas, 0, "conf/profile_cost.yaml")
     pair = load_pair_cached(cfg.model)
     if cfg.missing_only:  # the main command's cost stage: only what is missing, as a first use would profile it
-        from ldlp.bench.loaders import load_cost_table
+        from ldlp.bench.harness.loaders import load_cost_table
 
         table = load_cost_table(cfg.paths.cost, cfg.model.name, pair.target, pair.candidates, str(cfg.attn),
                                 slots=list(cfg.slots))
@@ -59,7 +59,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.check.enabled:
         # the table against measured engine steps on real prompts: does it rank the γs as the machine does?
         from eagle_backbone.io import atomic_write_text
-        from ldlp.bench.loaders import load_prompts
+        from ldlp.bench.harness.loaders import load_prompts
 
         prompts = [ids for _, ids in load_prompts(cfg.data, pair.tokenizer)]
         rows = check_costs(table, factory, prompts, slots=list(cfg.check.slots), gammas=list(cfg.check.gammas))

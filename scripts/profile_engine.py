@@ -1,5 +1,5 @@
-"""Two measurements of the engine (ldlp/bench/engine_profile.py): a new prompt's prefill joined to the step's target
-forward against its own forward, and a profiled breakdown of static γ per component.
+"""Two measurements of the engine (ldlp/bench/measurements/engine_profile.py): a new prompt's prefill joined to the
+step's target forward against its own forward, and a profiled breakdown of static γ per component.
 
     python scripts/profile_engine.py out_dir=results/embedded/batch_bench
 """
@@ -18,8 +18,8 @@ def main(cfg: DictConfig) -> None:
 
     from eagle_backbone.io import atomic_write_json
     from eagle_backbone.policy import StaticPolicy
-    from ldlp.bench.engine_profile import prefill_join_cost, profile_components
-    from ldlp.bench.loaders import load_pair_cached
+    from ldlp.bench.measurements.engine_profile import prefill_join_cost, profile_components
+    from ldlp.bench.harness.loaders import load_pair_cached
 
     start(cfg)
     out = Path(cfg.out_dir)

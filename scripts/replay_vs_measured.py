@@ -10,9 +10,9 @@ from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet n
 from eagle_backbone.cost import CostTable
 from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.loading import load_pair
-from ldlp.bench.loaders import replay_costs
-from ldlp.bench.replay import OracleRows
-from ldlp.bench.replay_beside import replay_beside_measured
+from ldlp.bench.harness.loaders import replay_costs
+from ldlp.bench.harness.replay import OracleRows
+from ldlp.bench.comparisons.replay_beside import replay_beside_measured
 from ldlp.report.predictors import beside_markdown
 
 

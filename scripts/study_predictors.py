@@ -7,8 +7,8 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.io import atomic_write_text
-from ldlp.bench.predictors import run_predictor_study
-from ldlp.bench.study_rows import oracle_dirs
+from ldlp.bench.comparisons.predictors import run_predictor_study
+from ldlp.bench.comparisons.study_rows import oracle_dirs
 from ldlp.pipeline.processes import out_dir_lock
 from ldlp.report.predictors import study_page
 from ldlp.training.step_predictor import fit_step_history, fit_step_ldlp

@@ -11,8 +11,8 @@ from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.loading import load_pair
-from ldlp.bench.loaders import replay_costs
-from ldlp.bench.predictors import predictor_examples, shipped_meta
+from ldlp.bench.harness.loaders import replay_costs
+from ldlp.bench.comparisons.predictors import predictor_examples, shipped_meta
 from ldlp.training.step_predictor import fit_step_ldlp
 
 

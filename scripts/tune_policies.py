@@ -1,4 +1,4 @@
-"""Tune draft-length policies by exact replay on the oracle validation split (see ldlp/bench/replay.py).
+"""Tune draft-length policies by exact replay on the oracle validation split (see ldlp/bench/harness/replay.py).
 
     python scripts/tune_policies.py
     python scripts/tune_policies.py grid.ddd.threshold=[-2,-4,-6] costs.check.enabled=false
@@ -15,9 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.cost import CostTable
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.bench.loaders import build_policy, cost_engine_factory, load_pair_cached, load_prompts, policy_config, \
-    replay_costs, run_setup
-from ldlp.bench.replay import OracleRows, best_per_policy, costs_record, grid, tune
+from ldlp.bench.harness.loaders import build_policy, cost_engine_factory, load_pair_cached, load_prompts, \
+    policy_config, replay_costs, run_setup
+from ldlp.bench.harness.replay import OracleRows, best_per_policy, costs_record, grid, tune
 from ldlp.report.replay import tuning_markdown
 
 
@@ -61,7 +61,7 @@ def main(cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tuning.md").write_text(md)
     # what it was tuned for: scripts/evaluate.py and compare.py refuse it (tuned_from=) for another model, dtype,
-    # drafter kind or drafter weights (ldlp/bench/loaders.py check_tuned)
+    # drafter kind or drafter weights (ldlp/bench/harness/loaders.py check_tuned)
     priced = costs_record(costs)
     made_for = {**run_setup(cfg.model, pair), "cost_key": priced.get("key")}
     record = {"made_for": made_for, "costs": priced, "results": results}

@@ -29,7 +29,7 @@ def _ints(name, xs, low=1) -> list[int]:
 
 def _heldout(cfg: DictConfig) -> list[dict]:
     """The held-out comparison of each load sweep folder in ``heldout`` (one folder or a list)."""
-    from ldlp.bench.vllm_tune import heldout_comparison
+    from ldlp.bench.peers.vllm_tune import heldout_comparison
 
     folders = cfg.heldout if not isinstance(cfg.heldout, str) else [cfg.heldout]
     out = [heldout_comparison(f) for f in (folders or [])]
@@ -41,7 +41,7 @@ def _heldout(cfg: DictConfig) -> list[dict]:
 
 def _learned(cfg: DictConfig) -> dict:
     """The goodput learners' schedules of a serving run (``learned``: its folder), for the page."""
-    from ldlp.bench.vllm_schedule import learned_schedules
+    from ldlp.bench.peers.vllm_schedule import learned_schedules
 
     return learned_schedules(cfg.learned) if cfg.get("learned") else {}
 
@@ -60,7 +60,7 @@ def _stop_ids(target: Path) -> set[int]:
 def _check(cfg: DictConfig) -> dict:
     """The settings as given, checked before anything loads or starts."""
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.vllm_schedule import MAX_K
+    from ldlp.bench.peers.vllm_schedule import MAX_K
 
     ks = _ints("ks", cfg.ks)
     if ks[-1] > MAX_K or ks[-1] >= int(cfg.generation.max_new_tokens):
@@ -87,8 +87,8 @@ def _refit(cfg: DictConfig, out: Path) -> None:
     import gzip
 
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.vllm_schedule import snippet
-    from ldlp.bench.vllm_tune import analyse, write_schedule
+    from ldlp.bench.peers.vllm_schedule import snippet
+    from ldlp.bench.peers.vllm_tune import analyse, write_schedule
     from ldlp.report.vllm_schedule import write
 
     if not (out / "tuning.json").is_file() or not (out / "trace.json.gz").is_file():
@@ -131,9 +131,9 @@ def main(cfg: DictConfig) -> None:
     grid = _check(cfg)
     from eagle_backbone.drafter_kinds import get_kind
     from eagle_backbone.loading import load_pair
-    from ldlp.bench.identity import GreedyReference
-    from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
-    from ldlp.bench.vllm_peer import (
+    from ldlp.bench.harness.identity import GreedyReference
+    from ldlp.bench.harness.loaders import load_prompts, load_tokenizer_cached, machine_info
+    from ldlp.bench.peers.vllm_peer import (
         METHODS,
         VllmRunner,
         check_dynamic_sd,
@@ -143,8 +143,8 @@ def main(cfg: DictConfig) -> None:
         vllm_build,
     )
     from eagle_backbone.made_for import run_made_for
-    from ldlp.bench.vllm_schedule import snippet
-    from ldlp.bench.vllm_tune import tune, write_schedule
+    from ldlp.bench.peers.vllm_schedule import snippet
+    from ldlp.bench.peers.vllm_tune import tune, write_schedule
 
     python = cfg.vllm.python or __import__("sys").executable
     if not vllm_available(python):

@@ -104,7 +104,7 @@ def vllm_python() -> str | None:
     """The Python that has vLLM (ADAEAGLE_VLLM_PYTHON, or this interpreter), or None: the vLLM tests skip."""
     import sys
 
-    from ldlp.bench.vllm_peer import vllm_available
+    from ldlp.bench.peers.vllm_peer import vllm_available
 
     py = os.environ.get("ADAEAGLE_VLLM_PYTHON") or sys.executable
     return py if vllm_available(py) else None
@@ -359,7 +359,7 @@ class TreePolicy(DraftPolicy):
 
 def decode(engine, prompts=TREE_PROMPTS, concurrency=None, n=TREE_N, seeds=None):
     """The outputs of ``prompts`` run through ``engine`` at ``concurrency`` (default: its slots)."""
-    from ldlp.bench.workload import run_workload
+    from ldlp.bench.harness.workload import run_workload
 
     return run_workload(engine, prompts, concurrency or engine.slots, n, seeds).outputs
 

@@ -17,7 +17,7 @@ from eagle_backbone.cost import CostTable
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
-from ldlp.bench.replay import OracleRows, replay
+from ldlp.bench.harness.replay import OracleRows, replay
 from ldlp.policies.threshold import AcceptancePolicy
 from ldlp.training.acceptance import examples, load_rows, train_acceptance_head
 

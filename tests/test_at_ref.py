@@ -1,4 +1,4 @@
-"""The decoding core at another commit, read from git beside today's (ldlp/bench/at_ref.py,
+"""The decoding core at another commit, read from git beside today's (ldlp/bench/measurements/at_ref.py,
 scripts/bench_engine_ref.py): it runs on the same prompts and agrees, and a commit from before the batched
 engine is refused in one line. No test skips where history is missing: the first reads this checkout's own
 HEAD, the second a tiny core committed to a repository of its own."""
@@ -16,7 +16,7 @@ from eagle_backbone.paths import REPO_ROOT
 def test_the_engine_at_a_commit_loads_from_git_and_agrees(t32, eagle32):
     """The core at HEAD (any checkout has it, a shallow clone included) runs beside the working tree's on the same
     prompts, and their greedy outputs agree; git failing to read it fails the test, with git's message."""
-    from ldlp.bench.at_ref import compare
+    from ldlp.bench.measurements.at_ref import compare
 
     rows = compare(SimpleNamespace(target=t32, drafter=eagle32), {"tiny": prompts_of((5, 9, 3))}, "HEAD",
                    concurrency=(2,), gammas=(0, 2), rounds=2, max_new_tokens=6, bootstrap=50, log=lambda *_: None)
@@ -52,7 +52,7 @@ def test_an_engine_ref_without_the_batched_engine_is_one_line_and_leaves_no_temp
     _git(repo, "commit", "-q", "-m", "the batch-1 loop")
     ref = _git(repo, "rev-parse", "--short", "HEAD")
     (tmp_path / "tmp").mkdir()
-    code = ("from pathlib import Path\nimport ldlp.bench.at_ref as at_ref\nat_ref.REPO_ROOT = Path(%r)\n"
+    code = ("from pathlib import Path\nimport ldlp.bench.measurements.at_ref as at_ref\nat_ref.REPO_ROOT = Path(%r)\n"
             "try:\n    at_ref.load_core_at(%r)\nexcept ValueError as e:\n    print(e)\n" % (str(repo), ref))
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))

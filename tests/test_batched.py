@@ -1,4 +1,4 @@
-"""The batched engine (eagle_backbone/batched_engine.py, eagle_backbone/llama.py, eagle_backbone/ragged.py; the workload in ldlp/bench/workload.py): greedy identity with each sequence's own batch-1 output,
+"""The batched engine (eagle_backbone/batched_engine.py, eagle_backbone/llama.py, eagle_backbone/ragged.py; the workload in ldlp/bench/harness/workload.py): greedy identity with each sequence's own batch-1 output,
 sampling exactness in a batch, per-slot cache rollback, an EOS inside a chain's or a tree's draft, continuous
 batching and bad input.
 
@@ -18,7 +18,7 @@ from eagle_backbone import sampling as bsampling
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.llama import BatchedLlama
 from eagle_backbone.ragged import RaggedBatch
-from ldlp.bench.workload import run_workload
+from ldlp.bench.harness.workload import run_workload
 from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder
@@ -372,8 +372,8 @@ def test_prefill_modes_and_profile(t32, eagle32, prefill):
 def test_sweep_groups_by_category(t32, eagle32):
     """Per-category counters of a batched sweep sum back to the run's totals, and the page's table has one row per
     (contender, C) with a column per category."""
-    from ldlp.bench.load_aggregate import category_table
-    from ldlp.bench.load_sweep import Contender, sweep
+    from ldlp.bench.comparisons.load_aggregate import category_table
+    from ldlp.bench.comparisons.load_sweep import Contender, sweep
 
     prompts = prompts_of((5, 9, 3, 11, 6, 2))
     categories = ["writing", "coding", "writing", None, "coding", "writing"]  # None: left out of the grouping
@@ -471,7 +471,7 @@ def test_ragged_attention_and_greedy_identity_on_a_gpu(t32, draft_lm):
 def test_attention_benchmark_runs_every_route_and_renders_its_page(t32):
     """scripts/bench_attention.py's library on a tiny model: every route (flex where this build runs it), the
     linear kernels and the scaling rows, and the page written from them; no figure is checked (timings)."""
-    from ldlp.bench.attention import attention_routes, elementwise_kernels, engine_scaling, linear_kernels
+    from ldlp.bench.measurements.attention import attention_routes, elementwise_kernels, engine_scaling, linear_kernels
     from ldlp.report.engine import attention_markdown as markdown
 
     lm = BatchedLlama(t32.model, 64)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_prompts
-from ldlp.bench.load_aggregate import (
+from ldlp.bench.comparisons.load_aggregate import (
     BASELINES,
     ROW_KEYS,
     greedy_identity,
@@ -19,11 +19,11 @@ from ldlp.bench.load_aggregate import (
     step_rows,
     temperatures_of,
 )
-from ldlp.bench.load_sweep import Contender, split_blocks, sweep
+from ldlp.bench.comparisons.load_sweep import Contender, split_blocks, sweep
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
-from ldlp.bench.stats import paired_ratio
+from ldlp.bench.harness.stats import paired_ratio
 from ldlp.policies.threshold import HeuristicPolicy
 from ldlp.policies.oracles import OraclePolicy
 from ldlp.report.load_sweep import plot_ratios, plot_tokens_per_s, write
@@ -96,7 +96,7 @@ def test_paired_ratio_resamples_the_last_axis_and_pools_runs():
 
 
 def test_one_greedy_reference_compares_every_output():
-    from ldlp.bench.identity import GreedyReference
+    from ldlp.bench.harness.identity import GreedyReference
 
     ref = GreedyReference([[1, 2, 3], [4, 5]])
     assert ref.same([[1, 2, 3], (4, 6)]) == [True, False]
@@ -322,7 +322,7 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
     """scripts/bench_batch.py on a tiny float32 pair: temperatures and blocks from the command line, a row per
     (C, T, contender) with its baselines, the oracle at T=0 only; bad settings fail in one line before loading.
     The one test that renders the load sweep's page (what its sections state is checked on the rows behind them,
-    ldlp.bench.load_aggregate's), and renders it again from the JSON (render_only=true)."""
+    ldlp.bench.comparisons.load_aggregate's), and renders it again from the JSON (render_only=true)."""
     import subprocess
     import sys
 
@@ -338,7 +338,7 @@ def test_bench_batch_script_sweeps_c_by_t(tmp_path):
            "data=mt_bench", f"data.path={prompts}", "data.limit=4", "generation.max_new_tokens=8", "rounds=1",
            "blocks=2", "concurrency=[1,2]", "temperatures=[0.0,1.0]", "threads=1", f"out_dir={out}",
            f"hydra.run.dir={tmp_path / 'run'}",
-           # a contender as a node and as strings (ldlp/bench/contender.py reads both)
+           # a contender as a node and as strings (ldlp/bench/harness/contender.py reads both)
            'contenders=[{policy:{name:static,gamma:2}},"policy=heuristic","policy=oracle",'
            f'"policy=ldlp policy.path={tmp_path / "no_ldlp"}"]']
     repo = Path(__file__).resolve().parent.parent
@@ -471,7 +471,7 @@ def test_policy_interpolations_follow_the_running_config(tmp_path):
     model and paths once bound with resolve_in."""
     from omegaconf import OmegaConf
 
-    from ldlp.bench.loaders import resolve_in
+    from ldlp.bench.harness.loaders import resolve_in
 
     composed = OmegaConf.create({"model": {"name": "embedded"}, "policy": {"_target_": "x", "model": "${model.name}",
                                                                            "dir": "${out}/${model.name}"}, "out": "/a"})
@@ -484,7 +484,7 @@ def test_policy_interpolations_follow_the_running_config(tmp_path):
 
 
 def test_sweep_settings_are_checked_raw_before_anything_runs():
-    from ldlp.bench.load_sweep import check_contenders, check_sweep_args, draft_cap
+    from ldlp.bench.comparisons.load_sweep import check_contenders, check_sweep_args, draft_cap
     from eagle_backbone.errors import ConfigError
 
     bad = {"truncated": dict(concurrency=[1, 1.5]), "merged": dict(concurrency=[2, 2]),
@@ -544,7 +544,7 @@ def test_only_a_missing_checkpoint_is_skipped_and_turns_left_out_are_refused(tmp
     from omegaconf import OmegaConf
 
     from eagle_backbone.errors import ConfigError, MissingCheckpoint
-    from ldlp.bench.loaders import PromptSet, check_turns_kept, missing_checkpoint
+    from ldlp.bench.harness.loaders import PromptSet, check_turns_kept, missing_checkpoint
 
     with pytest.raises(MissingCheckpoint, match=f"policy.path={tmp_path / 'none'}"):
         missing_checkpoint("ldlp", OmegaConf.create({"path": str(tmp_path / "none")}))
@@ -634,7 +634,7 @@ def test_cost_tables_are_keyed_by_the_setup_and_profiled_for_the_slots_a_run_nee
     from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
     from ldlp.policies.load_aware import LoadAwareMarginal
 
-    from ldlp.bench.loaders import prepare_cost_tables
+    from ldlp.bench.harness.loaders import prepare_cost_tables
 
     given = LoadAwareMarginal({"cost_dir": str(tmp_path), "model": "tiny", "cost_table": table.meta["path"]})
     torch.set_num_threads(1)
@@ -673,7 +673,7 @@ def test_results_record_the_cost_table_a_load_aware_contender_planned_with(t32, 
 def test_each_adaptive_contender_states_its_share_of_the_batched_oracles_headroom():
     """(contender − best static γ) / (oracle_budget − best static γ) at each C where the batched oracle gains;
     static γ, AR and the oracles themselves get none."""
-    from ldlp.bench.load_aggregate import findings
+    from ldlp.bench.comparisons.load_aggregate import findings
 
     def row(contender, policy, gamma, C, tps):
         return {"contender": contender, "policy": policy, "gamma": gamma, "concurrency": C, "temperature": 0.0,
@@ -694,9 +694,9 @@ def test_the_load_sweep_header_names_its_prompts_and_the_blocks_it_made(tmp_path
     folder as the page's header is written from it."""
     import hashlib
 
-    from ldlp.bench.load_aggregate import read_result
-    from ldlp.bench.load_sweep import prompts_meta
-    from ldlp.bench.loaders import PromptSet, prompt_set_info
+    from ldlp.bench.comparisons.load_aggregate import read_result
+    from ldlp.bench.comparisons.load_sweep import prompts_meta
+    from ldlp.bench.harness.loaders import PromptSet, prompt_set_info
 
     data = tmp_path / "prompts.json"
     data.write_text("[]")

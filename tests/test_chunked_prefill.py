@@ -16,7 +16,7 @@ from conftest import SPECS, TreePolicy, one_line
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
-from ldlp.bench.workload import run_workload
+from ldlp.bench.harness.workload import run_workload
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def test_bench_contenders_carry_engine_settings():
     """scripts/bench_batch.py: a contender's prefill settings come out of its policy tokens, over the config's
     engine defaults, and bad ones are refused in one line before any model loads."""
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.contender import engine_defaults, engine_label, engine_settings, parse_contender
+    from ldlp.bench.harness.contender import engine_defaults, engine_label, engine_settings, parse_contender
 
     defaults = {"prefill": "joined", "max_batched_tokens": 512}
     spec = parse_contender("policy=static policy.gamma=3 prefill=chunked")
@@ -172,8 +172,8 @@ def test_a_contenders_budget_is_one_the_engine_applies():
     """A max_batched_tokens the chosen prefill ignores is refused, and so is one below a decode step at the largest
     C (the engine would score past it), each in one line naming the contender."""
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.contender import ENGINE_DEFAULTS, engine_settings, parse_contender
-    from ldlp.bench.load_sweep import Contender, check_token_budgets
+    from ldlp.bench.harness.contender import ENGINE_DEFAULTS, engine_settings, parse_contender
+    from ldlp.bench.comparisons.load_sweep import Contender, check_token_budgets
 
     with pytest.raises(ConfigError, match="max_batched_tokens applies to prefill=chunked only.*joined") as e:
         engine_settings(parse_contender("policy=static policy.gamma=2 max_batched_tokens=1"),

@@ -1,6 +1,6 @@
-"""Contenders as one record (ldlp/bench/contender.py): the string form and the structured node read by one parser
-into the same ContenderSpec, bad ones refused in one line naming the contender and the key, this engine's settings
-checked against the engine's own defaults, and the labels the pages show."""
+"""Contenders as one record (ldlp/bench/harness/contender.py): the string form and the structured node read by one
+parser into the same ContenderSpec, bad ones refused in one line naming the contender and the key, this engine's
+settings checked against the engine's own defaults, and the labels the pages show."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.paths import CONF_DIR
-from ldlp.bench.contender import (
+from ldlp.bench.harness.contender import (
     ENGINE_DEFAULTS,
     ContenderSpec,
     PeerNode,
@@ -83,7 +83,7 @@ def test_values_read_as_hydra_reads_them_and_write_back():
     assert spec.policy.settings == {"threshold": -3.5, "max_gamma": None}
     assert spec.policy_overrides() == ["policy=ddd", "policy.threshold=-3.5", "policy.max_gamma=null"]
     for v in ("a b", "3", "true", "${paths.cost}", "/tmp/x.json", "it's", 1e-5, True, None, [1, "x"], 0.1):
-        from ldlp.bench.contender import _override_value  # noqa: PLC0415  (the parser's own reader)
+        from ldlp.bench.harness.contender import _override_value  # noqa: PLC0415  (the parser's own reader)
 
         assert _override_value(f"k={render_value(v)}", "t") == v, v
 
@@ -142,8 +142,8 @@ def test_engine_settings_are_checked_against_the_engines_own_defaults():
 
 def test_the_labels_on_the_pages_stay_as_they_were():
     """The labels bench_batch.py gives (as its pages and their tests show them), whichever form the contender has."""
-    from ldlp.bench.loaders import build_policy, policy_config
-    from ldlp.bench.vllm_peer import contender_label
+    from ldlp.bench.harness.loaders import build_policy, policy_config
+    from ldlp.bench.peers.vllm_peer import contender_label
 
     cfg = OmegaConf.create({})
     expected = [
@@ -220,7 +220,7 @@ def test_the_pricing_keys_are_one_node_and_flat_spellings_still_work(tmp_path):
     records keep them flat (results' policy_config, the head to head's settings)."""
     from conftest import compose_config
 
-    from ldlp.bench.contender import flat_pricing_args
+    from ldlp.bench.harness.contender import flat_pricing_args
     from ldlp.policies.load_aware import LoadAwareStep
     from ldlp.policies.pricing import PRICING_KEYS, StepPricing, flat_pricing
 

@@ -106,7 +106,7 @@ def test_a_toy_kind_loads_decodes_greedy_identically_and_profiles(tmp_path):
     from eagle_backbone.loading import load_pair
     from eagle_backbone.paths import REPO_ROOT
     from eagle_backbone.policy import StaticPolicy
-    from ldlp.bench.workload import run_workload
+    from ldlp.bench.harness.workload import run_workload
 
     target_model = save_tiny_pair(tmp_path, vocab=64)
     save_bigram(tmp_path / "bigram", target_model)

@@ -358,7 +358,7 @@ def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same
     is missing is skipped with one line on the page, the others measured."""
     from conftest import compose_config
 
-    from ldlp.bench.drafters import bench_drafters
+    from ldlp.bench.peers.drafters import bench_drafters
     from ldlp.report.drafters import drafters_markdown
 
     cfg = compose_config("bench_drafters", ["data.limit=4", "generation.max_new_tokens=8",
@@ -394,7 +394,7 @@ def test_the_drafters_bench_times_sampled_decoding_when_asked():
     each drafter's best static γ with its paired tokens/s against the reference's; without it T = 1 is τ alone."""
     from conftest import compose_config
 
-    from ldlp.bench.drafters import bench_drafters
+    from ldlp.bench.peers.drafters import bench_drafters
 
     base = ["data.limit=3", "generation.max_new_tokens=8", "gammas=[3,4]", "tau_gamma=3", "temperatures=[1.0]",
             "sampled_rounds=2", "bootstrap=200", "evaluation.progress=false", "threads=1", "model.dtype=float32",
@@ -422,7 +422,7 @@ def test_the_drafters_bench_names_its_prompt_sets_and_refuses_none_left(tmp_path
     sets=[] is the data node alone."""
     from conftest import compose_config
 
-    from ldlp.bench.drafters import prompt_sets
+    from ldlp.bench.peers.drafters import prompt_sets
 
     cfg = compose_config("bench_drafters", ["sets=[]", "data=mt_bench", f"data.path={tmp_path / 'q.jsonl'}"])
     assert list(prompt_sets(cfg)[0]) == ["mt_bench"]

@@ -106,7 +106,7 @@ def test_the_engines_target_is_batch_invariant_on_this_cpu(dtype, packed, monkey
     from eagle_backbone import runtime
     from eagle_backbone.llama import BatchedLlama
     from eagle_backbone.loading import load_target
-    from ldlp.bench.target import engine_batch_invariance
+    from ldlp.bench.measurements.target import engine_batch_invariance
 
     if not packed:
         if not runtime.packed_matmul(getattr(torch, dtype)):

@@ -176,7 +176,7 @@ def test_fp32_engine_matches_ar():
 
 
 def test_forward_cost_bench_and_batch_invariance_report(target):
-    from ldlp.bench.target import batch_invariance, forward_costs
+    from ldlp.bench.measurements.target import batch_invariance, forward_costs
 
     costs = forward_costs({"tiny": target}, lengths=(1, 3), context=8, reps=2)
     assert set(costs["tiny"]) == {1, 3} and all(s > 0 for s in costs["tiny"].values())

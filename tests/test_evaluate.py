@@ -10,7 +10,7 @@ from conftest import compose_config, pair_overrides, save_tiny_pair, tiny_llama_
 from hydra import compose, initialize_config_dir
 from transformers import LlamaForCausalLM
 
-from ldlp.bench.evaluate import RESULT_KEYS, evaluate
+from ldlp.bench.comparisons.evaluate import RESULT_KEYS, evaluate
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096
@@ -81,7 +81,7 @@ def test_the_lossless_check_reads_the_targets_own_greedy_decoding(tiny_models, p
                                                              f"evaluation.ar_baseline={ar}"])
     assert evaluate(cfg, policy_name="static")["lossless"] is True
     if ar == "transformers":
-        import ldlp.bench.peer as peer
+        import ldlp.bench.harness.peer as peer
 
         true_generate = peer.hf_generate
 
@@ -91,7 +91,7 @@ def test_the_lossless_check_reads_the_targets_own_greedy_decoding(tiny_models, p
 
         monkeypatch.setattr(peer, "hf_generate", off_by_one)
     else:
-        import ldlp.bench.evaluate as evaluate_module
+        import ldlp.bench.comparisons.evaluate as evaluate_module
 
         true_greedy, calls = TargetModel.reference_greedy, []
 
@@ -123,7 +123,7 @@ def test_transformers_peer_rows(tiny_models, prompt_file):
     """The transformers peers live in conf/peer/ (not policies of this engine) and run as peer=NAME; the old spelling
     policy=NAME is read as it (scripts/evaluate.py), and a sweep mixing peers and policies is refused in one line."""
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.contender import peer_alias
+    from ldlp.bench.harness.contender import peer_alias
 
     assert not list((REPO / "conf" / "policy").glob("hf_*.yaml"))
     for name in ("hf_heuristic", "hf_confidence"):
@@ -131,7 +131,8 @@ def test_transformers_peer_rows(tiny_models, prompt_file):
         result = evaluate(cfg, policy_name=name)
         assert result["engine"] == "transformers" and result["lossless"] is True
         assert result["target_forwards"] >= 2 and result["drafted_tokens"] > 0
-        assert result["policy"] == name and result["policy_config"]["_target_"] == "ldlp.bench.peer.TransformersAssisted"
+        assert result["policy"] == name
+        assert result["policy_config"]["_target_"] == "ldlp.bench.harness.peer.TransformersAssisted"
     assert peer_alias(["e.py", "-m", "policy=hf_heuristic,hf_confidence", "policy.num_assistant_tokens=3"]) == \
         ["e.py", "-m", "peer=hf_heuristic,hf_confidence", "peer.num_assistant_tokens=3"]
     assert peer_alias(["e.py", "policy=heuristic", "policy.max_gamma=4"]) == ["e.py", "policy=heuristic", "policy.max_gamma=4"]
@@ -252,7 +253,7 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
 def test_tuned_settings_replace_the_policy_fields(tmp_path):
     from omegaconf import OmegaConf
 
-    from ldlp.bench.loaders import apply_tuned
+    from ldlp.bench.harness.loaders import apply_tuned
 
     results = [{"policy": "ddd", "params": {"threshold": -2.0, "max_gamma": 6}, "tokens_per_s": 10.0},
                {"policy": "ddd", "params": {"threshold": -4.0, "max_gamma": 8}, "tokens_per_s": 12.0},
@@ -279,7 +280,7 @@ def test_a_tuned_file_for_another_model_is_refused_before_loading_or_taken_and_r
     from conftest import one_line
 
     from eagle_backbone.errors import Mismatch, accept_mismatches
-    from ldlp.bench.loaders import run_setup
+    from ldlp.bench.harness.loaders import run_setup
 
     path = tmp_path / "tuning.json"
     cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=ddd", f"tuned_from={path}"])
@@ -306,7 +307,7 @@ def test_a_tuned_file_for_another_model_is_refused_before_loading_or_taken_and_r
 
 
 def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
-    from ldlp.bench.headtohead import head_to_head
+    from ldlp.bench.comparisons.headtohead import head_to_head
 
     cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static"])
     static = cfg.policy
@@ -320,7 +321,7 @@ def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
 
 
 def test_head_to_head_tokens_per_s_counts_every_round(tiny_models, prompt_file):
-    from ldlp.bench.headtohead import head_to_head
+    from ldlp.bench.comparisons.headtohead import head_to_head
 
     cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "evaluation.progress=false"])
     two = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=2"]).policy
@@ -345,8 +346,8 @@ def test_head_to_head_fits_the_costs_of_its_own_generations(tiny_models, prompt_
     over the timed generations, and the head to head fits a cost to each (the replay tuner's model). The
     generations' seconds are synthetic (known costs of their own counts), so the fit is checked exactly and
     no timing noise of a loaded machine enters the test."""
-    import ldlp.bench.headtohead as h2h
-    from ldlp.bench.runners import engine_runner
+    import ldlp.bench.comparisons.headtohead as h2h
+    from ldlp.bench.harness.runners import engine_runner
 
     step_s, draft_s, accepted_s = 2e-3, 5e-4, 1e-4
 
@@ -378,7 +379,7 @@ def test_head_to_head_fits_the_costs_of_its_own_generations(tiny_models, prompt_
 def test_head_to_head_takes_the_replay_tuning_best_unless_told_otherwise():
     from omegaconf import OmegaConf
 
-    from ldlp.bench.replay import best_per_policy
+    from ldlp.bench.harness.replay import best_per_policy
     from ldlp.pipeline import adaptive_contenders
 
     tuned = best_per_policy([
@@ -404,7 +405,7 @@ def test_policy_config_composes_one_policy_with_the_checkpoint_folders(tmp_path)
     from omegaconf import OmegaConf
 
     import eagle_backbone.paths  # noqa: F401
-    from ldlp.bench.loaders import policy_config
+    from ldlp.bench.harness.loaders import policy_config
 
     cfg = OmegaConf.create({"ldlp_path": str(tmp_path / "l"), "ldlp_survival_path": str(tmp_path / "s"),
                             "acceptance_path": str(tmp_path / "a")})
@@ -422,7 +423,7 @@ def test_policy_config_composes_one_policy_with_the_checkpoint_folders(tmp_path)
 def test_head_to_head_static_contenders_cover_the_sweep_and_the_tuning():
     from omegaconf import OmegaConf
 
-    from ldlp.bench.replay import best_per_policy
+    from ldlp.bench.harness.replay import best_per_policy
     from ldlp.pipeline import static_contenders
 
     cfg = OmegaConf.create({"sweep": {"static_gammas": [1, 2, 3, 4, 5, 6, 7, 8]}})
@@ -449,7 +450,7 @@ def _eval_cfg(models: Path, prompts: Path, extra=()):
 
 
 def test_results_json_identifies_the_prompt_file_and_counts_dropped_prompts(tiny_models, tmp_path):
-    from ldlp.bench.loaders import file_sha256
+    from ldlp.bench.harness.loaders import file_sha256
 
     prompts = _question_file(tmp_path / "q.jsonl", ["Hello there.", "word " * 400, "What is 2 + 2?", "Hi."])
     cfg = _eval_cfg(tiny_models, prompts, ["data.limit=3", "data.sample_seed=5", "data.max_prompt_tokens=64"])
@@ -464,7 +465,7 @@ def test_results_json_identifies_the_prompt_file_and_counts_dropped_prompts(tiny
 
 @pytest.mark.parametrize("bad", ["data", "policy", "checkpoint"])
 def test_bad_inputs_fail_before_the_models_load(tmp_path, monkeypatch, bad):
-    import ldlp.bench.evaluate as ev
+    import ldlp.bench.comparisons.evaluate as ev
 
     def no_weights(_):
         raise AssertionError("the models were loaded before the cheap inputs were checked")
@@ -567,7 +568,7 @@ def test_the_dropped_note_states_the_share_in_bold_over_5_percent():
 
 
 def test_one_policy_twice_is_named_by_the_setting_that_differs(tiny_models, prompt_file):
-    from ldlp.bench.headtohead import head_to_head
+    from ldlp.bench.comparisons.headtohead import head_to_head
 
     cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic", "evaluation.progress=false"])
     other = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic", "policy.initial_gamma=2"]).policy
@@ -578,7 +579,7 @@ def test_one_policy_twice_is_named_by_the_setting_that_differs(tiny_models, prom
 def test_head_to_head_scripted_twins_replay_each_adaptive_contenders_choices(tiny_models, prompt_file):
     """scripted_twins=true: an adaptive contender's γ choices, replayed by a scripted twin in the same turns, give
     the same steps (same drafts, same outputs), and the twin is neither the best static nor an adaptive contender."""
-    from ldlp.bench.headtohead import head_to_head
+    from ldlp.bench.comparisons.headtohead import head_to_head
     from ldlp.report.headtohead import head_to_head_markdown
 
     base = overrides(tiny_models, prompt_file) + ["evaluation.progress=false", "+scripted_twins=true"]

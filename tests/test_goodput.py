@@ -110,7 +110,7 @@ def test_under_the_cost_driven_policies_it_is_lossless_and_measures_every_step(t
            "tree": lambda: TreeBudgetPolicy(depth=4, **common)}[kind]()
     prompts = prompts_of((3, 11, 6, 8, 4, 9), seed=7)
     eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=pol)
-    from ldlp.bench.workload import run_workload
+    from ldlp.bench.harness.workload import run_workload
 
     res = run_workload(eng, prompts, 3, 16)
     assert [o.tokens for o in res.outputs] == ar(t32, prompts, 16)
@@ -124,7 +124,7 @@ def test_under_the_cost_driven_policies_it_is_lossless_and_measures_every_step(t
 
 def test_the_load_sweep_keeps_one_learner_per_contender_across_its_runs(tmp_path, t32, eagle32):
     from eagle_backbone.kinds.eagle import EagleCandidateGenerator
-    from ldlp.bench.load_sweep import Contender, sweep
+    from ldlp.bench.comparisons.load_sweep import Contender, sweep
 
     key = cost_key("tiny", t32.dtype, t32.device, torch.get_num_threads())
     path = tmp_path / "cost.json"
@@ -148,7 +148,7 @@ def test_the_load_sweep_keeps_one_learner_per_contender_across_its_runs(tmp_path
     assert steps / 2 < ln["exploration"]["steps"] <= steps
     assert {"1", "2"} <= set(ln["buckets"])  # a bucket per load
     # the learners behind the page's section, as written and as read back from the folder's JSON
-    from ldlp.bench.load_aggregate import read_result
+    from ldlp.bench.comparisons.load_aggregate import read_result
     from ldlp.report.load_sweep import markdown, write
 
     write(result, tmp_path / "sweep", {"model": "tiny"})

@@ -30,6 +30,17 @@ RULES = {
     "ldlp.report": ("ldlp.training", "ldlp.pipeline"),
 }
 
+# ldlp.bench's sub-packages, by the kind of experiment -> the sub-packages each never imports (on top of what
+# ldlp.bench never imports): the harness under everything, comparisons and engine measurements on the harness alone,
+# the peers on the harness and the comparisons (the vLLM peer is a contender of the load sweep and of serving)
+BENCH_KINDS = {
+    "ldlp.bench.harness": ("ldlp.bench.comparisons", "ldlp.bench.peers", "ldlp.bench.measurements"),
+    "ldlp.bench.comparisons": ("ldlp.bench.peers", "ldlp.bench.measurements"),
+    "ldlp.bench.peers": ("ldlp.bench.measurements",),
+    "ldlp.bench.measurements": ("ldlp.bench.comparisons", "ldlp.bench.peers"),
+}
+RULES |= {kind: RULES["ldlp.bench"] + banned for kind, banned in BENCH_KINDS.items()}
+
 # modules above every package (orchestrators nothing in the packages imports): a node of their own in the
 # package graph, so that the orchestrator importing the stages it runs is not a cycle of its package with them
 ENTRY_POINTS = ("ldlp.pipeline",)
@@ -346,6 +357,21 @@ def test_bench_produces_rows_and_report_renders_every_page():
     assert plots_and_markdown(REPO_ROOT / "ldlp", "bench", allow=DOCS_LINK) == []
 
 
+def test_bench_is_sub_packages_by_kind_of_experiment():
+    """Every module of ldlp.bench lives in a sub-package named for its kind of experiment (``BENCH_KINDS``: the
+    harness every experiment shares, comparisons, peers, engine measurements), none beside them; each sub-package's
+    ``__init__`` says what it holds and states the import rule ``RULES`` checks for it."""
+    bench = REPO_ROOT / "ldlp" / "bench"
+    assert sorted(f.name for f in bench.glob("*.py")) == ["__init__.py"], "a module of ldlp.bench outside a sub-package"
+    kinds = sorted(f"ldlp.bench.{d.name}" for d in bench.iterdir() if (d / "__init__.py").is_file())
+    assert kinds == sorted(BENCH_KINDS)
+    for kind in kinds:
+        init = bench / kind.rsplit(".", 1)[1] / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        assert doc.split("May import")[0].strip(), f"{init.relative_to(REPO_ROOT)}: no docstring saying what it holds"
+        assert kind in RULES
+
+
 def test_no_test_module_imports_another():
     """Test modules share helpers and fixtures through ``tests/conftest.py`` and helper modules
     (``tests/oracle_helpers.py``), never by importing one another."""
@@ -391,7 +417,7 @@ def test_import_statement_parser():
 
 
 def test_reading_labels_and_replaying_policies_do_not_import_lightning():
-    code = ("import sys, ldlp.labels.store, ldlp.bench.replay, ldlp.training.acceptance; "
+    code = ("import sys, ldlp.labels.store, ldlp.bench.harness.replay, ldlp.training.acceptance; "
             "assert 'lightning' not in sys.modules, sorted(m for m in sys.modules if 'lightning' in m)[:5]")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

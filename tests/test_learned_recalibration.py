@@ -12,7 +12,7 @@ from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
-from ldlp.bench.workload import run_workload
+from ldlp.bench.harness.workload import run_workload
 from ldlp.models.predictor import LDLP, LDLPConfig
 from ldlp.policies.learned import HazardCalibration, LearnedPolicy, step_seconds_table
 
@@ -128,7 +128,7 @@ def test_the_load_sweep_carries_one_correction_per_contender_across_its_runs(t32
     """A benchmark builds a policy per run; a server keeps its policy: the sweep hands each new learned policy the
     correction the earlier runs fitted, so the runs' reports count ever more outcomes (at T = 1, where null
     recalibrates)."""
-    from ldlp.bench.load_sweep import Contender, sweep
+    from ldlp.bench.comparisons.load_sweep import Contender, sweep
 
     torch.manual_seed(0)
     d = t32.hidden_size

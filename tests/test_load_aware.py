@@ -361,7 +361,7 @@ def test_greedy_identity_in_a_batch(tmp_path, t32, eagle32, mode):
     pol = policy(tmp_path, table(0.05, 0.5, key=key), mode=mode, max_gamma=4)
     prompts = prompts_of((3, 11, 6, 8, 4, 9), seed=7)
     eng = BatchedSpeculativeEngine(t32, eagle32, "eagle", slots=3, policy=pol)
-    from ldlp.bench.workload import run_workload
+    from ldlp.bench.harness.workload import run_workload
 
     res = run_workload(eng, prompts, 3, 16)
     assert [o.tokens for o in res.outputs] == ar(t32, prompts, 16)

@@ -1,4 +1,4 @@
-"""The model card's step costs (ldlp/bench/model_card.py): the EAGLE-3 entry times the EAGLE-3 head and the
+"""The model card's step costs (ldlp/bench/measurements/model_card.py): the EAGLE-3 entry times the EAGLE-3 head and the
 EAGLE-1 drafter in one loop, and each c is its own model's step over the target's. A card once showed the two
 equal to three decimals (c = 0.189 and 0.189: 1.837 and 1.835 ms, a coincidence of two models of nearly equal
 work); this checks the two are measured apart: slowing one model moves its own c alone."""
@@ -10,7 +10,7 @@ import time
 import torch
 from conftest import make_drafter, make_eagle3, make_target
 
-from ldlp.bench.model_card import eagle3_step_cost
+from ldlp.bench.measurements.model_card import eagle3_step_cost
 
 torch.set_num_threads(1)
 SLOW_S = 0.004  # far above a tiny model's step (well under a millisecond)

@@ -44,7 +44,7 @@ def compose_eval(models: Path, questions: Path, extra=()):
 
 @pytest.fixture(scope="module")
 def two_turn_run(tiny_models, question_file, tmp_path_factory):
-    from ldlp.bench.evaluate import evaluate
+    from ldlp.bench.comparisons.evaluate import evaluate
     from ldlp.report.categories import write_categories
 
     out = tmp_path_factory.mktemp("run")
@@ -58,9 +58,9 @@ def test_second_turn_is_prompted_with_the_models_own_first_answer_and_equals_ar(
     from eagle_backbone.decoder import SpeculativeDecoder
     from eagle_backbone.policy import StaticPolicy
     from eagle_backbone.sampling import SamplingConfig
-    from ldlp.bench.conversation import Dialogue, load_questions
-    from ldlp.bench.loaders import load_pair_cached
-    from ldlp.bench.runners import ar_runner, engine_runner
+    from ldlp.bench.comparisons.conversation import Dialogue, load_questions
+    from ldlp.bench.harness.loaders import load_pair_cached
+    from ldlp.bench.harness.runners import ar_runner, engine_runner
 
     cfg = compose_eval(tiny_models, question_file)
     pair = load_pair_cached(cfg.model)
@@ -179,8 +179,8 @@ def test_summary_rows_carry_the_categories(two_turn_run, tmp_path):
 
 def test_sampling_keeps_one_stream_per_conversation(tiny_models, question_file):
     from eagle_backbone.decoder import autoregressive_generate
-    from ldlp.bench.evaluate import evaluate
-    from ldlp.bench.loaders import load_pair_cached
+    from ldlp.bench.comparisons.evaluate import evaluate
+    from ldlp.bench.harness.loaders import load_pair_cached
 
     cfg = compose_eval(tiny_models, question_file, ["generation.temperature=0.9", "evaluation.repeats=1"])
     first = evaluate(cfg, policy_name="static")
@@ -201,7 +201,7 @@ def test_sampling_keeps_one_stream_per_conversation(tiny_models, question_file):
 
 
 def test_head_to_head_rows_carry_seconds_and_tokens_per_category(tiny_models, question_file):
-    from ldlp.bench.headtohead import head_to_head
+    from ldlp.bench.comparisons.headtohead import head_to_head
     from ldlp.report.headtohead import head_to_head_markdown
 
     cfg = compose_eval(tiny_models, question_file, ["data.turns=first"])
@@ -219,7 +219,7 @@ def test_head_to_head_rows_carry_seconds_and_tokens_per_category(tiny_models, qu
 
 
 def test_spec_bench_tasks_pool_mt_bench_categories():
-    from ldlp.bench.categories import category_rows, specbench_tasks
+    from ldlp.bench.comparisons.categories import category_rows, specbench_tasks
     from ldlp.report.categories import category_markdown
 
     def row(qid, cat, tokens, secs):

@@ -281,7 +281,7 @@ def test_a_real_collection_is_checked_against_its_manifest(tmp_path, pair_dirs):
 
 
 def test_a_collection_grows_in_a_second_folder_and_both_read_as_one(pair_dirs, tmp_path):
-    from ldlp.bench.study_rows import load_split
+    from ldlp.bench.comparisons.study_rows import load_split
 
     first = tmp_path / "first"
     run(pair_dirs, first, "data.limit=3", "data.validation_limit=1", "data.sample_seed=0")

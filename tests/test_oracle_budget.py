@@ -18,10 +18,10 @@ from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
-from ldlp.bench.load_aggregate import ORACLES, findings
-from ldlp.bench.load_sweep import Contender, sweep
+from ldlp.bench.comparisons.load_aggregate import ORACLES, findings
+from ldlp.bench.comparisons.load_sweep import Contender, sweep
 from ldlp.report.load_sweep import write
-from ldlp.bench.workload import run_workload
+from ldlp.bench.harness.workload import run_workload
 from ldlp.policies.oracles import OracleBudgetPolicy, accepted_lengths, allocate_budget, budget_rate
 from ldlp.policies.oracles import OraclePolicy
 

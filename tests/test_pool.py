@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import one_line
 
-from ldlp.bench.pool import pool, pool_folders
+from ldlp.bench.comparisons.pool import pool, pool_folders
 from ldlp.report.headtohead import pooled_markdown, write_pooled
 from ldlp.report.pages import publish_pooled
 
@@ -140,7 +140,7 @@ def test_pooling_refuses_runs_of_different_prompt_sets():
 def test_load_sweep_folders_pool_into_paired_ratios_over_a_reference(tmp_path):
     """scripts/pool_paired_ratios.py's library: one pair per (folder, round, block) where both ran; a folder
     without runs is named in one line."""
-    from ldlp.bench.pool import pooled_batch_ratios
+    from ldlp.bench.comparisons.pool import pooled_batch_ratios
     from ldlp.report.headtohead import pooled_batch_markdown
 
     def run(contender, rnd, tokens_per_cpu_s, C=16):

@@ -13,7 +13,7 @@ from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
 from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.sampling import confidence
-from ldlp.bench.replay import OracleRows, replay
+from ldlp.bench.harness.replay import OracleRows, replay
 from ldlp.models.features import GROUPS, feature_names, history_features
 from ldlp.policies.learned import LearnedPolicy, expected_gain, gamma_by_cost, \
     step_seconds_table
@@ -134,7 +134,7 @@ def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
     from conftest import REPO
 
     import eagle_backbone.paths  # noqa: F401
-    from ldlp.bench.predictors import run_predictor_study
+    from ldlp.bench.comparisons.predictors import run_predictor_study
     from ldlp.report.predictors import study_page
     from ldlp.training.step_predictor import fit_step_history, fit_step_ldlp
     from oracle_helpers import prompts, write_collection
@@ -174,7 +174,7 @@ def test_replay_beside_a_head_to_head_prices_each_contender_by_each_table(setup,
     from conftest import step_ldlp
 
     from eagle_backbone.policy import StaticPolicy
-    from ldlp.bench.replay_beside import replay_beside_measured
+    from ldlp.bench.comparisons.replay_beside import replay_beside_measured
     from ldlp.report.predictors import beside_markdown
 
     target, _, _, rows = setup

@@ -10,7 +10,8 @@ from eagle_backbone.decoder import SpeculativeDecoder
 from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.cost import CostTable
-from ldlp.bench.replay import OracleRows, costs_record, fit_costs, grid, replay, stand_in_probs, step_seconds, tune
+from ldlp.bench.harness.replay import (OracleRows, costs_record, fit_costs, grid, replay, stand_in_probs, step_seconds,
+                                       tune)
 from ldlp.report.replay import tuning_markdown
 from ldlp.policies.threshold import ConfidencePolicy, DDDPolicy, HeuristicPolicy
 
@@ -161,7 +162,7 @@ def test_replay_checks_head_sizes_against_the_stored_rows(tmp_path):
 
     from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
     from eagle_backbone.cost import CostTable
-    from ldlp.bench.replay import OracleRows, replay
+    from ldlp.bench.harness.replay import OracleRows, replay
     from ldlp.policies.threshold import AcceptancePolicy, LDLPPolicy
     from ldlp.models.predictor import LDLP, LDLPConfig
 

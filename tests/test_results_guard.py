@@ -96,7 +96,7 @@ def test_a_head_to_head_of_no_tokens_is_one_line_and_no_page(tmp_path):
 def test_the_drafters_bench_of_no_tokens_is_refused_before_anything_loads(tmp_path):
     from omegaconf import OmegaConf
 
-    from ldlp.bench.drafters import bench_drafters
+    from ldlp.bench.peers.drafters import bench_drafters
 
     cfg = OmegaConf.create({"drafters": {"a": {}, "b": {}}, "gammas": [1], "tau_gamma": 1,
                             "generation": {"max_new_tokens": 0}, "data": {"path": str(tmp_path / "absent")}})
@@ -209,8 +209,8 @@ def test_the_costs_measured_in_hindsight_record_the_setup_where_no_contender_rea
     from eagle_backbone.kinds.eagle import EagleCandidateGenerator
     from eagle_backbone.policy import StaticPolicy
     from eagle_backbone.step_cost import OnlineCostModel, key_mismatch
-    from ldlp.bench.load_sweep import Contender, sweep
-    from ldlp.bench.loaders import engine_cost_key
+    from ldlp.bench.comparisons.load_sweep import Contender, sweep
+    from ldlp.bench.harness.loaders import engine_cost_key
 
     torch.set_num_threads(1)
     cand = EagleCandidateGenerator(eagle32, t32)
@@ -250,7 +250,7 @@ def test_a_tuned_file_for_another_setup_is_refused_naming_the_file_and_both_side
     from omegaconf import OmegaConf
 
     from eagle_backbone.errors import Mismatch, accepted_mismatches
-    from ldlp.bench.loaders import apply_tuned, run_setup
+    from ldlp.bench.harness.loaders import apply_tuned, run_setup
 
     run = run_setup(OmegaConf.create({"name": "embedded", "dtype": "float32", "device": "cpu",
                                       "drafter_kind": "eagle"}))
@@ -330,7 +330,7 @@ def test_a_tuned_file_records_the_drafter_weights_it_was_tuned_with():
     from omegaconf import OmegaConf
 
     from eagle_backbone.cost import weights_sha256
-    from ldlp.bench.loaders import run_setup
+    from ldlp.bench.harness.loaders import run_setup
 
     drafter = torch.nn.Linear(3, 2)
     pair = SimpleNamespace(candidates=SimpleNamespace(drafter=drafter))
@@ -355,9 +355,9 @@ def test_skipped_records_are_stated_on_the_load_sweep_and_drafters_pages(tmp_pat
     """data.on_error=skip: the malformed records skipped are on the load sweep's page (and its JSON) and the drafters
     page beside the prompt count, as on the results and head-to-head pages, not only in the log."""
     from ldlp.report.drafters import drafters_markdown
-    from ldlp.bench.load_aggregate import read_result
-    from ldlp.bench.load_sweep import prompts_meta
-    from ldlp.bench.loaders import PromptSet, prompt_set_info
+    from ldlp.bench.comparisons.load_aggregate import read_result
+    from ldlp.bench.comparisons.load_sweep import prompts_meta
+    from ldlp.bench.harness.loaders import PromptSet, prompt_set_info
     from ldlp.report.load_sweep import write
 
     prompts = PromptSet((f"c{i}", [1, 2, 3]) for i in range(4))
@@ -384,7 +384,7 @@ def test_skipped_records_are_stated_on_the_load_sweep_and_drafters_pages(tmp_pat
 
 def test_files_and_keys_that_raised_raw_errors_are_named_in_one_line(tmp_path):
     from eagle_backbone.data.conversations import DataError, load_conversations
-    from ldlp.bench.vllm_schedule import load_schedule
+    from ldlp.bench.peers.vllm_schedule import load_schedule
     from ldlp.policies.trees import StaticTreePolicy
 
     latin = tmp_path / "prompts.txt"
@@ -469,7 +469,7 @@ def test_a_learned_file_made_for_another_setup_is_refused_before_anything_loads(
 
     from eagle_backbone.errors import Mismatch, accepted_mismatches
     from eagle_backbone.made_for import run_made_for
-    from ldlp.bench.loaders import check_learned_files
+    from ldlp.bench.harness.loaders import check_learned_files
 
     model = OmegaConf.create({"name": "embedded", "dtype": "float32", "device": "cpu", "drafter_kind": "eagle",
                               "drafter": str(_drafter(tmp_path / "drafter"))})
@@ -506,7 +506,7 @@ def test_the_shipped_predictor_is_checked_by_its_labels_identity(tmp_path):
     from omegaconf import OmegaConf
 
     from eagle_backbone.made_for import made_for_of
-    from ldlp.bench.loaders import check_learned_files
+    from ldlp.bench.harness.loaders import check_learned_files
 
     shipped = REPO_ROOT / "data" / "embedded" / "predictor"
     made_for = made_for_of(json.loads((shipped / "config.json").read_text())["meta"])
@@ -534,8 +534,8 @@ def test_a_vllm_schedule_says_what_it_was_tuned_for_and_is_checked(tmp_path, acc
 
     from eagle_backbone.errors import Mismatch
     from eagle_backbone.made_for import run_made_for
-    from ldlp.bench.vllm_schedule import check_schedule_made_for, load_schedule
-    from ldlp.bench.vllm_tune import write_schedule
+    from ldlp.bench.peers.vllm_schedule import check_schedule_made_for, load_schedule
+    from ldlp.bench.peers.vllm_tune import write_schedule
 
     model = OmegaConf.create({"name": "embedded", "dtype": "float32", "device": "cpu", "drafter_kind": "eagle",
                               "drafter": str(_drafter(tmp_path / "drafter"))})
@@ -602,7 +602,7 @@ def test_the_memory_summary_compares_rounds_peak_with_peak_and_floor_with_floor(
     """A run's resident memory swings with what it runs: growth compares the last complete round with the first,
     peak with peak and floor with floor, never a C = 32 moment with a between-runs one. (That a finished engine is
     freed at once: tests/test_batched.py.)"""
-    from ldlp.bench.memory import RssSampler
+    from ldlp.bench.harness.memory import RssSampler
     from ldlp.report.memory import memory_line
 
     gb = 2 ** 30

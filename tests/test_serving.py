@@ -1,6 +1,6 @@
-"""The open-loop serving workload (ldlp/bench/serving.py, scripts/bench_batch.py serving=...): seeded arrival
-traces of the asked shape, requests admitted when they arrive and queued while the slots are full, greedy outputs
-identical to the target's own, the paired rows and the page. Tiny float32 models; no wall-clock threshold."""
+"""The open-loop serving workload (ldlp/bench/comparisons/serving.py, scripts/bench_batch.py serving=...): seeded
+arrival traces of the asked shape, requests admitted when they arrive and queued while the slots are full, greedy
+outputs identical to the target's own, the paired rows and the page. Tiny float32 models; no wall-clock threshold."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from eagle_backbone.cost import cost_key
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.policy import StaticPolicy
-from ldlp.bench.load_sweep import Contender
-from ldlp.bench.serving import arrival_times, check_trace, run_serving, serve
-from ldlp.bench.vllm_schedule import learned_schedules, load_schedule, ranges_from_table
+from ldlp.bench.comparisons.load_sweep import Contender
+from ldlp.bench.comparisons.serving import arrival_times, check_trace, run_serving, serve
+from ldlp.bench.peers.vllm_schedule import learned_schedules, load_schedule, ranges_from_table
 from ldlp.policies.load_aware import LoadAwareStep
 from ldlp.report.serving import markdown, plot_learners, render, write
 from ldlp.report.vllm_schedule import learned_lines
@@ -119,7 +119,7 @@ class _ServingPeer:
         self.target, self.wrong, self.calls = target, wrong, []
 
     def serve(self, prompts, arrivals, max_new_tokens, seeds, slots, sampling=None, stop_ids=()):
-        from ldlp.bench.serving import ServingResult
+        from ldlp.bench.comparisons.serving import ServingResult
 
         self.calls.append((len(prompts), list(arrivals), slots, sorted(stop_ids)))
         outs = [self.target.reference_greedy(p, max_new_tokens) for p in prompts]

@@ -10,7 +10,7 @@ import torch
 
 from eagle_backbone.cost import CostTable
 from eagle_backbone.step_cost import FEATURES, OnlineCostModel, StepRecord, StepShape, attended_keys
-from ldlp.bench.step_costs import run_step_costs
+from ldlp.bench.comparisons.step_costs import run_step_costs
 
 TRUE = dict(fixed=3.0, per_row=0.2, per_token=0.35, per_key=0.01, per_draft_forward=0.8, per_draft_row=0.05,
             per_fed_token=0.02, per_tree=0.0)
@@ -183,7 +183,7 @@ def test_what_the_records_never_vary_keeps_part_of_the_prior():
 
 
 def test_the_gap_decomposition_pairs_online_hindsight_and_true_acceptance():
-    from ldlp.bench.step_costs import decomposition
+    from ldlp.bench.comparisons.step_costs import decomposition
 
     def row(label, ratio, C=16):
         return {"contender": label, "concurrency": C, "temperature": 0.0, "vs": {"best_static": {"ratio": ratio}}}

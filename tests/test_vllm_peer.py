@@ -1,4 +1,4 @@
-"""vLLM as a peer (ldlp/bench/vllm_peer.py): the drafter's fc bias folded into its own embedding for vLLM's
+"""vLLM as a peer (ldlp/bench/peers/vllm_peer.py): the drafter's fc bias folded into its own embedding for vLLM's
 bias-free EAGLE-1 drafter (plain torch, always run), the contender strings and their refusals, the shipped
 EAGLE-3 head's folder as vLLM reads it, and end-to-end tests (vLLM's AR, EAGLE and EAGLE-3 against the target's
 greedy decoding) that run only where a Python with vLLM is given (ADAEAGLE_VLLM_PYTHON, or this interpreter
@@ -13,8 +13,8 @@ from transformers import LlamaConfig
 
 from eagle_backbone.drafter import EagleDrafter
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.bench.contender import PeerNode, parse_contender
-from ldlp.bench.vllm_peer import contender_label, convert_drafter, fold_fc_bias
+from ldlp.bench.harness.contender import PeerNode, parse_contender
+from ldlp.bench.peers.vllm_peer import contender_label, convert_drafter, fold_fc_bias
 
 EMBEDDED = REPO_ROOT / "data" / "embedded"
 
@@ -138,7 +138,7 @@ def _model_cfg(kind: str, drafter):
 ])
 def test_a_method_that_does_not_fit_the_drafter_is_refused_in_one_line(spec, kind, why):
     """Before any worker or weights: spec.method=eagle3 needs an EAGLE-3 pair, plain spec.k an EAGLE-1 one."""
-    from ldlp.bench.vllm_peer import make_contender
+    from ldlp.bench.peers.vllm_peer import make_contender
 
     with pytest.raises(ValueError, match=why) as e:
         make_contender(parse_contender(spec).peer, _model_cfg(kind, EMBEDDED / "drafter"), [[1, 2, 3]], 8,
@@ -152,7 +152,7 @@ def test_the_shipped_eagle3_head_is_servable_as_it_is(tmp_path):
     breaks either is refused in one line before vLLM starts."""
     import shutil
 
-    from ldlp.bench.vllm_peer import check_eagle3_head
+    from ldlp.bench.peers.vllm_peer import check_eagle3_head
 
     head = EMBEDDED / "eagle3"
     check_eagle3_head(head)
@@ -176,7 +176,7 @@ def test_the_shipped_eagle3_head_is_servable_as_it_is(tmp_path):
 def test_vllm_ar_and_eagle_equal_the_targets_greedy_decoding(tmp_path):
     from eagle_backbone.loading import load_pair
     from eagle_backbone.paths import embedded_model_config
-    from ldlp.bench.vllm_peer import VllmRunner
+    from ldlp.bench.peers.vllm_peer import VllmRunner
 
     pair = load_pair(embedded_model_config(dtype="float32"))
     g = torch.Generator().manual_seed(0)
@@ -200,7 +200,7 @@ def test_vllm_eagle3_serves_the_shipped_head_unchanged_and_equals_greedy(tmp_pat
     the target's greedy decoding, and its counters count drafts of k tokens."""
     from eagle_backbone.loading import load_pair
     from eagle_backbone.paths import embedded_model_config
-    from ldlp.bench.vllm_peer import VllmRunner
+    from ldlp.bench.peers.vllm_peer import VllmRunner
 
     pair = load_pair(embedded_model_config(dtype="float32"))  # the same target as model=embedded_eagle3
     g = torch.Generator().manual_seed(1)
@@ -225,7 +225,7 @@ def test_vllm_serves_an_arrival_trace_open_loop_and_equals_greedy(tmp_path):
     the target's greedy outputs, and each request's latencies from its own arrival."""
     from eagle_backbone.loading import load_pair
     from eagle_backbone.paths import embedded_model_config
-    from ldlp.bench.vllm_peer import VllmRunner
+    from ldlp.bench.peers.vllm_peer import VllmRunner
 
     pair = load_pair(embedded_model_config(dtype="float32"))
     g = torch.Generator().manual_seed(2)
@@ -263,9 +263,9 @@ class _FakePeer:
 
 
 def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
-    from ldlp.bench.load_aggregate import throughput_table
-    from ldlp.bench.load_sweep import Contender, sweep
-    from ldlp.bench.peer_rows import peer_table
+    from ldlp.bench.comparisons.load_aggregate import throughput_table
+    from ldlp.bench.comparisons.load_sweep import Contender, sweep
+    from ldlp.bench.comparisons.peer_rows import peer_table
     from ldlp.report.load_sweep import markdown
     from eagle_backbone.kinds.eagle import EagleCandidateGenerator
     from eagle_backbone.policy import StaticPolicy
@@ -303,7 +303,7 @@ def test_peer_rows_in_the_sweep_and_on_the_page(t32, eagle32):
 def test_peer_differences_follow_the_peers_own_ar():
     """A peer whose EAGLE row leaves the target exactly where its own AR does (a near-tie its kernels round the
     other way) reads "as vLLM AR's"; a row that leaves elsewhere does not; no difference at C: None."""
-    from ldlp.bench.peer_rows import peer_differences
+    from ldlp.bench.comparisons.peer_rows import peer_differences
 
     ar, k2 = {"contender": "vllm ar"}, {"contender": "vllm eagle k=2"}
     first = {"concurrency": 4, "prompt": 3, "position": 7, "got_token": 11, "near_tie": True}

@@ -1,5 +1,5 @@
-"""vLLM's Dynamic SD schedule (ldlp/bench/vllm_schedule.py, vllm_tune.py, issue 36): the choice against brute force
-on synthetic step costs and acceptances, the schedule file and its one-line refusals, the K per batch size as vLLM
+"""vLLM's Dynamic SD schedule (ldlp/bench/peers/vllm_schedule.py, vllm_tune.py, issue 36): the choice against brute
+force on synthetic step costs and acceptances, the schedule file and its one-line refusals, the K per batch size as vLLM
 resolves a schedule, the step model, the held-out comparison and its goals (all without vLLM); and one test that
 runs vLLM with a schedule where a Python with vLLM is given (ADAEAGLE_VLLM_PYTHON, like tests/test_vllm_peer.py)."""
 
@@ -13,7 +13,7 @@ import pytest
 from conftest import needs_vllm, vllm_python
 
 from eagle_backbone.paths import REPO_ROOT
-from ldlp.bench.vllm_schedule import (
+from ldlp.bench.peers.vllm_schedule import (
     StepModel,
     acceptance_by_position,
     check_schedule,
@@ -85,7 +85,7 @@ def test_a_margin_gives_the_fewest_ranges_within_it_as_brute_force_does(seed):
 
 
 def test_a_budget_prices_larger_k_lower():
-    from ldlp.bench.vllm_schedule import expected_steps, expected_tau, tokens_per_step
+    from ldlp.bench.peers.vllm_schedule import expected_steps, expected_tau, tokens_per_step
 
     p = [0.9, 0.8, 0.7, 0.6]
     assert expected_steps(p, 0, 5) == pytest.approx(5.0)  # no drafts: one token a step
@@ -159,8 +159,8 @@ def test_schedule_files(tmp_path):
 
 
 def test_the_contender_reads_its_schedule_before_vllm_starts(tmp_path):
-    from ldlp.bench.contender import PeerNode, parse_contender
-    from ldlp.bench.vllm_peer import contender_label, make_contender
+    from ldlp.bench.harness.contender import PeerNode, parse_contender
+    from ldlp.bench.peers.vllm_peer import contender_label, make_contender
 
     spec = parse_contender("engine=vllm spec.k=3 spec.schedule=FILE")
     assert spec.peer == PeerNode("vllm", 3, "eagle", "FILE")
@@ -178,7 +178,7 @@ def test_the_contender_reads_its_schedule_before_vllm_starts(tmp_path):
 
 
 def test_a_vllm_without_dynamic_sd_is_named_in_one_line(tmp_path):
-    from ldlp.bench.vllm_peer import check_dynamic_sd
+    from ldlp.bench.peers.vllm_peer import check_dynamic_sd
 
     pkg = tmp_path / "vllm"
     (pkg / "config").mkdir(parents=True)
@@ -239,8 +239,8 @@ def _sweep(tok_s: dict) -> tuple[dict, list[dict]]:
 
 
 def test_versus_static_and_the_goals():
-    from ldlp.bench.peer_rows import versus_static
-    from ldlp.bench.vllm_tune import goals
+    from ldlp.bench.comparisons.peer_rows import versus_static
+    from ldlp.bench.peers.vllm_tune import goals
 
     sched = "vllm eagle schedule 1-2:3,3-32:1"
     tok = {("vllm eagle k=1", 1): 60, ("vllm eagle k=3", 1): 100, ("vllm eagle k=1", 16): 400, ("vllm eagle k=3", 16): 300,
@@ -263,7 +263,7 @@ def test_versus_static_and_the_goals():
 
 
 def test_the_page_is_written_from_the_record(tmp_path):
-    from ldlp.bench.vllm_tune import grid_rows, why_rows
+    from ldlp.bench.peers.vllm_tune import grid_rows, why_rows
     from ldlp.report.vllm_schedule import markdown
 
     p = [0.8, 0.6, 0.4]
@@ -292,7 +292,7 @@ def test_vllm_runs_the_schedule_it_was_given_and_equals_greedy(tmp_path):
 
     from eagle_backbone.loading import load_pair
     from eagle_backbone.paths import embedded_model_config
-    from ldlp.bench.vllm_peer import VllmRunner
+    from ldlp.bench.peers.vllm_peer import VllmRunner
 
     pair = load_pair(embedded_model_config(dtype="float32"))
     g = torch.Generator().manual_seed(2)
@@ -333,8 +333,8 @@ class _FakeVllm:
 
 def test_a_schedule_contender_in_the_sweep_and_on_its_page(t32, eagle32, tmp_path):
     from eagle_backbone.kinds.eagle import EagleCandidateGenerator
-    from ldlp.bench.load_sweep import Contender, sweep
-    from ldlp.bench.peer_rows import peer_table, versus_static
+    from ldlp.bench.comparisons.load_sweep import Contender, sweep
+    from ldlp.bench.comparisons.peer_rows import peer_table, versus_static
     from ldlp.report.load_sweep import write
 
     g = np.random.default_rng(0)
@@ -360,7 +360,7 @@ def test_a_schedule_contender_in_the_sweep_and_on_its_page(t32, eagle32, tmp_pat
 
 
 def test_calibration_meets_the_grid_and_keeps_the_models_shape_between():
-    from ldlp.bench.vllm_schedule import calibrated
+    from ldlp.bench.peers.vllm_schedule import calibrated
 
     model = StepModel({"fixed": 6.0, "per_row": 0.3, "per_draft_forward": 0.8, "per_draft_token": 0.4}, [])
     tokens = {1: 1.8, 4: 3.6}

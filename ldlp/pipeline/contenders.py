@@ -37,12 +37,12 @@ def shipped_unfit(policy: str, predictor_dir, target_dir) -> str | None:
 
 def tuned_best(tuned: Path | None, model_cfg=None) -> dict:
     """{policy: its best replay-tuned result} from a tuning.json ({} when no tuning ran). With ``model_cfg`` the
-    file must have been tuned for that setup (its ``made_for``: ldlp.bench.loaders.check_tuned), as compare.py
+    file must have been tuned for that setup (its ``made_for``: ldlp.bench.harness.loaders.check_tuned), as compare.py
     checks it when it applies the settings: a choice made on another model's or dtype's tuning is refused here."""
     if tuned is None or not tuned.is_file():
         return {}
-    from ldlp.bench.loaders import check_tuned, run_setup
-    from ldlp.bench.replay import best_per_policy
+    from ldlp.bench.harness.loaders import check_tuned, run_setup
+    from ldlp.bench.harness.replay import best_per_policy
 
     try:
         results = json.loads(tuned.read_text(encoding="utf-8"))["results"]
@@ -99,9 +99,9 @@ def choose(cfg, sweep_dirs, tuned_from: str | Path | None, name: str) -> dict:
             log.warning("head to head: the shipped policy %s is not timed: %s", p, why)
         elif p not in policies:
             shipped.append(p)
-    from ldlp.bench.contender import ContenderSpec, PolicyNode
+    from ldlp.bench.harness.contender import ContenderSpec, PolicyNode
 
-    # written in the string form compare.py reads back (ldlp/bench/contender.py): "policy=static policy.gamma=5"
+    # written in the string form compare.py reads back (ldlp/bench/harness/contender.py): "policy=static policy.gamma=5"
     chosen = [PolicyNode("static", {"gamma": x}) for x in gammas] + [PolicyNode(p) for p in policies + shipped]
     if "oracle" in cfg.sweep.adaptive:
         chosen.append(PolicyNode("oracle"))

@@ -121,9 +121,9 @@ def validate(cfg) -> None:
 
 def _bench_contenders(cfg) -> list:
     """The load sweep's contenders (``bench_batch.contenders``: strings or nodes), each read by the one contender
-    parser (ldlp/bench/contender.py) and a policy of conf/policy/ (the main command runs no peer engine), or one
+    parser (ldlp/bench/harness/contender.py) and a policy of conf/policy/ (the main command runs no peer engine), or one
     ConfigError line naming the contender."""
-    from ldlp.bench.contender import parse_contender
+    from ldlp.bench.harness.contender import parse_contender
 
     where = "pipeline: bench_batch.contenders holds"
     specs = [parse_contender(c, where) for c in _list_setting(cfg, "bench_batch.contenders", lambda v: True, "")]
@@ -140,8 +140,8 @@ def _check_contender(cfg, spec) -> None:
     from hydra.errors import HydraException
 
     from eagle_backbone.errors import MissingCheckpoint
-    from ldlp.bench.contender import ENGINE_DEFAULTS, engine_settings
-    from ldlp.bench.loaders import build_policy, missing_checkpoint
+    from ldlp.bench.harness.contender import ENGINE_DEFAULTS, engine_settings
+    from ldlp.bench.harness.loaders import build_policy, missing_checkpoint
 
     engine_settings(spec, ENGINE_DEFAULTS)
     if not spec.policy.settings:  # the policy's own file as it is

@@ -1,5 +1,5 @@
-"""The per-category tables: Spec-Bench's (from the rows of :mod:`ldlp.bench.categories`) and the head to head's
-speedup per category."""
+"""The per-category tables: Spec-Bench's (from the rows of :mod:`ldlp.bench.comparisons.categories`) and the head to
+head's speedup per category."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def write_categories(result: dict, out_dir: str | Path) -> str | None:
     """An evaluation's per-category page, categories.md in ``out_dir`` (:func:`category_markdown` of its
     ``by_category``, ``all_categories`` and ``by_task``), its path recorded in the result and its results.json;
     None (nothing written) with fewer than two categories."""
-    from ldlp.bench.evaluate import write_results
+    from ldlp.bench.comparisons.evaluate import write_results
 
     table = category_markdown([(result["model_id"], result["by_category"], result["all_categories"], result["by_task"])])
     if not table:

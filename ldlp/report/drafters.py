@@ -1,4 +1,4 @@
-"""The drafters' page (:func:`ldlp.bench.drafters.bench_drafters`)."""
+"""The drafters' page (:func:`ldlp.bench.peers.drafters.bench_drafters`)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""The engine's measurement pages: today's engine against an older commit's (:mod:`ldlp.bench.at_ref`) and the
-attention routes, kernels and scaling at real prompt lengths (:mod:`ldlp.bench.attention`)."""
+"""The engine's measurement pages: today's engine against an older commit's (:mod:`ldlp.bench.measurements.at_ref`) and
+the attention routes, kernels and scaling at real prompt lengths (:mod:`ldlp.bench.measurements.attention`)."""
 
 from __future__ import annotations
 
-from ldlp.bench.attention import ROUTES
+from ldlp.bench.measurements.attention import ROUTES
 
 
 def at_ref_markdown(rows: list[dict], meta: dict) -> str:
-    """The page of :func:`ldlp.bench.at_ref.compare`'s rows."""
+    """The page of :func:`ldlp.bench.measurements.at_ref.compare`'s rows."""
     lines = [f"# This engine against the engine at {meta['ref']}", "",
              f"model: {meta['model']}, dtype: {meta['dtype']}, threads: {meta['threads']}, cpu: {meta['cpu']}, "
              f"{meta['max_new_tokens']} new tokens a prompt, {meta['rounds']} rounds in turns", "",

@@ -1,6 +1,6 @@
-"""The head-to-head pages: one run (:func:`ldlp.bench.headtohead.head_to_head`), several pooled
-(:func:`ldlp.bench.pool.pool`), and load-sweep folders pooled against one contender
-(:func:`ldlp.bench.pool.pooled_batch_ratios`)."""
+"""The head-to-head pages: one run (:func:`ldlp.bench.comparisons.headtohead.head_to_head`), several pooled
+(:func:`ldlp.bench.comparisons.pool.pool`), and load-sweep folders pooled against one contender
+(:func:`ldlp.bench.comparisons.pool.pooled_batch_ratios`)."""
 
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ def pooled_batch_markdown(rows: dict[tuple[int, str], list[tuple[float, float]]]
 
 
 def write_pooled(out_dir: str | Path, pooled: dict) -> Path:
-    """pooled.md in ``out_dir``: :func:`pooled_markdown` of :func:`ldlp.bench.pool.pool_folders`'s result, each run
-    linked to its head_to_head.md."""
+    """pooled.md in ``out_dir``: :func:`pooled_markdown` of :func:`ldlp.bench.comparisons.pool.pool_folders`'s result,
+    each run linked to its head_to_head.md."""
     out = Path(out_dir)
     links = [os.path.relpath(Path(f).parent / "head_to_head.md", out) for f in pooled["files"]]
     atomic_write_text(out / "pooled.md", pooled_markdown(pooled, links))

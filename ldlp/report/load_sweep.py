@@ -1,7 +1,7 @@
 """The load sweep's page and plots (``batch_bench.md``, ``batch_bench.png``, ``batch_bench_ratio.png``) and the
-files of its results folder (:func:`write`), written from the rows of ``ldlp.bench.load_aggregate`` (the peer
-section from ``ldlp.bench.peer_rows``, the step-cost sections by ``ldlp.report.step_costs``); and the cost
-check's table (:func:`check_markdown`). Nothing here measures: every number is a row's.
+files of its results folder (:func:`write`), written from the rows of ``ldlp.bench.comparisons.load_aggregate`` (the
+peer section from ``ldlp.bench.comparisons.peer_rows``, the step-cost sections by ``ldlp.report.step_costs``); and the
+cost check's table (:func:`check_markdown`). Nothing here measures: every number is a row's.
 
     python scripts/bench_batch.py render_only=true out_dir=DIR   (the page and plots again, from DIR's JSON)
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle_backbone.io import atomic_write_json, atomic_write_text
-from ldlp.bench.load_aggregate import (
+from ldlp.bench.comparisons.load_aggregate import (
     BASELINES,
     ORACLES,
     category_table,
@@ -30,7 +30,7 @@ from ldlp.bench.load_aggregate import (
     throughput_table,
     verdicts,
 )
-from ldlp.bench.peer_rows import peer_table, versus_static
+from ldlp.bench.comparisons.peer_rows import peer_table, versus_static
 from ldlp.report import step_costs as step_cost_page
 from ldlp.report.figures import pyplot, save_figure
 from ldlp.report.memory import memory_line, plot_memory
@@ -58,8 +58,8 @@ def ratio_cell(v: dict | None) -> str:
 
 
 def verdict_text(tally: dict) -> str:
-    """A :func:`~ldlp.bench.load_aggregate.verdict_tally` in words: "2 faster, 1 tied, 1 without interval; 2/3
-    resolve 5%"."""
+    """A :func:`~ldlp.bench.comparisons.load_aggregate.verdict_tally` in words: "2 faster, 1 tied, 1 without interval;
+    2/3 resolve 5%"."""
     text = ", ".join(f"{k} {v}" if k == "without interval" else f"{v} {k}" for k, v in tally["counts"].items() if v)
     n = tally["with_interval"]
     return (text or "none") + (f"; {tally['resolve_5pct']}/{n} resolve 5%" if n else "")
@@ -176,7 +176,7 @@ def _step_lines(rows: list[dict]) -> list[str]:
 
 
 def _peer_lines(result: dict, rows: list[dict]) -> list[str]:
-    """The peer engine's section (:func:`~ldlp.bench.peer_rows.peer_table`; [] without peer rows)."""
+    """The peer engine's section (:func:`~ldlp.bench.comparisons.peer_rows.peer_table`; [] without peer rows)."""
     table = peer_table(result, rows)
     if not table:
         return []
@@ -451,8 +451,8 @@ def plot_ratios(result: dict, path: str | Path, baseline: str = "best_static") -
 
 def write(result: dict, out_dir: str | Path, meta: dict | None = None, with_plot: bool = True,
           with_json: bool = True) -> Path:
-    """batch_bench.json (:func:`~ldlp.bench.load_aggregate.saved_rows`), batch_bench_runs.json
-    (:func:`~ldlp.bench.load_aggregate.runs_record`), batch_bench.md (its header says complete or not),
+    """batch_bench.json (:func:`~ldlp.bench.comparisons.load_aggregate.saved_rows`), batch_bench_runs.json
+    (:func:`~ldlp.bench.comparisons.load_aggregate.runs_record`), batch_bench.md (its header says complete or not),
     step_costs.json (the costs measured in hindsight, where the run fitted them), and with ``with_plot``
     batch_bench.png, batch_bench_ratio.png (when a row has a ratio to the best static γ) and step_costs.png.
     Every file of :data:`OUTPUT_FILES` is rewritten or removed, so that a reused folder never keeps an older
@@ -486,7 +486,8 @@ def written(out_dir: str | Path) -> list[str]:
 
 
 def render(folder: str | Path) -> Path:
-    """A results folder's page and plots written again from its JSON (:func:`~ldlp.bench.load_aggregate.read_result`),
-    the JSON left as it is: after a change to how they are written."""
+    """A results folder's page and plots written again from its JSON
+    (:func:`~ldlp.bench.comparisons.load_aggregate.read_result`), the JSON left as it is: after a change to how they are
+    written."""
     result, meta = read_result(folder)
     return write(result, folder, meta, with_json=False)

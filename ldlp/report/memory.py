@@ -1,5 +1,5 @@
-"""The resident memory of a long run (:mod:`ldlp.bench.memory`'s summary): one line for a page, and a plot over time
-with the rounds marked."""
+"""The resident memory of a long run (:mod:`ldlp.bench.harness.memory`'s summary): one line for a page, and a plot over
+time with the rounds marked."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The embedded models' card, ``data/embedded/MODEL_CARD.md``, from what :mod:`ldlp.bench.model_card` measured."""
+"""The embedded models' card, ``data/embedded/MODEL_CARD.md``, from what :mod:`ldlp.bench.measurements.model_card`
+measured."""
 
 from __future__ import annotations
 

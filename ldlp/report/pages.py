@@ -42,7 +42,7 @@ def update_readme(readme: str | Path, md_path: str | Path, png_path: str | Path,
 
 
 def publish_pooled(readme: str | Path, pooled: dict, out_dir: str | Path, command: str) -> bool:
-    """Put the pooled head-to-head table (``ldlp.bench.pool.pool_folders``'s result) into ``readme``'s
+    """Put the pooled head-to-head table (``ldlp.bench.comparisons.pool.pool_folders``'s result) into ``readme``'s
     ``<!-- head_to_head_long:start -->`` block, with links relative to it."""
     from ldlp.report.headtohead import pooled_markdown
 

@@ -1,4 +1,5 @@
-"""The predictor study's page and plot (``scripts/study_predictors.py``; the numbers: ldlp/bench/predictors.py)."""
+"""The predictor study's page and plot (``scripts/study_predictors.py``; the numbers:
+ldlp/bench/comparisons/predictors.py)."""
 
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ def write_run_settings(results: str | Path, dtype: str | None, overrides) -> dic
     """``paths.results/run_settings.json``: what the figures were measured with (``dtype``: the one model.dtype
     resolved to, the main command's overrides, the CPU and whether it has bf16 matmuls); the results page states it."""
     from eagle_backbone.runtime import bf16_matmuls
-    from ldlp.bench.loaders import machine_info
+    from ldlp.bench.harness.loaders import machine_info
 
     machine = machine_info()
     settings = {"model.dtype": dtype, "overrides": list(overrides or ()), "cpu": machine.get("cpu"),

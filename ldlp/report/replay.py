@@ -1,10 +1,10 @@
-"""The replay tuner's page (:func:`ldlp.bench.replay.tune`) and how it priced its steps."""
+"""The replay tuner's page (:func:`ldlp.bench.harness.replay.tune`) and how it priced its steps."""
 
 from __future__ import annotations
 
 from eagle_backbone.cost import CostTable
-from ldlp.bench.replay import OracleRows, best_per_policy, costs_record
-from ldlp.bench.stats import percent
+from ldlp.bench.harness.replay import OracleRows, best_per_policy, costs_record
+from ldlp.bench.harness.stats import percent
 
 
 def tuning_markdown(results: list[dict], costs: CostTable, rows: OracleRows, where: str) -> str:

@@ -1,6 +1,6 @@
 """The serving benchmark's folder (``scripts/bench_batch.py serving=ramp``): ``serving.json`` (rows, runs, the
 learners), ``serving.md`` and ``serving_learner.png`` (each goodput learner's choices over its last runs, with the
-load it saw), written from :func:`ldlp.bench.serving.serve`'s result. Nothing here measures."""
+load it saw), written from :func:`ldlp.bench.comparisons.serving.serve`'s result. Nothing here measures."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def markdown(result: dict, meta: dict) -> str:
     lines = ["# Serving: requests on arrival traces", "", f"Status: {status}.", "",
              ", ".join(f"{k}: {v}" for k, v in meta.items() if k not in ("command",)), "",
              f"Command: `{meta.get('command', '?')}`", "",
-             "Each trace's requests arrive open-loop (ldlp/bench/serving.py): gaps from a gamma distribution of mean "
-             "1/rate and shape `burstiness` (1: Poisson), the rate constant or ramping from low to peak and back. "
+             "Each trace's requests arrive open-loop (ldlp/bench/comparisons/serving.py): gaps from a gamma distribution "
+             "of mean 1/rate and shape `burstiness` (1: Poisson), the rate constant or ramping from low to peak and back. "
              "Every contender serves the same trace in turns (the order rotating); a contender's policy lives across "
              "its runs as a server keeps running, so the first rounds warm it and are left out of the rows. Throughput: "
              "output tokens over first arrival to last token; busy: over the seconds with a request in flight (open "
@@ -126,7 +126,7 @@ def render(folder: str | Path) -> Path:
     """The page, plot and schedules again from ``folder/serving.json`` (its rows recomputed from its runs)."""
     import json
 
-    from ldlp.bench.serving import serving_rows
+    from ldlp.bench.comparisons.serving import serving_rows
 
     path = Path(folder) / "serving.json"
     if not path.is_file():
@@ -141,7 +141,7 @@ def write_learned_schedules(out: Path, made_for: dict | None) -> list[Path]:
     """Each goodput learner's schedule in ``out``'s serving.json as a vLLM ``speculative_config``
     (``learned_schedule_<contender>.json``), with the setup it was measured on (``made_for``, checked where
     ``engine=vllm spec.schedule=FILE`` runs it)."""
-    from ldlp.bench.vllm_schedule import learned_schedules
+    from ldlp.bench.peers.vllm_schedule import learned_schedules
 
     files = []
     for label, sched in learned_schedules(out).items():

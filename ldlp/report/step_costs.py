@@ -1,9 +1,9 @@
 """The load sweep page's step-cost sections and plot: the online step-cost model against the measured steps,
-and where the gap to the best static γ comes from, written from ``ldlp.bench.step_costs``'s rows."""
+and where the gap to the best static γ comes from, written from ``ldlp.bench.comparisons.step_costs``'s rows."""
 
 from __future__ import annotations
 
-from ldlp.bench.step_costs import HINDSIGHT, WARMUP, decomposition, summary
+from ldlp.bench.comparisons.step_costs import HINDSIGHT, WARMUP, decomposition, summary
 from ldlp.report.figures import pyplot, save_figure
 
 

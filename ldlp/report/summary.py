@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 
 from eagle_backbone.io import atomic_path, atomic_write_text
-from ldlp.bench.categories import merge_runs
+from ldlp.bench.comparisons.categories import merge_runs
 from ldlp.report.categories import category_markdown
-from ldlp.bench.stats import headroom_captured, median, percent
+from ldlp.bench.harness.stats import headroom_captured, median, percent
 from ldlp.report.figures import pyplot, save_figure
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def find_results(paths) -> list[dict]:
 
 
 # what identifies a run's prompt set: the data config's name, the file (path and content hash), the subset
-# (limit, sample seed), the turns, and the prompts it kept; results.json carries them (ldlp.bench.evaluate)
+# (limit, sample seed), the turns, and the prompts it kept; results.json carries them (ldlp.bench.comparisons.evaluate)
 PROMPT_SET_KEYS = ("dataset", "data_path", "data_sha256", "limit", "sample_seed", "turns", "n_prompts")
 
 
@@ -340,7 +340,7 @@ def summarize(paths, out_dir: str | Path, title: str = "Static vs adaptive draft
               head_to_head: dict | None = None) -> dict:
     """Read every results.json under ``paths``; write results.md, results.csv, tokens_per_s.png,
     summary.json into ``out_dir``; return the rows, the headline numbers and the Markdown.
-    ``head_to_head`` (from :func:`ldlp.bench.headtohead.head_to_head`) adds its section to the Markdown."""
+    ``head_to_head`` (from :func:`ldlp.bench.comparisons.headtohead.head_to_head`) adds its section to the Markdown."""
     rows = aggregate(find_results(paths))
     heads = headline(rows)
     out = Path(out_dir)

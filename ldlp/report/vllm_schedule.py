@@ -1,6 +1,6 @@
 """The page of a tuned vLLM Dynamic SD schedule (``vllm_schedule.md``, ``scripts/tune_vllm_schedule.py``), written from
-the tuning record of :func:`ldlp.bench.vllm_tune.tune` and, where given, the held-out comparison of
-:func:`ldlp.bench.vllm_tune.heldout_comparison`. Nothing here measures: every number is the record's."""
+the tuning record of :func:`ldlp.bench.peers.vllm_tune.tune` and, where given, the held-out comparison of
+:func:`ldlp.bench.peers.vllm_tune.heldout_comparison`. Nothing here measures: every number is the record's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from eagle_backbone.io import atomic_write_text
-from ldlp.bench.vllm_schedule import schedule_tag
+from ldlp.bench.peers.vllm_schedule import schedule_tag
 
 
 def ratio_text(v: dict | None) -> str:
@@ -179,9 +179,9 @@ def heldout_lines(h: dict, tuned_on: str) -> list[str]:
 
 
 def learned_lines(rec: dict, learned: dict) -> list[str]:
-    """This page's schedule beside each goodput learner's (a serving run's, :func:`ldlp.bench.vllm_schedule.
+    """This page's schedule beside each goodput learner's (a serving run's, :func:`ldlp.bench.peers.vllm_schedule.
     learned_schedules`): the K each gives at every batch size."""
-    from ldlp.bench.vllm_schedule import dense_lookup
+    from ldlp.bench.peers.vllm_schedule import dense_lookup
 
     if not learned:
         return []

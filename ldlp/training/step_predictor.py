@@ -1,7 +1,7 @@
 """The LDLP on every feature: AdaEAGLE's network (:class:`~ldlp.models.predictor.LDLP`, distribution head) trained
 with Lightning on :func:`~ldlp.models.features.step_features` vectors recorded by replay
-(:func:`ldlp.bench.predictors.record_examples`): the predictor study's ``ldlp`` model and the shipped predictor
-(``scripts/train_step_ldlp.py``, which records, fits here and calibrates).
+(:func:`ldlp.bench.comparisons.predictors.record_examples`): the predictor study's ``ldlp`` model and the shipped
+predictor (``scripts/train_step_ldlp.py``, which records, fits here and calibrates).
 
 The data are whole arrays in memory (a few hundred thousand steps of a few hundred values); the validation rows
 are whole sequences held out of the training ones, for early stopping on the held-out likelihood.

@@ -10,9 +10,9 @@ each contender's tokens/s, its ratio to the best static contender with a bootstr
 in how many rounds it was faster. The bootstrap resamples prompts, each with all its rounds: a policy
 gains on some prompts and loses on others, and repeating a prompt does not average that away.
 
-:func:`ldlp.bench.pool.pool` combines several such runs of the same contenders (``scripts/pool_head_to_head.py``): the
-machine's speed, and with it the price of a target pass against a drafted token, drifts between runs
-by more than one run's interval shows, so its interval resamples runs as well as prompts.
+:func:`ldlp.bench.comparisons.pool.pool` combines several such runs of the same contenders
+(``scripts/pool_head_to_head.py``): the machine's speed, and with it the price of a target pass against a drafted token,
+drifts between runs by more than one run's interval shows, so its interval resamples runs as well as prompts.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from eagle_backbone.cost import table_record
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.timing import interleaved
-from ldlp.bench.loaders import (
+from ldlp.bench.harness.loaders import (
     apply_tuned,
     build_policy,
     load_pair_cached,
@@ -34,12 +34,12 @@ from ldlp.bench.loaders import (
     prepare_cost_tables,
     sampling_config,
 )
-from ldlp.bench.categories import runs_by_category
-from ldlp.bench.conversation import prompt_categories
-from ldlp.bench.engines import EngineFactory
-from ldlp.bench.identity import GreedyReference
-from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
-from ldlp.bench.stats import best_adaptive, headroom_captured, paired_ratio
+from ldlp.bench.comparisons.categories import runs_by_category
+from ldlp.bench.comparisons.conversation import prompt_categories
+from ldlp.bench.harness.engines import EngineFactory
+from ldlp.bench.harness.identity import GreedyReference
+from ldlp.bench.harness.runners import ar_runner, engine_runner, progress_bar
+from ldlp.bench.harness.stats import best_adaptive, headroom_captured, paired_ratio
 from ldlp.policies.pricing import flat_pricing
 
 log = logging.getLogger(__name__)
@@ -56,15 +56,16 @@ def _short(value) -> str:
 
 
 def head_to_head(cfg, contenders: list[tuple[str, object]], rounds: int = 5, bootstrap: int = 2000) -> dict:
-    """``contenders``: (policy name, policy config) pairs; ``cfg`` as for :func:`ldlp.bench.evaluate.evaluate`
-    (model, data, generation, evaluation, seed, tuned_from). Greedy decoding only."""
+    """``contenders``: (policy name, policy config) pairs; ``cfg`` as for
+    :func:`ldlp.bench.comparisons.evaluate.evaluate` (model, data, generation, evaluation, seed, tuned_from). Greedy
+    decoding only."""
     sampling = sampling_config(cfg.generation)
     if not sampling.greedy:
         raise ValueError("head to head compares greedy runs (their outputs coincide): set generation.temperature=0")
     if rounds < 1 or len(contenders) < 2:
         raise ValueError(f"head to head needs at least 2 contenders and 1 round, got {len(contenders)} and {rounds}")
     int_setting("generation.max_new_tokens", cfg.generation.max_new_tokens, 1)  # no page of NaN from no tokens
-    from ldlp.bench.loaders import load_tokenizer_cached, run_setup
+    from ldlp.bench.harness.loaders import load_tokenizer_cached, run_setup
 
     # the replay-tuned settings, before anything loads: a file tuned for another model, dtype or drafter kind is refused
     run = run_setup(cfg.model)
@@ -195,9 +196,9 @@ def _add_scripted_twins(pair, sampling, prompts, n, seed, runners, labels, setti
 
 def _costs(stats) -> dict | None:
     """Milliseconds per target pass, drafted token and accepted token, fitted to the timed generations (a linear
-    cost table, :func:`ldlp.bench.replay.fit_costs`, in the comparison's own setting); None when they cannot
+    cost table, :func:`ldlp.bench.harness.replay.fit_costs`, in the comparison's own setting); None when they cannot
     separate."""
-    from ldlp.bench.replay import fit_costs
+    from ldlp.bench.harness.replay import fit_costs
 
     try:
         return dict(fit_costs(stats).meta["linear"])

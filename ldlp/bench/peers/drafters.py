@@ -1,6 +1,6 @@
 """Drafters head to head: two (or more) drafters of one target, static chains in turns on every prompt.
 
-The head to head (:mod:`ldlp.bench.headtohead`) compares policies of one drafter; this compares drafters
+The head to head (:mod:`ldlp.bench.comparisons.headtohead`) compares policies of one drafter; this compares drafters
 (EAGLE-1 against EAGLE-3, docs/eagle3.md#goals). One target is loaded once; every drafter gets its candidate
 generator on it. At T = 0 every (drafter, static γ) and the AR baseline take turns on every prompt in a
 rotating order for ``rounds`` rounds (the order moves every prompt, so a slow phase of a shared machine hits
@@ -16,7 +16,7 @@ with all its rounds):
 * tokens/s of each drafter's best static γ at T = 0 (and at T > 0 with ``sampled_timed``; chosen in hindsight on
   these runs), its ratio to the reference's best;
 * the draft-cost ratio c as the timed generations give it: milliseconds per drafted token over milliseconds
-  per target pass, fitted to each drafter's static-γ generations (:func:`ldlp.bench.replay.fit_costs`).
+  per target pass, fitted to each drafter's static-γ generations (:func:`ldlp.bench.harness.replay.fit_costs`).
 
 **Prompt sets side by side.** ``sets`` names entries of ``prompt_sets`` (each a ``conf/data`` node: the
 embedded test split, in domain, and the shared MT-bench and ShareGPT prompts, out of domain); every set is
@@ -38,18 +38,19 @@ from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.timing import interleaved
-from ldlp.bench.stats import paired_ratio
-from ldlp.bench.engines import EngineFactory
-from ldlp.bench.identity import GreedyReference
-from ldlp.bench.loaders import load_prompts, load_tokenizer_cached, machine_info
-from ldlp.bench.runners import ar_runner, engine_runner, progress_bar
+from ldlp.bench.harness.stats import paired_ratio
+from ldlp.bench.harness.engines import EngineFactory
+from ldlp.bench.harness.identity import GreedyReference
+from ldlp.bench.harness.loaders import load_prompts, load_tokenizer_cached, machine_info
+from ldlp.bench.harness.runners import ar_runner, engine_runner, progress_bar
 
 log = logging.getLogger(__name__)
 
 
 def _vs(num, den, ref_num, ref_den, bootstrap: int, seed: int) -> dict:
     """{"ratio", "ci95"}: (Σ num / Σ den) / (Σ ref_num / Σ ref_den) over prompts and its paired bootstrap 95%
-    interval (:func:`~ldlp.bench.stats.paired_ratio`: the same resampled prompts for every comparison of a run)."""
+    interval (:func:`~ldlp.bench.harness.stats.paired_ratio`: the same resampled prompts for every comparison of a
+    run)."""
     r = paired_ratio(num, den, ref_num, ref_den, bootstrap=bootstrap, seed=seed)
     return {"ratio": r["ratio"], "ci95": r["ci95"]}
 
@@ -171,7 +172,7 @@ def speed_rows(result: dict) -> list[dict]:
 
 def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: str = "") -> dict:
     """Every temperature's cell (module docstring) on one prompt set: {str(T): cell}."""
-    from ldlp.bench.replay import fit_costs
+    from ldlp.bench.harness.replay import fit_costs
 
     names = list(gens)
     gammas = [int(g) for g in cfg.gammas]

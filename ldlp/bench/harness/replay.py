@@ -10,8 +10,8 @@ modelled, by anything with the step formula of :meth:`CostTable.step_ms <eagle_b
 read at one slot (:func:`step_seconds`). ``scripts/tune_policies.py`` prices by the engines' step-cost model,
 :class:`~eagle_backbone.step_cost.OnlineCostModel` (``costs.model``: one fitted in hindsight; else one warm-started
 from this setup's profiled :class:`~eagle_backbone.cost.CostTable`, profiled at one slot when missing:
-:func:`ldlp.bench.loaders.replay_costs`); :meth:`CostTable.linear <eagle_backbone.cost.CostTable.linear>` builds a
-synthetic linear table, and :func:`fit_costs` fits one to timed generations.
+:func:`ldlp.bench.harness.loaders.replay_costs`); :meth:`CostTable.linear <eagle_backbone.cost.CostTable.linear>` builds
+a synthetic linear table, and :func:`fit_costs` fits one to timed generations.
 
 ``keep_drafting`` receives a stand-in for the drafter's distribution with the stored top-1
 probability as its largest entry and (to rounding) the stored entropy: enough for the rules that read
@@ -29,7 +29,7 @@ import torch
 
 from eagle_backbone.cost import CostTable
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy, DraftPolicy, OneRow
-from ldlp.bench.stats import headroom_captured
+from ldlp.bench.harness.stats import headroom_captured
 from ldlp.policies.learned import step_seconds  # noqa: F401  (replay prices a step as the learned policy does)
 
 

@@ -115,14 +115,14 @@ CHECKPOINT_KEYS = ("ldlp_path", "ldlp_survival_path", "acceptance_path", "learne
 
 def policy_config(cfg, contender) -> tuple[str, DictConfig]:
     """(name, policy node) that ``scripts/evaluate.py`` would build for ``contender`` (a
-    :class:`~ldlp.bench.contender.ContenderSpec`, or what :func:`~ldlp.bench.contender.parse_contender` reads: a
-    string ``policy=NAME [policy.KEY=VALUE ...]``, a node ``{policy: {name: NAME, KEY: VALUE}}``, or a list of
+    :class:`~ldlp.bench.harness.contender.ContenderSpec`, or what :func:`~ldlp.bench.harness.contender.parse_contender`
+    reads: a string ``policy=NAME [policy.KEY=VALUE ...]``, a node ``{policy: {name: NAME, KEY: VALUE}}``, or a list of
     such words), with ``cfg``'s checkpoint folders. For scripts that run several policies; call it inside a Hydra
     app (its search path holds conf/)."""
     from hydra import compose
 
     from eagle_backbone.errors import ConfigError
-    from ldlp.bench.contender import parse_contender
+    from ldlp.bench.harness.contender import parse_contender
 
     spec = parse_contender(" ".join(map(str, contender)) if isinstance(contender, (list, tuple)) else contender)
     if spec.policy is None:
@@ -184,7 +184,7 @@ def cost_engine_factory(target, candidates, attn: str | None = None, capacity: i
     """``factory(R, policy=None)``: a batched engine of R slots over this pair, as the load-aware policies build them
     to profile their cost table (ldlp/policies/load_aware.py); ``attn`` None: the target's default, as
     ``SpeculativeDecoder`` uses it."""
-    from ldlp.bench.engines import EngineFactory
+    from ldlp.bench.harness.engines import EngineFactory
 
     return EngineFactory(target, candidates, capacity, attn)
 
@@ -372,7 +372,7 @@ def apply_tuned(policy_cfg, tuned_from, policy_name: str | None, run: dict | Non
         results = json.loads(path.read_text())["results"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"tuned_from={tuned_from}: not a tuning.json of scripts/tune_policies.py ({e!r})") from None
-    from ldlp.bench.replay import best_per_policy
+    from ldlp.bench.harness.replay import best_per_policy
 
     best = best_per_policy(results).get(policy_name)
     if best is None or policy_name in ("static", "oracle"):

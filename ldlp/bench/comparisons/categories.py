@@ -10,7 +10,7 @@ answering, mathematical reasoning, retrieval-augmented generation; MT-bench's ei
 
 :func:`summarize_questions` gives those, and next to them this project's own figures (total tokens over
 total seconds, its speedup, τ = tokens per target forward), from the per-question records of
-:func:`ldlp.bench.conversation.question_rows` (seconds per turn: medians over the evaluation's rounds).
+:func:`ldlp.bench.comparisons.conversation.question_rows` (seconds per turn: medians over the evaluation's rounds).
 Every count (questions, turns, new tokens, target forwards, seconds, turns dropped) of the categories
 sums to the overall figure.
 """

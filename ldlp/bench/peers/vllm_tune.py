@@ -1,16 +1,16 @@
 """Tuning vLLM's Dynamic SD schedule on this machine, the pair and a prompt set (``scripts/tune_vllm_schedule.py``,
-issue 36), through the benchmark's own vLLM worker (:class:`~ldlp.bench.vllm_peer.VllmRunner`).
+issue 36), through the benchmark's own vLLM worker (:class:`~ldlp.bench.peers.vllm_peer.VllmRunner`).
 
 **The grid.** One worker per K in ``ks``, all started first and kept: each runs vLLM's Dynamic SD with the
 constant schedule ``[[1, C_max, K]]`` (the mode a tuned schedule runs in), at most ``C_max`` requests in
-flight, with its steps traced (:mod:`ldlp.bench.vllm_worker`). For every round, every grid C and every chunk of
+flight, with its steps traced (:mod:`ldlp.bench.peers.vllm_worker`). For every round, every grid C and every chunk of
 C prompts (``prompts_per_cell`` prompts per C, at least C), every worker decodes the chunk in turn (the order
 rotating between rounds, C and chunks, so a slow phase of a shared machine hits every K alike): a batch of C
 requests that shrinks as they finish. Each call gives its tokens, seconds, vLLM's counters (acceptance by
 position among them) and its steps: the step-time model's records at B = C and at the batch sizes of the
 tail.
 
-**From the grid** (:mod:`ldlp.bench.vllm_schedule`): acceptance by position pooled over every call, the step
+**From the grid** (:mod:`ldlp.bench.peers.vllm_schedule`): acceptance by position pooled over every call, the step
 model fitted to the steps that admit no prompt, and per batch size 1..``max_batch`` the K with the most
 expected tokens/s. Every output is checked: the K give the same tokens for each prompt, and (``reference``)
 the target's own greedy decoding.
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from eagle_backbone.timing import interleaved
-from ldlp.bench.identity import GreedyReference
-from ldlp.bench.vllm_schedule import (
+from ldlp.bench.harness.identity import GreedyReference
+from ldlp.bench.peers.vllm_schedule import (
     StepModel,
     acceptance_by_position,
     calibrated,
@@ -42,7 +42,7 @@ def _chunks(n_prompts: int, C: int, per_cell: int) -> list[list[int]]:
 
 def measure_grid(runners: dict, prompts: list[list[int]], concurrency: list[int], rounds: int, max_new_tokens: int,
                  stop_ids, prompts_per_cell: int, log=print) -> list[dict]:
-    """The grid's calls: ``runners`` K -> a started :class:`~ldlp.bench.vllm_peer.VllmRunner` (its worker traced,
+    """The grid's calls: ``runners`` K -> a started :class:`~ldlp.bench.peers.vllm_peer.VllmRunner` (its worker traced,
     with at most max(concurrency) in flight). Returns one dict per call: round, C, chunk, k, prompts (indices),
     outputs, new_tokens, wall_s, cpu_s, num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos,
     steps."""
@@ -128,7 +128,7 @@ def tune(make_runner, prompts: list[list[int]], ks: list[int], concurrency: list
          max_new_tokens: int, stop_ids, prompts_per_cell: int, max_batch: int, margin: float = 0.0,
          step_time: str = "cpu", reference: list[list[int]] | None = None, log=print, anchor: bool = False,
          calibrate: bool = True) -> dict:
-    """The whole tuning: ``make_runner(K)`` -> a :class:`~ldlp.bench.vllm_peer.VllmRunner` with the constant
+    """The whole tuning: ``make_runner(K)`` -> a :class:`~ldlp.bench.peers.vllm_peer.VllmRunner` with the constant
     schedule ``[[1, max(concurrency), K]]`` and traced steps. Returns the record the page is written from."""
     C_max = max(concurrency)
     t0 = time.perf_counter()
@@ -166,7 +166,7 @@ def analyse(calls: list[dict], trace: list[dict], ks, concurrency, max_batch: in
     expected tokens per step for the prompts' output ``lengths``, the choice and the page's rows. ``anchor``: the
     step model meets the grid's cell medians (else the fit alone, which averages the cells' noise);
     ``calibrate``: the choice prices K by the expected tokens/s scaled to the grid's measured throughput at each
-    grid C (:func:`~ldlp.bench.vllm_schedule.calibrated`; else the model alone)."""
+    grid C (:func:`~ldlp.bench.peers.vllm_schedule.calibrated`; else the model alone)."""
     acc = acceptance_by_position(calls)
     steps = [s for t in trace for s in t["steps"]]
     model = StepModel.fit(decode_steps(steps, step_time), anchor_batches=set(concurrency) if anchor else set())
@@ -193,7 +193,7 @@ def write_schedule(record: dict, out: str | Path, method: str = "eagle", model: 
 
     import yaml
 
-    from ldlp.bench.vllm_schedule import snippet
+    from ldlp.bench.peers.vllm_schedule import snippet
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,8 +212,8 @@ FLOOR, GAIN = 0.98, 0.05  # the issue's goals: >= 0.98x the best static in hinds
 
 
 def goals(vs: dict | None, clock: str = "") -> dict | None:
-    """The issue's goals on :func:`~ldlp.bench.peer_rows.versus_static`'s comparison (``clock``: "" for wall,
-    "_cpu" for CPU seconds): at every C the adaptive contender at >= :data:`FLOOR` of the best static in
+    """The issue's goals on :func:`~ldlp.bench.comparisons.peer_rows.versus_static`'s comparison (``clock``: "" for
+    wall, "_cpu" for CPU seconds): at every C the adaptive contender at >= :data:`FLOOR` of the best static in
     hindsight; where the single best static is not the best, at least :data:`GAIN` above it, and nowhere below
     it by more than 1 - FLOOR. Point estimates of the paired ratios (their intervals are on the page)."""
     if not vs:
@@ -231,9 +231,10 @@ def goals(vs: dict | None, clock: str = "") -> dict | None:
 def heldout_comparison(folder: str | Path) -> dict:
     """From a load sweep's results folder (``scripts/bench_batch.py``, greedy rows): every vLLM contender with a
     schedule against vLLM's static k of its method, and this engine's ``load_aware_step`` against its own static
-    γ (:func:`~ldlp.bench.peer_rows.versus_static`), with the goals (:func:`goals`) by wall clock and CPU time."""
-    from ldlp.bench.load_aggregate import read_result, rows_at
-    from ldlp.bench.peer_rows import versus_static
+    γ (:func:`~ldlp.bench.comparisons.peer_rows.versus_static`), with the goals (:func:`goals`) by wall clock and CPU
+    time."""
+    from ldlp.bench.comparisons.load_aggregate import read_result, rows_at
+    from ldlp.bench.comparisons.peer_rows import versus_static
 
     result, meta = read_result(folder)
     rows = rows_at(result["rows"], 0.0)

@@ -40,7 +40,7 @@ def _question_id(qid: str):
 
 def answer_lines(rows: list[dict], mid: str, ar: bool = False, tstamp: float | None = None) -> list[dict]:
     """The answer lines of the speculative run (``ar=False``) or of the AR baseline, from
-    :func:`ldlp.bench.conversation.question_rows`."""
+    :func:`ldlp.bench.comparisons.conversation.question_rows`."""
     tstamp = time.time() if tstamp is None else tstamp
     pre = "ar_" if ar else ""
     out = []

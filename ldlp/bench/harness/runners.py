@@ -42,7 +42,7 @@ def ar_runner(impl: str, target, sampling: SamplingConfig) -> Runner:
             out = autoregressive_generate(target, prompt, n, sampling=sampling, seed=seed)
             return out.tokens, out.stats
     else:
-        from ldlp.bench.peer import hf_generate
+        from ldlp.bench.harness.peer import hf_generate
 
         def run(prompt, n, seed):
             return hf_generate(target.model, prompt, n, target.eos_token_ids)
@@ -61,7 +61,7 @@ def reference_runner(target) -> Runner:
 
 
 def peer_runner(spec, pair) -> Runner:
-    from ldlp.bench.peer import hf_generate
+    from ldlp.bench.harness.peer import hf_generate
 
     def run(prompt, n, seed):
         return hf_generate(pair.target.model, prompt, n, pair.target.eos_token_ids, assistant_model=pair.drafter,

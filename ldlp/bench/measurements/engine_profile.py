@@ -12,8 +12,8 @@ import time
 import torch
 
 from eagle_backbone.timing import interleaved
-from ldlp.bench.engines import EngineFactory
-from ldlp.bench.workload import run_workload
+from ldlp.bench.harness.engines import EngineFactory
+from ldlp.bench.harness.workload import run_workload
 
 
 @torch.inference_mode()

@@ -14,7 +14,7 @@ token); the steps' running rows over time (the load the policies saw).
 
 :func:`serve` runs every contender on the same trace in turns (the order rotating between rounds and traces),
 checks greedy outputs against the target's own, and gives each contender's throughput ratio to the best static
-γ on that trace with a paired bootstrap interval over rounds (``ldlp.bench.stats.paired_ratio``). A
+γ on that trace with a paired bootstrap interval over rounds (``ldlp.bench.harness.stats.paired_ratio``). A
 contender's policy object lives across its runs, as a server keeps running: its online state (acceptance rates,
 the goodput learner, the step-cost model) is warm after the first ``warmup_rounds``, which are run in turns like
 the others and reported apart, not in the ratios.
@@ -33,9 +33,9 @@ from eagle_backbone.step_records import GenerationOutput
 from eagle_backbone.errors import ConfigError
 from eagle_backbone.step_cost import OnlineCostModel
 from eagle_backbone.timing import interleaved
-from ldlp.bench.engines import EngineFactory
-from ldlp.bench.identity import GreedyReference
-from ldlp.bench.workload import percentile
+from ldlp.bench.harness.engines import EngineFactory
+from ldlp.bench.harness.identity import GreedyReference
+from ldlp.bench.harness.workload import percentile
 
 SHAPES = ("constant", "ramp")
 
@@ -196,12 +196,12 @@ def serve(target, candidates, prompts: list[list[int]], contenders: list, traces
           max_new_tokens: int, sampling=None, rounds: int = 2, warmup_rounds: int = 1, slots: int = 32,
           seed: int = 0, attn: str = "eager", log: Callable[[str], None] = print,
           checkpoint: Callable[[dict], None] | None = None, bootstrap: int = 2000) -> dict:
-    """Every contender (:class:`~ldlp.bench.load_sweep.Contender` of this engine) on every trace (``traces``:
-    {name: spec}), ``warmup_rounds`` + ``rounds`` times, in turns; returns {"runs", "rows", "learners", "skipped"}
-    (``checkpoint``: the partial result after each run). The oracles replay every prompt first, untimed, and run
-    only when decoding is greedy."""
+    """Every contender (:class:`~ldlp.bench.comparisons.load_sweep.Contender` of this engine) on every trace
+    (``traces``: {name: spec}), ``warmup_rounds`` + ``rounds`` times, in turns; returns {"runs", "rows", "learners",
+    "skipped"} (``checkpoint``: the partial result after each run). The oracles replay every prompt first, untimed, and
+    run only when decoding is greedy."""
     from eagle_backbone.sampling import SamplingConfig
-    from ldlp.bench.load_sweep import replayed_labels, warm_replays
+    from ldlp.bench.comparisons.load_sweep import replayed_labels, warm_replays
 
     sampling = sampling or SamplingConfig()
     skipped = []
@@ -267,7 +267,7 @@ def _run_line(run: dict) -> str:
 
 
 def _peer_run(c, prompts, arrivals, max_new_tokens, seeds, slots, sampling, stop_ids, ref, idx, where: dict) -> dict:
-    """One run of a peer contender (``c.runner``: :meth:`~ldlp.bench.vllm_peer.VllmRunner.serve`) on a trace, as
+    """One run of a peer contender (``c.runner``: :meth:`~ldlp.bench.peers.vllm_peer.VllmRunner.serve`) on a trace, as
     :func:`serve` records this engine's runs; its greedy outputs checked against the target's like every run."""
     outs, summ = c.runner.serve(prompts, arrivals, max_new_tokens, seeds, slots, sampling, stop_ids)
     same = None if ref is None else sum(ref.same(outs, idx))
@@ -283,7 +283,7 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
     rounds, and to batched AR; the same over busy seconds (the run's seconds less those with nothing in flight:
     open loop, a contender that keeps up serves what arrives, and the busy seconds are where it differs), against
     the static γ best by that measure."""
-    from ldlp.bench.stats import paired_ratio
+    from ldlp.bench.harness.stats import paired_ratio
 
     measured = [r for r in runs if not r["warmup"]]
     out = []

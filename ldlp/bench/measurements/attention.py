@@ -232,8 +232,8 @@ def elementwise_kernels(lm: BatchedLlama, tokens=(1, 16, 64, 256), reps: int = 1
 def engine_scaling(target, prompts: list[list[int]], concurrency=(1, 16), max_new_tokens: int = 48) -> list[dict]:
     """Batched AR over ``prompts`` at each C, prefill in its own forward: CPU-seconds split into prefill and
     decoding (the share from the engine's profiled mode), tokens per CPU-second with and without the prefill."""
-    from ldlp.bench.engines import EngineFactory
-    from ldlp.bench.workload import run_workload
+    from ldlp.bench.harness.engines import EngineFactory
+    from ldlp.bench.harness.workload import run_workload
 
     out = []
     engines = EngineFactory.for_prompts(target, None, prompts, max_new_tokens)

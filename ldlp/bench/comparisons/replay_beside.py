@@ -3,7 +3,7 @@ oracle labels of the same prompts, priced by each cost model, beside the ratio t
 
 from __future__ import annotations
 
-from ldlp.bench.replay import OracleRows, replay
+from ldlp.bench.harness.replay import OracleRows, replay
 from ldlp.policies.learned import LearnedPolicy, step_seconds_table
 
 

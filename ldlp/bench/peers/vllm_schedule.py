@@ -30,7 +30,7 @@ the drafted tokens per step from the number of requests the step schedules (vLLM
   ``B · tokens(K) / ms(B, K)``; every B takes a K within ``margin`` of its best, with the fewest ranges (each
   threshold is a K switch under load: vllm-project/vllm issue 49548), then the most expected tokens/s in all.
 
-Measuring the grid through the benchmark's vLLM worker is :mod:`ldlp.bench.vllm_tune`.
+Measuring the grid through the benchmark's vLLM worker is :mod:`ldlp.bench.peers.vllm_tune`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 drafts the target keeps, how that grows with labels, and what it is worth once a decision rule turns it into γ.
 
 Examples are *recorded by replay*: a behaviour policy (a static γ) walks every oracle sequence as the engine
-would (:func:`ldlp.bench.replay.replay`), and :func:`~ldlp.models.features.step_features`, as the deployed
+would (:func:`ldlp.bench.harness.replay.replay`), and :func:`~ldlp.models.features.step_features`, as the deployed
 policy computes them, records the features at every step it visits; the label of a step is the oracle label of
 its row (the agreement length of the drafter's chain there). Several behaviour γ give several histories.
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from eagle_backbone.made_for import run_made_for
-from ldlp.bench.replay import OracleRows, replay
-from ldlp.bench.stats import headroom_captured
-from ldlp.bench.study_rows import load_split, oracle_record, rows_subset
+from ldlp.bench.harness.replay import OracleRows, replay
+from ldlp.bench.harness.stats import headroom_captured
+from ldlp.bench.comparisons.study_rows import load_split, oracle_record, rows_subset
 from ldlp.models.features import feature_names
 from ldlp.policies.learned import LearnedPolicy, step_seconds_table
 
@@ -369,8 +369,8 @@ def run_predictor_study(cfg, pair=None, fitters: dict | None = None) -> dict:
 
     from eagle_backbone.io import atomic_write_json
     from eagle_backbone.loading import load_pair
-    from ldlp.bench.loaders import replay_costs
-    from ldlp.bench.replay import costs_record
+    from ldlp.bench.harness.loaders import replay_costs
+    from ldlp.bench.harness.replay import costs_record
     from ldlp.models.features import GROUPS
 
     bad = [g for g in cfg.groups if g not in GROUPS]
@@ -454,7 +454,7 @@ def shipped_meta(cfg, ldlp, tr: Examples, va: Examples, train: OracleRows, costs
     """What the shipped predictor's config.json records: the seconds a token is worth as a ratio to a plain step
     (the cost rule's fixed point on the first ``calibration_sequences`` training sequences, the policy's start), its
     validation scores and its provenance."""
-    from ldlp.bench.replay import costs_record
+    from ldlp.bench.harness.replay import costs_record
 
     records = oracle_record(cfg.oracle_dir)
     records = records if isinstance(records, list) else [records]

@@ -1,5 +1,5 @@
-"""The vLLM worker behind :mod:`ldlp.bench.vllm_peer`: standard library and vLLM only, run as a script by the
-Python that has vLLM (``python -I ldlp/bench/vllm_worker.py``), one process per (contender, C).
+"""The vLLM worker behind :mod:`ldlp.bench.peers.vllm_peer`: standard library and vLLM only, run as a script by the
+Python that has vLLM (``python -I ldlp/bench/peers/vllm_worker.py``), one process per (contender, C).
 
 JSON lines on stdin/stdout (vLLM's own logging goes to stderr). The first line is the settings:
 ``{"target", "drafter" (with "k": the converted EAGLE-1 folder, or the EAGLE-3 head's speculators folder as
@@ -25,8 +25,8 @@ Then:
   the count vLLM's Dynamic SD keys K on; ``next_k`` the K it drafts for the next step).
 * ``{"cmd": "serve", "prompts", "arrivals", "max_new_tokens", "stop_token_ids", "temperature", "top_k", "top_p",
   "seeds"}`` -> ``{"outputs", "wall_s", "cpu_s", "idle_s", "steps", "first_s", "last_s", "timeline", counters}``:
-  open loop (:mod:`ldlp.bench.serving`): request i is added to vLLM's engine when ``arrivals[i]`` seconds have
-  passed, the engine steps while anything is in flight (vLLM queues what ``max_num_seqs`` leaves waiting) and
+  open loop (:mod:`ldlp.bench.comparisons.serving`): request i is added to vLLM's engine when ``arrivals[i]`` seconds
+  have passed, the engine steps while anything is in flight (vLLM queues what ``max_num_seqs`` leaves waiting) and
   sleeps to the next arrival when nothing is; ``first_s`` / ``last_s`` the seconds from the start at which
   request i's first and last tokens came out of a step, ``timeline`` one ``[seconds, running, waiting]`` per step.
 * ``{"cmd": "quit"}``.
@@ -184,7 +184,7 @@ def _delta(before: dict, after: dict) -> dict:
 def _serve(llm, msg: dict) -> dict:
     """Open loop on vLLM's own engine: each request added when its arrival time has come (vLLM's scheduler queues
     it while ``max_num_seqs`` are running), one ``step()`` at a time while anything is in flight, a sleep to the
-    next arrival when nothing is (as :func:`ldlp.bench.serving.run_serving` serves this engine)."""
+    next arrival when nothing is (as :func:`ldlp.bench.comparisons.serving.run_serving` serves this engine)."""
     prompts, params = _requests(msg)
     arrivals = [float(a) for a in msg["arrivals"]]
     engine, sched = llm.llm_engine, _core(llm).scheduler

@@ -3,7 +3,7 @@ and adaptive policies at concurrency C, on a continuous-batching workload, with 
 
 For every round, every temperature T, every C and every block of the prompts (``blocks`` workloads, fewer
 when a block would hold fewer prompts than C), every contender runs the block through
-:func:`~ldlp.bench.workload.run_workload` with C streams in flight, in turns (the order rotating
+:func:`~ldlp.bench.harness.workload.run_workload` with C streams in flight, in turns (the order rotating
 between rounds, T, C and blocks, so that a slow phase of a shared machine hits all alike). Every contender
 runs on the one engine (:class:`~eagle_backbone.batched_engine.BatchedSpeculativeEngine`) with one candidate
 generator. Rows report each round's blocks summed, medians over rounds.
@@ -11,7 +11,7 @@ generator. Rows report each round's blocks summed, medians over rounds.
 Each (round, block) is one paired measurement: per (C, T) every adaptive contender's ratio of tokens/s to
 the baselines (batched AR, the best static γ at that (C, T) in hindsight, the static γ best at C=1 used at
 every C, the oracle at T=0) comes with a paired bootstrap 95% interval over those pairs
-(:func:`ldlp.bench.stats.paired_ratio`; the rows: :mod:`ldlp.bench.load_aggregate`). The oracle replays the engine with one slot
+(:func:`ldlp.bench.harness.stats.paired_ratio`; the rows: :mod:`ldlp.bench.comparisons.load_aggregate`). The oracle replays the engine with one slot
 (``SpeculativeDecoder``) per prompt before the clocks start and runs at T=0 only; so does the batched oracle
 (``policy=oracle_budget``, :mod:`ldlp.policies.oracles`), whose gain over the best static γ at each C the findings
 report as the headroom (``oracle_headroom``).
@@ -27,7 +27,7 @@ reported with the target's top-2 logit gap at the first differing position (on t
 next to bfloat16's spacing at that logit's magnitude: a difference is a near-tie when the gap is within it.
 
 This module checks the settings and runs the sweep; it takes built models, prompts and policy factories (loading
-them from configs is the script's). :mod:`ldlp.bench.load_aggregate` turns its runs into rows and
+them from configs is the script's). :mod:`ldlp.bench.comparisons.load_aggregate` turns its runs into rows and
 ``ldlp.report.load_sweep`` writes the results folder, page and plots.
 """
 
@@ -45,13 +45,13 @@ from eagle_backbone.errors import ConfigError
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import OnlineCostModel, StepRecord
 from eagle_backbone.timing import interleaved
-from ldlp.bench.contender import ENGINE_DEFAULTS, draft_cap
-from ldlp.bench.engines import EngineFactory
-from ldlp.bench.identity import GreedyReference
-from ldlp.bench.load_aggregate import aggregate_runs
-from ldlp.bench.memory import release_freed_memory
-from ldlp.bench.step_costs import hindsight_model, run_step_costs, step_cost_rows
-from ldlp.bench.workload import run_workload
+from ldlp.bench.harness.contender import ENGINE_DEFAULTS, draft_cap
+from ldlp.bench.harness.engines import EngineFactory
+from ldlp.bench.harness.identity import GreedyReference
+from ldlp.bench.comparisons.load_aggregate import aggregate_runs
+from ldlp.bench.harness.memory import release_freed_memory
+from ldlp.bench.comparisons.step_costs import hindsight_model, run_step_costs, step_cost_rows
+from ldlp.bench.harness.workload import run_workload
 from ldlp.policies.goodput import adopt
 from ldlp.policies.learned import adopt_calibration
 
@@ -62,7 +62,8 @@ class Contender:
     policy: str  # "ar", "static" or the policy's name
     gamma: int | None  # static γ; None when adaptive (and 0 for AR)
     make: Callable | None  # zero-argument policy factory (one instance per slot); None: AR
-    runner: object | None = None  # a peer engine's runner (vLLM; ldlp/bench/peer_rows.py); None: this engine
+    # a peer engine's runner (vLLM; ldlp/bench/comparisons/peer_rows.py); None: this engine
+    runner: object | None = None
     engine: dict = field(default_factory=dict)  # this engine's settings for it (prefill, max_batched_tokens)
 
 
@@ -360,7 +361,7 @@ def sweep(target, candidates, prompts: list[list[int]], contenders: list[Contend
     and running rows per step. ``profile_steps``: after the timed rounds, one untimed pass of the engine's
     profiled mode per contender at every (C, T) on the first block (:func:`profile_pass`), whose component
     seconds per engine step give ``verify_ms_per_step``, ``draft_ms_per_step`` and ``profile`` (``profiles``
-    in the result). ``cost_key``: the setup's cost key (``ldlp.bench.loaders.engine_cost_key``), recorded by the
+    in the result). ``cost_key``: the setup's cost key (``ldlp.bench.harness.loaders.engine_cost_key``), recorded by the
     costs measured in hindsight (``hindsight``, step_costs.json) even where no contender read a cost table, so a
     policy on another setup refuses the file (None: the key of a contender's table, if any)."""
     if categories is not None and len(categories) != len(prompts):

@@ -3,7 +3,7 @@
 its own EAGLE (EAGLE-1) or EAGLE-3 speculative decoding with this project's drafter, on the same target,
 prompts (the project's token ids), budgets, stop tokens and rounds.
 
-vLLM never runs in the benchmark's process. A worker (:mod:`ldlp.bench.vllm_worker`, standard library and
+vLLM never runs in the benchmark's process. A worker (:mod:`ldlp.bench.peers.vllm_worker`, standard library and
 vLLM only) runs vLLM's offline ``LLM`` API in a Python of its own, ``vllm.python`` (default: this
 interpreter; a separate virtual environment when vLLM's pins clash with this project's, docs/batched.md),
 and the benchmark talks to it over JSON lines: token ids in, token ids, seconds and counters out. Settings:
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from ldlp.bench.contender import METHODS  # vLLM's speculative methods a contender may name
+from ldlp.bench.harness.contender import METHODS  # vLLM's speculative methods a contender may name
 
 FORMAT = "vllm-eagle1-llama/1"  # bump when the converted layout changes: the cache key includes it
 MAX_CONDITION = 1e6  # W_e's condition number above which the fold would lose float32 precision
@@ -133,7 +133,7 @@ def convert_drafter(drafter_dir: str | Path, target_dir: str | Path, cache_root:
 def contender_label(k: int | None, method: str | None = "eagle", schedule=None) -> str:
     """``vllm ar``, ``vllm eagle k=3``, or with a schedule ``vllm eagle schedule 1-3:3,4-32:1``."""
     if schedule is not None:
-        from ldlp.bench.vllm_schedule import schedule_tag
+        from ldlp.bench.peers.vllm_schedule import schedule_tag
 
         return f"vllm {method or 'eagle'} schedule {schedule_tag(schedule)}"
     return "vllm ar" if k is None else f"vllm {method or 'eagle'} k={k}"
@@ -256,7 +256,7 @@ def check_dynamic_sd(build: dict, python: str = "") -> None:
 class VllmRunner:
     """A contender's runs on vLLM: :meth:`run` decodes one block of prompts with at most C in flight and
     returns the token ids per prompt and a summary with the keys of
-    :meth:`~ldlp.bench.workload.WorkloadResult.summary` (token-gap p90 excepted: vLLM reports
+    :meth:`~ldlp.bench.harness.workload.WorkloadResult.summary` (token-gap p90 excepted: vLLM reports
     each request's first and last token times, so the mean gap is exact and the p90 is not measured)."""
 
     def __init__(self, k: int | None, target_dir: str | Path, drafter_dir: str | Path | None, cache_root: str | Path,
@@ -377,9 +377,9 @@ class VllmRunner:
               sampling=None, stop_ids=()) -> tuple[list, dict]:
         """Serve ``prompts[i]`` arriving at ``arrivals[i]`` seconds, open loop, with at most ``slots`` in flight
         (vLLM queues the rest; a worker for that many is started and warmed up first, untimed): the outputs and
-        :meth:`~ldlp.bench.serving.ServingResult.summary`'s keys, timed inside the worker, so that the same
+        :meth:`~ldlp.bench.comparisons.serving.ServingResult.summary`'s keys, timed inside the worker, so that the same
         numbers are read off this engine and vLLM (``timeline``: ``[seconds, running, waiting]`` per step)."""
-        from ldlp.bench.serving import ServingResult
+        from ldlp.bench.comparisons.serving import ServingResult
 
         r = self._call("serve", prompts, slots, max_new_tokens, seeds, sampling, stop_ids,
                        arrivals=[float(a) for a in arrivals])
@@ -408,26 +408,26 @@ class VllmRunner:
 
 
 def _p90(xs: list[float]) -> float:
-    from ldlp.bench.workload import percentile
+    from ldlp.bench.harness.workload import percentile
 
     return percentile(xs, 0.9)
 
 
 def make_contender(spec, model_cfg, prompts: list[list[int]], max_new_tokens: int, vllm_cfg, outputs: str | Path,
                    threads: int = 1, seed: int = 0, log=print):
-    """The batched benchmark's contender for a peer ``spec`` (:class:`~ldlp.bench.contender.PeerNode`, what
-    :func:`~ldlp.bench.contender.parse_contender` reads from ``engine=vllm ...``): label ``vllm ar``, ``vllm eagle
-    k=K`` or ``vllm eagle3 k=K``, policy ``vllm``, gamma 0 or K, and a :class:`VllmRunner` on the pair's target
+    """The batched benchmark's contender for a peer ``spec`` (:class:`~ldlp.bench.harness.contender.PeerNode`, what
+    :func:`~ldlp.bench.harness.contender.parse_contender` reads from ``engine=vllm ...``): label ``vllm ar``, ``vllm
+    eagle k=K`` or ``vllm eagle3 k=K``, policy ``vllm``, gamma 0 or K, and a :class:`VllmRunner` on the pair's target
     (and its drafter: EAGLE-1's converted under ``outputs/vllm_peer/drafters``, EAGLE-3's speculators folder as
     it is; worker logs in ``outputs/vllm_peer/logs``). ``vllm_cfg``: ``python`` (None: this interpreter),
     ``dtype`` (float32). Refuses, in one line and before anything loads, a method that does not match
     ``model.drafter_kind`` (``spec.method=eagle3`` needs ``eagle3``, plain ``spec.k`` needs ``eagle``)."""
-    from ldlp.bench.load_sweep import Contender
+    from ldlp.bench.comparisons.load_sweep import Contender
 
     k, method = spec.k, spec.method or "eagle"
     schedule = None
-    if spec.schedule:  # read and checked before anything starts (ldlp/bench/vllm_schedule.py)
-        from ldlp.bench.vllm_schedule import check_schedule_made_for, load_schedule
+    if spec.schedule:  # read and checked before anything starts (ldlp/bench/peers/vllm_schedule.py)
+        from ldlp.bench.peers.vllm_schedule import check_schedule_made_for, load_schedule
 
         sch = load_schedule(spec.schedule, k)
         schedule, k = sch["ranges"], sch["k"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ldlp.bench.replay import OracleRows
+from ldlp.bench.harness.replay import OracleRows
 
 
 def rows_subset(rows: OracleRows, keep_seqs: np.ndarray, max_new_tokens) -> OracleRows:

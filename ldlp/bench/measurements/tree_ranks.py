@@ -8,7 +8,7 @@ import torch
 
 from eagle_backbone.policy import DraftPolicy, TreeOutcome
 from eagle_backbone.tree_draft import TreeSpec
-from ldlp.bench.engines import EngineFactory
+from ldlp.bench.harness.engines import EngineFactory
 
 
 class _FullTree(DraftPolicy):

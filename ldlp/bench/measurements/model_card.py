@@ -33,8 +33,8 @@ from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import Clock, set_threads
 from eagle_backbone.target import TargetModel, rollback
 from eagle_backbone.timing import interleaved
-from ldlp.bench.engines import EngineFactory
-from ldlp.bench.identity import GreedyReference
+from ldlp.bench.harness.engines import EngineFactory
+from ldlp.bench.harness.identity import GreedyReference
 
 
 def _tokens(tokenizer, convs) -> list[int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle_backbone.io import atomic_write_json
-from ldlp.bench.stats import best_adaptive, headroom_captured, paired_ratio
+from ldlp.bench.harness.stats import best_adaptive, headroom_captured, paired_ratio
 
 
 def contender_key(row: dict) -> str:

@@ -1,7 +1,7 @@
 """The load sweep's numbers, from its raw runs to the structured rows its page is written from.
 
-:func:`aggregate_runs` turns the (round, block) runs of :func:`~ldlp.bench.load_sweep.sweep` into one row per
-(contender, C, T): each round's blocks combined, medians over rounds, the step counters, the profiled pass's
+:func:`aggregate_runs` turns the (round, block) runs of :func:`~ldlp.bench.comparisons.load_sweep.sweep` into one row
+per (contender, C, T): each round's blocks combined, medians over rounds, the step counters, the profiled pass's
 milliseconds and the paired ratios to the baselines (:func:`baselines`). :func:`findings` states what the
 issues ask for at one temperature. The functions after it give each of the page's tables as rows (dicts):
 ``ldlp.report.load_sweep`` only formats them, and the tests assert on them. :func:`saved_rows` and
@@ -15,8 +15,8 @@ import json
 import statistics
 from pathlib import Path
 
-from ldlp.bench.peer_rows import PEER_POLICIES
-from ldlp.bench.stats import headroom_captured
+from ldlp.bench.comparisons.peer_rows import PEER_POLICIES
+from ldlp.bench.harness.stats import headroom_captured
 
 # the keys of a row in batch_bench.json (with ``complete``)
 ROW_KEYS = ("contender", "policy", "gamma", "concurrency", "temperature", "tokens_per_s", "tokens_per_cpu_s",
@@ -117,7 +117,7 @@ def _cell_row(label, C, T, xs: list[dict], n_prompts: int, profiles) -> dict:
 
 def _ratios(runs: list[dict], row: dict, base: dict, bootstrap: int, seed: int) -> dict:
     """An adaptive row's paired ratios to the baselines at its (C, T) (``base``: :func:`baselines`'s cell)."""
-    from ldlp.bench.stats import paired_ratio
+    from ldlp.bench.harness.stats import paired_ratio
 
     vs = {}
     for name in BASELINES:
@@ -140,7 +140,7 @@ def aggregate_runs(runs: list[dict], default_temperature: float, n_prompts: int,
     """One row per (contender, C, T): each round's blocks combined (:func:`_combine`), then the median
     over rounds (counters: the first round's, with the scored tokens per step); the profiled pass's milliseconds
     per step where ``profiles`` has the cell; and for adaptive contenders the paired ratios to the
-    baselines (:func:`baselines`, :func:`ldlp.bench.stats.paired_ratio`). A run without a temperature is at
+    baselines (:func:`baselines`, :func:`ldlp.bench.harness.stats.paired_ratio`). A run without a temperature is at
     ``default_temperature``."""
     cells: dict[tuple, list[dict]] = {}
     for x in runs:

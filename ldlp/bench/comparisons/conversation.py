@@ -20,7 +20,8 @@ counted as dropped, like first turns that are too long (:func:`load_questions`).
 
 :func:`question_rows` turns the timed runs into one record per question (tokens, seconds per turn,
 accept lengths, for the speculative run and AR): the source of the per-category breakdown
-(:func:`ldlp.bench.categories.category_rows`) and of the answer files (:mod:`ldlp.bench.answers`).
+(:func:`ldlp.bench.comparisons.categories.category_rows`) and of the answer files
+(:mod:`ldlp.bench.comparisons.answers`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_backbone.metrics import GenerationStats
-from ldlp.bench.identity import GreedyReference
+from ldlp.bench.harness.identity import GreedyReference
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class Turn:
 
 class QuestionSet(list):
     """``[Question, ...]`` plus ``info`` (the prompt set's identity and dropped prompts, as
-    :class:`ldlp.bench.loaders.PromptSet` has), ``mode`` (``prompts`` or ``own_answers``) and
+    :class:`ldlp.bench.harness.loaders.PromptSet` has), ``mode`` (``prompts`` or ``own_answers``) and
     ``dropped_by_category`` (turns dropped at loading, per category)."""
 
     info: dict = {}
@@ -143,7 +144,7 @@ def load_questions(data_cfg, tokenizer) -> QuestionSet:
 
     ``data.turns=all`` on a file without any assistant turn (MT-bench / Spec-Bench ``question.jsonl``, a
     prompt list) gives own-answer questions; otherwise each prompt of
-    :func:`ldlp.bench.loaders.load_prompts` is a question with one fixed prompt (ShareGPT's ``turns=all``
+    :func:`ldlp.bench.harness.loaders.load_prompts` is a question with one fixed prompt (ShareGPT's ``turns=all``
     takes the history answers from the data, as before). Categories come from the file's ``category``."""
     from eagle_backbone.data.conversations import (
         ROLE_OF,
@@ -152,7 +153,7 @@ def load_questions(data_cfg, tokenizer) -> QuestionSet:
         resolve_chat_template,
         to_messages,
     )
-    from ldlp.bench.loaders import config_key, load_prompts, prompt_set_info
+    from ldlp.bench.harness.loaders import config_key, load_prompts, prompt_set_info
 
     key = config_key(data_cfg) + str(getattr(tokenizer, "name_or_path", id(tokenizer)))
     if key in _QUESTIONS:

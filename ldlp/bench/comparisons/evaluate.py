@@ -5,7 +5,7 @@
 1. loads the pair (``cfg.model``) and the prompts (``cfg.data``), both cached per process: a Hydra
    multirun evaluates many policies in one process, so each is loaded once;
 2. builds the policy (``cfg.policy`` via ``hydra.utils.instantiate``) and hands it the models if it
-   wants them (``bind``: the oracle); a config may instead build a peer (:class:`ldlp.bench.peer.PeerSpec`,
+   wants them (``bind``: the oracle); a config may instead build a peer (:class:`ldlp.bench.harness.peer.PeerSpec`,
    recognised by its ``kind``), another implementation that runs in place of this engine;
 3. warms up, then picks the autoregressive (AR) baseline: the faster of this project's
    ``autoregressive_generate`` and transformers' ``model.generate`` (both are timed on the first prompts
@@ -35,7 +35,7 @@ from eagle_backbone.io import atomic_write_json
 from eagle_backbone.metrics import total
 from eagle_backbone.runtime import resolve_dtype, set_threads
 from eagle_backbone.timing import interleaved
-from ldlp.bench.loaders import (
+from ldlp.bench.harness.loaders import (
     apply_tuned,
     build_policy,
     check_tuned,
@@ -47,7 +47,7 @@ from ldlp.bench.loaders import (
     run_setup,
     sampling_config,
 )
-from ldlp.bench.runners import (
+from ldlp.bench.harness.runners import (
     ar_runner,
     choose_ar_baseline,
     engine_runner,
@@ -55,13 +55,13 @@ from ldlp.bench.runners import (
     progress_bar,
     reference_runner,
 )
-from ldlp.bench.peer import is_peer
-from ldlp.bench.answers import model_id, write_answers
-from ldlp.bench.categories import category_rows, specbench_tasks
-from ldlp.bench.conversation import Dialogue, load_questions, question_rows
-from ldlp.bench.engines import EngineFactory
-from ldlp.bench.identity import GreedyReference
-from ldlp.bench.stats import median
+from ldlp.bench.harness.peer import is_peer
+from ldlp.bench.comparisons.answers import model_id, write_answers
+from ldlp.bench.comparisons.categories import category_rows, specbench_tasks
+from ldlp.bench.comparisons.conversation import Dialogue, load_questions, question_rows
+from ldlp.bench.harness.engines import EngineFactory
+from ldlp.bench.harness.identity import GreedyReference
+from ldlp.bench.harness.stats import median
 from ldlp.policies.pricing import flat_pricing
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     # policy and its checkpoints' configs; only then the weights, so a bad input fails in seconds, not after
     # minutes of loading a 7B target
     # questions: one fixed prompt each, or (data.turns=all on MT-bench-format files) conversations whose later
-    # turns carry the model's own earlier answers (ldlp/bench/conversation.py)
+    # turns carry the model's own earlier answers (ldlp/bench/comparisons/conversation.py)
     questions = load_questions(cfg.data, load_tokenizer_cached(cfg.model))
     prompts = questions.first_prompts()
     prompt_info = dict(questions.info)
@@ -105,7 +105,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
     if tuned:  # and one tuned with other drafter weights, once they are loaded
         check_tuned(cfg.tuned_from, {"drafter_sha256": run_setup(cfg.model, pair)["drafter_sha256"]})
 
-    if is_peer(policy):  # another implementation runs in place of this engine (ldlp.bench.peer.PeerSpec)
+    if is_peer(policy):  # another implementation runs in place of this engine (ldlp.bench.harness.peer.PeerSpec)
         policy.check(str(cfg.model.drafter_kind), sampling.greedy, policy_name)
         spec_runner = peer_runner(policy, pair)
         engine = policy.engine
@@ -227,7 +227,7 @@ def evaluate(cfg, policy_name: str | None = None, out_dir: str | Path | None = N
         "ar_model_id": model_id(str(cfg.model.get("name", "")), "ar"),
     }
     if out_dir is not None:
-        # answer files (FastChat's judge, Spec-Bench's speed.py): ldlp/bench/answers.py
+        # answer files (FastChat's judge, Spec-Bench's speed.py): ldlp/bench/comparisons/answers.py
         result["answers"] = write_answers(qrows, out_dir, result["model_id"], result["ar_model_id"])
         write_results(result, out_dir)  # the per-category page: ldlp.report.categories.write_categories
     return result

@@ -27,10 +27,10 @@ from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.paths import REPO_ROOT
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.timing import interleaved
-from ldlp.bench.engines import capacity_for
-from ldlp.bench.identity import GreedyReference
-from ldlp.bench.stats import paired_ratio
-from ldlp.bench.workload import run_workload
+from ldlp.bench.harness.engines import capacity_for
+from ldlp.bench.harness.identity import GreedyReference
+from ldlp.bench.harness.stats import paired_ratio
+from ldlp.bench.harness.workload import run_workload
 
 CORE = "eagle_backbone"
 

@@ -1,12 +1,12 @@
-"""Peer engines in the batched benchmark: rows of another engine (vLLM, ``ldlp.bench.vllm_peer``) measured on the
+"""Peer engines in the batched benchmark: rows of another engine (vLLM, ``ldlp.bench.peers.vllm_peer``) measured on the
 same prompts, budgets, stops and rounds, in turns with this engine's contenders, and the rows of the page's
 section that sets them side by side (issue 22; ``ldlp.report.load_sweep`` writes it): per C, vLLM's AR and its
 best EAGLE (or EAGLE-3) k against this engine's batched AR and best static γ, as paired ratios of tokens/s (this engine / the
 peer) over the (round, block) workloads both ran.
 
-A peer contender carries a ``runner`` (:class:`~ldlp.bench.load_sweep.Contender`) whose
+A peer contender carries a ``runner`` (:class:`~ldlp.bench.comparisons.load_sweep.Contender`) whose
 ``run(prompts, C, max_new_tokens, seeds, sampling, stop_ids)`` returns the token ids per prompt and a summary
-with :meth:`~ldlp.bench.workload.WorkloadResult.summary`'s keys; the sweep checks its greedy outputs
+with :meth:`~ldlp.bench.harness.workload.WorkloadResult.summary`'s keys; the sweep checks its greedy outputs
 against the target's like every other contender's. Its rows' ``policy`` is in :data:`PEER_POLICIES`: they are
 neither static γ nor adaptive policies, so they take no part in choosing the baselines or in the
 adaptive contenders' ratios.
@@ -26,7 +26,7 @@ def _pairs(runs: list[dict], label: str, C: int, T: float, clock: str = "wall") 
 
 
 def _ratio(runs, mine: str, theirs: str, C: int, T: float, clock: str = "wall") -> dict | None:
-    from ldlp.bench.stats import paired_ratio
+    from ldlp.bench.harness.stats import paired_ratio
 
     a, b = _pairs(runs, mine, C, T, clock), _pairs(runs, theirs, C, T, clock)
     common = sorted(set(a) & set(b))
