@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
 from eagle_backbone.io import atomic_write_text
 from ldlp.bench.comparisons.predictors import run_predictor_study
-from ldlp.bench.comparisons.study_rows import oracle_dirs
+from ldlp.bench.comparisons.study_rows import oracle_dirs, require_collections
 from ldlp.pipeline.processes import out_dir_lock
 from ldlp.report.predictors import study_page
 from ldlp.training.step_predictor import fit_step_history, fit_step_ldlp
@@ -18,6 +18,7 @@ from ldlp.training.step_predictor import fit_step_history, fit_step_ldlp
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
+    require_collections(cfg.oracle_dir, cfg.allow_partial)  # before any model loads
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with out_dir_lock(out):  # one study at a time writes the folder

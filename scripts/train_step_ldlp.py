@@ -13,6 +13,7 @@ from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet n
 from eagle_backbone.loading import load_pair
 from ldlp.bench.harness.loaders import replay_costs
 from ldlp.bench.comparisons.predictors import predictor_examples, shipped_meta
+from ldlp.bench.comparisons.study_rows import require_collections
 from ldlp.training.step_predictor import fit_step_ldlp
 
 
@@ -20,6 +21,7 @@ from ldlp.training.step_predictor import fit_step_ldlp
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
+    collections = require_collections(cfg.oracle_dir, cfg.allow_partial)  # before any model loads
     pair = load_pair(cfg.model)
     costs = replay_costs(cfg.costs, cfg.model.name, pair, "train_step_ldlp")
     tr, va, train = predictor_examples(cfg, pair, costs)
@@ -27,7 +29,7 @@ def main(cfg: DictConfig) -> None:
                          num_layers=int(cfg.num_layers), max_epochs=int(cfg.max_epochs), batch_size=int(cfg.batch_size),
                          lr=float(cfg.lr))
     command = " ".join(["python scripts/train_step_ldlp.py", *HydraConfig.get().overrides.task])
-    ldlp.config.meta = meta = shipped_meta(cfg, ldlp, tr, va, train, costs, pair, command)
+    ldlp.config.meta = meta = {**shipped_meta(cfg, ldlp, tr, va, train, costs, pair, command), "collections": collections}
     ldlp.save_pretrained(Path(cfg.out_dir))
     v = meta["validation"]
     print(f"{meta['train_examples']} training steps; validation MAE {v['mae']:.3f}, AUC {v['auc_mean']:.3f} (first "

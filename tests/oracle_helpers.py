@@ -4,6 +4,7 @@ collector's tiny conversations."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -124,3 +125,15 @@ def write_collection(out: Path, target, drafter, train_prompts, val_prompts, sto
         write_json(Path(str(stem) + ".json"), {"split": split, "positions": len(rows["label"])})
     write_json(out / "manifest.json", {"k_max": k_max, "max_new_tokens": budget})
     return out
+
+
+def partial_collection(root: Path, planned: int, num_shards: int = 2) -> Path:
+    """An oracle folder (drafter states stored) whose manifest plans ``planned`` sequences; 8 are on disk."""
+    target, drafter = mimic_pair()
+    oracle = write_collection(root / "oracle", target, drafter, prompts(6, seed=1), prompts(2, seed=2))
+    for meta, n in ((oracle / "train" / "000-of-001.00000.json", 6), (oracle / "validation" / "000-of-001.00000.json", 2)):
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "sequences": n}))
+    manifest = json.loads((oracle / "manifest.json").read_text())
+    manifest.update(num_prompts=planned, config={"num_shards": num_shards})
+    (oracle / "manifest.json").write_text(json.dumps(manifest))
+    return oracle

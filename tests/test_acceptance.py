@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import one_line
 from omegaconf import OmegaConf
-from oracle_helpers import mimic_pair, prompts, write_collection
+from oracle_helpers import mimic_pair, partial_collection, prompts, write_collection
 
 from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
@@ -155,24 +155,12 @@ def test_clip_log_p_matches_the_examples():
 # -- training refuses an incomplete oracle collection unless allow_partial=true
 
 
-def _partial_collection(root: Path, planned: int, num_shards: int = 2) -> Path:
-    """An oracle folder (drafter states stored) whose manifest plans ``planned`` sequences; 8 are on disk."""
-    target, drafter = mimic_pair()
-    oracle = write_collection(root / "oracle", target, drafter, prompts(6, seed=1), prompts(2, seed=2))
-    for meta, n in ((oracle / "train" / "000-of-001.00000.json", 6), (oracle / "validation" / "000-of-001.00000.json", 2)):
-        meta.write_text(json.dumps({**json.loads(meta.read_text()), "sequences": n}))
-    manifest = json.loads((oracle / "manifest.json").read_text())
-    manifest.update(num_prompts=planned, config={"num_shards": num_shards})
-    (oracle / "manifest.json").write_text(json.dumps(manifest))
-    return oracle
-
-
 def test_acceptance_training_refuses_an_incomplete_collection(tmp_path):
     from omegaconf import OmegaConf
 
     from ldlp.training.acceptance import train_acceptance_head
 
-    oracle = _partial_collection(tmp_path, planned=13)
+    oracle = partial_collection(tmp_path, planned=13)
     cfg = OmegaConf.create({"oracle_dir": str(oracle), "out_dir": str(tmp_path / "head"), "C": 0.5, "seed": 0,
                             "val_fraction": 0.1, "max_examples": None, "allow_partial": False})
     with pytest.raises(ValueError) as e:
@@ -193,7 +181,7 @@ def test_acceptance_training_refuses_an_incomplete_collection(tmp_path):
 def test_a_complete_collection_trains_without_the_override(tmp_path):
     from ldlp.labels.store import require_complete
 
-    status = require_complete(_partial_collection(tmp_path, planned=8, num_shards=1))
+    status = require_complete(partial_collection(tmp_path, planned=8, num_shards=1))
     assert status["complete"] is True and status["missing_sequences"] == 0 and status["allow_partial"] is False
 
 

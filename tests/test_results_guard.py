@@ -625,3 +625,23 @@ def test_a_bad_memory_sampling_interval_is_one_line_before_anything_loads(tmp_pa
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1] == ("error: rss_every_s must be a number of seconds > 0, got 0 "
                                                    "(conf/bench_batch.yaml)")
+
+
+@pytest.mark.parametrize("script", ["train_step_ldlp.py", "study_predictors.py"])
+def test_the_predictor_scripts_refuse_an_incomplete_collection_before_any_model_loads(script, tmp_path):
+    """A collection still being labelled (its manifest plans more sequences than its complete parts hold) is refused
+    in one line naming what is missing and how to complete it, before the (here absent) models load;
+    allow_partial=true reads it anyway, recorded in what the trainer exports."""
+    from oracle_helpers import partial_collection
+
+    oracle = partial_collection(tmp_path, planned=13, num_shards=1)
+    out = _script(script, f"oracle_dir=[{oracle}]", f"out_dir={tmp_path / 'out'}", tmp_path=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {oracle}: incomplete oracle collection: 5 of 13 sequences are missing"), last
+    assert f"python scripts/collect_oracle.py out_dir={oracle}" in last and "allow_partial=true" in last
+    assert not (tmp_path / "out" / "config.json").exists()
+    out = _script(script, f"oracle_dir=[{oracle}]", "allow_partial=true", f"out_dir={tmp_path / 'out'}",
+                  tmp_path=tmp_path)  # past the check: now the absent models are what is refused
+    assert out.returncode == 1 and "incomplete" not in out.stderr.strip().splitlines()[-1]
+    assert str(tmp_path / "absent") in out.stderr.strip().splitlines()[-1]

@@ -22,6 +22,15 @@ def oracle_dirs(oracle_dir) -> list[str]:
         else [str(d) for d in oracle_dir]
 
 
+def require_collections(oracle_dir, allow_partial: bool = False) -> list[dict]:
+    """Every collection of ``oracle_dir`` checked complete (:func:`ldlp.labels.store.require_complete`: an incomplete
+    one is refused in one line naming what is missing, unless ``allow_partial``), before anything loads; their
+    statuses, for the exported config."""
+    from ldlp.labels.store import require_complete
+
+    return [{"dir": d, **require_complete(d, bool(allow_partial))} for d in oracle_dirs(oracle_dir)]
+
+
 def oracle_record(oracle_dir) -> dict | list:
     """What a study or a predictor records of its collections (one: a dict, as before; several: a list)."""
     from ldlp.labels.store import read_manifest
