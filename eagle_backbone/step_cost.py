@@ -30,6 +30,9 @@ It reads like the table (``target_ms``, ``draft_ms``, ``feed_ms``, ``overhead_ms
 cost-driven policy, the batched oracle, replay and tuning read this one model; ``version`` changes at each
 refit, for callers that cache what they derived from it. The fit is a handful of 8-column NNLS solves every
 few steps (well under a millisecond); it counts as the policy's own time.
+
+:func:`nonnegative_least_squares` is the one solve of every time fitted as non-negative costs of counts: this
+model's, vLLM's step model's and replay's linear table's.
 """
 
 from __future__ import annotations
@@ -54,6 +57,25 @@ def attended_keys(contexts, counts) -> float:
     """Keys the target's attention reads: each of a row's n new tokens sees its row's ``context`` earlier
     positions and the new ones up to itself: Σ_b n_b · (context_b + (n_b + 1) / 2)."""
     return float(sum(n * (c + (n + 1) / 2) for c, n in zip(contexts, counts)))
+
+
+def nonnegative_least_squares(X: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None,
+                              maxiter: int | None = None) -> np.ndarray:
+    """The costs θ >= 0 that minimise Σ_i weights_i · (X_i · θ - y_i)² (scipy's Lawson-Hanson ``nnls``, its rows
+    scaled by the square roots of ``weights``; ``maxiter`` its iterations, by default 3 per column).
+
+    Every fit of a time as non-negative costs of counts solves this; what each fits differs, and stays with it:
+    :class:`OnlineCostModel` fits relative residuals of single steps, Huber-reweighted and with ridge rows that
+    pull it toward its prior (a robust estimator that must follow a stream and keep what the steps never vary);
+    vLLM's :class:`~ldlp.bench.peers.vllm_schedule.StepModel` fits the median of each cell of like steps,
+    weighted by its steps; replay's :func:`~ldlp.bench.harness.replay.fit_costs` fits whole generations'
+    seconds, unweighted. The profiled :class:`~eagle_backbone.cost.CostTable` fits nothing: it interpolates its
+    measured medians."""
+    if weights is not None:
+        scale = np.sqrt(weights)
+        X, y = X * scale[:, None], y * scale
+    theta, _ = nnls(X, y, maxiter=maxiter)
+    return theta
 
 
 @dataclass(frozen=True)
@@ -161,12 +183,14 @@ class OnlineCostModel:
         huber = np.ones_like(y)
         theta = self._prior_theta.copy()
         for _ in range(3):
-            sw = np.sqrt(w * huber)
-            rows, rhs = [A * sw[:, None]], [b * sw]
+            rows, rhs, weights = [A], [b], [w * huber]
             if ridge > 0:  # pull each cost toward the prior's, in units of that cost's typical share of a step
-                rows.append(math.sqrt(ridge) * np.diag(col))
-                rhs.append(math.sqrt(ridge) * col * self._prior_theta)
-            theta, _ = nnls(np.vstack(rows), np.concatenate(rhs), maxiter=50 * X.shape[1])
+                pull = math.sqrt(ridge) * np.diag(col)  # the ridge's weight is in these rows: they weigh 1
+                rows.append(pull)
+                rhs.append(pull.diagonal() * self._prior_theta)
+                weights.append(np.ones(len(col)))
+            theta = nonnegative_least_squares(np.vstack(rows), np.concatenate(rhs), np.concatenate(weights),
+                                              maxiter=50 * X.shape[1])
             r = A @ theta - b
             s = 1.4826 * float(np.median(np.abs(r))) if len(r) else 0.0
             delta = 1.345 * max(s, 0.01)

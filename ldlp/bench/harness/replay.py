@@ -29,6 +29,7 @@ import torch
 
 from eagle_backbone.cost import CostTable
 from eagle_backbone.policy import DraftContext, DraftLengthPolicy, DraftPolicy, OneRow
+from eagle_backbone.step_cost import nonnegative_least_squares
 from ldlp.bench.harness.stats import headroom_captured
 from ldlp.policies.learned import step_seconds  # noqa: F401  (replay prices a step as the learned policy does)
 
@@ -216,13 +217,11 @@ def fit_costs(stats) -> CostTable:
     time (the head to head reports it for its own).
 
     ``stats``: GenerationStats of timed static-γ generations (several γ, so the terms separate)."""
-    from sklearn.linear_model import LinearRegression
-
     X = np.array([[s.target_forwards, s.drafted_tokens, s.accepted_tokens] for s in stats], dtype=float)
     y = np.array([s.wall_s for s in stats])
     if len(stats) < 3 or np.linalg.matrix_rank(X) < 3:
         raise ValueError("fit_costs needs timed generations at several static γ (at least 3 that differ)")
-    coef = LinearRegression(fit_intercept=False, positive=True).fit(X, y).coef_
+    coef = nonnegative_least_squares(X, y)
     return CostTable.linear(*(1e3 * max(0.0, float(c)) for c in coef))
 
 

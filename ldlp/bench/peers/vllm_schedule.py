@@ -283,25 +283,24 @@ class StepModel:
     def fit(cls, steps: list[tuple[int, int, int, float]], min_steps: int = 5, anchor_batches=(),
             min_anchor_steps: int = 20) -> StepModel:
         """Non-negative least squares on the per-(B, verified, K) cells' median ms (cells of at least
-        ``min_steps`` steps, weighted by the square root of their steps). With ``anchor_batches`` (the grid's C;
+        ``min_steps`` steps, each weighted by its steps). With ``anchor_batches`` (the grid's C;
         None: any batch size) the prediction is scaled to the median of the steady cells (verified = B · K) there
         with at least ``min_anchor_steps`` steps; by default the fit alone, which averages the cells' noise."""
-        from scipy.optimize import nnls
+        from eagle_backbone.step_cost import nonnegative_least_squares
 
         groups: dict[tuple, list[float]] = {}
         for B, ver, K, ms in steps:
             groups.setdefault((B, ver, K), []).append(ms)
-        rows, ys, ws = [], [], []
+        rows, ys, counts = [], [], []
         for (B, ver, K), v in groups.items():
             if len(v) >= min_steps:
                 rows.append(step_features(B, K))
                 ys.append(float(np.median(v)))
-                ws.append(math.sqrt(len(v)))
+                counts.append(len(v))
         if len(rows) < len(FEATURES):
             raise ValueError(f"step model: {len(rows)} (batch, K) cells with {min_steps}+ steps; it needs "
                              f"{len(FEATURES)} (more prompts per cell, or more batch sizes or K)")
-        X, y, w = np.array(rows), np.array(ys), np.array(ws)
-        theta, _ = nnls(X * w[:, None], y * w)
+        theta = nonnegative_least_squares(np.array(rows), np.array(ys), np.array(counts, dtype=float))
         coef = dict(zip(FEATURES, theta))
         cells = []
         for (B, ver, K), v in sorted(groups.items()):
