@@ -11,7 +11,9 @@ acceptance probability as its mean, so these outcomes are unbiased targets at an
     p' = sigmoid(w * logit(p) + c),   w = 1, c = 0 at the start (the estimator as it is)
 
 updated after each verification by one step of gradient descent on the mean log-loss of the observed
-outcomes. Everything stays on the device: no host read.
+outcomes. Everything stays on the device: no host read. With ``evidence`` columns it also weighs what the
+estimator did not see, ``p' = sigmoid(w * logit(p) + c + v · e)`` (``v`` starts at 0): the learned policy with
+in-step evidence (``ldlp/policies/in_step.py``) corrects its predictor's hazards by the drafter's own confidence.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ class OnlineLogitCalibration:
     correction never inverts its ranking.
 
     ``groups`` > 1 keeps one independent (w, c) per group (e.g. a draft-tree node's rank among its siblings,
-    whose acceptance follows its confidence differently); callers then pass each estimate's ``group``."""
+    whose acceptance follows its confidence differently); callers then pass each estimate's ``group``.
+    ``evidence`` > 0 adds that many columns ``e`` with weights ``v`` (params ``(w, c, v...)``), started at
+    ``start`` (the same layout; default ``(1, 0, 0...)``), where the prior's pull centres."""
 
     def __init__(self, decay: float = 0.98, prior: float = 4.0, w_range: tuple[float, float] = (0.0, 4.0),
-                 device=None, groups: int = 1):
+                 device=None, groups: int = 1, evidence: int = 0, start=None):
         if not 0 < decay <= 1 or not prior > 0:
             raise ValueError(f"online calibration: need 0 < decay <= 1 and prior > 0, got {decay!r}, {prior!r}")
         lo, hi = w_range
@@ -47,15 +51,23 @@ class OnlineLogitCalibration:
             raise ValueError(f"online calibration: w_range must satisfy 0 <= lo <= 1 <= hi, got {w_range!r}")
         if not isinstance(groups, int) or groups < 1:
             raise ValueError(f"online calibration: groups must be an integer >= 1, got {groups!r}")
-        self.decay, self.w_range, self.groups = float(decay), (float(lo), float(hi)), groups
-        self._params = torch.tensor([[1.0, 0.0]] * groups, device=device)  # (G, 2): (w, c) per group
-        self._hessian = prior * torch.eye(2, device=device).repeat(groups, 1, 1)  # (G, 2, 2)
+        if not isinstance(evidence, int) or evidence < 0:
+            raise ValueError(f"online calibration: evidence must be an integer >= 0, got {evidence!r}")
+        n = 2 + evidence
+        start = [1.0, 0.0] + [0.0] * evidence if start is None else [float(v) for v in start]
+        if len(start) != n:
+            raise ValueError(f"online calibration: start needs {n} values (w, c and {evidence} evidence weights), "
+                             f"got {len(start)}")
+        self.decay, self.w_range, self.groups, self.evidence = float(decay), (float(lo), float(hi)), groups, evidence
+        self._params = torch.tensor([start] * groups, device=device)  # (G, 2 + E): (w, c, v...) per group
+        self._hessian = prior * torch.eye(n, device=device).repeat(groups, 1, 1)  # (G, 2 + E, 2 + E)
         self.observations = torch.zeros((), device=device)  # count of outcomes seen (a device scalar)
         self.queued: tuple[list[float], list[float]] = ([], [])  # host outcomes :meth:`add` holds for the next step
+        self.queued_evidence: list = []  # and their evidence rows
 
     @property
     def params(self) -> torch.Tensor:
-        """(w, c): (2,) with one group, (G, 2) with several."""
+        """(w, c, v...): (2 + E,) with one group, (G, 2 + E) with several."""
         return self._params[0] if self.groups == 1 else self._params
 
     @property
@@ -73,20 +85,29 @@ class OnlineLogitCalibration:
         wc = self._params[group]  # (..., 2)
         return wc[..., 0], wc[..., 1]
 
-    def calibrate(self, p: torch.Tensor, group: torch.Tensor | None = None) -> torch.Tensor:
-        """The corrected probabilities, same shape as ``p`` (float32); ``group`` (long, p's shape) with groups."""
+    def calibrate(self, p: torch.Tensor, group: torch.Tensor | None = None,
+                  evidence: torch.Tensor | None = None) -> torch.Tensor:
+        """The corrected probabilities, same shape as ``p`` (float32); ``group`` (long, p's shape) with groups;
+        ``evidence`` (p's shape + (E,)) with evidence columns."""
         w, c = self._wc(group)
-        return torch.sigmoid(w * logit(p) + c)
+        out = w * logit(p) + c
+        if self.evidence:
+            v = self._params[0, 2:] if group is None else self._params[group][..., 2:]
+            out = out + (evidence.to(v.dtype) * v).sum(-1)
+        return torch.sigmoid(out)
 
     def update(self, p_est: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor | None = None,
-               group: torch.Tensor | None = None) -> None:
+               group: torch.Tensor | None = None, evidence: torch.Tensor | None = None) -> None:
         """One Newton step on the observations: ``p_est`` the estimator's raw probabilities, ``kept`` 1/0
         outcomes (or soft ones), ``mask`` which entries were observed (default: all), ``group`` each one's
-        group (with groups). Shapes broadcast. Each group's step uses its own observations only."""
+        group (with groups), ``evidence`` (n, E) each one's evidence columns (with evidence). Shapes broadcast.
+        Each group's step uses its own observations only."""
         z = logit(p_est).flatten()
         y = kept.float().flatten().expand_as(z)
         m = torch.ones_like(z) if mask is None else mask.float().flatten().expand_as(z)
         X = torch.stack([z, torch.ones_like(z)], 1)  # (n, 2)
+        if self.evidence:
+            X = torch.cat([X, evidence.to(X.dtype).reshape(len(z), self.evidence)], 1)  # (n, 2 + E)
         if group is None:
             g1 = torch.ones(z.shape[0], 1, device=z.device)  # every observation in group 0
             G = 1
@@ -103,24 +124,32 @@ class OnlineLogitCalibration:
         self._params = new
         self.observations = self.observations + m.sum()
 
-    def add(self, p_est: list[float], kept: list[float], every: int, dtype: torch.dtype = torch.float32) -> bool:
-        """Queue raw probabilities and their outcomes as host floats; once ``every`` are queued, one Newton step
-        on them (:meth:`update`, in ``dtype``): a decoding loop steps the fit per batch of outcomes, not per
-        decoding step. True when it stepped (the caller's copy of (w, c) is then stale)."""
+    def add(self, p_est: list[float], kept: list[float], every: int, dtype: torch.dtype = torch.float32,
+            evidence: list | None = None) -> bool:
+        """Queue raw probabilities and their outcomes (and evidence rows, with evidence) as host floats; once
+        ``every`` are queued, one Newton step on them (:meth:`update`, in ``dtype``): a decoding loop steps the
+        fit per batch of outcomes, not per decoding step. True when it stepped (the caller's copy of the
+        parameters is then stale)."""
         self.queued[0].extend(p_est)
         self.queued[1].extend(kept)
+        if self.evidence:
+            self.queued_evidence.extend(evidence)
         if len(self.queued[0]) < every:
             return False
         dev = self._params.device
-        self.update(torch.tensor(self.queued[0], dtype=dtype, device=dev), torch.tensor(self.queued[1], device=dev))
-        self.queued = ([], [])
+        e = torch.tensor(self.queued_evidence, dtype=dtype, device=dev) if self.evidence else None
+        self.update(torch.tensor(self.queued[0], dtype=dtype, device=dev), torch.tensor(self.queued[1], device=dev),
+                    evidence=e)
+        self.queued, self.queued_evidence = ([], []), []
         return True
 
     def state(self) -> dict:
         """(w, c) and the count of outcomes seen, as Python numbers (a host read: for reports only); with
         groups, lists of w and c by group."""
         if self.groups == 1:
-            w, c = self._params[0].tolist()
+            w, c = self._params[0, :2].tolist()
         else:
             w, c = self._params[:, 0].tolist(), self._params[:, 1].tolist()
-        return {"w": w, "c": c, "observations": int(self.observations)}
+        v = {"v": self._params[0, 2:].tolist() if self.groups == 1 else self._params[:, 2:].tolist()} \
+            if self.evidence else {}
+        return {"w": w, "c": c, **v, "observations": int(self.observations)}

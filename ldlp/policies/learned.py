@@ -107,10 +107,10 @@ class HazardCalibration:
     The hazards of each plan wait per slot until the step they decided is observed: a policy that plans ahead has
     planned the next step by then, so each slot keeps a short queue."""
 
-    def __init__(self, decay: float = 0.98, prior: float = 4.0, update_every: int = 32):
-        self.fit = OnlineLogitCalibration(decay=decay, prior=prior)
+    def __init__(self, decay: float = 0.98, prior: float = 4.0, update_every: int = 32, start=(1.0, 0.0)):
+        self.fit = OnlineLogitCalibration(decay=decay, prior=prior, start=start)
         self.update_every = int(update_every)
-        self.wc = (1.0, 0.0)
+        self.wc = tuple(float(v) for v in start)
         self.outcomes = 0  # observed depths so far (the fit has taken those of its completed batches)
         self._planned: dict[int, list[np.ndarray]] = {}  # slot -> hazard logits of its plans not yet observed
 
@@ -130,7 +130,7 @@ class HazardCalibration:
         self.outcomes += reached
         if self.fit.add(expit(z[:reached]).tolist(), [1.0] * kept + [0.0] * (reached - kept), self.update_every,
                         torch.float64):
-            self.wc = tuple(float(v) for v in self.fit.params.tolist())
+            self.wc = tuple(float(v) for v in self.fit.params.numpy())  # the fit lives on the host: no device read
 
     def state(self) -> dict:
         return {**self.fit.state(), "outcomes": self.outcomes}

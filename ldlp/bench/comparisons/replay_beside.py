@@ -15,9 +15,11 @@ def replay_beside_measured(h2h: dict, rows: OracleRows, costs: dict, embed, voca
     the steps alone; with the policy's own share of the measured seconds (``policy_share`` of the head to head)
     on top, ``{label}_with_policy`` is the ratio the measurement should give.
 
-    Replayable: static γ, the oracle and ``learned`` (the shipped predictor at ``learned_path``, deciding with
-    each table's prices and learning the seconds a token is worth as it does in the engine)."""
+    Replayable: static γ, the oracle, ``learned`` and ``learned_in_step`` (the shipped predictor at
+    ``learned_path``, deciding with each table's prices and learning the seconds a token is worth, and its
+    corrections, as it does in the engine)."""
     from eagle_backbone.policy import StaticPolicy
+    from ldlp.policies.in_step import InStepPolicy
 
     def policy_of(row, table):
         if row["policy"] == "static":
@@ -27,6 +29,9 @@ def replay_beside_measured(h2h: dict, rows: OracleRows, costs: dict, embed, voca
         if row["policy"] == "learned":
             return LearnedPolicy(learned_path, max_gamma=int(row["setting"].get("max_gamma", k_max)),
                                  rule=row["setting"].get("rule", "cost"), seconds=step_seconds_table(table, k_max))
+        if row["policy"] == "learned_in_step":
+            return InStepPolicy(learned_path, max_gamma=int(row["setting"].get("max_gamma", k_max)),
+                                seconds=step_seconds_table(table, k_max))
         return None
 
     out = []
