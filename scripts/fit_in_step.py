@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.predictor) / IN_STEP_FILE
     atomic_write_json(out, fit, indent=1)
     for name, s in fit["scores"].items():
-        print(f"{name:20s} log-loss {s['log_loss']:.4f}  AUC {s['auc']:.4f}")
+        print(f"{name:24s} log-loss {s['log_loss']:.4f}  AUC {s['auc']:.4f}")
     print(f"prior {fit['prior']}  drafted {fit['drafted']}  ({fit['events']} events) -> {out}")
 
 

@@ -97,6 +97,20 @@ def render_card(c: dict) -> str:
                   f"{v.get('mae', float('nan')):.3f}, AUC {v.get('auc_mean', float('nan')):.3f} (first draft "
                   f"{v.get('auc_1', float('nan')):.3f}). A token is worth {p['token_ratio']:.3f} plain steps at the "
                   f"start. Rebuilt with `{p['command']}` (labels: docs/predictors.md).", ""]
+        i = p.get("in_step")
+        if i:
+            sc = i["scores"]
+            lines += [f"`policy=learned_in_step` starts its two online corrections at in_step.json, fitted on "
+                      f"{i['positions']} held-out positions ({i['events']} reached depths) of "
+                      f"{', '.join(i['fitted_on']['oracle_dir'])} ({i['fitted_on']['split']}): the predictor's hazards "
+                      f"sigmoid({i['prior'][0]:.3f} z + {i['prior'][1]:.3f}), and after a draft of probability q "
+                      f"sigmoid({i['drafted'][0]:.3f} z + {i['drafted'][1]:.3f} + {i['drafted'][2]:.3f} logit q). "
+                      f"Cross-fitted log-loss (AUC): the predictor as it is {sc['predictor as it is']['log_loss']:.3f} "
+                      f"({sc['predictor as it is']['auc']:.3f}), recalibrated {sc['prior']['log_loss']:.3f} "
+                      f"({sc['prior']['auc']:.3f}), with the draft's probability {sc['drafted']['log_loss']:.3f} "
+                      f"({sc['drafted']['auc']:.3f}), the draft's probability alone "
+                      f"{sc['drafter alone']['log_loss']:.3f} ({sc['drafter alone']['auc']:.3f}). Rebuilt with "
+                      "`python scripts/fit_in_step.py oracle_dir=FOLDER`.", ""]
     m = c["machine"]
     lines += ["", f"Machine: {m['platform']}, {m['processor']}, torch {m['torch']} with {m['torch_threads']} threads.",
               "", "## Greedy answers to held-out (test split) prompts", ""]

@@ -261,7 +261,18 @@ def predictor_entry(root: Path) -> dict | None:
             "train_examples": meta.get("train_examples"), "validation_examples": meta.get("validation_examples"),
             "behaviours": meta.get("behaviours"), "oracle_sequences": counts.get("sequences"),
             "oracle_positions": counts.get("positions"), "validation": meta.get("validation"),
-            "token_ratio": meta.get("token_ratio"), "command": meta.get("command")}
+            "token_ratio": meta.get("token_ratio"), "command": meta.get("command"),
+            "in_step": in_step_entry(root / "predictor")}
+
+
+def in_step_entry(folder: Path) -> dict | None:
+    """``policy=learned_in_step``'s starting weights beside the predictor (``scripts/fit_in_step.py``), with the
+    cross-fitted scores that file records."""
+    path = folder / "in_step.json"
+    if not path.is_file():
+        return None
+    fit = json.loads(path.read_text())
+    return {k: fit.get(k) for k in ("prior", "drafted", "scores", "events", "positions", "sequences", "fitted_on")}
 
 
 def update_predictor(cfg) -> dict:
