@@ -9,7 +9,6 @@ from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet n
 from eagle_backbone.io import atomic_write_json
 from eagle_backbone.loading import load_pair
 from ldlp.bench.comparisons.study_rows import load_split, oracle_dirs, require_collections
-from ldlp.policies.in_step import IN_STEP_FILE
 from ldlp.policies.threshold import load_ldlp
 from ldlp.training.in_step import fit_in_step
 
@@ -24,7 +23,7 @@ def main(cfg: DictConfig) -> None:
     rows = load_split(cfg.oracle_dir, cfg.split, None)
     fit = fit_in_step(rows, predictor, pair.target.embed)
     fit["fitted_on"] = {"oracle_dir": oracle_dirs(cfg.oracle_dir), "split": cfg.split}
-    out = Path(cfg.predictor) / IN_STEP_FILE
+    out = Path(cfg.out_file)
     atomic_write_json(out, fit, indent=1)
     for name, s in fit["scores"].items():
         print(f"{name:24s} log-loss {s['log_loss']:.4f}  AUC {s['auc']:.4f}")
