@@ -127,6 +127,34 @@ def test_expected_gain_counts_tokens_and_seconds():
     assert gamma_by_cost(np.array([1.0, 1.0, 0.0]), seconds, 0.01, max_gamma=1) == 1
 
 
+class _BatchedLinear:
+    """A step of R rows: 10 ms fixed, 1 ms a scored token, 1.5 ms a draft depth and 0.1 ms a row drafting at it."""
+
+    def step_ms(self, R, depth_rows, scored, fed_per_row):
+        return 10.0 + 1.0 * scored + sum(1.5 + 0.1 * a for a in depth_rows if a > 0)
+
+
+def test_under_load_a_row_pays_its_share_of_the_pass_and_drafts_less():
+    """At R rows a row's price is its share of a step in which every row drafts alike: the fixed cost is shared, a
+    draft's marginal cost is not, so at each load's own fixed point (its best ratio of tokens to seconds) the rule
+    drafts shorter."""
+    costs, K = _BatchedLinear(), 6
+    one, many = step_seconds_table(costs, K), step_seconds_table(costs, K, rows=16)
+    for k in range(K + 1):
+        assert one[k, 0] == pytest.approx((10.0 + (k + 1) + 1.6 * k) / 1e3)
+        assert many[k, 0] == pytest.approx((10.0 + 16 * (k + 1) + k * (1.5 + 1.6)) / 16 / 1e3)
+    S = 0.8 ** np.arange(1, K + 1)
+    chosen = {}
+    for rows, seconds in ((1, one), (16, many)):
+        token_s = seconds[0, 0]
+        for _ in range(20):  # Dinkelbach: a token's worth is the seconds per token the rule's own choice gives
+            g = gamma_by_cost(S, seconds, token_s)
+            p_a = np.append(-np.diff(np.r_[1.0, S[:g]]), S[g - 1] if g else 1.0)  # P(A = a), a = 0..g
+            token_s = float(p_a @ seconds[g, : g + 1]) / (1 + S[:g].sum())
+        chosen[rows] = g
+    assert chosen[16] < chosen[1]
+
+
 def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
     from types import SimpleNamespace
 

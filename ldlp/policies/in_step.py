@@ -124,6 +124,7 @@ class InStepPolicy(LearnedPolicy):
         return torch.log(h) - torch.log1p(-h)
 
     def plan(self, rows: Rows) -> torch.Tensor | list[int]:
+        self._rows = len(rows)
         K = min(self.predictor.config.k_max if hasattr(self.predictor, "config") else self.max_gamma,
                 self.seconds().shape[0] - 1)
         z = self._hazard_logits(rows, K)

@@ -136,20 +136,23 @@ class HazardCalibration:
         return {**self.fit.state(), "outcomes": self.outcomes}
 
 
-def step_seconds(costs, drafted: int, accepted: int) -> float:
+def step_seconds(costs, drafted: int, accepted: int, rows: int = 1) -> float:
     """Seconds of one batch-1 step, read from the cost table at one slot (replay prices its steps so, and the learned
     policy its choices): :meth:`~eagle_backbone.cost.CostTable.step_ms` with ``drafted`` draft depths,
     ``drafted + 1`` tokens scored and the drafter's catch-up over ``accepted + 1`` tokens (this step's emitted
-    tokens: the engine feeds them at the next step, so a sequence's total is the same)."""
-    return costs.step_ms(1, [1] * drafted, drafted + 1, accepted + 1) / 1e3
+    tokens: the engine feeds them at the next step, so a sequence's total is the same). With ``rows`` > 1: a row's
+    share of a step of that many rows that all draft and keep alike (the learned policy's price at that load)."""
+    R = int(rows)
+    return costs.step_ms(R, [R] * drafted, R * (drafted + 1), accepted + 1) / 1e3 / R
 
 
-def step_seconds_table(costs, k_max: int) -> np.ndarray:
-    """(k_max+1, k_max+1) seconds of a batch-1 step drafting k and keeping a (:func:`step_seconds`)."""
+def step_seconds_table(costs, k_max: int, rows: int = 1) -> np.ndarray:
+    """(k_max+1, k_max+1) seconds of a row's step drafting k and keeping a, in a batch of ``rows``
+    (:func:`step_seconds`)."""
     t = np.zeros((k_max + 1, k_max + 1))
     for k in range(k_max + 1):
         for a in range(k + 1):
-            t[k, a] = step_seconds(costs, k, a)
+            t[k, a] = step_seconds(costs, k, a, rows)
     return t
 
 
@@ -162,9 +165,10 @@ class LearnedPolicy(DraftPolicy):
     the same object through :class:`~eagle_backbone.policy.OneRow`.
 
     Deployed (``path``: an LDLP folder whose ``inputs`` name its feature groups, ``policy=learned``) it prices steps
-    by the engine's step-cost model (:class:`~ldlp.policies.pricing.StepPricing`, as the load-aware policies) and
-    learns the seconds a token is worth while decoding: the EMA of its modelled step seconds over its emitted
-    tokens, started at ``token_ratio`` × a plain step. In the study (``predictor``: any object with
+    by the engine's step-cost model (:class:`~ldlp.policies.pricing.StepPricing`, as the load-aware policies) at the
+    step's load (R rows: a row's share of a step in which every row drafts and keeps alike, so that under load a
+    draft costs its marginal share of a batched pass) and learns the seconds a token is worth while decoding: the
+    EMA of its modelled seconds over its emitted tokens, started at ``token_ratio`` × a plain step. In the study (``predictor``: any object with
     ``survival(x)``) the step seconds and ``token_s`` are given. ``record`` (a list) receives every feature
     vector; ``fixed`` makes it a static-γ behaviour policy that only records."""
 
@@ -210,7 +214,8 @@ class LearnedPolicy(DraftPolicy):
         self.token_s = token_s  # fixed (the study); None: learned online
         self.token_ratio = float(token_ratio) if token_ratio is not None else 0.4
         self._ema: tuple[float, float] | None = None  # (seconds, tokens) of the online estimate
-        self._priced = None  # (the costs' identity and version, their seconds table)
+        self._priced: dict = {}  # rows -> (the costs' identity and version, their seconds table at that load)
+        self._rows = 1  # the load (rows) of the step being planned or observed
         self._device_terms = None
         self._cpu: CpuDecider | None = None  # the one-row numpy path (_one_row_cpu), per predictor weights
         self._depths: list[tuple[int, list[int], torch.Tensor]] = []  # this step's (depth, rows, top-1s), on the device
@@ -234,13 +239,15 @@ class LearnedPolicy(DraftPolicy):
             self.pricing.bind(engine)
 
     def seconds(self) -> np.ndarray:
+        """The seconds table at the current load (``_rows``); given (the study), the same at every load."""
         if self._seconds is not None:
             return self._seconds
         costs = self.pricing.costs
         key = (id(costs), getattr(costs, "version", 0))  # an online model refits: a new version, new prices
-        if self._priced is None or self._priced[0] != key:
-            self._priced = (key, step_seconds_table(costs, self.max_gamma))
-        return self._priced[1]
+        priced = self._priced.get(self._rows)
+        if priced is None or priced[0] != key:
+            self._priced[self._rows] = priced = (key, step_seconds_table(costs, self.max_gamma, self._rows))
+        return priced[1]
 
     def _terms(self, K: int, device) -> tuple:
         """The seconds table on the device and its :func:`_step_terms`, kept while the prices stand."""
@@ -272,6 +279,7 @@ class LearnedPolicy(DraftPolicy):
             self.calibration.reset(slot)
 
     def plan(self, rows: Rows) -> torch.Tensor | list[int]:
+        self._rows = len(rows)
         device = rows.features.device
         one_cpu = (len(rows) == 1 and device.type == "cpu" and self.rule == "cost" and self.fixed is None
                    and self.record is None and hasattr(self.predictor, "survival_tensor")
@@ -342,6 +350,7 @@ class LearnedPolicy(DraftPolicy):
                 self.calibration.observed(slot, d, a)
         if self.token_s is not None or self.fixed is not None:
             return  # a fixed token worth, or a recorder: nothing to learn
+        self._rows = len(rows)
         seconds = self.seconds()
         for d, a in zip(drafted, accepted):  # the seconds a token is worth: this policy's own, as it decodes
             s, n = float(seconds[min(d, len(seconds) - 1), min(a, d, len(seconds) - 1)]), a + 1
