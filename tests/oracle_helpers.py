@@ -48,6 +48,21 @@ def mimic_pair(seed=3, alpha=0.2):
     return target, drafter
 
 
+
+def mimic_pair_and_ldlp():
+    """:func:`mimic_pair` and an LDLP with a distribution head on ``[e; f]`` for it, its outputs scaled so that the
+    survival curves differ from row to row (a learned policy then chooses different γ)."""
+    from ldlp.models.predictor import LDLP, LDLPConfig
+
+    target, drafter = mimic_pair()
+    torch.manual_seed(0)
+    d = target.hidden_size
+    ldlp = LDLP(LDLPConfig(input_dim=2 * d, hidden_dim=32, k_max=8, head="distribution", inputs=["ef"]))
+    with torch.no_grad():
+        ldlp.output.weight.mul_(20.0)
+        ldlp.output.bias.add_(1.5)
+    return target, drafter, ldlp.eval()
+
 def assert_same_rows(a, b, atol=1e-6):
     """Two label-row dicts hold the same columns and values (NaNs in the same places)."""
     assert set(a) == set(b)

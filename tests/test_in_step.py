@@ -16,11 +16,10 @@ from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from ldlp.bench.harness.workload import run_workload
 from ldlp.models.calibration import OnlineLogitCalibration
-from ldlp.models.predictor import LDLP, LDLPConfig
 from ldlp.policies.in_step import IN_STEP_FILE, InStepPolicy, read_start
 from ldlp.policies.learned import LearnedPolicy, step_seconds_table
 from ldlp.training.in_step import depth_events
-from oracle_helpers import mimic_pair
+from oracle_helpers import mimic_pair_and_ldlp
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [2, 8, 1]]
 SECONDS = step_seconds_table(CostTable.linear(10.0, 1.5), 8)
@@ -29,14 +28,7 @@ FROZEN = {"prior": [1.0, 0.0], "drafted": [1.0, 0.0, 0.0]}  # the predictor as i
 
 @pytest.fixture(scope="module")
 def pair_and_ldlp():
-    target, drafter = mimic_pair()
-    torch.manual_seed(0)
-    d = target.hidden_size
-    ldlp = LDLP(LDLPConfig(input_dim=2 * d, hidden_dim=32, k_max=8, head="distribution", inputs=["ef"]))
-    with torch.no_grad():
-        ldlp.output.weight.mul_(20.0)  # curves that differ from row to row
-        ldlp.output.bias.add_(1.5)
-    return target, drafter, ldlp.eval()
+    return mimic_pair_and_ldlp()
 
 
 def in_step(ldlp, **kw):

@@ -6,7 +6,7 @@ paths. No clock is read."""
 import numpy as np
 import pytest
 import torch
-from oracle_helpers import mimic_pair
+from oracle_helpers import mimic_pair_and_ldlp
 
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
@@ -71,14 +71,7 @@ def test_recalibrate_takes_only_a_boolean():
 
 @pytest.fixture(scope="module")
 def pair_and_ldlp():
-    target, drafter = mimic_pair()
-    torch.manual_seed(0)
-    d = target.hidden_size
-    ldlp = LDLP(LDLPConfig(input_dim=2 * d, hidden_dim=32, k_max=8, head="distribution", inputs=["ef"]))
-    with torch.no_grad():
-        ldlp.output.weight.mul_(20.0)  # curves that differ from row to row
-        ldlp.output.bias.add_(1.5)
-    return target, drafter, ldlp.eval()
+    return mimic_pair_and_ldlp()
 
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [2, 8, 1]]
