@@ -155,6 +155,37 @@ def test_under_load_a_row_pays_its_share_of_the_pass_and_drafts_less():
     assert chosen[16] < chosen[1]
 
 
+def test_the_batch_cap_is_the_best_depth_for_the_whole_step():
+    """Every batch-wide cap G priced by the step's own costs (a drafter pass at each depth any row reaches, the
+    verification of all scored tokens): the cap chosen is the brute-force best, and a lone deep row is cut."""
+    from types import SimpleNamespace
+
+    from ldlp.policies.learned import batch_cap
+
+    rng = np.random.default_rng(1)
+    R, K = 3, 5
+    tables = SimpleNamespace(target=torch.tensor([10.0 + 0.8 * n for n in range(R * (K + 1) + 1)], dtype=torch.float64),
+                             draft=torch.tensor([0.0] + [2.0 + 0.1 * a for a in range(1, R + 1)], dtype=torch.float64))
+    for _ in range(20):
+        S = torch.tensor(np.cumprod(rng.uniform(0.4, 0.98, (R, K)), axis=1))
+        gammas = torch.tensor(rng.integers(0, K + 1, R))
+        token_s = float(rng.uniform(0.002, 0.006))
+
+        def value(G):
+            g = [min(int(x), G) for x in gammas]
+            tokens = sum(1 + float(S[b, :g[b]].sum()) for b in range(R))
+            ms = 1.0 + float(tables.target[sum(x + 1 for x in g)]) + (0.5 if max(g) > 0 else 0.0)
+            ms += sum(float(tables.draft[sum(x >= d for x in g)]) for d in range(1, K + 1) if sum(x >= d for x in g))
+            return tokens - ms / 1e3 / token_s
+
+        best = max(range(K + 1), key=lambda G: (value(G), -G))
+        got = batch_cap(S, gammas, tables, 1.0, 0.5, token_s)
+        assert got.tolist() == [min(int(x), best) for x in gammas]
+    # one row wants 5 and the others 1: its four extra depths cost a pass each for little survival
+    S = torch.tensor([[0.5, 0.3, 0.2, 0.1, 0.05]] * 3, dtype=torch.float64)
+    assert batch_cap(S, torch.tensor([5, 1, 1]), tables, 1.0, 0.5, 0.004).tolist() == [1, 1, 1]
+
+
 def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):
     from types import SimpleNamespace
 

@@ -70,6 +70,29 @@ def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = Non
     return int(g) if g.dim() == 0 else g
 
 
+def batch_cap(S: torch.Tensor, gammas: torch.Tensor, tables, fixed_ms: float, feed_ms: float,
+              token_s: float) -> torch.Tensor:
+    """(R,) the rows' γ capped at the one batch-wide depth G that maximises the step's expected tokens minus its
+    seconds over ``token_s``, priced by the step-cost model itself: under load a row that drafts deeper than the
+    others pays a drafter pass of its own at every extra depth, which a row's share of the step does not see.
+
+    ``S`` (R, K) survival curves, ``gammas`` (R,) each row's own choice, ``tables`` the costs' device lookups at
+    R rows (:class:`~ldlp.policies.pricing.StepTables`), ``fixed_ms`` a step's overhead and ``feed_ms`` the
+    drafter's catch-up (paid when any row drafts). Every candidate G at once, on the device: no host read."""
+    R, K = S.shape
+    G = torch.arange(K + 1, device=S.device)
+    capped = torch.minimum(gammas[None, :], G[:, None])  # (K+1, R)
+    kept = torch.cat([torch.zeros_like(S[:, :1]), S.cumsum(1)], 1)  # (R, K+1): expected kept drafts by γ
+    tokens = R + kept.T.gather(0, capped).sum(1)  # (K+1,)
+    scored = (capped + 1).sum(1)
+    depth = torch.arange(1, K + 1, device=S.device)
+    drafting = (capped[:, None, :] >= depth[None, :, None]).sum(2)  # (K+1, K): rows drafting at each depth
+    ms = fixed_ms + tables.target[scored] + torch.where(drafting > 0, tables.draft[drafting], 0.0).sum(1)
+    ms = ms + torch.where(capped.amax(1) > 0, feed_ms, 0.0)
+    best = torch.argmax(tokens - ms / 1e3 / token_s)
+    return capped[best]
+
+
 class CpuDecider:
     """An LDLP's cost-rule decision for one row in numpy (:meth:`LearnedPolicy._one_row_cpu`): the network as
     :class:`~ldlp.models.predictor.NumpyLDLP` and the rule's linear terms (:func:`_step_terms`)."""
@@ -306,7 +329,15 @@ class LearnedPolicy(DraftPolicy):
             return (S >= 0.5).sum(-1).clamp(max=cap).long()
         K = min(S.shape[1], self.seconds().shape[0] - 1)
         table, terms = self._terms(K, device)
-        return gamma_by_cost(S[:, :K], table, self.token_seconds(), cap, terms, monotone).reshape(-1)
+        gammas = gamma_by_cost(S[:, :K], table, self.token_seconds(), cap, terms, monotone).reshape(-1)
+        if len(rows) == 1 or self.pricing is None:  # batch 1 (or the study's given prices): a row's choice is the step's
+            return gammas
+        from ldlp.policies.pricing import StepTables
+
+        costs, R = self.pricing.costs, len(rows)
+        fed = self._ema[1] if self._ema else 1.0  # the drafter's catch-up: a row's emitted tokens a step (its EMA)
+        return batch_cap(S[:, :K].double(), gammas, StepTables.of(costs, R, device), costs.overhead_ms(R),
+                         costs.feed_ms(R, fed), self.token_seconds())
 
     def _recalibrated(self, rows: Rows, S: torch.Tensor) -> torch.Tensor:
         """The survival curves with :class:`HazardCalibration`'s correction; each row's raw hazard logits queued."""
