@@ -202,7 +202,7 @@ class LearnedPolicy(DraftPolicy):
     EMA = 0.05  # weight of a step in the online seconds-per-token estimate
 
     def __init__(self, path: str | None = None, max_gamma: int = 8, rule: str = "cost", token_ratio: float | None = None,
-                 pricing=None, recalibrate: bool | None = None, *, predictor=None, groups=None,
+                 pricing=None, recalibrate: bool | None = None, batch_cap: bool = True, *, predictor=None, groups=None,
                  seconds=None, token_s: float | None = None, record: list | None = None, fixed: int | None = None):
         from ldlp.policies.pricing import StepPricing
 
@@ -212,6 +212,7 @@ class LearnedPolicy(DraftPolicy):
         if recalibrate is not None and not isinstance(recalibrate, bool):
             raise ValueError(f"learned policy: recalibrate must be true, false or null (when sampling), got {recalibrate!r}")
         self.recalibrate = recalibrate
+        self.batch_cap = bool(batch_cap)
         self.calibration = HazardCalibration() if recalibrate else None
         self.record, self.fixed = record, fixed
         if path is not None:
@@ -330,7 +331,7 @@ class LearnedPolicy(DraftPolicy):
         K = min(S.shape[1], self.seconds().shape[0] - 1)
         table, terms = self._terms(K, device)
         gammas = gamma_by_cost(S[:, :K], table, self.token_seconds(), cap, terms, monotone).reshape(-1)
-        if len(rows) == 1 or self.pricing is None:  # batch 1 (or the study's given prices): a row's choice is the step's
+        if len(rows) == 1 or self.pricing is None or not self.batch_cap:  # batch 1, the study's prices, the ablation
             return gammas
         from ldlp.policies.pricing import StepTables
 
