@@ -184,6 +184,12 @@ def test_the_batch_cap_is_the_best_depth_for_the_whole_step():
     # one row wants 5 and the others 1: its four extra depths cost a pass each for little survival
     S = torch.tensor([[0.5, 0.3, 0.2, 0.1, 0.05]] * 3, dtype=torch.float64)
     assert batch_cap(S, torch.tensor([5, 1, 1]), tables, 1.0, 0.5, 0.004).tolist() == [1, 1, 1]
+    # one depth for the step (gammas None): every row drafts the same, the best such depth by the same prices
+    S = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5], [0.5, 0.3, 0.2, 0.1, 0.05], [0.8, 0.6, 0.4, 0.3, 0.2]],
+                     dtype=torch.float64)
+    got = batch_cap(S, None, tables, 1.0, 0.5, 0.004)
+    assert len(set(got.tolist())) == 1
+    assert got.tolist() == batch_cap(S, torch.tensor([5, 5, 5]), tables, 1.0, 0.5, 0.004).tolist()
 
 
 def test_the_study_runs_resumes_and_refuses_other_settings(setup, tmp_path):

@@ -70,18 +70,20 @@ def gamma_by_cost(survival, seconds, token_s: float, max_gamma: int | None = Non
     return int(g) if g.dim() == 0 else g
 
 
-def batch_cap(S: torch.Tensor, gammas: torch.Tensor, tables, fixed_ms: float, feed_ms: float,
+def batch_cap(S: torch.Tensor, gammas: torch.Tensor | None, tables, fixed_ms: float, feed_ms: float,
               token_s: float) -> torch.Tensor:
     """(R,) the rows' γ capped at the one batch-wide depth G that maximises the step's expected tokens minus its
     seconds over ``token_s``, priced by the step-cost model itself: under load a row that drafts deeper than the
     others pays a drafter pass of its own at every extra depth, which a row's share of the step does not see.
 
-    ``S`` (R, K) survival curves, ``gammas`` (R,) each row's own choice, ``tables`` the costs' device lookups at
-    R rows (:class:`~ldlp.policies.pricing.StepTables`), ``fixed_ms`` a step's overhead and ``feed_ms`` the
-    drafter's catch-up (paid when any row drafts). Every candidate G at once, on the device: no host read."""
+    ``S`` (R, K) survival curves, ``gammas`` (R,) each row's own choice (None: every row drafts G, one depth for
+    the step), ``tables`` the costs' device lookups at R rows (:class:`~ldlp.policies.pricing.StepTables`),
+    ``fixed_ms`` a step's overhead and ``feed_ms`` the drafter's catch-up (paid when any row drafts). Every
+    candidate G at once, on the device: no host read."""
     R, K = S.shape
     G = torch.arange(K + 1, device=S.device)
-    capped = torch.minimum(gammas[None, :], G[:, None])  # (K+1, R)
+    own = torch.full((R,), K, device=S.device) if gammas is None else gammas
+    capped = torch.minimum(own[None, :], G[:, None])  # (K+1, R)
     kept = torch.cat([torch.zeros_like(S[:, :1]), S.cumsum(1)], 1)  # (R, K+1): expected kept drafts by γ
     tokens = R + kept.T.gather(0, capped).sum(1)  # (K+1,)
     scored = (capped + 1).sum(1)
@@ -199,10 +201,11 @@ class LearnedPolicy(DraftPolicy):
     reads_drafts = True
     plans_ahead = True
     RULES = ("cost", "median")
+    BATCH = ("cap", "uniform", "rows")  # under load: the rows' γ capped at the step's best depth, one depth, their own
     EMA = 0.05  # weight of a step in the online seconds-per-token estimate
 
     def __init__(self, path: str | None = None, max_gamma: int = 8, rule: str = "cost", token_ratio: float | None = None,
-                 pricing=None, recalibrate: bool | None = None, batch_cap: bool = True, *, predictor=None, groups=None,
+                 pricing=None, recalibrate: bool | None = None, batch: str = "cap", *, predictor=None, groups=None,
                  seconds=None, token_s: float | None = None, record: list | None = None, fixed: int | None = None):
         from ldlp.policies.pricing import StepPricing
 
@@ -212,7 +215,9 @@ class LearnedPolicy(DraftPolicy):
         if recalibrate is not None and not isinstance(recalibrate, bool):
             raise ValueError(f"learned policy: recalibrate must be true, false or null (when sampling), got {recalibrate!r}")
         self.recalibrate = recalibrate
-        self.batch_cap = bool(batch_cap)
+        if batch not in self.BATCH:
+            raise ValueError(f"learned policy: batch must be one of {list(self.BATCH)}, got {batch!r}")
+        self.batch = batch
         self.calibration = HazardCalibration() if recalibrate else None
         self.record, self.fixed = record, fixed
         if path is not None:
@@ -331,13 +336,14 @@ class LearnedPolicy(DraftPolicy):
         K = min(S.shape[1], self.seconds().shape[0] - 1)
         table, terms = self._terms(K, device)
         gammas = gamma_by_cost(S[:, :K], table, self.token_seconds(), cap, terms, monotone).reshape(-1)
-        if len(rows) == 1 or self.pricing is None or not self.batch_cap:  # batch 1, the study's prices, the ablation
+        if len(rows) == 1 or self.pricing is None or self.batch == "rows":  # batch 1, the study, the ablation
             return gammas
         from ldlp.policies.pricing import StepTables
 
         costs, R = self.pricing.costs, len(rows)
         fed = self._ema[1] if self._ema else 1.0  # the drafter's catch-up: a row's emitted tokens a step (its EMA)
-        return batch_cap(S[:, :K].double(), gammas, StepTables.of(costs, R, device), costs.overhead_ms(R),
+        return batch_cap(S[:, :K].double(), gammas if self.batch == "cap" else None, StepTables.of(costs, R, device),
+                         costs.overhead_ms(R),
                          costs.feed_ms(R, fed), self.token_seconds())
 
     def _recalibrated(self, rows: Rows, S: torch.Tensor) -> torch.Tensor:
