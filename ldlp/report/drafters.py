@@ -24,6 +24,18 @@ def _set_notes(cell: dict) -> str:
     return _prompt_notes({**(cell.get("prompt_set") or {}), "n_prompts": cell["n_prompts"]})
 
 
+def tau_table(summary: list[dict], ref: str) -> list[str]:
+    """The τ table: one row per (prompt set, T, drafter) of :func:`ldlp.bench.peers.drafters.summary_rows`, beside the
+    reference ``ref``'s τ on the same prompts and the paired ratio (the page's, and the model card's EAGLE-3 entry's)."""
+    lines = [f"| prompt set | T | prompts | drafter | τ | {ref} τ | ratio (95% interval) | lossless |",
+             "|---|---:|---:|---|---:|---:|---|---|"]
+    for r in summary:
+        lossless = "" if r["lossless"] is None else ("yes" if r["lossless"] else "**no**")
+        lines.append(f"| {r['set']} | {r['temperature']:g} | {r['n_prompts']} | {r['drafter']} | {r['tau']:.2f} | "
+                     f"{r['reference_tau']:.2f} | {_ci(r)} | {lossless} |")
+    return lines
+
+
 def drafters_markdown(result: dict) -> str:
     ref = result["reference"]
     kinds = ", ".join(f"`{k}` ({v.get('drafter_kind')})" for k, v in result["drafters"].items())
@@ -35,14 +47,7 @@ def drafters_markdown(result: dict) -> str:
     lines += [f"- prompt set {name} skipped: {why}" for name, why in result.get("skipped", {}).items()]
     if result.get("skipped"):
         lines.append("")
-    lines += [f"#### τ at static γ = {result['tau_gamma']}, every prompt set", "",
-              f"| prompt set | T | prompts | drafter | τ | {ref} τ | ratio (95% interval) | lossless |",
-              "|---|---:|---:|---|---:|---:|---|---|"]
-    for r in result["summary"]:
-        lossless = "" if r["lossless"] is None else ("yes" if r["lossless"] else "**no**")
-        lines.append(f"| {r['set']} | {r['temperature']:g} | {r['n_prompts']} | {r['drafter']} | {r['tau']:.2f} | "
-                     f"{r['reference_tau']:.2f} | {_ci(r)} | {lossless} |")
-    lines.append("")
+    lines += [f"#### τ at static γ = {result['tau_gamma']}, every prompt set", "", *tau_table(result["summary"], ref), ""]
     if result.get("speed_summary"):
         lines += ["#### tokens/s of each drafter's best static γ, every prompt set (timed in turns)", "",
                   f"| prompt set | T | prompts × rounds | drafter | γ | tokens/s (× AR) | {ref} γ | {ref} tokens/s (× AR) | "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle_backbone.io import atomic_write_text
+from ldlp.report.drafters import tau_table
 
 
 def render_card(c: dict) -> str:
@@ -86,6 +87,7 @@ def render_card(c: dict) -> str:
                   "| drafter | γ | τ | acceptance | tokens/s | speedup |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['drafter']} | {r['gamma']} | {r['tau']:.2f} | {r['acceptance_rate']:.2f} | "
                   f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |" for r in d3["rows"]]
+        lines += eagle3_sets_lines(e3.get("prompt_sets"))
     p = c.get("predictor")
     if p:
         v = p.get("validation") or {}
@@ -117,6 +119,19 @@ def render_card(c: dict) -> str:
     for s in c["samples"]:
         lines += [f"**{s['id']}** — prompt: `{s['prompt'][-120:]}`", "", "```", s["answer"][:600], "```", ""]
     return "\n".join(lines) + "\n"
+
+
+def eagle3_sets_lines(s: dict | None) -> list[str]:
+    """The EAGLE-3 entry's τ on each prompt set beside EAGLE-1's (``only=eagle3_sets``), with the run that measured it."""
+    if not s:
+        return []
+    return ["", f"EAGLE-1 (`eagle1`) and the EAGLE-3 head (`eagle3`) on each prompt set: the embedded test split in "
+            f"domain, the shared MT-bench and ShareGPT first turns out of domain. τ at static γ = {s['gamma']}, up to "
+            f"{s['max_new_tokens']} new tokens, {s['dtype']}; the ratio is the head's τ over EAGLE-1's on the same "
+            "prompts, with a bootstrap 95% interval over prompts. Measured by `python scripts/model_card.py "
+            "only=eagle3_sets`: the drafters' head to head (scripts/bench_drafters.py) on the shipped folders with "
+            f"`{' '.join(s['overrides'])}` (more prompts: results/embedded/eagle3/README.md).", "",
+            *tau_table(s["rows"], "eagle1"), *[f"- prompt set {name} skipped: {why}" for name, why in s["skipped"].items()]]
 
 
 def write_card(root: str | Path, card: dict) -> Path:

@@ -7,7 +7,8 @@ target step), timed interleaved in one process. Decoding: AR tokens/s, and τ an
 γ = 1..6 on the test split, with the EAGLE drafter and with the draft LM. The EAGLE-3 head
 (``data/embedded/eagle3``, when shipped) gets its own entry (:func:`eagle3_entry`: size, training, its
 validation top-1 by depth, c on the engine's drafting path, and its static-γ rows); ``only=eagle3`` measures
-that entry alone and merges it into the existing ``model_card.json``.
+that entry alone and merges it into the existing ``model_card.json``. Its τ beside EAGLE-1's on each prompt set (in
+and out of domain, T = 0 and 1) comes from the drafters' head to head (:func:`eagle3_sets_entry`, ``only=eagle3_sets``).
 """
 
 from __future__ import annotations
@@ -243,6 +244,36 @@ def update_eagle3(cfg) -> dict:
     return card
 
 
+def eagle3_sets_entry(root: Path, result: dict, overrides: list[str]) -> dict:
+    """EAGLE-1's and the EAGLE-3 head's τ on each prompt set, from a drafters' head to head on the shipped folders
+    (:func:`ldlp.bench.peers.drafters.bench_drafters`'s result, run by ``scripts/model_card.py`` with ``overrides``):
+    its summary rows (one per set and T: the head's τ, EAGLE-1's, their paired ratio with its bootstrap 95% interval
+    over prompts), the folders' data hashes and the sets it skipped. Refuses,
+    in one line, a result of other drafters than ``root``'s EAGLE-1 drafter (the reference) and EAGLE-3 head."""
+    want = {"eagle1": (root / "drafter").resolve(), "eagle3": (root / "eagle3").resolve()}
+    got = {name: Path(str(d["drafter"])).resolve() for name, d in result["drafters"].items()}
+    if got != want or result["reference"] != "eagle1":
+        raise ValueError(f"only=eagle3_sets: the head to head measured {({k: str(v) for k, v in got.items()})}, not "
+                         f"the shipped EAGLE-1 drafter and EAGLE-3 head ({({k: str(v) for k, v in want.items()})})")
+    return {"gamma": result["tau_gamma"], "max_new_tokens": result["max_new_tokens"], "dtype": result["dtype"],
+            "overrides": list(overrides), "skipped": dict(result["skipped"]), "rows": list(result["summary"]),
+            "data_sha256": {name: cell["prompt_set"].get("data_sha256") for name, cell in result["sets"].items()}}
+
+
+def update_eagle3_sets(cfg, head_to_head) -> dict:
+    """``only=eagle3_sets``: :func:`eagle3_sets_entry` of ``head_to_head(cfg)`` (the drafters' head to head on the
+    shipped folders, a bench_drafters result) merged into model_card.json's EAGLE-3 entry; one line if the card has
+    no EAGLE-3 entry, before anything is measured."""
+    root = Path(cfg.embedded_dir)
+    card = json.loads((root / "model_card.json").read_text())
+    if not card.get("eagle3"):
+        raise ValueError(f"only=eagle3_sets: {root / 'model_card.json'} has no EAGLE-3 entry "
+                         "(python scripts/model_card.py only=eagle3 measures it)")
+    card["eagle3"]["prompt_sets"] = eagle3_sets_entry(root, head_to_head(cfg), list(cfg.eagle3_sets.overrides))
+    atomic_write_json(root / "model_card.json", card, newline=False)
+    return card
+
+
 def predictor_entry(root: Path) -> dict | None:
     """The shipped draft-length predictor's card entry (data/embedded/predictor: what it reads, its labels and its
     validation scores, from its config.json; ``scripts/train_step_ldlp.py`` measured them)."""
@@ -285,6 +316,8 @@ def update_predictor(cfg) -> dict:
 
 
 def build_model_card(cfg) -> dict:
+    if cfg.get("only") not in (None, "eagle3", "predictor"):  # eagle3_sets: update_eagle3_sets (scripts/model_card.py)
+        raise ValueError(f"only={cfg.get('only')}: build_model_card measures only=null, eagle3 or predictor")
     if cfg.get("only") == "eagle3":
         return update_eagle3(cfg)
     if cfg.get("only") == "predictor":
