@@ -185,15 +185,15 @@ class InStepPolicy(LearnedPolicy):
         return {} if self._host or self._z is None else {"in_step_z": self._z.clone(), "in_step_lq": self._lq.clone()}
 
     def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
-        if self._host:
-            queue = self._pending.get(rows.slots[0])
+        # the observed step's own path: its reads if it ran on the device, else the host queue (the plan made ahead
+        # for the next step may already have switched paths, when the step's rows changed in number)
+        if extra and "in_step_z" in extra:
+            z, lq = np.asarray(extra["in_step_z"])[rows.slots], np.asarray(extra["in_step_lq"])[rows.slots]
+        else:
+            queue = self._pending.get(rows.slots[0]) if len(rows) == 1 else None
             if not queue:
                 return
             z, lq = queue.pop(0)
-        elif extra and "in_step_z" in extra:
-            z, lq = np.asarray(extra["in_step_z"])[rows.slots], np.asarray(extra["in_step_lq"])[rows.slots]
-        else:
-            return
         for slot, row in zip(rows.slots, z):  # the step's hazards, read with it (not at plan: no read of its own)
             self.calibration.planned(slot, row)
         super().observe(rows, drafted, accepted, extra)  # the prior's correction and the seconds a token is worth
