@@ -193,8 +193,9 @@ class LearnedPolicy(DraftPolicy):
     by the engine's step-cost model (:class:`~ldlp.policies.pricing.StepPricing`, as the load-aware policies) at the
     step's load (R rows: a row's share of a step in which every row drafts and keeps alike, so that under load a
     draft costs its marginal share of a batched pass) and learns the seconds a token is worth while decoding: the
-    EMA of its modelled seconds over its emitted tokens, started at ``token_ratio`` × a plain step. In the study (``predictor``: any object with
-    ``survival(x)``) the step seconds and ``token_s`` are given. ``record`` (a list) receives every feature
+    EMA of its modelled seconds over its emitted tokens, started at ``token_ratio`` × a plain step. Under load
+    ``batch`` turns the rows' choices into the step's (:func:`batch_cap`). In the study (``predictor``: any object
+    with ``survival(x)``) the step seconds and ``token_s`` are given. ``record`` (a list) receives every feature
     vector; ``fixed`` makes it a static-γ behaviour policy that only records."""
 
     name = "learned"
