@@ -202,11 +202,11 @@ class LearnedPolicy(DraftPolicy):
     reads_drafts = True
     plans_ahead = True
     RULES = ("cost", "median")
-    BATCH = ("cap", "uniform", "rows")  # under load: the rows' γ capped at the step's best depth, one depth, their own
+    BATCH = ("uniform", "cap", "rows")  # under load: one depth for the step, the rows' γ capped at it, their own
     EMA = 0.05  # weight of a step in the online seconds-per-token estimate
 
     def __init__(self, path: str | None = None, max_gamma: int = 8, rule: str = "cost", token_ratio: float | None = None,
-                 pricing=None, recalibrate: bool | None = None, batch: str = "cap", *, predictor=None, groups=None,
+                 pricing=None, recalibrate: bool | None = None, batch: str = "uniform", *, predictor=None, groups=None,
                  seconds=None, token_s: float | None = None, record: list | None = None, fixed: int | None = None):
         from ldlp.policies.pricing import StepPricing
 

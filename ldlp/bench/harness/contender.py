@@ -359,7 +359,7 @@ def policy_label(name: str, pcfg, gamma: int | None) -> str:
         label += " (profiled table)"
     if name == "learned" and pcfg.get("recalibrate") is not None:  # its hazards corrected online, or not
         label += " (recalibrated)" if pcfg.recalibrate else " (not recalibrated)"
-    if name == "learned" and pcfg.get("batch", "cap") != "cap":  # under load: one depth, or each row's own γ
+    if name == "learned" and pcfg.get("batch", "uniform") != "uniform":  # under load: capped rows, or their own γ
         label += f" (batch {pcfg.batch})"
     goodput = pcfg.get("goodput") if "goodput" in pcfg else None
     if "goodput" in pcfg and not (goodput.get("enabled", True) if OmegaConf.is_dict(goodput) else goodput):
