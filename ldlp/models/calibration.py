@@ -28,6 +28,14 @@ def logit(p: torch.Tensor) -> torch.Tensor:
     return torch.log(p) - torch.log1p(-p)
 
 
+def hazard_logits(S: torch.Tensor) -> torch.Tensor:
+    """(R, K) float64 logits of the hazards P(draft m kept | drafts before it kept) of survival curves ``S`` (R, K),
+    made non-increasing and kept off 0 and 1 first."""
+    S = torch.cummin(S.double().clamp(EPS, 1.0), dim=1).values
+    h = (S / torch.cat([torch.ones_like(S[:, :1]), S[:, :-1]], dim=1)).clamp(EPS, 1 - EPS)
+    return torch.log(h) - torch.log1p(-h)
+
+
 class OnlineLogitCalibration:
     """p' = sigmoid(w * logit(p) + c), (w, c) fitted online by Newton steps on the log-loss of observed outcomes.
 
@@ -85,16 +93,11 @@ class OnlineLogitCalibration:
         wc = self._params[group]  # (..., 2)
         return wc[..., 0], wc[..., 1]
 
-    def calibrate(self, p: torch.Tensor, group: torch.Tensor | None = None,
-                  evidence: torch.Tensor | None = None) -> torch.Tensor:
-        """The corrected probabilities, same shape as ``p`` (float32); ``group`` (long, p's shape) with groups;
-        ``evidence`` (p's shape + (E,)) with evidence columns."""
+    def calibrate(self, p: torch.Tensor, group: torch.Tensor | None = None) -> torch.Tensor:
+        """The corrected probabilities, same shape as ``p`` (float32); ``group`` (long, p's shape) with groups. (The
+        evidence columns' weights are in :attr:`params`; their one user combines them itself.)"""
         w, c = self._wc(group)
-        out = w * logit(p) + c
-        if self.evidence:
-            v = self._params[0, 2:] if group is None else self._params[group][..., 2:]
-            out = out + (evidence.to(v.dtype) * v).sum(-1)
-        return torch.sigmoid(out)
+        return torch.sigmoid(w * logit(p) + c)
 
     def update(self, p_est: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor | None = None,
                group: torch.Tensor | None = None, evidence: torch.Tensor | None = None) -> None:

@@ -33,9 +33,9 @@ from scipy.special import expit
 
 from eagle_backbone.policy import GO, STOP, Depth, Rows
 from eagle_backbone.runtime import to_device
-from ldlp.models.calibration import EPS, OnlineLogitCalibration
+from ldlp.models.calibration import EPS, OnlineLogitCalibration, hazard_logits
 from ldlp.models.features import step_features
-from ldlp.policies.learned import CpuDecider, HazardCalibration, LearnedPolicy
+from ldlp.policies.learned import HazardCalibration, LearnedPolicy
 
 IN_STEP_FILE = "in_step.json"  # beside the predictor: the corrections' starting weights (scripts/fit_in_step.py)
 
@@ -113,15 +113,12 @@ class InStepPolicy(LearnedPolicy):
         device = rows.features.device
         if (len(rows) == 1 and device.type == "cpu" and self.groups == ("ef",)
                 and hasattr(self.predictor, "numpy_decoder")):
-            if self._cpu is None or self._cpu.ldlp is not self.predictor:
-                self._cpu = CpuDecider(self.predictor)
-            return self._cpu.net.output(**self._cpu.net.ef_inputs(rows))[None, :K].astype(np.float64)
+            net = self._decider().net
+            return net.output(**net.ef_inputs(rows))[None, :K].astype(np.float64)
         x = step_features(rows, self.groups)
         S = self.predictor.survival_tensor(x) if hasattr(self.predictor, "survival_tensor") else \
             torch.as_tensor(self.predictor.survival(x.cpu().numpy()), device=device)
-        S = torch.cummin(S[:, :K].double().clamp(EPS, 1.0), dim=1).values
-        h = (S / torch.cat([torch.ones_like(S[:, :1]), S[:, :-1]], dim=1)).clamp(EPS, 1 - EPS)
-        return torch.log(h) - torch.log1p(-h)
+        return hazard_logits(S[:, :K])
 
     def plan(self, rows: Rows) -> torch.Tensor | list[int]:
         self._rows = len(rows)

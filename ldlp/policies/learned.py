@@ -344,8 +344,7 @@ class LearnedPolicy(DraftPolicy):
         costs, R = self.pricing.costs, len(rows)
         fed = self._ema[1] if self._ema else 1.0  # the drafter's catch-up: a row's emitted tokens a step (its EMA)
         return batch_cap(S[:, :K].double(), gammas if self.batch == "cap" else None, StepTables.of(costs, R, device),
-                         costs.overhead_ms(R),
-                         costs.feed_ms(R, fed), self.token_seconds())
+                         costs.overhead_ms(R), costs.feed_ms(R, fed), self.token_seconds())
 
     def _recalibrated(self, rows: Rows, S: torch.Tensor) -> torch.Tensor:
         """The survival curves with :class:`HazardCalibration`'s correction; each row's raw hazard logits queued."""
@@ -357,19 +356,24 @@ class LearnedPolicy(DraftPolicy):
         w, c = self.calibration.wc
         return torch.cumprod(torch.sigmoid(w * z + c), dim=1)
 
+    def _decider(self) -> CpuDecider:
+        """The predictor in numpy for one row on a CPU: a snapshot of the weights (checking their versions every step
+        costs 30 µs): a policy's predictor is frozen while it decides; a changed predictor is a new policy (or
+        predictor attribute)."""
+        if self._cpu is None or self._cpu.ldlp is not self.predictor:
+            self._cpu = CpuDecider(self.predictor)
+        return self._cpu
+
     def _one_row_cpu(self, rows: Rows, x: torch.Tensor | None = None) -> int:
         """γ of one row on a CPU, in numpy: the same network and rule, but right after the target's forward the
         caches are cold and each torch op pays its dispatch (about 10 µs), so the torch path cost ~400 µs a step
         (3% of a step here); with the first layer's [e] part kept per token, this costs about half of that."""
-        if self._cpu is None or self._cpu.ldlp is not self.predictor:
-            # a snapshot of the weights (checking their versions every step costs 30 µs): a policy's predictor is
-            # frozen while it decides; a changed predictor is a new policy (or predictor attribute)
-            self._cpu = CpuDecider(self.predictor)
+        decider = self._decider()
         K = min(self.predictor.config.k_max, self.seconds().shape[0] - 1)
         terms = self._terms(K, torch.device("cpu"))[1]
-        inputs = self._cpu.net.ef_inputs(rows) if x is None else {"x": x}  # x None: [e; f] alone
+        inputs = decider.net.ef_inputs(rows) if x is None else {"x": x}  # x None: [e; f] alone
         cal = self.calibration
-        g, z = self._cpu.gamma(terms, self.token_seconds(), self.max_gamma, (1.0, 0.0) if cal is None else cal.wc,
+        g, z = decider.gamma(terms, self.token_seconds(), self.max_gamma, (1.0, 0.0) if cal is None else cal.wc,
                                **inputs)
         if cal is not None:
             cal.planned(rows.slots[0], z)

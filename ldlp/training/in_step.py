@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ldlp.models.calibration import EPS
+from ldlp.models.calibration import EPS, hazard_logits
 
 
-def hazard_logits(rows, predictor, embed, batch: int = 4096) -> np.ndarray:
+def rows_hazard_logits(rows, predictor, embed, batch: int = 4096) -> np.ndarray:
     """(N, K) the predictor's hazard logits at every row of ``rows`` (an oracle collection's rows as
     :class:`~ldlp.bench.harness.replay.OracleRows` holds them); it reads ``[e; f]``: the last token's embedding and
     the stored feature."""
@@ -31,10 +31,7 @@ def hazard_logits(rows, predictor, embed, batch: int = 4096) -> np.ndarray:
         for i in range(0, len(c["label"]), batch):
             e = embed(torch.as_tensor(c["last_token"][i: i + batch]).long()).float()
             f = torch.as_tensor(np.asarray(c["feature"][i: i + batch], dtype=np.float32))
-            S = predictor.survival(e, f).double()[:, :K].clamp(EPS, 1.0)
-            S = torch.cummin(S, dim=1).values
-            h = (S / torch.cat([torch.ones_like(S[:, :1]), S[:, :-1]], 1)).clamp(EPS, 1 - EPS)
-            out.append((torch.log(h) - torch.log1p(-h)).numpy())
+            out.append(hazard_logits(predictor.survival(e, f)[:, :K]).numpy())
     return np.concatenate(out)
 
 
@@ -67,7 +64,7 @@ def fit_in_step(rows, predictor, embed) -> dict:
         raise ValueError(f"fit_in_step: the predictor reads {list(predictor.config.inputs)}; the in-step policy's "
                          "start is fitted for a predictor on [e; f] alone (python scripts/train_step_ldlp.py)")
     c = rows.cols
-    X, y, g = depth_events(hazard_logits(rows, predictor, embed), c["draft_top1_prob"], c["label"], c["seq_id"],
+    X, y, g = depth_events(rows_hazard_logits(rows, predictor, embed), c["draft_top1_prob"], c["label"], c["seq_id"],
                            np.asarray(c["draft_entropy"], dtype=np.float64))
     prior, drafted = _fit(X[:, :1], y), _fit(X[:, :2], y)
     # two folds by sequence: each model scored on sequences it was not fitted on
