@@ -170,6 +170,22 @@ def test_the_labels_on_the_pages_stay_as_they_were():
     assert contender_label(peer.k, peer.method, peer.schedule) == "vllm eagle k=3"
 
 
+@pytest.mark.parametrize("config, key", [("bench_batch", "contenders"), ("compare", "contenders"),
+                                         ("pipeline", "bench_batch.contenders")])
+def test_the_shipped_contender_lists_are_nodes_that_read_as_their_strings(config, key):
+    """conf/'s own contender lists are written as structured nodes, each the spec its string form gives (the form
+    the command line and the pages' commands keep)."""
+    from hydra import compose
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        listed = OmegaConf.select(compose(config), key)
+    assert len(listed) >= 5
+    for node in listed:
+        assert OmegaConf.is_dict(node) and set(node) == {"policy"}, node
+        spec = parse_contender(node)
+        assert parse_contender(str(spec)) == spec and str(spec).startswith(f"policy={node.policy.name}")
+
+
 # a script each, through its one-line error path (the parser's messages, the string form's included, are checked
 # in process above: a subprocess costs ~10 s of CI a case)
 @pytest.mark.parametrize("script, contenders, why", [
