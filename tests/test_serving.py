@@ -103,6 +103,10 @@ def test_contenders_serve_the_same_trace_in_turns_losslessly(tmp_path, t32, eagl
     assert render(tmp_path / "out") == tmp_path / "out"  # again from serving.json alone
     assert (tmp_path / "out" / "serving.md").is_file()
     assert all("vs_best_static_busy" in r for r in rows.values())  # the row behind the page's busy-second column
+    # drafts and tokens a running row, counted over every step's rows; only a policy's rows are set beside the chains
+    assert rows["ar"]["drafts_per_row_step"] == 0 and rows["static γ=4"]["drafts_per_row_step"] > \
+        rows["static γ=2"]["drafts_per_row_step"] > 0 and "vs_chains" not in rows["static γ=2"]
+    assert "vs_chains" in rows["load_aware_step"]
     (f,) = (tmp_path / "out").glob("learned_schedule_*.json")
     sched = load_schedule(f)
     assert sched["ranges"][0][0] == 1 and sched["ranges"] == learned_schedules(tmp_path / "out")["load_aware_step"]["ranges"]
@@ -156,3 +160,19 @@ def test_a_peer_engine_serves_the_same_trace_in_the_turns(t32, eagle32):
 def test_a_learned_table_becomes_ranges():
     assert ranges_from_table({1: 4, 2: 4, 4: 3, 8: 1, 16: 1}) == [(1, 2, 4), (3, 4, 3), (5, 16, 1)]
     assert ranges_from_table({"1": 0}) == [(1, 1, 0)]
+
+
+def test_a_policys_drafts_are_set_beside_the_chains_line_at_its_drafts():
+    """vs chains: tokens a row-step over the line between the two static chains that bracket the policy's drafts
+    a row-step (drafting either at random, uninformed); below 1 its γ wanders, above 1 it knows something."""
+    from ldlp.bench.comparisons.serving import per_row_step, vs_chains
+
+    chains = [(0.95, 1.8), (1.9, 2.5), (2.8, 3.0)]  # γ = 1, 2, 3: concave, drafts capped near the end
+    assert vs_chains(chains, 1.9, 2.5) == pytest.approx(1.0)  # a chain's own point
+    assert vs_chains(chains, 2.35, 2.75) == pytest.approx(1.0)  # halfway between γ = 2 and 3: their average
+    assert vs_chains(chains, 2.35, 2.6) == pytest.approx(2.6 / 2.75)  # γ wandering further than 2 and 3 lose
+    assert vs_chains(chains, 2.35, 3.3) == pytest.approx(3.3 / 2.75)  # an oracle's drafts keep more
+    assert vs_chains(chains, 3.5, 3.1) is None and vs_chains([], 1.0, 1.5) is None  # outside the chains' range
+    runs = [{"timeline": [[0.0, 2, 0], [0.1, 3, 0]], "drafted_tokens": 10, "new_tokens": 15},
+            {"timeline": [], "rows_mean": 2.0, "steps": 5, "drafted_tokens": 0, "new_tokens": 10}]
+    assert per_row_step(runs) == pytest.approx((10 / 15, 25 / 15))  # 2 + 3 row-steps, then 2 x 5

@@ -43,7 +43,10 @@ def markdown(result: dict, meta: dict) -> str:
              "loop, a contender that keeps up serves what arrives, so its throughput is the trace's; the busy "
              "seconds are where it differs). TTFT: arrival to first token (queueing included); "
              "TPOT: (last − first token) / (tokens − 1); E2E: arrival to last token. Ratios: paired over rounds, "
-             "95% bootstrap intervals."
+             "95% bootstrap intervals. Drafts and tokens a row-step: over every running row of every step; vs "
+             "chains: a policy's tokens a row-step over the line between the two static chains whose drafts a "
+             "row-step bracket its own (what drafting either at random gives: below 1, its γ wanders between "
+             "steps without information; above 1, its choices know something)."
              + (f" `vllm` rows: vLLM serves the same trace on its own scheduler, in {meta['peer_dtype']}, at most "
                 "`slots` requests in flight, timed inside its worker process, in the same turns."
                 if meta.get("peer_dtype") else ""), ""]
@@ -60,9 +63,9 @@ def markdown(result: dict, meta: dict) -> str:
         lines += [f"Best static γ on this trace: {best or '–'} by tokens/s, {best_busy or '–'} by tokens per busy "
                   "second (each ratio column against the best by its own measure).", "",
                   "| contender | tokens/s | vs best static | tokens/busy s | vs best static, busy | vs AR, busy | "
-                  "TTFT p50 / p99 ms | TPOT p50 / p99 ms | E2E p50 / p99 ms | τ | rows mean | policy time | "
-                  "greedy identical |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "TTFT p50 / p99 ms | TPOT p50 / p99 ms | E2E p50 / p99 ms | τ | rows mean | drafts, tokens a row-step "
+                  "| vs chains | policy time | greedy identical |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             ident = "–" if r["identical"] is None else f"{r['identical']}/{r['n_requests']}"
             own = "–" if r["policy"] == "vllm" else f"{100 * r['policy_share']:.1f}%"  # a peer's policy is its own
@@ -70,8 +73,8 @@ def markdown(result: dict, meta: dict) -> str:
                          f"{r['tokens_per_busy_s']:.1f} | {ratio_text(r.get('vs_best_static_busy'))} | "
                          f"{ratio_text(r.get('vs_ar_busy'))} | {r['ttft_ms_median']:.0f} / {r['ttft_ms_p99']:.0f} | "
                          f"{r['tpot_ms_median']:.1f} / {r['tpot_ms_p99']:.1f} | {r['e2e_ms_median']:.0f} / "
-                         f"{r['e2e_ms_p99']:.0f} | {r['tau']:.2f} | {r['rows_mean']:.1f} | "
-                         f"{own} | {ident} |")
+                         f"{r['e2e_ms_p99']:.0f} | {r['tau']:.2f} | {r['rows_mean']:.1f} | {_per_row(r)} | "
+                         f"{_vs_chains(r)} | {own} | {ident} |")
         lines.append("")
     learners = result.get("learners") or {}
     if learners:
@@ -85,6 +88,15 @@ def markdown(result: dict, meta: dict) -> str:
     if result.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"{s['contender']} ({s['why']})" for s in result["skipped"]), ""]
     return "\n".join(lines)
+
+
+def _per_row(r: dict) -> str:
+    return "–" if r.get("tokens_per_row_step") is None else \
+        f"{r['drafts_per_row_step']:.2f}, {r['tokens_per_row_step']:.2f}"
+
+
+def _vs_chains(r: dict) -> str:
+    return "–" if r.get("vs_chains") is None else f"{r['vs_chains']:.3f}"
 
 
 def plot_learners(result: dict, path: str | Path) -> Path | None:

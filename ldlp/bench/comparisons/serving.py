@@ -316,6 +316,7 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
             for k in ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "tpot_ms_p99", "e2e_ms_median",
                       "e2e_ms_p99", "tau", "rows_mean"):
                 row[k] = statistics.median(r[k] for r in rs)
+            row["drafts_per_row_step"], row["tokens_per_row_step"] = per_row_step(rs)
             for name, base, seconds in (("vs_best_static", best, "wall_s"), ("vs_ar", ar, "wall_s"),
                                         ("vs_best_static_busy", best_busy, busy), ("vs_ar_busy", ar, busy)):
                 if base is None or c not in complete:
@@ -326,4 +327,32 @@ def serving_rows(runs: list[dict], bootstrap: int = 2000, seed: int = 0) -> list
                                          [r["new_tokens"] for r in den], [secs(r) for r in den],
                                          bootstrap=bootstrap, seed=seed)
             out.append(row)
+        these = out[-len(by):]
+        chains = [(r["drafts_per_row_step"], r["tokens_per_row_step"]) for r in these if r["policy"] == "static"]
+        for r in these:
+            if r["policy"] not in ("static", "vllm", "ar"):
+                r["vs_chains"] = vs_chains(chains, r["drafts_per_row_step"], r["tokens_per_row_step"])
     return out
+
+
+def per_row_step(runs: list[dict]) -> tuple[float, float]:
+    """(drafts, tokens) a running row emits a step over ``runs``: their sums over the rows of every step (the
+    timeline's, else the runs' mean rows × steps)."""
+    row_steps = sum(sum(n for _, n, _ in r["timeline"]) if r.get("timeline") else r["rows_mean"] * r["steps"]
+                    for r in runs)
+    if not row_steps:
+        return 0.0, 0.0
+    return sum(r["drafted_tokens"] for r in runs) / row_steps, sum(r["new_tokens"] for r in runs) / row_steps
+
+
+def vs_chains(chains: list[tuple[float, float]], drafts: float, tokens: float) -> float | None:
+    """A policy's tokens a row-step over what the static chains give at its drafts a row-step: the line between
+    the two chains whose drafts bracket it (their tokens are concave in γ, so the line is what drafting either of
+    them at random, with no information, gives). Below 1: its drafts keep fewer tokens than an uninformed mix of
+    neighbouring chains, so its γ wanders between steps; above 1: its choices know something (the oracle's).
+    None outside the chains' range."""
+    pts = sorted(chains)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= drafts <= x1 and x1 > x0:
+            return tokens / (y0 + (y1 - y0) * (drafts - x0) / (x1 - x0))
+    return None
