@@ -19,7 +19,11 @@ bucket* (the step's running rows, by powers of two: 1, 2, 3-4, 5-8, ...):
   ``discount``, so a load or a text that changes is followed;
 * it plays the arm of the highest upper bound, rate × (1 + ``bonus`` · sqrt(ln n / n_arm)) (UCB), among the
   *neighbours* of the best measured chain (γ* - 1, γ*, γ* + 1) and ``plan``: rate against γ is unimodal, so
-  arms far from the best need no visits.
+  arms far from the best need no visits;
+* with ``monotone`` the centre γ* of a bucket is instead the buckets' best chains made non-increasing in the load
+  (an isotonic fit weighted by each bucket's evidence, rounded), as vLLM's Dynamic-SD tables are: on a trace the
+  running rows change from step to step, and per-bucket bests measured on a few hundred steps each jump between
+  distant γ, whose drafts keep fewer tokens than neighbouring ones (tokens are concave in γ).
 
 The best static γ in a bucket is then a floor by construction, less the exploration: :attr:`exploration`
 counts the steps on an arm other than the bucket's best by measured rate and the milliseconds they cost
@@ -68,7 +72,7 @@ class GoodputFeedback:
 
     def __init__(self, max_gamma: int, discount: float = 0.995, bonus: float = 0.15, prior_steps: float = 4.0,
                  neighbours: int = 1, plan_arm: bool = True, keep_history: bool = True, reward: str = "measured",
-                 prefill: str = "price"):
+                 prefill: str = "price", monotone: bool = False):
         if not 0 < discount <= 1:
             raise ValueError(f"goodput: discount must be in (0, 1], got {discount!r}")
         if reward not in self.REWARDS:
@@ -82,6 +86,7 @@ class GoodputFeedback:
                              f"{prior_steps!r}, {neighbours!r}")
         self.max_gamma, self.discount, self.bonus = int(max_gamma), float(discount), float(bonus)
         self.prior_steps, self.neighbours, self.plan_arm = float(prior_steps), int(neighbours), bool(plan_arm)
+        self.monotone = bool(monotone)
         self.arms = list(range(self.max_gamma + 1)) + ([PLAN] if plan_arm else [])
         self.buckets: dict[int, _Bucket] = {}
         self.history: list[tuple[int, int, object]] | None = [] if keep_history else None
@@ -103,12 +108,30 @@ class GoodputFeedback:
             return None
         return max(bucket.arms, key=lambda a: self.rate(bucket.arms[a]))
 
+    def best_chain(self, b: int) -> int:
+        """The bucket's chain of the highest estimated rate."""
+        bucket = self.buckets[b]
+        return max((a for a in bucket.arms if a != PLAN), key=lambda a: self.rate(bucket.arms[a]))
+
+    def smoothed(self) -> dict[int, int]:
+        """Each bucket's best chain made non-increasing in the load: an isotonic fit over the buckets, each
+        weighted by its discounted evidence, rounded (``monotone``)."""
+        from sklearn.isotonic import isotonic_regression
+
+        bs = sorted(b for b, bucket in self.buckets.items() if any(a != PLAN for a in bucket.arms))
+        if not bs:
+            return {}
+        weights = [1.0 + sum(arm.steps for arm in self.buckets[b].arms.values()) for b in bs]
+        fit = isotonic_regression([float(self.best_chain(b)) for b in bs], sample_weight=weights, increasing=False)
+        return {b: int(round(float(g))) for b, g in zip(bs, fit)}
+
     def candidates(self, b: int) -> list:
-        """The arms worth a step in bucket ``b``: the best chain's neighbours and ``plan``."""
+        """The arms worth a step in bucket ``b``: the best chain's neighbours (``monotone``: the smoothed best's)
+        and ``plan``."""
         bucket = self.buckets[b]
         chains = [a for a in bucket.arms if a != PLAN]
-        g = max(chains, key=lambda a: self.rate(bucket.arms[a]))
-        near = [a for a in chains if abs(a - g) <= self.neighbours]
+        g = self.smoothed()[b] if self.monotone else self.best_chain(b)
+        near = [a for a in chains if abs(a - g) <= self.neighbours] or [self.best_chain(b)]
         return ([PLAN] if PLAN in bucket.arms else []) + near  # plan first: it wins ties
 
     # ---- the loop -----------------------------------------------------------------------------------
@@ -191,12 +214,10 @@ class GoodputFeedback:
         """The best static γ per bucket, keyed by the bucket's largest batch size (a vLLM Dynamic-SD-style
         table from batch size to the number of speculative tokens); a bucket whose best arm is ``plan`` gives its
         best chain."""
-        out = {}
-        for b, bucket in sorted(self.buckets.items()):
-            chains = [a for a in bucket.arms if a != PLAN]
-            if chains:
-                out[2 ** b] = int(max(chains, key=lambda a: self.rate(bucket.arms[a])))
-        return out
+        if self.monotone:
+            return {2 ** b: g for b, g in self.smoothed().items()}
+        return {2 ** b: int(self.best_chain(b)) for b, bucket in sorted(self.buckets.items())
+                if any(a != PLAN for a in bucket.arms)}
 
 
 def adopt(policy, learner: GoodputFeedback | None) -> GoodputFeedback | None:
@@ -283,7 +304,7 @@ def goodput_of(policy: str, spec, max_gamma: int, plan_arm: bool = True) -> Good
         raise ValueError(f"{policy} policy: goodput must be true, false or a mapping, got {spec!r}") from None
     if not spec.pop("enabled", True):
         return None
-    known = {"discount", "bonus", "prior_steps", "neighbours", "reward", "prefill"}
+    known = {"discount", "bonus", "prior_steps", "neighbours", "reward", "prefill", "monotone"}
     bad = sorted(set(spec) - known)
     if bad:
         raise ValueError(f"{policy} policy: goodput has unknown keys {bad}; known: enabled, {', '.join(sorted(known))}")

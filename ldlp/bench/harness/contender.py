@@ -369,6 +369,8 @@ def policy_label(name: str, pcfg, gamma: int | None) -> str:
             label += " (expected reward)"  # chains credited their mean tokens by the pooled survival curve
         if goodput.get("prefill") == "skip":
             label += " (prefill steps skipped)"  # steps that also prefilled give no reward
+        if goodput.get("monotone"):
+            label += " (monotone feedback)"  # the buckets' best chains made non-increasing in the load
     return label
 
 
