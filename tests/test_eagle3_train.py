@@ -104,6 +104,53 @@ def test_kept_answers_serve_fewer_prompts_and_extend_to_more(tmp_path, monkeypat
     assert [len(r["response_ids"]) <= 5 for r in distilled_records(cfg, t, None, "train")] == [True] * 3
 
 
+def test_no_distilled_prompts_distil_nothing_for_a_corpus_only_run(tmp_path, monkeypatch):
+    """``distill.prompts=0`` (a corpus-text-only run): no training answers, and nothing is decoded for them, with
+    or without kept answers; validation answers are still made (every run's held-out set is the same)."""
+    from eagle_backbone.data import conversations
+    from eagle_backbone.train import eagle3
+
+    t = make_target(dtype=torch.float32)
+    prompts = [("a", [1, 5, 9, 7]), ("b", [1, 30, 2, 8, 8])]
+    monkeypatch.setattr(conversations, "load_conversations", lambda path, limit=None: prompts)
+    monkeypatch.setattr(conversations, "build_prompts", lambda tok, convs, n: convs)
+    cfg = OmegaConf.create({"train_path": "train.json", "validation_path": "val.json", "distill": {
+        "dir": str(tmp_path), "prompts": 0, "validation_prompts": 1, "max_prompt_tokens": 16, "max_new_tokens": 4,
+        "temperatures": [0.0, 1.0], "seed": 4, "slots": 2}})
+    real = eagle3.distill
+    monkeypatch.setattr(eagle3, "distill", lambda *a, **k: pytest.fail("decoded training answers"))
+    assert distilled_records(cfg, t, None, "train") == []
+    monkeypatch.setattr(eagle3, "distill", real)
+    assert len(distilled_records(cfg, t, None, "validation")) == 2
+    cfg.distill.prompts = 2
+    assert len(distilled_records(cfg, t, None, "train")) == 4  # kept now
+    cfg.distill.prompts = 0
+    monkeypatch.setattr(eagle3, "distill", lambda *a, **k: pytest.fail("decoded training answers"))
+    assert distilled_records(cfg, t, None, "train") == []
+
+
+def test_a_reduced_draft_vocabulary_keeps_the_most_frequent_response_tokens(tmp_path):
+    """``draft_vocab_size`` < V: the kept tokens are the training blocks' most frequent loss (response) tokens,
+    ties to the lower id (prompt tokens and tokens cut off by the block do not count), and the LM head starts
+    as the target's rows of them."""
+    from eagle_backbone.train.eagle3 import blocks_of, frequent_tokens
+
+    save_tiny_pair(tmp_path, vocab=64, layers=3)
+    records = [{"prompt_ids": [9, 9, 9, 9], "response_ids": [5, 7, 11, 5]},
+               {"prompt_ids": [9, 9], "response_ids": [7, 5, 7, 11, 60, 2, 60, 60]}]  # block 8: two 60s cut
+    ids, mask = blocks_of(records, 8, 0)
+    kept, coverage = frequent_tokens(ids, mask, 4, 64)
+    assert kept == [2, 5, 7, 11] and coverage == pytest.approx(9 / 10)  # 5, 7: 3 each; 11: 2; 2 and 60: 1 (2 kept)
+    module = Eagle3Module(str(tmp_path / "target"), layer_ids=(0, 1, 2), draft_vocab_size=4)
+    module.restrict_vocab(kept)
+    d = module.drafter
+    assert d.draft_to_target().tolist() == kept and d.t2d.nonzero().flatten().tolist() == kept
+    assert module.hparams.draft_ids == kept
+    assert torch.equal(d.lm_head.weight, module.target.lm_head.weight.float()[kept])
+    full = d.full_logits(torch.randn(2, d.hidden_size))
+    assert torch.isinf(full[:, [k for k in range(64) if k not in kept]]).all() and torch.isfinite(full[:, kept]).all()
+
+
 def _fit(root, records, max_steps, ckpt, resume, schedule=6):
     torch.manual_seed(0)  # the run's seed (run_eagle3_training: seed_everything), before the head is made
     module = Eagle3Module(str(root / "target"), ttt_steps=3, lr=3e-3, warmup_steps=2, schedule_steps=schedule,
@@ -143,7 +190,9 @@ def test_resume_is_bit_exact(tmp_path):
 
 def test_the_script_trains_and_exports_both_layouts(tmp_path, embedded_corpus):
     """``python scripts/train_drafter.py drafter=eagle3`` on a tiny pair, two steps: a speculators folder
-    load_pair reads as model.drafter_kind=eagle3, and EAGLE's layout on request."""
+    load_pair reads as model.drafter_kind=eagle3, and EAGLE's layout on request; a reduced draft vocabulary is
+    the distilled blocks' most frequent response tokens."""
+    import json
     save_tiny_pair(tmp_path, vocab=4096, layers=3)
     over = [o for o in pair_overrides(tmp_path, "float32") if not o.startswith(("model.drafter", "model.name"))]
     head = tmp_path / "eagle3"
@@ -155,7 +204,8 @@ def test_the_script_trains_and_exports_both_layouts(tmp_path, embedded_corpus):
            "drafter_training.distill.validation_prompts=2", "drafter_training.distill.max_new_tokens=8",
            "drafter_training.batch_size=2", "drafter_training.block_size=64", "drafter_training.ttt_steps=2",
            f"hydra.run.dir={tmp_path / 'run'}", f"data.path={embedded_corpus / 'train.json'}",
-           f"drafter_training.validation_path={embedded_corpus / 'validation.json'}"]
+           f"drafter_training.validation_path={embedded_corpus / 'validation.json'}",
+           "drafter_training.draft_vocab_size=1024"]
     r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     from eagle_backbone.loading import load_pair
@@ -164,7 +214,13 @@ def test_the_script_trains_and_exports_both_layouts(tmp_path, embedded_corpus):
                       "drafter_kind": "eagle3", "device": "cpu"})
     assert pair.candidates.kind == "eagle3" and pair.candidates.feature_layers == (0, 1, 2)
     assert (tmp_path / "eagle_layout" / "model.safetensors").exists()
-    assert (head / "training_summary.json").exists()
+    summary = json.loads((head / "training_summary.json").read_text())
+    from eagle_backbone.train.eagle3 import blocks_of, frequent_tokens
+
+    records = [json.loads(x) for t in ("0", "1") for x in (tmp_path / "distill" / f"train-T{t}.jsonl").read_text().splitlines()]
+    kept, coverage = frequent_tokens(*blocks_of(records, 64, 0), 1024, 4096)
+    assert Eagle3Drafter.from_pretrained(head).draft_to_target().tolist() == kept
+    assert (summary["draft_vocab_size"], summary["draft_vocab_coverage"]) == (1024, coverage)
 
 
 def test_a_head_continues_on_distilled_and_corpus_text_with_its_learning_curve(tmp_path, embedded_corpus):

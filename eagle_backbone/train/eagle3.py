@@ -166,6 +166,14 @@ class Eagle3Module(L.LightningModule):
         self.drafter.lm_head.weight.requires_grad_(train_lm_head)
         self.layers = self.drafter.aux_layers(cfg.num_hidden_layers)
 
+    def restrict_vocab(self, draft_ids) -> None:
+        """Restrict the head's draft vocabulary to the target ids ``draft_ids`` and its LM head to the target's rows
+        of them (a fresh head whose kept tokens are known only once its data is: :func:`frequent_tokens`)."""
+        with torch.no_grad():
+            self.drafter.set_vocab(torch.as_tensor(draft_ids))
+            self.drafter.lm_head.weight.copy_(self.target.lm_head.weight.float()[self.drafter.draft_to_target()])
+        self.hparams["draft_ids"] = [int(i) for i in self.drafter.draft_to_target()]
+
     def train(self, mode: bool = True):
         super().train(mode)
         self.target.eval()
@@ -224,6 +232,15 @@ class DistilledData(L.LightningDataModule):
         ds = [{"input_ids": self.val_ids[i: i + self.batch_size], "loss_mask": self.val_mask[i: i + self.batch_size]}
               for i in range(0, n, self.batch_size)]
         return torch.utils.data.DataLoader(ds, batch_size=None)
+
+
+def frequent_tokens(ids: torch.Tensor, mask: torch.Tensor, n: int, vocab_size: int) -> tuple[list[int], float]:
+    """EAGLE-3's reduced draft vocabulary: the ``n`` target tokens most frequent among the training blocks' loss
+    tokens (``ids[mask]``, the response tokens a block keeps; ties to the lower id), sorted, and the share of
+    those tokens they cover."""
+    counts = torch.bincount(ids[mask].flatten(), minlength=vocab_size)
+    kept = torch.argsort(-counts, stable=True)[:n].sort().values
+    return kept.tolist(), float(counts[kept].sum() / counts.sum().clamp_min(1))
 
 
 def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[dict]:
@@ -325,6 +342,12 @@ def run_eagle3_training(root_cfg) -> dict:
     train = train + corpus_records(cfg.train_path, tokenizer, int(cfg.get("corpus_text") or 0), int(cfg.distill.max_prompt_tokens))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dm = DistilledData(train, val, cfg.block_size, cfg.batch_size, root_cfg.seed, steps, pad)
+    coverage = None
+    if module.drafter.draft_vocab_size < module.drafter.vocab_size and not cfg.get("init_from"):
+        # a fresh head's reduced vocabulary: the training data's most frequent tokens (a continued head keeps its own)
+        kept, coverage = frequent_tokens(dm.train_ids, dm.train_mask, module.drafter.draft_vocab_size,
+                                         module.drafter.vocab_size)
+        module.restrict_vocab(kept)
     curve = learning_curve(cfg, tokenizer, int(cfg.batch_size) * int(cfg.block_size), int(root_cfg.seed))
     trainer, val_metrics, seconds = fit_resumable(module, dm, root_cfg.trainer, root_cfg.logger, cfg.ckpt_dir,
                                                   root_cfg.resume, every_n_steps=int(cfg.get("checkpoint_every", 50)),
@@ -332,6 +355,7 @@ def run_eagle3_training(root_cfg) -> dict:
     summary = {"kind": "eagle3", "steps": trainer.global_step, "ttt_steps": cfg.ttt_steps, "layers": list(module.layers),
                "train_records": len(train), "distilled_records": distilled, "corpus_records": len(train) - distilled,
                "init_from": cfg.get("init_from"), "val_records": len(val),
+               "draft_vocab_size": module.drafter.draft_vocab_size, "draft_vocab_coverage": coverage,
                "distill_temperatures": [float(t) for t in cfg.distill.temperatures], "train_seconds_this_run": seconds,
                "seed": root_cfg.seed, "params": sum(p.numel() for n, p in module.drafter.named_parameters()
                                                     if not n.startswith("embed"))}
