@@ -392,6 +392,7 @@ def test_pipeline_plans_the_short_load_sweep_and_publishes_its_page(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from eagle_backbone.paths import CONF_DIR
+    from ldlp.bench.harness.contender import parse_contender
     from ldlp.pipeline import force_level, plan
     from ldlp.report.publish import publish
 
@@ -402,9 +403,9 @@ def test_pipeline_plans_the_short_load_sweep_and_publishes_its_page(tmp_path):
     assert stage.out == Path(cfg.paths.results) / "load_sweep" and stage.script == "bench_batch.py"
     assert "concurrency=[1,4,16]" in stage.args and "temperatures=[0.0,1.0]" in stage.args  # conf/pipeline.yaml
     contenders = next(a for a in stage.args if a.startswith("contenders="))
-    for spec in cfg.bench_batch.contenders:  # a policy without its conf/policy/<name>.yaml is left out
-        name = spec.split()[0].split("=", 1)[1]
-        assert (f'"{spec}"' in contenders) == (CONF_DIR / "policy" / f"{name}.yaml").is_file()
+    for node in cfg.bench_batch.contenders:  # a policy without its conf/policy/<name>.yaml is left out
+        spec = parse_contender(node)  # the YAML's node, passed on in its string form
+        assert (f'"{spec}"' in contenders) == (CONF_DIR / "policy" / f"{spec.policy.name}.yaml").is_file()
     assert "acceptance" in stage.after and "oracle" not in stage.after and stage.group in force_level(True)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         off = compose(config_name="pipeline", overrides=[f"paths.outputs={tmp_path}", "bench_batch.enabled=false"])
