@@ -25,7 +25,8 @@ bucket* (the step's running rows, by powers of two: 1, 2, 3-4, 5-8, ...):
   running rows change from step to step, and per-bucket bests measured on a few hundred steps each jump between
   distant γ, whose drafts keep fewer tokens than neighbouring ones (tokens are concave in γ).
 
-The best static γ in a bucket is then a floor by construction, less the exploration: :attr:`exploration`
+Were its estimates right, the best static γ of a bucket would be a floor, less the exploration (measured, it is
+not: docs/batched.md#goodput-feedback). :attr:`exploration`
 counts the steps on an arm other than the bucket's best by measured rate and the milliseconds they cost
 (each step's time × its shortfall against the best rate), which the benchmark pages state.
 """
