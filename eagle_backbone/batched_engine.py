@@ -46,7 +46,8 @@ import torch
 from eagle_backbone.candidates import CandidateGenerator
 from eagle_backbone.drafter_kinds import make_candidates
 from eagle_backbone.llama import BatchedLlama
-from eagle_backbone.policy import GO, Depth, DraftPolicy, OwnTime, Rows, StaticPolicy, as_draft_policy, go_while
+from eagle_backbone.policy import (GO, Depth, DraftPolicy, EngineView, OwnTime, Rows, StaticPolicy, TreePolicy, as_draft_policy,
+                                   go_while)
 from eagle_backbone.prefill import MAX_BATCHED_TOKENS, MAX_DRAFT, PREFILL_DEFAULT, PrefillScheduling, check_prefill
 from eagle_backbone.ragged import RaggedBatch
 from eagle_backbone.runtime import to_device
@@ -95,9 +96,8 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
     or a drafter model with its ``kind`` (a registered drafter kind, :mod:`eagle_backbone.drafter_kinds`); None
     decodes without drafts.
 
-    ``policy``: a :class:`~eagle_backbone.policy.DraftPolicy` (one instance for every slot), a per-sequence
-    :class:`~eagle_backbone.policy.DraftLengthPolicy` (copied per slot: the slow path) or a zero-argument
-    factory of either; None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot
+    ``policy``: a :class:`~eagle_backbone.policy.DraftPolicy` (one instance for every slot) or a zero-argument
+    factory of one; None means γ = 0 (batched autoregressive decoding). ``capacity``: positions per slot
     (default: the target's context). ``prefill``: "chunked" (default: a step's forward scores at most
     ``max_batched_tokens`` tokens, default :data:`MAX_BATCHED_TOKENS`: the running rows' first, then chunks of
     the prompts being read in the room left), "joined" (new prompts ride whole in the step's target forward as
@@ -153,11 +153,14 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
             self.feat = torch.zeros(slots, buf, candidates.feature_width(target.hidden_size), dtype=target.dtype, device=self.device)
         self.policy: DraftPolicy = StaticPolicy(0) if policy is None else as_draft_policy(policy)
         # a tree policy makes every step grow and verify draft trees (eagle_backbone/tree_draft.py)
-        self.tree: TreeSpec | None = self.policy.tree if candidates is not None else None
+        self.tree: TreeSpec | None = (self.policy.tree if isinstance(self.policy, TreePolicy) and candidates is not None
+                                      else None)
         self.tree_room = self.tree.fed if self.tree is not None else 0  # generator positions a tree feeds
         self.cand = candidates.bound(self) if candidates is not None else None
         self.early_exit = self.device.type != "cuda" if early_exit is None else bool(early_exit)
-        self.policy.bind(self)  # its costs, its models' sizes against the pair: now, not mid-run
+        # its costs, its models' sizes against the pair: now, not mid-run
+        self.policy.bind(EngineView(target, candidates, self.sampling, self.device, attn, self.early_exit,
+                                    self.attach_costs, self._record_costs))
         self.own = OwnTime()  # the policy's own seconds (plan, stop, observe)
         self._timed = type(self.policy).timed is not DraftPolicy.timed  # it measures its steps (goodput feedback)
         # the plan's host-to-device copy goes through one pinned staging buffer on a GPU: reusing it each step
@@ -216,6 +219,12 @@ class BatchedSpeculativeEngine(PrefillScheduling, TreePhases):
         elif not self.cost_model.has_prior and not self.cost_model.frozen and prior is not None:
             self.cost_model.warm_start(prior)
         return self.cost_model
+
+    def _record_costs(self, model) -> None:
+        """A frozen step-cost model a policy plans with: the one whose predictions the step log records, when the
+        engine was given none."""
+        if self.cost_model is None:
+            self.cost_model = model
 
     @property
     def policy_s(self) -> float:

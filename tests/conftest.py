@@ -21,7 +21,7 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from eagle_backbone.drafter import EagleDrafter  # noqa: E402
 from eagle_backbone.eagle3 import Eagle3Drafter  # noqa: E402
-from eagle_backbone.policy import DraftPolicy  # noqa: E402
+from eagle_backbone.policy import TreePolicy  # noqa: E402
 from eagle_backbone.target import TargetModel  # noqa: E402
 from eagle_backbone.tree import MC_SIM_7B_63  # noqa: E402
 from eagle_backbone.tree_draft import TreeSpec  # noqa: E402
@@ -336,7 +336,7 @@ TREE_PROMPTS = prompts_of((5, 12, 3, 8, 6, 1, 9))  # more prompts than slots: ad
 TREE_N = 20
 
 
-class TreePolicy(DraftPolicy):
+class AnyTree(TreePolicy):
     """A tree policy: depth cap ``g`` for every row (or ``caps(slot)``), ``sel(grown, rows)`` the selection
     (default: every valid node); ``outcomes`` keeps what ``verified`` saw when ``record``."""
 

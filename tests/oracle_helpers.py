@@ -13,7 +13,9 @@ import torch
 from conftest import make_drafter, make_target
 
 from eagle_backbone.decoder import autoregressive_generate
-from eagle_backbone.policy import DraftLengthPolicy
+from types import SimpleNamespace
+
+from eagle_backbone.policy import DraftPolicy
 from eagle_backbone.target import TargetModel
 from ldlp.labels.oracle import oracle_labels
 
@@ -76,17 +78,20 @@ def assert_same_rows(a, b, atol=1e-6):
             assert torch.equal(x, y), key
 
 
-class LabelPolicy(DraftLengthPolicy):
-    """Drafts exactly the oracle label at each step and records what the engine showed it."""
+class LabelPolicy(DraftPolicy):
+    """Drafts exactly the oracle label at each step and records what the engine showed it: per row, its
+    ``position`` (tokens generated so far), ``last_token`` and ``feature``. ``label_at(position)``."""
 
     name = "labels"
 
     def __init__(self, label_at):
         self.label_at, self.seen = label_at, []
 
-    def gamma(self, ctx):
-        self.seen.append(ctx)
-        return self.label_at(ctx)
+    def plan(self, rows):
+        for i, p in enumerate(rows.positions):
+            self.seen.append(SimpleNamespace(position=p, last_token=int(rows.last_tokens[i]),
+                                             feature=rows.features[i].clone()))
+        return [self.label_at(p) for p in rows.positions]
 
 
 # the collector's data files (the ``pair_dirs`` fixture of tests/conftest.py writes them)

@@ -15,6 +15,8 @@ from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.policy import EngineView
+from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.harness.replay import OracleRows, replay
@@ -202,16 +204,17 @@ def test_a_head_refuses_another_kinds_drafter_states(mimic, trained, tmp_path):
     cfg["meta"] = {**cfg.get("meta", {}), "drafter_kind": "eagle3"}
     (other / "config.json").write_text(json.dumps(cfg))
     eagle = SimpleNamespace(kind="eagle", drafter=SimpleNamespace(hidden_size=target.hidden_size))
-    AcceptancePolicy(str(head_dir)).check_pair(target, eagle)  # its own kind (or no record): taken
+    view = EngineView(target, eagle, SamplingConfig(), torch.device("cpu"))
+    AcceptancePolicy(str(head_dir)).bind(view)  # its own kind (or no record): taken
     with pytest.raises(ValueError, match="trained on eagle3 drafter states and this pair's drafter is eagle") as e:
-        AcceptancePolicy(str(other)).check_pair(target, eagle)
+        AcceptancePolicy(str(other)).bind(view)
     one_line(e)
     # accept_mismatch=true: taken, and the message recorded for the run's results
     from eagle_backbone.errors import accept_mismatches, accepted_mismatches
 
     accept_mismatches(True)
     try:
-        AcceptancePolicy(str(other)).check_pair(target, eagle)
+        AcceptancePolicy(str(other)).bind(view)
         assert [m.split(":")[0] for m in accepted_mismatches()] == ["acceptance policy"]
     finally:
         accept_mismatches(False)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TreePolicy, ar, noisy_copy, pair_distribution, pooled_chi2_pvalue, prompts_of
+from conftest import AnyTree, ar, noisy_copy, pair_distribution, pooled_chi2_pvalue, prompts_of
 
 from eagle_backbone import sampling as bsampling
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
@@ -22,7 +22,7 @@ from ldlp.bench.harness.workload import run_workload
 from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder
-from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
+from eagle_backbone.policy import DraftPolicy, StaticPolicy, go_while
 from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.tree_draft import TreeSpec
 
@@ -30,28 +30,31 @@ torch.set_num_threads(1)
 EMBEDDED = Path(__file__).resolve().parent.parent / "data" / "embedded"
 
 
-class PromptGamma(DraftLengthPolicy):
+class PromptGamma(DraftPolicy):
     """γ = a slot-specific constant (from its prompt length): different γ per slot, 0 included."""
 
     name = "prompt_gamma"
 
-    def begin(self, prompt_ids):
-        self.g = len(prompt_ids) % 4
+    def __init__(self):
+        self.g = {}
 
-    def gamma(self, ctx):
-        return self.g
+    def begin(self, slot, prompt_ids, max_new_tokens=None):
+        self.g[slot] = len(prompt_ids) % 4
+
+    def plan(self, rows):
+        return [self.g[b] for b in rows.slots]
 
 
-class Varying(DraftLengthPolicy):
-    """γ changes every step (0..4) and the chain may stop early: exercises keep_drafting and ragged drafts."""
+class Varying(DraftPolicy):
+    """γ changes every step (0..4) and the chain may stop early: exercises stop() and ragged drafts."""
 
-    name = "varying"
+    name, reads_drafts = "varying", True
 
-    def gamma(self, ctx):
-        return (ctx.step * 3 + ctx.position) % 5
+    def plan(self, rows):
+        return [(len(a) * 3 + p) % 5 for a, p in zip(rows.accepted, rows.positions)]
 
-    def keep_drafting(self, ctx, i, token, probs):
-        return float(probs.max()) > 0.05 or i < 2
+    def stop(self, d):
+        return go_while((d.probs.max(-1).values > 0.05) | (d.depth < 2))
 
 
 # ---- the compact forward ---------------------------------------------------------------------------
@@ -141,7 +144,7 @@ def test_greedy_identity_varying_gamma_and_early_stop(t32, draft_lm):
 
 
 # a chain of γ = 4, and a tree 2 wide and 4 deep
-EOS_POLICIES = {"chain": lambda: StaticPolicy(4), "tree": lambda: TreePolicy(TreeSpec(2, 4))}
+EOS_POLICIES = {"chain": lambda: StaticPolicy(4), "tree": lambda: AnyTree(TreeSpec(2, 4))}
 
 
 @pytest.mark.parametrize("shape", EOS_POLICIES)
@@ -240,18 +243,15 @@ def _sample_pairs(target, drafter, prompt, slots, runs, temperature):
     return out
 
 
-class Mixed(DraftLengthPolicy):
+class Mixed(PromptGamma):
     """γ from the sequence's seed-free slot order: 0, 1, 2, 3 cycling over admissions."""
 
     name = "mixed"
     counter = 0
 
-    def begin(self, prompt_ids):
+    def begin(self, slot, prompt_ids, max_new_tokens=None):
         Mixed.counter += 1
-        self.g = Mixed.counter % 4
-
-    def gamma(self, ctx):
-        return self.g
+        self.g[slot] = Mixed.counter % 4
 
 
 @pytest.fixture(scope="module")
@@ -302,14 +302,11 @@ def test_a_sequences_samples_do_not_depend_on_the_batch(t32, eagle32, draft_lm, 
 # ---- bad input ----------------------------------------------------------------------------------
 
 
-class NegativeForShort(DraftLengthPolicy):
+class NegativeForShort(PromptGamma):
     name = "negative"
 
-    def begin(self, prompt_ids):
-        self.g = -1 if len(prompt_ids) < 4 else 2
-
-    def gamma(self, ctx):
-        return self.g
+    def begin(self, slot, prompt_ids, max_new_tokens=None):
+        self.g[slot] = -1 if len(prompt_ids) < 4 else 2
 
 
 def test_bad_input_errors(t32, draft_lm):

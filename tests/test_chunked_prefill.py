@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SPECS, TreePolicy, one_line
+from conftest import SPECS, AnyTree, one_line
 
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import StaticPolicy
@@ -101,7 +101,7 @@ def test_chunked_budgets_from_one_token_to_whole_prompts(pairs, budget):
 def test_chunked_greedy_with_draft_trees(pairs, eagle3):
     pair = pairs("float32", eagle3)
     prompts = long_prompts(pair.tokenizer)[:6]
-    got, eng = _run(pair, prompts, "chunked", TreePolicy(SPECS["dyn2x3"], 4), max_new=16, budget=40)
+    got, eng = _run(pair, prompts, "chunked", AnyTree(SPECS["dyn2x3"], 4), max_new=16, budget=40)
     assert got == [pair.target.reference_greedy(p, 16) for p in prompts]
     assert any(r.shape.tree and r.shape.prefill > 0 for r in eng.step_log)  # chunks beside tree rows
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from conftest import EAGLE3_VOCAB as V
-from conftest import (SPECS, TreePolicy, chi2_pvalue, decode, exact_sequence_distribution, make_eagle3, make_target,
+from conftest import (SPECS, AnyTree, chi2_pvalue, decode, exact_sequence_distribution, make_eagle3, make_target,
                       prompts_of)
 
 from eagle_backbone.kinds.eagle3 import Eagle3CandidateGenerator
@@ -61,7 +61,7 @@ def test_greedy_chains_equal_the_targets_decoding(t3, draft_vocab):
 def test_greedy_trees_equal_the_targets_decoding(t3, spec, draft_vocab):
     d = make_eagle3(t3, draft_vocab=draft_vocab)
     prompts = prompts_of((5, 12, 3, 8), vocab=V)
-    eng = BatchedSpeculativeEngine(t3, d, "eagle3", slots=2, policy=TreePolicy(SPECS[spec], 4))
+    eng = BatchedSpeculativeEngine(t3, d, "eagle3", slots=2, policy=AnyTree(SPECS[spec], 4))
     outs = decode(eng, prompts, n=20)
     assert [o.tokens for o in outs] == [t3.reference_greedy(p, 20) for p in prompts]
 
@@ -78,7 +78,7 @@ TINY_PROMPT, SAMPLES = [1, 3], 1200
 
 
 # chains: γ = 2 at temperature 1; trees: dyn2x3 at depth 3 and temperature 0.7 (a tree needs the larger capacity)
-SAMPLED = {"chain": (lambda: StaticPolicy(2), 1.0, 16), "tree": (lambda: TreePolicy(SPECS["dyn2x3"], 3), 0.7, 24)}
+SAMPLED = {"chain": (lambda: StaticPolicy(2), 1.0, 16), "tree": (lambda: AnyTree(SPECS["dyn2x3"], 3), 0.7, 24)}
 
 
 @pytest.mark.parametrize("shape, draft_vocab", [("chain", None), ("chain", 3), ("tree", 3)])

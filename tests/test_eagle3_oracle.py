@@ -40,7 +40,7 @@ def test_labels_give_zero_waste_in_the_engine(t3):
     prompt, budget = [1, 5, 3, 6], 24
     s = _sequence(t3, prompt, budget)
     rows = oracle_labels(t3, d, s, len(prompt), 6)
-    policy = LabelPolicy(lambda ctx: int(rows["label"][ctx.position - 1]))
+    policy = LabelPolicy(lambda position: int(rows["label"][position - 1]))
     out = SpeculativeDecoder(t3, Eagle3CandidateGenerator(d, t3), policy).generate(prompt, budget)
     assert out.tokens == s[len(prompt):] and out.stats.wasted_tokens == 0 and out.stats.accepted_tokens > 0
     for ctx in policy.seen:  # the row's (last token, feature) is the engine's: the target's last hidden state

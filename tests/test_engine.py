@@ -10,7 +10,7 @@ from eagle_backbone.candidates import CandidateGenerator
 from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
-from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
+from eagle_backbone.policy import GO, STOP, DraftPolicy, StaticPolicy
 
 
 class ScriptedCandidates(CandidateGenerator):
@@ -134,23 +134,23 @@ def test_context_end():
     assert len(out.tokens) == 24 - len(prompt) + 1  # up to the last position's prediction, as plain decoding
 
 
-class ZeroThenFour(DraftLengthPolicy):
+class ZeroThenFour(DraftPolicy):
     name = "alternating"
 
-    def gamma(self, ctx):
-        return 0 if ctx.step % 2 == 0 else 4
+    def plan(self, rows):
+        return [0 if len(a) % 2 == 0 else 4 for a in rows.accepted]
 
 
-class StopAfterTwo(DraftLengthPolicy):
-    name = "stop2"
+class StopAfterTwo(DraftPolicy):
+    name, reads_drafts = "stop2", True
 
-    def gamma(self, ctx):
-        assert ctx.embedding.shape == ctx.feature.shape
-        return 6
+    def plan(self, rows):
+        assert rows.embeddings.shape == rows.features.shape
+        return [6] * len(rows)
 
-    def keep_drafting(self, ctx, i, token, probs):
-        assert abs(float(probs.sum()) - 1) < 1e-6
-        return i < 2
+    def stop(self, d):
+        torch.testing.assert_close(d.probs.sum(-1), torch.ones_like(d.probs[:, 0]))
+        return torch.full_like(d.tokens, GO if d.depth < 2 else STOP)
 
 
 def test_gamma_zero_steps_and_early_stop(target, drafter):

@@ -7,7 +7,7 @@ from transformers import LlamaForCausalLM
 from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
-from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
+from eagle_backbone.policy import DraftPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 
 
@@ -38,11 +38,11 @@ def test_gamma_and_sampling_settings(target, drafter):
     with pytest.raises(ValueError, match="gamma"):
         StaticPolicy(-1)
 
-    class Negative(DraftLengthPolicy):
+    class Negative(DraftPolicy):
         name = "negative"
 
-        def gamma(self, ctx):
-            return -2
+        def plan(self, rows):
+            return [-2] * len(rows)
 
     dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), Negative())
     with pytest.raises(ValueError, match="gamma=-2"):

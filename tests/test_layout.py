@@ -511,3 +511,51 @@ def test_the_kind_check_catches_a_branch_on_a_kind_name(tmp_path):
                                   "    z = row.get('drafter_kind') != 'eagle'\n    return layout == 'eagle'\n"})
     assert [f.split(": ")[0] for f in kind_branches(tmp_path, ("pkg",), {"eagle", "eagle3"})] == \
         ["pkg/a.py:2", "pkg/a.py:3", "pkg/a.py:4"]
+
+
+# ---- the policy protocol ---------------------------------------------------------------------------------------
+
+# the protocol's calls: the core, the lifecycle, two optional step hooks; a TreePolicy adds the tree hooks only
+POLICY_CORE = {"plan", "observe", "stop"}
+POLICY_LIFECYCLE = {"bind", "begin", "report"}
+POLICY_STEP_HOOKS = {"reads", "timed"}
+TREE_HOOKS = {"select", "tree_now", "tree_width", "verified"}
+
+
+def _public_methods(cls) -> set[str]:
+    return {n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
+
+
+def test_the_policy_protocol_is_its_core_and_lifecycle_and_trees_are_apart():
+    """``DraftPolicy`` declares ``plan``/``observe``/``stop``, the lifecycle and two optional step hooks, and
+    capabilities as flags; the tree hooks live on ``TreePolicy`` alone; the per-sequence protocol is gone."""
+    import eagle_backbone.policy as protocol
+
+    assert _public_methods(protocol.DraftPolicy) == POLICY_CORE | POLICY_LIFECYCLE | POLICY_STEP_HOOKS
+    assert _public_methods(protocol.TreePolicy) == TREE_HOOKS
+    for gone in ("DraftLengthPolicy", "PerSlot", "OneRow", "DraftContext"):
+        assert not hasattr(protocol, gone), gone
+
+
+def test_every_shipped_policy_binds_to_a_view_and_keeps_tree_hooks_on_trees():
+    """Each policy of ldlp/policies takes an ``EngineView`` at ``bind`` (never the engine: no policy reads the
+    engine's attributes) and defines tree hooks only as a ``TreePolicy``."""
+    import importlib
+    import inspect
+
+    from eagle_backbone.policy import DraftPolicy, TreePolicy
+
+    found = []
+    for f in sorted((REPO_ROOT / "ldlp" / "policies").glob("*.py")):
+        module = importlib.import_module(f"ldlp.policies.{f.stem}")
+        for name, cls in vars(module).items():
+            if not (inspect.isclass(cls) and issubclass(cls, DraftPolicy) and cls.__module__ == module.__name__):
+                continue
+            if list(inspect.signature(cls.bind).parameters) != ["self", "view"]:
+                found.append(f"{f.stem}.{name}.bind{inspect.signature(cls.bind)}")
+            if not issubclass(cls, TreePolicy) and _public_methods(cls) & TREE_HOOKS:
+                found.append(f"{f.stem}.{name}: tree hooks on a chain policy")
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        found += [f"{f.stem}:{n.lineno}: engine.{n.attr}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "engine"]
+    assert found == [], found

@@ -18,7 +18,8 @@ from eagle_backbone.cost import CostTable, check_costs, cost_key, profile_costs,
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder
-from eagle_backbone.policy import Depth, DraftContext, OneRow, Rows
+from eagle_backbone.policy import Depth, Rows
+from ldlp.bench.harness.replay import OneSequence
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.models.calibration import OnlineLogitCalibration
 from ldlp.policies.allocation import allocate_depth, marginal_prefix
@@ -267,23 +268,22 @@ def _drive(pol, costs: CostTable, seed: int, steps: int = 25, rows=(1, 2, 3, 5, 
 
 
 def _drive_batch1(pol, costs: CostTable, seed: int, steps: int = 20) -> str:
-    """Drive ``pol`` as the batch-1 engine does (gamma, keep_drafting per draft, observe)."""
+    """Drive ``pol`` one sequence at a time as replay does (plan, stop per draft, observe)."""
     rng = random.Random(seed)
     pol.pricing.costs = costs
-    state, pol = pol, OneRow(pol)  # a batched policy one sequence at a time
+    state, pol = pol, OneSequence(pol)  # a batched policy one sequence at a time
     pol.begin([])
     out = []
-    for step in range(steps):
-        ctx = DraftContext(step=step, last_token=5, feature=torch.zeros(4), max_gamma=rng.choice([0, 2, 6, 6]))
-        g = pol.gamma(ctx)
+    for _ in range(steps):
+        g = pol.plan(5, torch.zeros(4), cap=rng.choice([0, 2, 6, 6]))
         n = 0
         for i in range(1, g + 1):
             n = i
             p = rng.uniform(0.02, 0.99)
-            if not pol.keep_drafting(ctx, i, 0, torch.tensor([p, p / 2])):
+            if not pol.go_on(i, torch.tensor([p, p / 2])):
                 break
         k = rng.randint(0, n)
-        pol.observe(ctx, n, k)
+        pol.observe(n, k)
         out.append(f"{g}:{n}")
     return ";".join(out) + f"|{state.accept.value:.12f}"
 

@@ -76,11 +76,11 @@ def test_target_prob_semantics(mimic):
 
 def test_labels_give_zero_waste_in_the_engine(mimic):
     """Drafting exactly the label at every step keeps the greedy output and wastes no draft, and the
-    stored (last_token, feature) is what the engine's DraftContext holds at that step."""
+    stored (last_token, feature) is what the engine's rows hold at that step."""
     target, drafter = mimic
     prompt, budget = [5, 9, 11, 3], 40
     response, rows = greedy_oracle(target, drafter, prompt, budget, k_max=6)
-    policy = LabelPolicy(lambda ctx: int(rows["label"][ctx.position - 1]))
+    policy = LabelPolicy(lambda position: int(rows["label"][position - 1]))
     out = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), policy).generate(prompt, budget)
     assert out.tokens == response == autoregressive_generate(target, prompt, budget).tokens
     assert out.stats.wasted_tokens == 0 and out.stats.accepted_tokens > 0
@@ -89,7 +89,7 @@ def test_labels_give_zero_waste_in_the_engine(mimic):
         assert ctx.last_token == int(rows["last_token"][r])
         assert torch.allclose(ctx.feature, rows["feature"][r], atol=1e-9)
     # and one more draft than the label is always one wasted token (when the chain may still go on)
-    greedy_plus = LabelPolicy(lambda ctx: int(rows["label"][ctx.position - 1]) + 1)
+    greedy_plus = LabelPolicy(lambda position: int(rows["label"][position - 1]) + 1)
     more = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), greedy_plus).generate(prompt, budget)
     assert more.tokens == response and more.stats.wasted_tokens > 0
 

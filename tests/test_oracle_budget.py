@@ -137,7 +137,7 @@ def test_greedy_only_and_bad_settings(t32, cand, tmp_path):
     with pytest.raises(ValueError, match="greedy decoding only") as e:
         BatchedSpeculativeEngine(t32, cand, slots=2, policy=pol, sampling=SamplingConfig(temperature=1.0))
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"bind\(engine\)"):
+    with pytest.raises(ValueError, match=r"bind\(view\)"):
         OracleBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny"}).begin(0, [5, 6])
     for bad in ({"k_max": 0}, {"replay_slots": 0}, {"k_max": 2.5}):
         with pytest.raises(ValueError, match="must be an integer >= 1"):

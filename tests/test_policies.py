@@ -3,6 +3,7 @@ float64 models, losslessness of every policy inside the engine, and their YAML f
 
 import copy
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
-from eagle_backbone.policy import DraftContext, DraftPolicy, OneRow
+from ldlp.bench.harness.replay import OneSequence
 from eagle_backbone.sampling import SamplingConfig
 from ldlp.policies.threshold import ConfidencePolicy, DDDPolicy, EntropyPolicy, HeuristicPolicy, LDLPDDDPolicy, LDLPPolicy
 from ldlp.policies.oracles import OraclePolicy
@@ -26,12 +27,16 @@ REPO = Path(__file__).resolve().parent.parent
 D = 32  # hidden size of the conftest targets
 
 
-def ctx(**kw) -> DraftContext:
-    kw.setdefault("step", 0)
-    kw.setdefault("last_token", 5)
-    kw.setdefault("feature", torch.zeros(D))
-    kw.setdefault("max_gamma", 100)
-    return DraftContext(_embed=lambda ids: torch.zeros(len(ids), D), **kw)
+def one_row(policy) -> OneSequence:
+    """``policy`` driven one sequence at a time, as replay drives it (embeddings all zero), its prompt begun."""
+    seq = OneSequence(policy, embed=lambda ids: torch.zeros(len(ids), D))
+    seq.begin([1])
+    return seq
+
+
+def planned(seq: OneSequence) -> int:
+    """The depth ``seq``'s policy plans for a row at last token 5 with a zero feature (cap 100)."""
+    return seq.plan(5, torch.zeros(D), cap=100)
 
 
 def dist(top: float, vocab: int = 10) -> torch.Tensor:
@@ -41,12 +46,12 @@ def dist(top: float, vocab: int = 10) -> torch.Tensor:
     return p
 
 
-def drive(policy, c, probs_seq) -> int:
+def drive(policy, probs_seq) -> int:
     """How many tokens a chain drafts when the drafter's distributions are ``probs_seq`` (token 0 each time)."""
-    policy = OneRow(policy) if isinstance(policy, DraftPolicy) else policy
-    gamma = policy.gamma(c)
+    seq = one_row(policy)
+    gamma = planned(seq)
     for i, p in enumerate(probs_seq[:gamma], 1):
-        if i == gamma or not policy.keep_drafting(c, i, 0, p):
+        if i == gamma or not seq.go_on(i, p):
             return i
     return min(gamma, len(probs_seq))
 
@@ -67,19 +72,19 @@ def ldlp_dir(tmp_path_factory):
 def test_ddd_stops_when_cumulative_logprob_falls_below_threshold():
     policy = DDDPolicy(threshold=math.log(0.5), max_gamma=8)
     # cumulative probabilities 0.9, 0.72, 0.576, 0.4608: the fourth token crosses log 0.5 and ends the chain
-    assert drive(policy, ctx(), [dist(0.9), dist(0.8), dist(0.8), dist(0.8), dist(0.99)]) == 4
-    assert drive(policy, ctx(), [dist(0.4)] * 8) == 1  # the state resets at every gamma()
-    assert drive(policy, ctx(), [dist(1.0)] * 10) == 8  # never below: the cap
+    assert drive(policy, [dist(0.9), dist(0.8), dist(0.8), dist(0.8), dist(0.99)]) == 4
+    assert drive(policy, [dist(0.4)] * 8) == 1  # the state resets at every gamma()
+    assert drive(policy, [dist(1.0)] * 10) == 8  # never below: the cap
 
 
 def test_ldlp_predicts_and_ldlp_ddd_drafts_at_least_that(ldlp_dir):
-    assert OneRow(LDLPPolicy(ldlp_dir)).gamma(ctx()) == 2
-    assert OneRow(LDLPPolicy(ldlp_dir, offset=1)).gamma(ctx()) == 3
-    assert OneRow(LDLPPolicy(ldlp_dir, max_gamma=1)).gamma(ctx()) == 1
+    assert planned(one_row(LDLPPolicy(ldlp_dir))) == 2
+    assert planned(one_row(LDLPPolicy(ldlp_dir, offset=1))) == 3
+    assert planned(one_row(LDLPPolicy(ldlp_dir, max_gamma=1))) == 1
     both = LDLPDDDPolicy(ldlp_dir, threshold=math.log(0.5), max_gamma=8)
-    assert drive(both, ctx(), [dist(0.1)] * 8) == 2  # DDD would stop at 1; the LDLP length comes first
-    assert drive(both, ctx(), [dist(0.95)] * 8) == 8  # DDD keeps going past the LDLP length
-    assert drive(both, ctx(), [dist(0.9), dist(0.9), dist(0.9), dist(0.5), dist(0.9)]) == 4
+    assert drive(both, [dist(0.1)] * 8) == 2  # DDD would stop at 1; the LDLP length comes first
+    assert drive(both, [dist(0.95)] * 8) == 8  # DDD keeps going past the LDLP length
+    assert drive(both, [dist(0.9), dist(0.9), dist(0.9), dist(0.5), dist(0.9)]) == 4
 
 
 def test_ldlp_distribution_head_threshold(tmp_path, ldlp_dir):
@@ -89,9 +94,9 @@ def test_ldlp_distribution_head_threshold(tmp_path, ldlp_dir):
         model.output.weight.zero_()
         model.output.bias.fill_(math.log(0.8 / 0.2))  # every continuation probability is 0.8
     path = str(model.save_pretrained(tmp_path / "dist"))
-    assert OneRow(LDLPPolicy(path)).gamma(ctx()) == 3
-    assert OneRow(LDLPPolicy(path, threshold=0.3)).gamma(ctx()) == 5
-    assert OneRow(LDLPPolicy(path)).gamma(ctx()) == 3  # the shared (cached) model keeps its own threshold
+    assert planned(one_row(LDLPPolicy(path))) == 3
+    assert planned(one_row(LDLPPolicy(path, threshold=0.3))) == 5
+    assert planned(one_row(LDLPPolicy(path))) == 3  # the shared (cached) model keeps its own threshold
     with pytest.raises(ValueError, match="distribution head only"):
         LDLPPolicy(ldlp_dir, threshold=0.3)
 
@@ -103,13 +108,13 @@ def test_ldlp_missing_checkpoint_is_a_clear_error(tmp_path):
 
 def test_confidence_and_entropy_thresholds():
     conf = ConfidencePolicy(threshold=0.5, max_gamma=6)
-    assert drive(conf, ctx(), [dist(0.9), dist(0.6), dist(0.4), dist(0.9)]) == 3
-    assert drive(conf, ctx(), [dist(0.9)] * 10) == 6
+    assert drive(conf, [dist(0.9), dist(0.6), dist(0.4), dist(0.9)]) == 3
+    assert drive(conf, [dist(0.9)] * 10) == 6
     ent = EntropyPolicy(threshold=1.0, max_gamma=6)
     assert EntropyPolicy.entropy(torch.tensor([1.0, 0.0])) == 0.0
     assert abs(EntropyPolicy.entropy(torch.full((4,), 0.25)) - math.log(4)) < 1e-9
     # ten tokens: entropy of dist(0.9) ~ 0.52 nats, of dist(0.3) ~ 2.0 nats
-    assert drive(ent, ctx(), [dist(0.9), dist(0.9), dist(0.3), dist(0.9)]) == 3
+    assert drive(ent, [dist(0.9), dist(0.9), dist(0.3), dist(0.9)]) == 3
     with pytest.raises(ValueError):
         ConfidencePolicy(threshold=1.5)
     with pytest.raises(ValueError):
@@ -117,22 +122,33 @@ def test_confidence_and_entropy_thresholds():
 
 
 def test_heuristic_schedule_matches_transformers():
-    policy = HeuristicPolicy(initial_gamma=5)  # a per-sequence policy: one copy per slot in the engine
-    policy.begin([1])
-    seen = []
+    policy = one_row(HeuristicPolicy(initial_gamma=5))
     for drafted, accepted in [(5, 5), (7, 7), (9, 3), (8, 0), (7, 7), (9, 8), (8, 0), (7, 0), (6, 0), (5, 0),
                               (4, 0), (3, 0), (2, 0), (1, 0)]:
-        seen.append(policy.gamma(ctx()))
-        assert seen[-1] == drafted
-        policy.observe(ctx(), drafted, accepted)
-    assert policy.gamma(ctx()) == 1  # never below 1
+        assert planned(policy) == drafted
+        policy.observe(drafted, accepted)
+    assert planned(policy) == 1  # never below 1
     policy.begin([1])
-    assert policy.gamma(ctx()) == 5  # reset per generation
-    capped = HeuristicPolicy(initial_gamma=5, max_gamma=6)
-    capped.begin([1])
-    capped.gamma(ctx())
-    capped.observe(ctx(), 5, 5)
-    assert capped.gamma(ctx()) == 6
+    assert planned(policy) == 5  # reset per generation
+    capped = one_row(HeuristicPolicy(initial_gamma=5, max_gamma=6))
+    planned(capped)
+    capped.observe(5, 5)
+    assert planned(capped) == 6
+
+
+def test_heuristic_keeps_a_schedule_per_slot():
+    """One instance serves every slot: each row's γ follows its own accept counts, and a new prompt in a slot
+    starts that slot over."""
+    from eagle_backbone.policy import Rows
+
+    policy = HeuristicPolicy(initial_gamma=3)
+    for slot in (0, 1, 2):
+        policy.begin(slot, [1])
+    rows = Rows([0, 1, 2], [8] * 3, [1] * 3, torch.zeros(3, dtype=torch.long), torch.zeros(3, D))
+    policy.observe(rows, [3, 3, 0], [3, 1, 0])  # all kept, one rejected, a plain step
+    assert policy.plan(rows) == [5, 2, 2]
+    policy.begin(1, [7])
+    assert policy.plan(rows) == [5, 3, 2]
 
 
 # -- the oracle and the engine ----------------------------------------------------------------------------
@@ -213,3 +229,55 @@ def test_policy_yaml_files_instantiate(ldlp_dir, tmp_path):
             assert policy.adaptive is (name != "static"), name
             if name == "static":
                 assert policy.fixed_gamma == cfg.policy.gamma
+
+
+# -- docs/policies.md's "Adding one", run as written -------------------------------------------------------------
+
+
+def _recipe_blocks() -> dict[str, str]:
+    """The recipe's code blocks by the file each one's first line names (``# ldlp/policies/mine.py``)."""
+    text = (REPO / "docs" / "policies.md").read_text(encoding="utf-8").split("## Adding one", 1)[1]
+    blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", text, re.S)
+    return {b.splitlines()[0].removeprefix("# ").strip(): b for b in blocks}
+
+
+def test_the_add_a_policy_recipe_runs_as_written(tmp_path, monkeypatch):
+    """The page's file and YAML, nothing else: the class imports as the YAML's ``_target_`` names it, composes as
+    ``policy=mine`` and builds through the scripts' loader, decodes losslessly in the engine (its stop and plan cut
+    the drafts), and replay counts what the engine counted."""
+    import sys
+    import types
+
+    from conftest import compose_config
+    from oracle_helpers import greedy_oracle, mimic_pair
+
+    from eagle_backbone.cost import CostTable
+    from ldlp.bench.harness.loaders import build_policy
+    from ldlp.bench.harness.replay import OracleRows, replay
+
+    blocks = _recipe_blocks()
+    assert sorted(blocks) == ["conf/policy/mine.yaml", "ldlp/policies/mine.py"]  # one file plus a YAML
+    module = types.ModuleType("ldlp.policies.mine")
+    exec(compile(blocks["ldlp/policies/mine.py"], "ldlp/policies/mine.py", "exec"), module.__dict__)
+    monkeypatch.setitem(sys.modules, "ldlp.policies.mine", module)
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "mine.yaml").write_text(blocks["conf/policy/mine.yaml"])
+    # the tiny pair drafts flat distributions: a lower threshold than the YAML's, so that both rules decide
+    cfg = compose_config("evaluate", ["policy=mine", "policy.threshold=0.1", f"hydra.searchpath=[file://{tmp_path}]"])
+    make = lambda: build_policy(cfg.policy)  # noqa: E731
+    assert type(make()).__name__ == "MyPolicy" and (make().threshold, make().max_gamma) == (0.1, 8)
+
+    target, drafter = mimic_pair()
+    cand = EagleCandidateGenerator(drafter, target)
+    prompts, budget = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9]], 36
+    stats = []
+    for p in prompts:
+        out = SpeculativeDecoder(target, cand, make()).generate(p, budget)
+        assert out.tokens == autoregressive_generate(target, p, budget).tokens
+        stats.append(out.stats)
+    lengths = [n for s in stats for n in s.draft_lengths]
+    assert 0 < min(lengths) < max(lengths) <= 8  # the policy decided: not every step drafts to the cap
+    rows = OracleRows.from_sequences([greedy_oracle(target, drafter, p, budget, k_max=8)[1] for p in prompts], budget)
+    res = replay(rows, make(), CostTable.linear(10.0, 1.0), embed=target.embed, vocab_size=target.vocab_size)
+    assert res.drafted == sum(s.drafted_tokens for s in stats)
+    assert res.accepted == sum(s.accepted_tokens for s in stats)

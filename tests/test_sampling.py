@@ -9,7 +9,7 @@ from eagle_backbone import sampling as S
 from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder
-from eagle_backbone.policy import DraftLengthPolicy, StaticPolicy
+from eagle_backbone.policy import DraftPolicy, StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
 
 
@@ -81,26 +81,20 @@ def test_top_k_top_p_sampling_is_lossless_too(tiny_vocab_pair):
 # -- the EAGLE drafter and adaptive policies sample the target's distribution too
 
 
-class RandomGamma(DraftLengthPolicy):
-    """γ drawn at random every step (from its own generator, not the sampler's): a per-sequence policy, the
-    slow path (eagle_backbone.policy.PerSlot)."""
+class RandomGamma(DraftPolicy):
+    """γ drawn at random every step for each row, from the row's own generator (seeded when its prompt enters),
+    not the sampler's: a plan that no acceptance statistic drives."""
 
-    name, adaptive = "random_gamma", True
+    name = "random_gamma"
 
     def __init__(self, max_gamma=4, seed=0):
-        self.rng, self.max_gamma = torch.Generator().manual_seed(seed), max_gamma
+        self.seed, self.max_gamma, self.rng = seed, max_gamma, {}
 
-    def begin(self, prompt_ids):
-        pass
+    def begin(self, slot, prompt_ids, max_new_tokens=None):
+        self.rng[slot] = torch.Generator().manual_seed(self.seed)
 
-    def gamma(self, ctx):
-        return int(torch.randint(0, self.max_gamma + 1, (1,), generator=self.rng))
-
-    def keep_drafting(self, ctx, i, token, probs):
-        return True
-
-    def observe(self, ctx, drafted, accepted):
-        pass
+    def plan(self, rows):
+        return [int(torch.randint(0, self.max_gamma + 1, (1,), generator=self.rng[b])) for b in rows.slots]
 
 
 @pytest.fixture(scope="module")

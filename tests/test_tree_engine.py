@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from conftest import SPECS, TreePolicy, ar, chi2_pvalue, decode, exact_sequence_distribution, prompts_of
+from conftest import SPECS, AnyTree, ar, chi2_pvalue, decode, exact_sequence_distribution, prompts_of
 from conftest import TREE_N as N
 from conftest import TREE_PROMPTS as PROMPTS
 
@@ -69,7 +69,7 @@ def test_greedy_identity(t32, drafters, reference, kind, spec):
     joined_with_tree = []
     for C in (1, 3):
         for attn in ("eager", "sdpa"):
-            engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=C, policy=TreePolicy(SPECS[spec]),
+            engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=C, policy=AnyTree(SPECS[spec]),
                                               attn=attn)
             verify = engine._verify_tree
 
@@ -98,7 +98,7 @@ def test_per_row_depth_caps_and_a_short_budget(t32, drafters):
     for kind in drafters:
         for n in (N, 5):
             engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=4,
-                                              policy=TreePolicy(TreeSpec(3, 3), caps=caps))
+                                              policy=AnyTree(TreeSpec(3, 3), caps=caps))
             out = decode(engine, n=n)
             assert [o.tokens for o in out] == ar(t32, PROMPTS, n)
             assert out[0].stats.drafted_tokens == 0  # prompt 0 sat in slot 0 (depth cap 0)
@@ -112,7 +112,7 @@ def test_a_perfect_drafter_accepts_the_deepest_path(t32):
     prompts = prompts_of((5, 9, 7))
     target = copy.copy(t32)
     target.eos_token_ids = set()  # no EOS: every sequence runs to its budget
-    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=TreePolicy(SPECS["mc_sim_7b_63"]))
+    engine = BatchedSpeculativeEngine(target, t32.model, "draft_lm", slots=3, policy=AnyTree(SPECS["mc_sim_7b_63"]))
     out = engine.generate(prompts, 24)
     assert [o.tokens for o in out] == ar(target, prompts, 24)
     for o in out:
@@ -124,9 +124,9 @@ def test_a_perfect_drafter_accepts_the_deepest_path(t32):
 
 
 POLICIES = {
-    "all_dyn": lambda: TreePolicy(SPECS["dyn3x4"]),
-    "all_static": lambda: TreePolicy(SPECS["mc_sim_7b_63"]),
-    "top_per_row": lambda: TreePolicy(SPECS["dyn3x4"], sel=top_per_row(lambda b: (3 * b + 1) % 7)),
+    "all_dyn": lambda: AnyTree(SPECS["dyn3x4"]),
+    "all_static": lambda: AnyTree(SPECS["mc_sim_7b_63"]),
+    "top_per_row": lambda: AnyTree(SPECS["dyn3x4"], sel=top_per_row(lambda b: (3 * b + 1) % 7)),
 }
 
 
@@ -149,7 +149,7 @@ def test_early_exit_on_and_off_agree(t32, drafters, reference, kind, policy):
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_early_exit_on_and_off_agree_when_sampling(t32, draft_lm, temperature):
     cfg = SamplingConfig(temperature=temperature)
-    runs = [decode(BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=3, policy=TreePolicy(TreeSpec(2, 3)),
+    runs = [decode(BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=3, policy=AnyTree(TreeSpec(2, 3)),
                                             sampling=cfg, early_exit=early), seeds=range(7, 14))
             for early in (True, False)]
     assert [o.tokens for o in runs[0]] == [o.tokens for o in runs[1]]
@@ -162,7 +162,7 @@ def test_early_exit_on_and_off_agree_when_sampling(t32, draft_lm, temperature):
 @pytest.mark.parametrize("g", [1, 3, 5])
 @pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
 def test_width_one_tree_is_the_chain(t32, drafters, reference, kind, g):
-    tree = decode(BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=TreePolicy(TreeSpec(1, g), g)))
+    tree = decode(BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=AnyTree(TreeSpec(1, g), g)))
     chain = decode(BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=StaticPolicy(g)))
     assert [o.tokens for o in tree] == [o.tokens for o in chain] == reference
     assert counters(tree) == counters(chain)
@@ -177,7 +177,7 @@ def test_partial_selection_is_greedy_identical(t32, drafters, reference, kind, e
     """Each row scores its n best nodes, n per slot (0 included: a row with nothing selected beside rows
     with trees, and steps where no row selects anything); drafted counts are the selection's size."""
     n_of = lambda b: (0, 2, 5)[b]
-    policy = TreePolicy(SPECS["dyn3x4"], sel=top_per_row(n_of), record=True)
+    policy = AnyTree(SPECS["dyn3x4"], sel=top_per_row(n_of), record=True)
     engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=policy, early_exit=early_exit)
     out = decode(engine)
     assert [o.tokens for o in out] == reference
@@ -199,7 +199,7 @@ def test_empty_selection_is_plain_decoding(t32, draft_lm, reference, early_exit)
     """A select that keeps nothing: every step is a plain decoding step (nothing drafted, nothing accepted)
     and the output is the target's. With early_exit the step's tree has no node slot at all (a budget
     policy choosing n = 0 for the whole batch does this)."""
-    engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=3, policy=TreePolicy(TreeSpec(2, 3), sel=nothing),
+    engine = BatchedSpeculativeEngine(t32, draft_lm, "draft_lm", slots=3, policy=AnyTree(TreeSpec(2, 3), sel=nothing),
                                       early_exit=early_exit)
     out = decode(engine)
     assert [o.tokens for o in out] == reference
@@ -234,7 +234,7 @@ def test_prompts_near_the_capacity(t32, drafters, kind, spec, early_exit):
     ref = [o.tokens for o in decode(plain, CAP_PROMPTS)]
     assert any(len(r) < N for r in ref)  # the capacity, not the budget, ends some sequences
     for C in (1, 3):
-        engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=C, policy=TreePolicy(SPECS[spec]),
+        engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=C, policy=AnyTree(SPECS[spec]),
                                           capacity=CAP, early_exit=early_exit)
         assert engine.tree_room == SPECS[spec].fed
         out = decode(engine, CAP_PROMPTS)
@@ -257,7 +257,7 @@ def _tree_sample_counts(pair, spec, g, cfg, n=SAMPLES, slots=600):
     counts, accepted = {}, 0
     for start in range(0, n, slots):
         m = min(slots, n - start)
-        engine = BatchedSpeculativeEngine(target, draft.model, "draft_lm", slots=m, policy=TreePolicy(spec, g),
+        engine = BatchedSpeculativeEngine(target, draft.model, "draft_lm", slots=m, policy=AnyTree(spec, g),
                                           sampling=cfg, capacity=16)
         for o in engine.generate([TINY_PROMPT] * m, 5, seeds=range(start, start + m)):
             key = tuple(o.tokens[:3])
@@ -291,7 +291,7 @@ def test_chi_square_has_power_against_a_broken_sibling_rejection(tiny_vocab_pair
 def test_seeded_sampling_repeats(t32, drafters, kind):
     """The same command twice (fresh engines, same seeds): the same tokens and counters."""
     cfg = SamplingConfig(temperature=1.0)
-    runs = [decode(BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=TreePolicy(SPECS["dyn2x3"]),
+    runs = [decode(BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=AnyTree(SPECS["dyn2x3"]),
                                             sampling=cfg), seeds=range(100, 107))
             for _ in range(2)]
     assert [o.tokens for o in runs[0]] == [o.tokens for o in runs[1]]
@@ -302,7 +302,7 @@ def test_seeded_sampling_repeats(t32, drafters, kind):
 @pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
 def test_a_sequences_samples_do_not_depend_on_the_batch(t32, drafters, kind):
     cfg = SamplingConfig(temperature=1.0)
-    policy = lambda: TreePolicy(SPECS["static_small"])
+    policy = lambda: AnyTree(SPECS["static_small"])
     alone = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=1, policy=policy(), sampling=cfg)
     ref = alone.generate(PROMPTS[1:2], 16, seeds=[42])[0]
     both = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=policy(), sampling=cfg)
@@ -323,7 +323,7 @@ def test_every_grown_node_has_its_paths_draft_distribution(t32, drafters, kind, 
     ancestors only, rotated at its depth, whatever else sits in the drafter's cache."""
     from eagle_backbone.tree_draft import grow_tree
 
-    engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=2, policy=TreePolicy(spec))
+    engine = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=2, policy=AnyTree(spec))
     for b, p in enumerate(prompts_of((9, 13), seed=3)):
         engine.admit(b, p, 16, request=b)
     engine.step()  # the prefill

@@ -9,7 +9,7 @@ longest common prefix of that draft and ``s[i+1 : i+1+k_max]``: under greedy dec
 exactly that many tokens keeps the output, spends the fewest target passes and wastes no draft.
 
 Each row also records what a draft-length predictor sees before drafting at ``i`` (``last_token =
-s[i]`` and ``feature = f_{i-1}``, the feature whose logits produced ``s[i]``: ``DraftContext.feature``
+s[i]`` and ``feature = f_{i-1}``, the feature whose logits produced ``s[i]``: ``Rows.features``
 in the engine) and, for every drafted step ``m = 1..k_max``, the drafter's top-1 probability and
 entropy (softmax at temperature 1), its state (the hidden state its LM head read, which
 :class:`ldlp.models.acceptance.AcceptanceHead` reads) and the target's probability of the drafted token
@@ -292,7 +292,7 @@ def recompute_features(target: TargetModel, input_ids, prompt_len: int) -> torch
 #   (width k·d), and drafts from its own pre-norm states; its distribution is
 #   :meth:`~eagle_backbone.eagle3.Eagle3Drafter.full_logits` (the draft vocabulary mapped to the target's);
 # * ``feature`` is still ``f_{i-1}``, the target's final-normed last hidden state (width d): what the engine's
-#   ``DraftContext.feature`` / ``Rows.features`` (``engine.last_feat``) hold, and what the LDLP reads,
+#   ``Rows.features`` (``engine.last_feat``) hold, and what the LDLP reads,
 #   whichever the drafter;
 # * ``draft_state`` is the drafter's pre-norm state at each step (width d): what the generator hands the
 #   acceptance head.

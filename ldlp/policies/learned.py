@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from scipy.special import expit
 
-from eagle_backbone.policy import GO, Depth, DraftPolicy, Rows, int_at_least
+from eagle_backbone.policy import GO, Depth, DraftPolicy, EngineView, Rows, int_at_least
 from eagle_backbone.runtime import to_device
 from ldlp.models.calibration import OnlineLogitCalibration, logit
 from ldlp.models.features import DRAFT_PREV_DEPTHS, GROUPS, step_features
@@ -187,7 +187,7 @@ class LearnedPolicy(DraftPolicy):
 
     It plans ahead: right after verification, on the device, from the step just verified (its accept counts and
     the drafter's top-1 probabilities, not yet read), so its γ rides in the step's one host read. Replay drives
-    the same object through :class:`~eagle_backbone.policy.OneRow`.
+    the same object one row at a time (:class:`~ldlp.bench.harness.replay.OneSequence`).
 
     Deployed (``path``: an LDLP folder whose ``inputs`` name its feature groups, ``policy=learned``) it prices steps
     by the engine's step-cost model (:class:`~ldlp.policies.pricing.StepPricing`, as the load-aware policies) at the
@@ -251,22 +251,18 @@ class LearnedPolicy(DraftPolicy):
         self._depths: list[tuple[int, list[int], torch.Tensor]] = []  # this step's (depth, rows, top-1s), on the device
 
     # ---- prices ----
-    def check_pair(self, target, candidates) -> None:
-        config = getattr(self.predictor, "config", None)
+    def bind(self, view: EngineView) -> None:
+        config, target = getattr(self.predictor, "config", None), view.target
         if config is not None and getattr(target, "hidden_size", config.feature_dim) != config.feature_dim:
             raise ValueError(f"learned policy: {self.path} reads features of size {config.feature_dim} but this "
                              f"target's have size {target.hidden_size}: it was built for another target")
-
-    def bind(self, engine) -> None:
-        super().bind(engine)
         if self.recalibrate is None:  # null: only off the labels' conditions (greedy labels, a sampling engine)
-            sampling = getattr(engine, "sampling", None)
-            if sampling is None or sampling.greedy:
+            if view.greedy:
                 self.calibration = None
             elif self.calibration is None:
                 self.calibration = HazardCalibration()
         if self.pricing is not None:
-            self.pricing.bind(engine)
+            self.pricing.bind(view)
 
     def seconds(self) -> np.ndarray:
         """The seconds table at the current load (``_rows``); given (the study), the same at every load."""

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from eagle_backbone.errors import mismatch
-from eagle_backbone.policy import DROP, GO, Depth, DraftPolicy, Rows, int_at_least
+from eagle_backbone.policy import DROP, GO, Depth, DraftPolicy, EngineView, Rows, int_at_least
 from ldlp.models.calibration import EPS, OnlineLogitCalibration
 from ldlp.policies.allocation import allocate_depth, allocate_depth_host
 from ldlp.policies.goodput import PLAN, StepReward, arm_priors, goodput_of
@@ -129,11 +129,11 @@ class LoadAwarePolicy(DraftPolicy):
         return self.pricing.costs
 
     # ---- setup --------------------------------------------------------------------------------------
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        self.temperature = 0.0 if engine.sampling.greedy else float(engine.sampling.temperature)
-        self.device = engine.device
-        self.pricing.bind(engine)
+    def bind(self, view: EngineView) -> None:
+        super().bind(view)
+        self.temperature = 0.0 if view.greedy else float(view.sampling.temperature)
+        self.device = view.device
+        self.pricing.bind(view)
 
     # ---- the plan -----------------------------------------------------------------------------------
     def _start(self, caps: list[int], g: int) -> tuple[list[int], DraftState]:
@@ -225,22 +225,22 @@ class _PerSlotEstimates(LoadAwarePolicy):
         self._host_ok = False  # a CPU engine that reads each depth's codes (bind)
         self.update_every = 32  # outcomes per Newton step of the correction
 
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        if engine.kind is None:
+    def bind(self, view: EngineView) -> None:
+        super().bind(view)
+        if view.kind is None:
             return
-        target = engine.target
+        target = view.target
         self.calibration.to(target.device)
         self._wc = self._wc.to(target.device)
         if self.estimator_spec != "confidence":
-            if "acceptance" not in engine.candidates.labelled_by:  # heads learn from acceptance labels of its states
+            if "acceptance" not in view.candidates.labelled_by:  # heads learn from acceptance labels of its states
                 raise ValueError("load_aware policy: a draft acceptance head reads EAGLE drafter states; with a draft "
                                  "LM use estimator=confidence")
             self.head = load_head_for_temperature(self.estimator_spec, self.temperature).to(target.device)
             kind = (self.head.config.meta or {}).get("drafter_kind")
-            if kind is not None and kind != engine.candidates.kind:  # same width, states of another meaning
+            if kind is not None and kind != view.kind:  # same width, states of another meaning
                 mismatch(f"load_aware policy: {self.estimator_spec} was trained on {kind} drafter states and this "
-                         f"pair's drafter is {engine.candidates.kind}: train heads on its labels")
+                         f"pair's drafter is {view.kind}: train heads on its labels")
             if self.head.config.hidden_size != target.hidden_size:
                 raise ValueError(f"load_aware policy: {self.estimator_spec} was trained for hidden size "
                                  f"{self.head.config.hidden_size}, the target has {target.hidden_size}")
@@ -288,9 +288,9 @@ class LoadAwareMarginal(_PerSlotEstimates):
 
     host_rows = 4
 
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        self._host_ok = engine.device.type == "cpu" and bool(engine.early_exit)
+    def bind(self, view: EngineView) -> None:
+        super().bind(view)
+        self._host_ok = view.device.type == "cpu" and bool(view.early_exit)
         if self._host_ok:
             self._wc_host = tuple(self._wc.tolist())
 

@@ -41,7 +41,7 @@ import weakref
 import numpy as np
 
 from eagle_backbone.cost import CostTable
-from eagle_backbone.policy import DraftPolicy, Rows, StaticPolicy, int_at_least
+from eagle_backbone.policy import DraftPolicy, EngineView, Rows, StaticPolicy, int_at_least
 from ldlp.policies.pricing import FeedRate, StepPricing
 
 # ---- the chain oracle ------------------------------------------------------------------------------------
@@ -57,17 +57,17 @@ class KnownAcceptance:
         self.pair = None
         self.by_slot: dict[int, dict[int, int]] = {}  # slot -> position -> drafts the target accepts there
 
-    def bind(self, engine) -> None:
-        if not engine.sampling.greedy:
+    def bind(self, view: EngineView) -> None:
+        if not view.greedy:
             raise ValueError(f"{self.policy} policy: it is defined for greedy decoding only (generation.temperature=0); "
-                             f"got temperature={engine.sampling.temperature}")
-        if engine.candidates is None:
+                             f"got temperature={view.sampling.temperature}")
+        if view.candidates is None:
             raise ValueError(f"{self.policy} policy: it replays speculative decoding, and the engine has no drafter")
-        self.pair = (engine.target, engine.candidates)
+        self.pair = (view.target, view.candidates)
 
     def begin(self, slot: int, prompt_ids, max_new_tokens: int | None) -> None:
         if self.pair is None or max_new_tokens is None:
-            raise ValueError(f"{self.policy} policy: it serves an engine's prompts (bind(engine), then "
+            raise ValueError(f"{self.policy} policy: it serves an engine's prompts (bind(view), then "
                              "begin(slot, prompt_ids, max_new_tokens)): it needs the models and the budget to know "
                              "what the target will accept")
         target, candidates = self.pair
@@ -105,9 +105,8 @@ class OraclePolicy(DraftPolicy):
         self.k_max = self.max_gamma = int_at_least(self.name, "k_max", k_max, 1)
         self.known = KnownAcceptance(self.name, self.k_max, every_position=False)
 
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        self.known.bind(engine)
+    def bind(self, view: EngineView) -> None:
+        self.known.bind(view)
 
     def begin(self, slot: int, prompt_ids, max_new_tokens: int | None = None) -> None:
         self.known.begin(slot, prompt_ids, max_new_tokens)
@@ -300,10 +299,9 @@ class OracleBudgetPolicy(DraftPolicy):
     def costs(self):
         return self.pricing.costs
 
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        self.known.bind(engine)
-        self.pricing.bind(engine)
+    def bind(self, view: EngineView) -> None:
+        self.known.bind(view)
+        self.pricing.bind(view)
 
     def begin(self, slot: int, prompt_ids, max_new_tokens: int | None = None) -> None:
         self.known.begin(slot, prompt_ids, max_new_tokens)

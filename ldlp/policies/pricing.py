@@ -122,12 +122,13 @@ class StepPricing:
         return cls(policy, p.get("cost_dir"), p.get("model"), p.get("cost_table"), p.get("profile_if_missing", True),
                    p.get("online_costs", True), p.get("cost_model"), model_options)
 
-    def bind(self, engine) -> None:
-        """The table for this engine's setup (profiled with engines like it, when missing) and the costs."""
-        self.device = engine.device
-        if engine.kind is None:
+    def bind(self, view) -> None:
+        """The table for this engine's setup (an :class:`~eagle_backbone.policy.EngineView`; profiled with engines
+        like it, when missing) and the costs."""
+        self.device = view.device
+        if view.kind is None:
             return  # nothing to draft with: every step is plain decoding
-        self.table = self._table(engine.target, engine.candidates, engine.attn)
+        self.table = self._table(view.target, view.candidates, view.attn)
         if self.cost_model_path is not None:
             self.costs = OnlineCostModel.load(self.cost_model_path)
             wrong = key_mismatch(self.costs.key, getattr(self.table, "key", None))
@@ -135,12 +136,11 @@ class StepPricing:
                 mismatch(f"{self.policy} policy: cost_model={self.cost_model_path} was measured on another setup "
                          f"than this engine's ({'; '.join(wrong[:4])}); fit one on this setup "
                          "(scripts/bench_batch.py writes step_costs.json)")
-            if engine.cost_model is None:  # the engine records the frozen model's predictions
-                engine.cost_model = self.costs
+            view.record_costs(self.costs)  # the engine records the frozen model's predictions
         elif not self.online:
             self.costs = self.table
         else:
-            self.costs = engine.attach_costs(self.table, **self.model_options)
+            self.costs = view.attach_costs(self.table, **self.model_options)
 
     def _table(self, target, candidates, attn: str) -> CostTable:
         from eagle_backbone.batched_engine import BatchedSpeculativeEngine

@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 from eagle_backbone.errors import mismatch
-from eagle_backbone.policy import (GO, STOP, Depth, DraftContext, DraftLengthPolicy, DraftPolicy, Rows, go_while,
-                                   int_at_least)
+from eagle_backbone.policy import GO, STOP, Depth, DraftPolicy, EngineView, Rows, go_while, int_at_least
 from ldlp.models.acceptance import MIN_LOG_P
 
 __all__ = ["LDLPPolicy", "DDDPolicy", "LDLPDDDPolicy", "ConfidencePolicy", "EntropyPolicy", "AcceptancePolicy",
@@ -92,8 +91,8 @@ class LDLPPolicy(DraftPolicy):
         self.offset = offset  # added to the prediction (AdaEAGLE drafts the predicted length; +1 hedges)
         self._cpu = None  # the one-row numpy path (_one_row_cpu), per model object
 
-    def check_pair(self, target, candidates) -> None:
-        d = self.model.config.feature_dim
+    def bind(self, view: EngineView) -> None:
+        d, target = self.model.config.feature_dim, view.target
         if d != target.hidden_size:
             raise ValueError(f"ldlp policy: {self.path}/config.json has input_dim={self.model.config.input_dim} "
                              f"(features of size {d}) but the target's embeddings and features have size "
@@ -150,8 +149,8 @@ class LDLPDDDPolicy(DraftPolicy):
         self.max_gamma = max_gamma
         self._length = _PerSlotState(0, torch.long)
 
-    def check_pair(self, target, candidates) -> None:
-        self.ldlp.check_pair(target, candidates)
+    def bind(self, view: EngineView) -> None:
+        self.ldlp.bind(view)
 
     def plan(self, rows: Rows) -> list[int]:
         lengths = self._length.at(rows.slots, rows.features.device)
@@ -236,7 +235,8 @@ class AcceptancePolicy(DraftPolicy):
         self._one = False  # this step is one row on a CPU: decided on the host (_one_row_cpu)
         self._host_codes = True  # the engine reads the stop codes on the host (early_exit): reading floats is free
 
-    def check_pair(self, target, candidates) -> None:
+    def bind(self, view: EngineView) -> None:
+        candidates = view.candidates
         drafter = getattr(candidates, "drafter", None)
         width = getattr(drafter, "hidden_size", None)
         if width is None:
@@ -251,12 +251,8 @@ class AcceptancePolicy(DraftPolicy):
                              f"{self.head.config.hidden_size} but this drafter's states have size {width}: the head "
                              "was trained for another drafter; train one for it (python scripts/train_acceptance.py) "
                              "or point policy.path at it")
-
-
-    def bind(self, engine) -> None:
-        super().bind(engine)
         # an engine that keeps the codes on the device (as on a GPU) gets them as masks: no read of ours either
-        self._host_codes = bool(getattr(engine, "early_exit", True))
+        self._host_codes = bool(view.early_exit)
 
     def stop(self, d: Depth) -> torch.Tensor:
         if d.states is None:
@@ -283,11 +279,11 @@ class AcceptancePolicy(DraftPolicy):
         return GO if self.head.probability(d.states[0], log_p, self._cum, d.depth) >= self.threshold else STOP
 
 
-class HeuristicPolicy(DraftLengthPolicy):
+class HeuristicPolicy(DraftPolicy):
     """transformers' ``num_assistant_tokens_schedule="heuristic"``, reset at every generation
-    (``"heuristic_transient"``) so that results do not depend on the order of the prompts. Written to the
-    per-sequence protocol (:class:`~eagle_backbone.policy.DraftLengthPolicy`, one copy per slot through
-    :class:`~eagle_backbone.policy.PerSlot`): it decides on host counts alone, so that path costs it no read."""
+    (``"heuristic_transient"``) so that results do not depend on the order of the prompts: each slot's γ grows
+    by 2 after a step whose drafts were all kept and shrinks by 1 otherwise. It decides on host counts alone, so
+    it costs no read."""
 
     name = "heuristic"
 
@@ -297,14 +293,16 @@ class HeuristicPolicy(DraftLengthPolicy):
         if self.max_gamma is not None and self.initial_gamma > self.max_gamma:  # it would draft past max_gamma
             raise ValueError(f"{self.name} policy: initial_gamma={self.initial_gamma} is above "
                              f"max_gamma={self.max_gamma}; lower it or raise max_gamma")
-        self._gamma = self.initial_gamma
+        self._gamma: dict[int, int] = {}  # slot -> its γ
 
-    def begin(self, prompt_ids) -> None:
-        self._gamma = self.initial_gamma
+    def begin(self, slot: int, prompt_ids, max_new_tokens: int | None = None) -> None:
+        self._gamma[slot] = self.initial_gamma
 
-    def gamma(self, ctx: DraftContext) -> int:
-        return self._gamma
+    def plan(self, rows: Rows) -> list[int]:
+        return [self._gamma.get(b, self.initial_gamma) for b in rows.slots]
 
-    def observe(self, ctx: DraftContext, drafted: int, accepted: int) -> None:
-        g = self._gamma + 2 if drafted > 0 and accepted == drafted else max(1, self._gamma - 1)
-        self._gamma = g if self.max_gamma is None else min(g, self.max_gamma)
+    def observe(self, rows: Rows, drafted: list[int], accepted: list[int], extra: dict | None = None) -> None:
+        for b, n, a in zip(rows.slots, drafted, accepted):
+            g = self._gamma.get(b, self.initial_gamma)
+            g = g + 2 if n > 0 and a == n else max(1, g - 1)
+            self._gamma[b] = g if self.max_gamma is None else min(g, self.max_gamma)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle_backbone.policy import DraftPolicy, Rows, TreeOutcome, int_at_least
+from eagle_backbone.policy import EngineView, Rows, TreeOutcome, TreePolicy, int_at_least
 from eagle_backbone.step_cost import OnlineCostModel
 from eagle_backbone.tree import MC_SIM_7B_63, path_values, select_budget, top_nodes
 from eagle_backbone.tree_draft import GrownTree, TreeSpec
@@ -31,7 +31,7 @@ from ldlp.policies.pricing import DraftGate, FeedRate, RunningRate, StepPricing
 SHAPES = {"mc_sim_7b_63": MC_SIM_7B_63}  # named static trees (EAGLE's tree_choices format)
 
 
-class StaticTreePolicy(DraftPolicy):
+class StaticTreePolicy(TreePolicy):
     """A fixed tree shape every step: ``paths`` a name in :data:`SHAPES` or a list of index paths
     (EAGLE/Medusa ``tree_choices``: [0] the top draft, [0, 1] its second child, ...)."""
 
@@ -55,7 +55,7 @@ class StaticTreePolicy(DraftPolicy):
 
 
 
-class Eagle2TreePolicy(DraftPolicy):
+class Eagle2TreePolicy(TreePolicy):
     """EAGLE-2: ``top_k`` frontier and children, ``depth`` depths, the best ``total_tokens`` nodes of each row
     by cumulative draft log-probability (EAGLE-2's reranking)."""
 
@@ -75,7 +75,7 @@ class Eagle2TreePolicy(DraftPolicy):
         return self.total_tokens
 
 
-class TreeBudgetPolicy(DraftPolicy):
+class TreeBudgetPolicy(TreePolicy):
     """Dynamic trees under one batch-wide, cost-chosen budget (module docstring). Holds what the load-aware
     policies hold: the step's prices (:class:`~ldlp.policies.pricing.StepPricing`: ``cost_dir``/``cost_table``,
     profiled on first use when missing), the gate that decides whether a step drafts, and running rates.
@@ -137,12 +137,12 @@ class TreeBudgetPolicy(DraftPolicy):
     def costs(self):
         return self.pricing.costs
 
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        self.device = engine.device
-        self.pricing.bind(engine)
+    def bind(self, view: EngineView) -> None:
+        super().bind(view)
+        self.device = view.device
+        self.pricing.bind(view)
         if self.calibration is not None:
-            self.calibration.to(engine.device)
+            self.calibration.to(view.device)
 
     def tree_ms(self) -> float:
         """The tree machinery's own cost a step: the online model's (learned from timed tree steps, starting

@@ -4,7 +4,7 @@ Under greedy chain drafting everything a policy can see and everything that foll
 is in the oracle rows: at a position the drafter's k_max-token chain is fixed (its top-1 probability
 and entropy per step are stored), and drafting k tokens there keeps ``min(label, k)`` of them and
 moves ``min(label, k) + 1`` positions on. :func:`replay` therefore walks each collected sequence the
-way the engine would, asking the *real* policy objects (``gamma``, ``keep_drafting``, ``observe``), and
+way the engine would, asking the *real* policy objects (``plan``, ``stop``, ``observe`` on one row: :class:`OneSequence`), and
 counts target forwards, drafted and accepted tokens exactly, without running a model. Only time is
 modelled, by anything with the step formula of :meth:`CostTable.step_ms <eagle_backbone.cost.CostTable.step_ms>`,
 read at one slot (:func:`step_seconds`). ``scripts/tune_policies.py`` prices by the engines' step-cost model,
@@ -13,7 +13,7 @@ from this setup's profiled :class:`~eagle_backbone.cost.CostTable`, profiled at 
 :func:`ldlp.bench.harness.loaders.replay_costs`); :meth:`CostTable.linear <eagle_backbone.cost.CostTable.linear>` builds
 a synthetic linear table, and :func:`fit_costs` fits one to timed generations.
 
-``keep_drafting`` receives a stand-in for the drafter's distribution with the stored top-1
+``stop`` receives a stand-in for the drafter's distribution with the stored top-1
 probability as its largest entry and (to rounding) the stored entropy: enough for the rules that read
 the drafted token's probability, the top probability or the entropy; a policy that reads more of the
 distribution cannot be replayed.
@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from eagle_backbone.cost import CostTable
-from eagle_backbone.policy import DraftContext, DraftLengthPolicy, DraftPolicy, OneRow
+from eagle_backbone.policy import GO, Depth, DraftPolicy, EngineView, Rows
+from eagle_backbone.runtime import to_device
+from eagle_backbone.sampling import SamplingConfig
 from eagle_backbone.step_cost import nonnegative_least_squares
 from ldlp.bench.harness.stats import headroom_captured
 from ldlp.policies.learned import step_seconds  # noqa: F401  (replay prices a step as the learned policy does)
@@ -47,6 +49,55 @@ def costs_record(costs) -> dict:
         return {"source": "linear", **costs.meta["linear"]}
     return {"source": "cost_table", "path": (costs.meta or {}).get("path"), "key": costs.key, "slots": 1,
             "step_ms": costs.step_ms(1, [], 1, 1), "draft_ms": costs.draft_ms(1, 1)}
+
+
+class OneSequence:
+    """Drives a batched policy over one sequence the way the engine drives one of its rows (slot ``slot``): replay's
+    walk, and any tool that asks what a policy would do for one row. ``plan`` builds the step's :class:`Rows` of one
+    row, ``go_on`` hands ``stop`` each drafted depth (the chain's log-probability summed in float64, as the engine
+    does), ``observe`` the step's counts with the host values of the policy's ``reads()``."""
+
+    def __init__(self, policy: DraftPolicy, embed=None, slot: int = 0):
+        self.policy, self.embed, self.slot = policy, embed, slot
+        self._rows: Rows | None = None
+        self._logp = 0.0
+
+    def begin(self, prompt_ids=()) -> None:
+        self.policy.begin(self.slot, list(prompt_ids))
+
+    def plan(self, last_token: int, feature: torch.Tensor, position: int = 0, cap: int = 0, accepted=(), drafted=(),
+             target_stats: torch.Tensor | None = None) -> int:
+        """The depth the policy plans for this row (``cap``: what budget and context allow, as the engine's
+        ``rows.caps``; a policy that plans ahead sees none, as in the engine)."""
+        self._logp = 0.0
+        self._rows = Rows([self.slot], None if self.policy.plans_ahead else [cap], [position],
+                          to_device([last_token], feature.device), feature[None], [list(accepted)], [list(drafted)],
+                          self.embed, [last_token], given_target_stats=None if target_stats is None else target_stats[None])
+        return int(self.policy.plan(self._rows)[0])
+
+    def go_on(self, depth: int, probs: torch.Tensor, token: int = 0, state: torch.Tensor | None = None) -> bool:
+        """Whether the chain drafts past ``depth`` (1-based) after drafting ``token`` from ``probs``."""
+        if not self.policy.reads_drafts:
+            return True
+        dev, p = probs.device, float(probs[token])
+        self._logp += float(torch.log(torch.tensor(p, dtype=torch.float64))) if p > 0 else float("-inf")
+        d = Depth(depth, [0], to_device([self.slot], dev), to_device([token], dev), probs[None],
+                  None if state is None else state[None], torch.tensor([self._logp], dtype=torch.float32, device=dev))
+        return int(self.policy.stop(d)[0]) == GO
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        extra = {k: v.tolist() for k, v in self.policy.reads().items()}
+        self.policy.observe(self._rows, [drafted], [accepted], extra)
+        self._rows = None
+
+
+def replay_view(feature_size: int, state_size: int | None = None) -> EngineView:
+    """What a policy bound in replay sees: a target of ``feature_size`` features and a drafter of ``state_size``
+    states (no models, no drafter kind: nothing to profile), greedy, on the CPU."""
+    from types import SimpleNamespace
+
+    candidates = SimpleNamespace(kind=None, drafter=SimpleNamespace(hidden_size=state_size))
+    return EngineView(SimpleNamespace(hidden_size=feature_size), candidates, SamplingConfig(), torch.device("cpu"))
 
 
 @dataclass
@@ -137,42 +188,38 @@ class OracleRows:
         return len(self.cols["label"])
 
 
-def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, costs: CostTable, embed=None, vocab_size: int = 2 ** 15,
+def replay(rows: OracleRows, policy: DraftPolicy | str, costs: CostTable, embed=None, vocab_size: int = 2 ** 15,
            oracle_cap: int = 8, on_step=None) -> ReplayResult:
     """Walk every sequence as the engine would under ``policy`` (or ``"oracle"``: draft exactly what the
     target accepts, at most ``oracle_cap``). ``embed`` maps token ids to target embeddings (the LDLP
-    reads them); the row's stored feature is the context's feature, its stored target_stats the context's
-    ``target_stats``, and its stored drafter states are ``ctx.draft_state`` (acceptance heads read them).
+    reads them); the row's stored feature is ``rows.features``, its stored target_stats ``rows.target_stats``, and
+    its stored drafter states are ``Depth.states`` (acceptance heads read them).
     As in the engine, a policy that reads drafts sees every drafted depth, the last one too.
     ``on_step(row, drafted, accepted)``, when given, is called after each step with the row it started at."""
     c, res = rows.cols, ReplayResult()
     stats = c.get("target_stats")
     states = c.get("draft_state")
-    if isinstance(policy, (DraftPolicy, DraftLengthPolicy)) and rows.has_features and states is not None:
+    if isinstance(policy, DraftPolicy) and rows.has_features and states is not None:
         # a predictor or head of other sizes than the stored rows fails here, not at the first step
-        from types import SimpleNamespace
-
-        d = np.asarray(c["feature"][0]).shape[-1]
-        policy.check_pair(SimpleNamespace(hidden_size=d),
-                          SimpleNamespace(drafter=SimpleNamespace(hidden_size=states.shape[-1])))
+        policy.bind(replay_view(np.asarray(c["feature"][0]).shape[-1], states.shape[-1]))
     pricing = getattr(policy, "pricing", None)
     if pricing is not None and pricing.costs is None:  # a policy that prices its choices as the engine does
         pricing.costs = costs  # (policy=learned): by the table that prices replay's steps, no engine to bind
     if isinstance(policy, DraftPolicy):
-        policy = OneRow(policy)  # a batched policy asked one sequence at a time
+        policy = OneSequence(policy, embed)  # a batched policy asked one sequence at a time
     for start, end in rows.sequences:
         index = c["index"][start:end]
         first = int(index[0])
         where = {int(i): start + j for j, i in enumerate(index)}
         if not isinstance(policy, str):
-            policy.begin([])
+            policy.begin()
         accepted_hist: list[int] = []
         drafted_hist: list[int] = []
-        pos, step = first, 0
+        pos = first
         while pos in where:
             r = where[pos]
             label, remaining = int(c["label"][r]), int(c["remaining"][r])
-            position = pos - first + 1  # tokens generated so far, as DraftContext.position
+            position = pos - first + 1  # tokens generated so far, as the engine's rows.positions
             # the engine caps γ by the budget (a response that ended with EOS had room for more drafts)
             left = rows.max_new_tokens - position if rows.max_new_tokens else remaining
             max_gamma = max(0, min(rows.k_max, left - 1))
@@ -181,18 +228,15 @@ def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, cost
             else:
                 feature = torch.from_numpy(np.asarray(c["feature"][r], dtype=np.float32)) if rows.has_features \
                     else torch.zeros(1)
-                ctx = DraftContext(step=step, last_token=int(c["last_token"][r]), feature=feature,
-                                   accepted_history=accepted_hist, drafted_history=drafted_hist,
-                                   position=position, max_gamma=max_gamma, _embed=embed,
-                                   _target_stats=None if stats is None else torch.from_numpy(np.asarray(stats[r])))
-                gamma = min(int(policy.gamma(ctx)), max_gamma)
+                gamma = min(policy.plan(int(c["last_token"][r]), feature, position, max_gamma, accepted_hist,
+                                        drafted_hist, None if stats is None else torch.from_numpy(np.asarray(stats[r]))),
+                            max_gamma)
                 k = 0
                 for i in range(1, gamma + 1):
                     k = i
                     probs = stand_in_probs(c["draft_top1_prob"][r][i - 1], c["draft_entropy"][r][i - 1], vocab_size)
-                    if states is not None:
-                        ctx.draft_state = torch.from_numpy(states[r, i - 1])
-                    if not policy.keep_drafting(ctx, i, 0, probs) or i == gamma:  # the last depth is kept either way
+                    state = torch.from_numpy(states[r, i - 1]) if states is not None else None
+                    if not policy.go_on(i, probs, 0, state) or i == gamma:  # the last depth is kept either way
                         break
             a = min(label, k)
             res.steps += 1
@@ -203,11 +247,10 @@ def replay(rows: OracleRows, policy: DraftPolicy | DraftLengthPolicy | str, cost
             if not isinstance(policy, str):
                 accepted_hist.append(a)
                 drafted_hist.append(k)
-                policy.observe(ctx, k, a)
+                policy.observe(k, a)
             if on_step is not None:
                 on_step(r, k, a)
             pos += a + 1
-            step += 1
     return res
 
 

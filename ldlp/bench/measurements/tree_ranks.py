@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from eagle_backbone.policy import DraftPolicy, TreeOutcome
+from eagle_backbone.policy import TreeOutcome, TreePolicy
 from eagle_backbone.tree_draft import TreeSpec
 from ldlp.bench.harness.engines import EngineFactory
 
 
-class _FullTree(DraftPolicy):
+class _FullTree(TreePolicy):
     """Scores every grown node of ``spec`` to its full depth; counts the outcomes by (depth, rank)."""
 
     name = "full_tree"
