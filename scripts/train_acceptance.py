@@ -7,7 +7,8 @@ import hydra
 from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
-from ldlp.training.acceptance import metrics_markdown, train_acceptance_head
+from ldlp.report.training import write_acceptance_head_metrics
+from ldlp.training.acceptance import train_acceptance_head
 
 
 @hydra.main(config_path="../conf", config_name="train_acceptance", version_base="1.3")
@@ -15,7 +16,7 @@ from ldlp.training.acceptance import metrics_markdown, train_acceptance_head
 def main(cfg: DictConfig) -> None:
     start(cfg)
     metrics = train_acceptance_head(cfg)
-    print(metrics_markdown(metrics))
+    print(write_acceptance_head_metrics(cfg.out_dir, metrics))  # metrics.md next to metrics.json
     print(f"wrote {cfg.out_dir} in {metrics['seconds']} s")
 
 

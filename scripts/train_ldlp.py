@@ -8,6 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from _setup import one_line_errors, start  # scripts/_setup.py: threads, quiet notices, clear model errors
+from ldlp.report.training import write_ldlp_metrics
 from ldlp.training.predictor import run_ldlp_training
 
 
@@ -15,7 +16,9 @@ from ldlp.training.predictor import run_ldlp_training
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     start(cfg)
-    run_ldlp_training(cfg)
+    summary = run_ldlp_training(cfg)
+    if summary is not None:  # the global-zero process: metrics.md next to metrics.json
+        print(write_ldlp_metrics(cfg.ldlp_training.out_dir, summary))
 
 
 if __name__ == "__main__":

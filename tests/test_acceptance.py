@@ -21,6 +21,7 @@ from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
 from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig, clip_log_p
 from ldlp.bench.harness.replay import OracleRows, replay
 from ldlp.policies.threshold import AcceptancePolicy
+from ldlp.report.training import write_acceptance_head_metrics
 from ldlp.training.acceptance import examples, load_rows, train_acceptance_head
 
 K_MAX, BUDGET = 8, 36
@@ -82,6 +83,7 @@ def test_training_writes_a_head_that_beats_the_drafter_probabilities(trained):
     assert val["acceptance_head"]["auc"] > 0.6
     assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(metrics))
     assert set(metrics["validation_auc_by_step"]) == set(range(1, K_MAX))  # every step but the last has a next one
+    write_acceptance_head_metrics(out, metrics)  # what scripts/train_acceptance.py writes next to metrics.json
     assert (out / "metrics.md").read_text().startswith("## Acceptance head\n")  # renders, from the metrics above
 
 

@@ -18,6 +18,7 @@ from ldlp.models.acceptance import (
     prob_features,
 )
 from ldlp.labels.acceptance_labels import acceptance_labels, collect_acceptance
+from ldlp.report.labels import write_acceptance_labels_page
 
 PROMPT, BUDGET, K = [5, 9, 13, 4], 12, 4
 
@@ -145,10 +146,12 @@ def test_collector_resumes_to_the_same_files(pair_dirs, full_collection, tmp_pat
     part = tmp_path / "resumed"
     first = collect_acceptance(compose(pair_dirs, part, "max_parts_this_run=2"))
     assert not first["this_run"]["complete"]
-    # the report of a partial collection says so (report.json; report.md is written from it)
+    # the report of a partial collection says so (report.json; scripts/collect_acceptance.py renders report.md from it)
     assert first["complete"] is False and first["missing_sequences"] > 0
-    assert json.loads((part / "report.json").read_text())["complete"] is False
-    assert (part / "report.md").read_text().startswith("# Per-position acceptance labels: ")  # renders
+    saved = json.loads((part / "report.json").read_text())
+    assert saved["complete"] is False
+    page = write_acceptance_labels_page(part, saved).read_text()
+    assert page.startswith("# Per-position acceptance labels: ") and "**Partial collection**" in page  # renders
     collect_acceptance(compose(pair_dirs, part))
     assert arrow_files(part) == arrow_files(out)
     with pytest.raises(ValueError, match="other settings"):

@@ -158,7 +158,10 @@ def test_collection_files_report_and_manifest(pair_dirs, full_run):
     saved = json.loads((out / "report.json").read_text())
     assert saved["positions"] == len(rows) and saved["label_hist"] == report["label_hist"]
     assert {s: saved["splits"][s]["sequences"] for s in saved["splits"]} == {"train": 14, "validation": 3}
-    assert (out / "report.md").read_text().startswith("# Oracle labels: ")  # renders, from report.json
+    from ldlp.report.labels import write_oracle_page
+
+    page = write_oracle_page(out, saved)  # what scripts/collect_oracle.py writes next to report.json
+    assert page == out / "report.md" and page.read_text().startswith("# Oracle labels: ")  # renders, from report.json
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["k_max"] == 4 and manifest["counts"]["positions"] == len(rows)
     assert len(manifest["models"]["target"]["files"]["model.safetensors"]["sha256"]) == 64
@@ -187,6 +190,19 @@ def test_settings_mismatch_stops_unless_overwrite(pair_dirs, tmp_path):
         run(pair_dirs, tmp_path, "k_max=3", "max_parts_this_run=1")
     report = run(pair_dirs, tmp_path, "k_max=3", "overwrite=true", "max_parts_this_run=1")
     assert report["k_max"] == 3 and report["parts"] == 1
+
+
+def test_starting_over_removes_the_report_and_its_page(tmp_path):
+    """``remove_collection`` (overwrite=true, the pipeline's reset) leaves no summary of labels no longer there:
+    ``report.json`` and the page the script rendered from it go with the parts and the manifest."""
+    from ldlp.labels.collect import remove_collection
+
+    (tmp_path / "train").mkdir()
+    for name in ("manifest.json", "report.json", "report.md", "notes.txt", "train/000-of-001.00000.json",
+                 "train/000-of-001.00000.rows.arrow", "train/000-of-001.00000.seqs.arrow"):
+        (tmp_path / name).write_text("x")
+    remove_collection(tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["notes.txt", "train"]
 
 
 def test_shards_split_the_work(pair_dirs, full_run, tmp_path):

@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_backbone.io import atomic_write_text
 from eagle_backbone.sampling import SamplingConfig, probs_from_logits
 from eagle_backbone.target import TargetModel, rollback
 from ldlp.models.acceptance import prob_features
@@ -236,6 +235,8 @@ def collect_acceptance(cfg) -> dict:
 
 
 def write_report(out: Path, k_max: int, temperature: float, run: dict | None = None) -> dict:
+    """Sum the complete parts' meta files into ``report.json`` (examples, mean beta and kept rate by depth; whether
+    the collection is complete); returns it (``ldlp.report.labels`` renders its page)."""
     metas = [json.loads(p.read_text()) for p in committed_parts(out)]
     valid = np.sum([m["valid_by_depth"] for m in metas], axis=0) if metas else np.zeros(k_max)
     beta = np.sum([m["beta_sum_by_depth"] for m in metas], axis=0) if metas else np.zeros(k_max)
@@ -257,17 +258,4 @@ def write_report(out: Path, k_max: int, temperature: float, run: dict | None = N
     report.update(sequences_planned=status["sequences_planned"], missing_sequences=missing,
                   complete=None if missing is None else missing == 0)
     write_json(out / "report.json", report)
-    fmt = lambda v: "–" if v is None else f"{v:.3f}"
-    lines = [f"# Per-position acceptance labels: {out}", "",
-             (f"temperature = {temperature}, k_max = {k_max}; {report['sequences']} sequences, {positions} positions "
-              f"({', '.join(f'{s}: {n}' for s, n in report['splits'].items())}), {report['parts']} parts, "
-              f"{seconds:.1f} s."), "",
-             "| depth | examples (earlier drafts kept) | mean beta | kept rate |", "|---:|---:|---:|---:|"]
-    if missing:
-        lines[2:2] = [f"**Partial collection**: {report['sequences']} of {status['sequences_planned']} sequences "
-                      f"({missing} missing); rerun the scripts/collect_acceptance.py command that started it to "
-                      "complete it.", ""]
-    lines += [f"| {m + 1} | {int(valid[m])} | {fmt(report['mean_beta_by_depth'][m])} | "
-              f"{fmt(report['kept_rate_by_depth'][m])} |" for m in range(k_max)]
-    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     return report

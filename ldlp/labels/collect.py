@@ -12,8 +12,8 @@ labels every position of it. Work is planned before anything runs, so it can be 
 
 ``manifest.json`` (config, model folders and weight hashes, counts) guards the directory: a rerun with
 settings that change the labels stops with the differing keys instead of mixing two collections.
-``report.json`` / ``report.md`` summarise all complete parts (positions, label histogram, mean label,
-share at ``k_max``, time, positions/s).
+``report.json`` summarises all complete parts (positions, label histogram, mean label, share at ``k_max``,
+time, positions/s); its page, ``report.md``, is rendered from it (:mod:`ldlp.report.labels`, by the script).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from eagle_backbone.decoder import autoregressive_generate
 from eagle_backbone.drafter_kinds import get_kind, kinds_labelled_by
-from eagle_backbone.io import atomic_write_text, remove_leftovers
+from eagle_backbone.io import remove_leftovers
 from eagle_backbone.runtime import Clock, resolve_dtype, set_threads
 from ldlp.labels.oracle import oracle_labels
 from ldlp.labels.work import IDENTITY_KEYS, Part, WorkItem, folder_digest, plan_items, plan_parts, settings_diff
@@ -46,10 +46,12 @@ from ldlp.labels.store import (
 log = logging.getLogger(__name__)
 
 def remove_collection(out: Path) -> None:
+    """Remove a collection's parts, its manifest and its report: ``report.json`` and every page rendered from it
+    (``report.*``: a stale page would outlive the labels it summed)."""
     for m in list(out.glob(f"*/*{META_SUFFIX}")) + list(out.glob(f"*/*{ROWS_SUFFIX}")) + list(out.glob(f"*/*{SEQS_SUFFIX}")):
         m.unlink()
-    for name in ("manifest.json", "report.json", "report.md"):
-        (out / name).unlink(missing_ok=True)
+    for f in [out / "manifest.json", *out.glob("report.*")]:
+        f.unlink(missing_ok=True)
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -365,27 +367,12 @@ def _summary(metas: list[dict], k_max: int) -> dict:
 
 
 def write_report(out: Path, k_max: int, run: dict | None = None) -> dict:
+    """Sum the complete parts' meta files into ``report.json`` (overall, per split, this run's share); returns it
+    (``ldlp.report.labels`` renders its page)."""
     metas = [json.loads(p.read_text()) for p in committed_parts(out)]
     splits = sorted({m["split"] for m in metas})
     report = {"k_max": k_max, **_summary(metas, k_max), "parts": len(metas),
               "splits": {s: _summary([m for m in metas if m["split"] == s], k_max) for s in splits},
               "this_run": run or {}}
     write_json(out / "report.json", report)
-    lines = [f"# Oracle labels: {out}", "",
-             f"k_max = {k_max}; {report['sequences']} sequences, {report['positions']} positions, "
-             f"{report['parts']} parts.", "",
-             "| split | sequences | positions | mean label | at k_max | at k_max (uncensored) | seconds | positions/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, s in [("all", report)] + list(report["splits"].items()):
-        lines.append(f"| {name} | {s['sequences']} | {s['positions']} | {s['mean_label']:.3f} | {s['frac_at_k_max']:.3f} "
-                     f"| {s['frac_at_k_max_uncensored']:.3f} | {s['seconds']:.1f} | {s['positions_per_s']:.1f} |")
-    total = max(1, report["positions"])
-    lines += ["", "Label histogram (all splits):", "", "| label | count | share |", "|---|---|---|"]
-    lines += [f"| {k} | {c} | {c / total:.3f} |" for k, c in enumerate(report["label_hist"])]
-    if run:
-        lines += ["", f"This run ({run.get('worker')}): {run['parts_written']} parts, {run['sequences']} sequences, "
-                      f"{run['positions']} positions in {run['wall_seconds']:.1f} s wall "
-                      f"({run['positions'] / run['seconds'] if run['seconds'] else 0:.1f} positions/s); "
-                      f"{run['parts_complete']}/{run['parts']} of its parts complete."]
-    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     return report

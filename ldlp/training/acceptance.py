@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_backbone.io import atomic_write_json, atomic_write_text
+from eagle_backbone.io import atomic_write_json
 from eagle_backbone.runtime import Clock
 from ldlp.models.acceptance import AcceptanceHead, AcceptanceHeadConfig
 from ldlp.labels.store import read_rows, split_by_conversation
@@ -67,7 +67,8 @@ def _scores(y: np.ndarray, p: np.ndarray) -> dict:
 
 def train_acceptance_head(cfg) -> dict:
     """Fit the head on the oracle's train rows, score it on its validation rows next to the same model
-    without the state (the drafter's probabilities alone), save it; returns the metrics."""
+    without the state (the drafter's probabilities alone), save it with ``metrics.json``; returns the metrics
+    (scripts/train_acceptance.py renders their page, ``ldlp.report.training``)."""
     clock = Clock()
     t0 = clock()
     from ldlp.labels.store import require_complete
@@ -114,25 +115,4 @@ def train_acceptance_head(cfg) -> dict:
                                              for m in np.unique(steps)}
     metrics["seconds"] = round(clock() - t0, 1)
     atomic_write_json(out / "metrics.json", metrics)
-    atomic_write_text(out / "metrics.md", metrics_markdown(metrics))
     return metrics
-
-
-def metrics_markdown(m: dict) -> str:
-    lines = ["## Acceptance head", "",
-             f"Logistic regression (C = {m['C']}) on the drafter state and its probabilities, predicting whether "
-             f"the target keeps the draft extended by one more token; {m['train_examples']} training examples "
-             f"from {m['oracle_dir']} (k_max = {m['k_max']}).", ""]
-    val = m.get("validation")
-    if val:
-        lines += ["| inputs (validation split) | AUC | log loss | Brier | examples | positive rate |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for name, s in val.items():
-            auc = "–" if s["auc"] is None else f"{s['auc']:.3f}"
-            lines.append(f"| {name.replace('_', ' ')} | {auc} | {s['log_loss']:.3f} | {s['brier']:.3f} | "
-                         f"{s['examples']} | {s['positive_rate']:.3f} |")
-        by_step = m.get("validation_auc_by_step") or {}
-        if by_step:
-            lines += ["", "AUC by draft step: " + ", ".join(
-                f"{k}: {'–' if v is None else f'{v:.2f}'}" for k, v in by_step.items())]
-    return "\n".join(lines) + "\n"

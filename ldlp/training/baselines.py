@@ -15,30 +15,16 @@ Baselines, fitted on (a seeded subsample of) the training rows' [e; f] features:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
-from eagle_backbone.io import atomic_write_json, atomic_write_text
 from eagle_backbone.runtime import Clock
 
 BASELINES = ("constant", "linear", "logistic", "hgb")
 
-METRIC_DOCS = {
-    "mae": "mean |γ - y|",
-    "acc": "fraction with γ = y",
-    "within1": "fraction with |γ - y| <= 1",
-    "under": "fraction with γ < y (under-prediction: a target pass spent on tokens the drafter had right)",
-    "wrong_label_mean": "mean label y of the positions with γ != y",
-    "mean_gamma": "mean γ",
-    "accepted": "mean min(γ, y): drafts that would be accepted per step",
-    "wasted": "mean max(γ - y, 0): drafts that would be thrown away per step",
-    "asym_l1": "the asymmetric L1 loss (λ on under-prediction) of the integer γ",
-}
-
 
 def length_metrics(pred: np.ndarray, label: np.ndarray, under_weight: float) -> dict:
-    """The metrics of ``METRIC_DOCS`` for integer predictions ``pred`` against labels ``label``."""
+    """How integer predictions ``pred`` fare against labels ``label``: mean error, exact and near hits, drafts
+    accepted and wasted per step, the asymmetric L1 loss (their legend: ``ldlp.report.training.METRIC_DOCS``)."""
     pred, label = np.asarray(pred, dtype=np.int64), np.asarray(label, dtype=np.int64)
     if pred.shape != label.shape or pred.ndim != 1 or len(pred) == 0:
         raise ValueError(f"length_metrics: need two equal, non-empty 1-D arrays, got {pred.shape} and {label.shape}")
@@ -105,34 +91,3 @@ def evaluate_all(ldlp_pred: np.ndarray, ldlp_name: str, x_train: np.ndarray, y_t
         if seconds is not None:
             seconds[name] = clock() - start
     return results
-
-
-def ldlp_metrics_markdown(summary: dict) -> str:
-    results = summary["results"]
-    cols = list(next(iter(results.values())).keys())
-    lines = [f"# LDLP validation metrics ({summary['head']} head)", "",
-             f"{summary['val_rows']} validation positions (split by conversation), {summary['train_rows']} training "
-             f"positions (baselines fitted on {summary.get('baseline_fit_rows', summary['train_rows'])}); "
-             f"k_max = {summary['k_max']}, λ = {summary['under_weight']}.", "",
-             "| predictor | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for name, m in results.items():
-        lines.append(f"| {name} | " + " | ".join(f"{m[c]:.3f}" for c in cols) + " |")
-    lines += ["", *(f"- **{c}**: {METRIC_DOCS[c]}" for c in cols)]
-    t = summary.get("timing")
-    if t:
-        lines += ["", f"Forward time (batch 1, {t['device']}): LDLP {t['ldlp_us']:.1f} µs vs. one target decoding "
-                      f"step at context {t['context_len']} {t['target_step_ms']:.2f} ms: "
-                      f"{100 * t['ratio']:.2f}% of a step (medians over {t.get('reps', '?')} interleaved "
-                      f"repetitions, {t.get('threads', '?')} threads)."]
-        if t.get("flag"):
-            lines += ["", f"**Timing flagged**: {t['flag']}."]
-    return "\n".join(lines) + "\n"
-
-
-def write_metrics(out_dir: str | Path, summary: dict) -> str:
-    """Write ``metrics.json`` and ``metrics.md`` (atomically) next to the exported LDLP; return the table."""
-    out = Path(out_dir)
-    table = ldlp_metrics_markdown(summary)
-    atomic_write_json(out / "metrics.json", summary)
-    atomic_write_text(out / "metrics.md", table)
-    return table

@@ -392,14 +392,14 @@ def log_results(logger, results: dict, timing: dict | None, step: int) -> None:
 
 
 def run_ldlp_training(cfg) -> dict | None:
-    """Train, export and evaluate an LDLP as ``cfg`` says (see conf/train_ldlp.yaml); returns the summary
-    on the global-zero process (None on the other DDP processes)."""
+    """Train, export and evaluate an LDLP as ``cfg`` says (see conf/train_ldlp.yaml): the predictor and
+    ``metrics.json`` in ``ldlp_training.out_dir``; returns the summary on the global-zero process (None on the
+    other DDP processes), from which scripts/train_ldlp.py renders ``metrics.md`` (ldlp.report.training)."""
     import hydra
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
     from omegaconf import OmegaConf
 
     from eagle_backbone.loading import load_target
-    from ldlp.training.baselines import write_metrics
 
     tc, mc = cfg.ldlp_training, cfg.ldlp
     L.seed_everything(cfg.seed, workers=True)
@@ -474,9 +474,10 @@ def run_ldlp_training(cfg) -> dict | None:
                "epochs": trainer.current_epoch, "steps": trainer.global_step, "train_seconds": train_s,
                "baseline_seconds": fits["seconds"], "under_weight": float(mc.under_weight), "results": results,
                "timing": timing, "config": OmegaConf.to_container(cfg.ldlp, resolve=True)}
-    print(write_metrics(tc.out_dir, summary))
+    atomic_write_json(Path(tc.out_dir) / "metrics.json", summary)
     if logger is not None:
         log_results(logger, results, timing, trainer.global_step)
-    # the standalone checkpoint the `ldlp` policy loads; written last, so that its presence means "done"
+    # the standalone checkpoint the `ldlp` policy loads; written last, so that its presence means "done" (the page,
+    # metrics.md, is only metrics.json rendered: scripts/train_ldlp.py writes it after)
     ldlp.cpu().save_pretrained(tc.out_dir)
     return summary
