@@ -81,6 +81,27 @@ def save_tiny_pair(root: Path, vocab: int, layers: int = 2, head_scale: float | 
     return target
 
 
+TINY_VOCAB = 4096  # the tiny saved pair's vocabulary: the embedded tokenizer's, so its prompts encode
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny Llama target and its EAGLE drafter (:func:`save_tiny_pair`), a standalone draft LM (``draft_lm``), and
+    ``noisy_lm``: the target with noise on its LM head, a draft LM the target accepts sometimes; saved like the
+    embedded ones (the scripts' tests load them through :func:`pair_overrides`)."""
+    root = tmp_path_factory.mktemp("models")
+    target = save_tiny_pair(root, TINY_VOCAB)
+    torch.manual_seed(2)
+    LlamaForCausalLM(tiny_llama_config(vocab=TINY_VOCAB, d=32, layers=1, max_pos=512, eos=2)).save_pretrained(
+        root / "draft_lm")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        w = target.lm_head.weight
+        w.add_(0.6 * w.std() * torch.randn(w.shape, generator=g))
+    target.save_pretrained(root / "noisy_lm")
+    return root
+
+
 def pair_overrides(models: Path, dtype: str = "float64", draft_lm: bool = False) -> list[str]:
     """The ``model.*`` overrides for a pair saved by :func:`save_tiny_pair` (with the embedded tokenizer)."""
     tokenizer = Path(__file__).resolve().parent.parent / "data" / "embedded" / "tokenizer"
@@ -180,6 +201,15 @@ def mimic():
     return mimic_pair()
 
 
+@pytest.fixture(scope="module")
+def pair_and_ldlp():
+    """:func:`oracle_helpers.mimic_pair_and_ldlp`: the mimic pair and a distribution LDLP on ``[e; f]`` for it (the
+    learned policy's tests)."""
+    from oracle_helpers import mimic_pair_and_ldlp
+
+    return mimic_pair_and_ldlp()
+
+
 # ---- prompts, reference decoding and draft LMs (the batched engine's tests) ---------------------------------
 
 
@@ -203,7 +233,7 @@ def ar(target, prompts, n):
 
 
 def noisy_copy(target, scale: float, seed: int = 3):
-    """A draft LM that agrees with the target often but not always."""
+    """A draft LM that agrees with the target often but not always: noise on every weight."""
     torch.manual_seed(seed)
     m = copy.deepcopy(target.model)
     with torch.no_grad():
@@ -212,9 +242,26 @@ def noisy_copy(target, scale: float, seed: int = 3):
     return m.eval()
 
 
+def noisy_head_copy(target, scale: float = 0.6, seed: int = 0):
+    """A draft LM that is the target plus noise on its LM head only (a generator of its own draws it; the other
+    weights are the target's): it agrees with the target often, not always."""
+    model = copy.deepcopy(target.model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w.add_(scale * w.std() * torch.randn(w.shape, generator=g, dtype=w.dtype))
+    return model
+
+
 @pytest.fixture(scope="module")
 def draft_lm(t32):
     return noisy_copy(t32, 0.3)
+
+
+@pytest.fixture(scope="module")
+def drafters(eagle32, draft_lm):
+    """The float32 target's drafter of each kind the batched engine's chain and tree tests run: by kind name."""
+    return {"eagle": eagle32, "draft_lm": draft_lm}
 
 
 def table(target_per_token: float, draft: float, base: float = 10.0, key=None):
@@ -226,6 +273,19 @@ def table(target_per_token: float, draft: float, base: float = 10.0, key=None):
     return CostTable(key or {}, slots, tokens,
                      [[base + target_per_token * R * (t - 1) for t in tokens] for R in slots],
                      [draft] * len(slots), [[draft] * len(tokens) for _ in slots], [0.0] * len(slots))
+
+
+def load_aware_policy(folder: Path, costs, mode: str = "marginal", **kw):
+    """policy=load_aware (``mode`` "marginal") or its one-depth ablation ("step", policy=load_aware_step) under the
+    cost table ``costs``, saved in ``folder`` and taken as given (online_costs=False: decisions under a set price),
+    without exploration steps."""
+    from ldlp.policies.load_aware import LoadAwareMarginal, LoadAwareStep
+
+    p = folder / "cost.json"
+    costs.save(p)
+    cls = {"marginal": LoadAwareMarginal, "step": LoadAwareStep}[mode]
+    return cls({"cost_dir": str(folder), "model": "tiny", "cost_table": str(p), "online_costs": False},
+               explore_every=0, **kw)
 
 
 # ---- exact distributions and chi-square tests (sampling is lossless) ---------------------------------------
@@ -258,6 +318,47 @@ def chi2_pvalue(counts, probs, n):
     expected = [probs[k] / total * n for k in keys]
     observed = [counts.get(k, 0) for k in keys]
     return chisquare(observed, expected).pvalue
+
+
+# sampled sequences against the enumerated distribution (tiny_vocab_pair's targets): each sequence's first 3 tokens
+TINY_PROMPT, SAMPLES = [1, 3], 1200
+# small trees of a 4-token vocabulary: (shape, depth cap)
+TINY_TREES = {"dyn2x2": (TreeSpec(2, 2), 2), "dyn2x3": (TreeSpec(2, 3), 3),
+              "static": (TreeSpec.static([[0], [1], [0, 0], [0, 1], [1, 0]]), 2)}
+
+
+def sampled_prefix_counts(target, drafter, kind, policy, cfg, capacity=16, n=SAMPLES, slots=600):
+    """Counts of the first 3 tokens of ``n`` sequences sampled from :data:`TINY_PROMPT` and decoded 5 tokens deep (so
+    that the first verification has a draft of full depth), one random stream (seed) per sequence, ``slots``
+    sequences an engine of ``kind`` (``policy()`` each engine's policy); and the drafts accepted."""
+    from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+
+    counts, accepted = {}, 0
+    for start in range(0, n, slots):
+        m = min(slots, n - start)
+        engine = BatchedSpeculativeEngine(target, drafter, kind, slots=m, policy=policy(), sampling=cfg,
+                                          capacity=capacity)
+        for o in engine.generate([TINY_PROMPT] * m, 5, seeds=range(start, start + m)):
+            key = tuple(o.tokens[:3])
+            counts[key] = counts.get(key, 0) + 1
+            accepted += o.stats.accepted_tokens
+    return counts, accepted
+
+
+def pooled_grid_chi2_pvalue(counts, probs, min_expected=5.0):
+    """Pearson chi-square of ``counts`` against ``probs``, two tensors over the same grid of outcomes (every cell,
+    probability 0 included), cells with expected counts under ``min_expected`` pooled into one (none when no cell
+    is that small)."""
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    exp = probs.flatten() * n
+    obs = counts.flatten().double()
+    small = exp < min_expected
+    if small.any():
+        obs = torch.cat([obs[~small], obs[small].sum()[None]])
+        exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
 def pair_distribution(target, prompt, temperature):
@@ -355,6 +456,12 @@ class AnyTree(TreePolicy):
     def verified(self, outcome):
         if self.record:
             self.outcomes.append(outcome)
+
+
+def counters(outputs):
+    """Each output's accept and draft lengths and its counters: what two runs that should agree compare."""
+    return [(o.stats.accept_lengths, o.stats.draft_lengths, o.stats.accepted_tokens, o.stats.drafted_tokens,
+             o.stats.target_forwards, o.stats.new_tokens) for o in outputs]
 
 
 def decode(engine, prompts=TREE_PROMPTS, concurrency=None, n=TREE_N, seeds=None):

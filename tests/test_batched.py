@@ -1,6 +1,8 @@
 """The batched engine (eagle_backbone/batched_engine.py, eagle_backbone/llama.py, eagle_backbone/ragged.py; the workload in ldlp/bench/harness/workload.py): greedy identity with each sequence's own batch-1 output,
-sampling exactness in a batch, per-slot cache rollback, an EOS inside a chain's or a tree's draft, continuous
-batching and bad input.
+sampling exactness in a batch (γ per slot from a fixed cycle or policy=load_aware; chains and trees of the draft LM
+and EAGLE-3 against the enumerated distribution; the chi-square's power against a broken residual or sibling
+rejection), a sequence's samples independent of the batch (chains and trees), per-slot cache rollback, an EOS inside
+a chain's or a tree's draft, continuous batching and bad input.
 
 Tiny float32 Llamas (tests/conftest.py); the embedded pair, where present, gives an EAGLE drafter whose
 drafts the target actually accepts. No test reads a clock."""
@@ -12,10 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import AnyTree, ar, noisy_copy, pair_distribution, pooled_chi2_pvalue, prompts_of
+from conftest import (SAMPLES, SPECS, TINY_PROMPT, TINY_TREES, AnyTree, ar, chi2_pvalue, counters,
+                      exact_sequence_distribution, load_aware_policy, make_eagle3, make_target, noisy_copy,
+                      pair_distribution, pooled_chi2_pvalue, prompts_of, sampled_prefix_counts, table)
 
 from eagle_backbone import sampling as bsampling
+from eagle_backbone import tree as btree
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
+from eagle_backbone.cost import cost_key
 from eagle_backbone.llama import BatchedLlama
 from eagle_backbone.ragged import RaggedBatch
 from ldlp.bench.harness.workload import run_workload
@@ -231,16 +237,19 @@ def test_counter_uniforms_are_uniform_and_per_sequence():
     assert torch.equal(bsampling.uniforms(seeds[7:9], torch.zeros(2, dtype=torch.long), torch.arange(3)), u[7:9])
 
 
-def _sample_pairs(target, drafter, prompt, slots, runs, temperature):
+def _sample_pairs(target, drafter, prompt, slots, runs, temperature, policy):
     """The first two tokens of sequences decoded 4 tokens deep: the second comes from a verification
-    step (γ up to 2 there), so it is a kept draft, a replacement or a bonus token."""
+    step (γ up to 2 there), so it is a kept draft, a replacement or a bonus token. ``policy()`` gives each run's
+    engine its policy; returns the pairs and every γ drafted."""
     cfg = SamplingConfig(temperature=temperature)
-    out = []
+    out, gammas = [], set()
     for r in range(runs):
-        engine = BatchedSpeculativeEngine(target, drafter, "draft_lm", slots=slots, policy=Mixed, sampling=cfg)
+        engine = BatchedSpeculativeEngine(target, drafter, "draft_lm", slots=slots, policy=policy(), sampling=cfg)
         seeds = [1000 * r + b for b in range(slots)]
-        out += [tuple(o.tokens[:2]) for o in engine.generate([prompt] * slots, 4, seeds=seeds)]
-    return out
+        outs = engine.generate([prompt] * slots, 4, seeds=seeds)
+        out += [tuple(o.tokens[:2]) for o in outs]
+        gammas |= {d for o in outs for d in o.stats.draft_lengths}
+    return out, gammas
 
 
 class Mixed(PromptGamma):
@@ -271,10 +280,24 @@ def no_eos(t32):
 TEMP, RUNS = 0.3, 60
 
 
-def test_sampled_sequences_have_the_target_distribution(no_eos, rough_drafter):
+def load_aware_under_a_table(folder, target):
+    """policy=load_aware's factory under a synthetic cost table for ``target`` (it mixes γ = 0, 1, 2 per slot)."""
+    key = cost_key("tiny", target.dtype, target.device, torch.get_num_threads())
+    return lambda: load_aware_policy(folder, table(0.02, 0.3, key=key), max_gamma=2)
+
+
+# what chooses γ per slot: Mixed's cycle over admissions, or policy=load_aware by its cost table
+CHOOSERS = {"mixed": lambda folder, target: Mixed, "load_aware": load_aware_under_a_table}
+
+
+@pytest.mark.parametrize("chooser", CHOOSERS)
+def test_sampled_sequences_have_the_target_distribution(no_eos, rough_drafter, tmp_path, chooser):
+    """Speculative sampling in a batch stays exact with γ chosen per slot, mixed and 0 included: by a fixed cycle,
+    and by the load-aware policy (ldlp/policies/load_aware.py)."""
     prompt = prompts_of((6,), seed=5)[0]
     exact = pair_distribution(no_eos, prompt, TEMP)
-    samples = _sample_pairs(no_eos, rough_drafter, prompt, 32, RUNS, TEMP)
+    samples, gammas = _sample_pairs(no_eos, rough_drafter, prompt, 32, RUNS, TEMP, CHOOSERS[chooser](tmp_path, no_eos))
+    assert {0, 1, 2} <= gammas
     assert pooled_chi2_pvalue(samples, exact, len(samples)) > 1e-3
 
 
@@ -283,20 +306,88 @@ def test_chi_square_has_power_against_a_broken_residual(no_eos, rough_drafter, m
     monkeypatch.setattr(bsampling, "residual", lambda p, q: p)
     prompt = prompts_of((6,), seed=5)[0]
     exact = pair_distribution(no_eos, prompt, TEMP)
-    samples = _sample_pairs(no_eos, rough_drafter, prompt, 32, RUNS, TEMP)
+    samples, _ = _sample_pairs(no_eos, rough_drafter, prompt, 32, RUNS, TEMP, Mixed)
     assert pooled_chi2_pvalue(samples, exact, len(samples)) < 1e-5
 
 
+# ---- sampled prefixes against the enumerated distribution (4-token targets) ----------------------------------
+
+
+def draft_lm_pair(request, draft_vocab=None):
+    """tiny_vocab_pair: a 4-token target and an independent draft LM, as the engine takes them."""
+    target, draft = request.getfixturevalue("tiny_vocab_pair")
+    return target, draft.model
+
+
+def eagle3_pair(request, draft_vocab=None):
+    """A 3-layer float32 target of 4 tokens, no EOS, and an EAGLE-3 head for it drafting from ``draft_vocab`` of them
+    (3: the drafter never proposes the fourth, and q is zero there)."""
+    target = make_target(seed=11, vocab=4, d=16, layers=3, eos=None, dtype=torch.float32)
+    target.eos_token_ids = set()
+    return target, make_eagle3(target, draft_vocab=draft_vocab)
+
+
+def _enumerated(kind, pair, shape, policy, temperature, draft_vocab=None, capacity=16):
+    vocab = "" if draft_vocab is None else f"-vocab{draft_vocab}"
+    return pytest.param(kind, pair, policy, temperature, draft_vocab, capacity,
+                        id=f"{kind}-{shape}{vocab}-T{temperature}")
+
+
+# the draft LM's trees at T = 1 and 0.7; EAGLE-3's chains (γ = 2 at T = 1, the full draft vocabulary and 3 of 4) and
+# a tree (dyn2x3 at depth 3, T = 0.7: it needs the larger capacity)
+ENUMERATED = [*(_enumerated("draft_lm", draft_lm_pair, f"tree_{name}", lambda s=spec, g=g: AnyTree(s, g), t)
+                for t in (1.0, 0.7) for name, (spec, g) in TINY_TREES.items()),
+              _enumerated("eagle3", eagle3_pair, "chain", lambda: StaticPolicy(2), 1.0),
+              _enumerated("eagle3", eagle3_pair, "chain", lambda: StaticPolicy(2), 1.0, draft_vocab=3),
+              _enumerated("eagle3", eagle3_pair, "tree_dyn2x3", lambda: AnyTree(SPECS["dyn2x3"], 3), 0.7, draft_vocab=3,
+                          capacity=24)]
+
+
+@pytest.mark.parametrize("kind, pair, policy, temperature, draft_vocab, capacity", ENUMERATED)
+def test_sampled_prefixes_have_the_enumerated_distribution(request, kind, pair, policy, temperature, draft_vocab,
+                                                           capacity):
+    """The first 3 tokens of 1200 seeded sequences, chains and trees of each kind, against the target's enumerated
+    distribution; the drafts were accepted (more than one per two sequences), not only rejected."""
+    target, drafter = pair(request, draft_vocab)
+    cfg = SamplingConfig(temperature=temperature)
+    probs = exact_sequence_distribution(target, TINY_PROMPT, 3, cfg)
+    counts, accepted = sampled_prefix_counts(target, drafter, kind, policy, cfg, capacity=capacity)
+    assert accepted > SAMPLES // 2
+    assert chi2_pvalue(counts, probs, SAMPLES) > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chi_square_has_power_against_a_broken_sibling_rejection(tiny_vocab_pair, monkeypatch, temperature):
+    """Keeping the residual as it was after a sampled sibling's rejection (no r <- norm(max(r - q, 0))) must
+    fail the same test: at T > 0 the engine's siblings are draws from q."""
+    monkeypatch.setattr(btree, "_reject_sampled", lambda r, q: r)
+    cfg = SamplingConfig(temperature=temperature)
+    probs = exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
+    spec, g = TINY_TREES["dyn2x3"]
+    counts, _ = sampled_prefix_counts(tiny_vocab_pair[0], tiny_vocab_pair[1].model, "draft_lm",
+                                      lambda: AnyTree(spec, g), cfg)
+    assert chi2_pvalue(counts, probs, SAMPLES) < 1e-6
+
+
+# ---- a sequence's samples do not depend on the batch ------------------------------------------------------------
+
+
+# a chain of γ = 2, and the small static tree
+SHAPES = {"chain": lambda: StaticPolicy(2), "tree": lambda: AnyTree(SPECS["static_small"])}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
-def test_a_sequences_samples_do_not_depend_on_the_batch(t32, eagle32, draft_lm, kind):
+def test_a_sequences_samples_do_not_depend_on_the_batch(t32, drafters, kind, shape):
+    """A seeded sequence sampled alone and in another slot of a batch of three: the same tokens and counters."""
     cfg = SamplingConfig(temperature=1.0)
-    drafter = eagle32 if kind == "eagle" else draft_lm
-    prompts = prompts_of((5, 8, 3))
-    alone = BatchedSpeculativeEngine(t32, drafter, kind, slots=1, policy=StaticPolicy(2), sampling=cfg)
-    ref = alone.generate(prompts[1:2], 16, seeds=[42])[0].tokens
-    both = BatchedSpeculativeEngine(t32, drafter, kind, slots=3, policy=StaticPolicy(2), sampling=cfg)
-    out = both.generate([prompts[0], prompts[2], prompts[1]], 16, seeds=[1, 2, 42])
-    assert out[2].tokens == ref
+    prompts = prompts_of((5, 12, 3))
+    alone = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=1, policy=SHAPES[shape](), sampling=cfg)
+    ref = alone.generate(prompts[1:2], 16, seeds=[42])[0]
+    both = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=SHAPES[shape](), sampling=cfg)
+    out = both.generate([prompts[0], prompts[2], prompts[1]], 16, seeds=[1, 2, 42])[2]
+    assert out.tokens == ref.tokens
+    assert counters([out]) == counters([ref])
 
 
 # ---- bad input ----------------------------------------------------------------------------------

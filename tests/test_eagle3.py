@@ -1,8 +1,9 @@
 """The EAGLE-3 drafter kind (eagle_backbone/eagle3.py): the target's layer states the engine keeps, greedy
 identity with the target's own decoding (chains and trees, full and reduced draft vocabularies, several slots),
-exact sampling (chi-square against the enumerated distribution, with a reduced draft vocabulary: q mapped to
-the target's vocabulary by d2t), and both checkpoint layouts (EAGLE's and speculators') written with the real
-key names and shapes, loaded, and refused with one line when a key is missing or unexpected."""
+and both checkpoint layouts (EAGLE's and speculators') written with the real key names and shapes, loaded, and
+refused with one line when a key is missing or unexpected. Its exact sampling (chi-square against the enumerated
+distribution, with a reduced draft vocabulary: q mapped to the target's vocabulary by d2t) is checked beside the
+draft LM's in tests/test_batched.py (test_sampled_prefixes_have_the_enumerated_distribution)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import json
 import pytest
 import torch
 from conftest import EAGLE3_VOCAB as V
-from conftest import (SPECS, AnyTree, chi2_pvalue, decode, exact_sequence_distribution, make_eagle3, make_target,
-                      prompts_of)
+from conftest import SPECS, AnyTree, decode, make_eagle3, prompts_of
 
 from eagle_backbone.kinds.eagle3 import Eagle3CandidateGenerator
 from eagle_backbone.eagle3 import default_layer_ids
@@ -21,7 +21,6 @@ from eagle_backbone.llama import BatchedLlama
 from eagle_backbone.ragged import RaggedBatch
 from eagle_backbone.loading import load_drafter, tie_drafter_embedding
 from eagle_backbone.policy import StaticPolicy
-from eagle_backbone.sampling import SamplingConfig
 
 torch.set_num_threads(1)
 
@@ -72,35 +71,6 @@ def test_the_generator_reads_the_drafters_layers(t3):
     assert eng.feature_layers == (2, 0, 1) and eng.feat.shape[-1] == 3 * t3.hidden_size
     with pytest.raises(ValueError, match="do not fit a 3-layer target"):
         Eagle3CandidateGenerator(make_eagle3(t3, layer_ids=(0, 1, 3)), t3)
-
-
-TINY_PROMPT, SAMPLES = [1, 3], 1200
-
-
-# chains: γ = 2 at temperature 1; trees: dyn2x3 at depth 3 and temperature 0.7 (a tree needs the larger capacity)
-SAMPLED = {"chain": (lambda: StaticPolicy(2), 1.0, 16), "tree": (lambda: AnyTree(SPECS["dyn2x3"], 3), 0.7, 24)}
-
-
-@pytest.mark.parametrize("shape, draft_vocab", [("chain", None), ("chain", 3), ("tree", 3)])
-def test_sampling_is_exact(shape, draft_vocab):
-    """The first 3 tokens of 1200 seeded sequences, chains and trees, against the target's enumerated
-    distribution; with a draft vocabulary of 3 of the 4 tokens the drafter never proposes the fourth, and q is
-    zero there."""
-    policy, temperature, capacity = SAMPLED[shape]
-    target = make_target(seed=11, vocab=4, d=16, layers=3, eos=None, dtype=torch.float32)
-    target.eos_token_ids = set()
-    d = make_eagle3(target, draft_vocab=draft_vocab)
-    cfg = SamplingConfig(temperature=temperature)
-    probs = exact_sequence_distribution(target, TINY_PROMPT, 3, cfg)
-    counts, accepted = {}, 0
-    for start in range(0, SAMPLES, 600):
-        eng = BatchedSpeculativeEngine(target, d, "eagle3", slots=600, policy=policy(), sampling=cfg,
-                                       capacity=capacity)
-        for o in eng.generate([TINY_PROMPT] * 600, 5, seeds=range(start, start + 600)):
-            counts[tuple(o.tokens[:3])] = counts.get(tuple(o.tokens[:3]), 0) + 1
-            accepted += o.stats.accepted_tokens
-    assert accepted > SAMPLES // 2 or shape == "tree"  # chains reach accepted paths (not counted for trees)
-    assert chi2_pvalue(counts, probs, SAMPLES) > 1e-3
 
 
 # ---- checkpoints: EAGLE's layout and speculators' ----------------------------------------------------------

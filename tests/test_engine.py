@@ -46,7 +46,9 @@ class ScriptedCandidates(CandidateGenerator):
         return self._one_hot([t + depth + 1 for t in tlens]), None
 
 
-def random_prompts(n, vocab=64, seed=0, max_len=12):
+def random_prompts_from_one_token(n, vocab=64, seed=0, max_len=12):
+    """``n`` random prompts of 1..max_len tokens, one-token prompts included (tokens 3..vocab-1; Python's random;
+    tests/conftest.py's ``random_prompts`` draws 3..11 tokens with torch's)."""
     g = random.Random(seed)
     return [[g.randrange(3, vocab) for _ in range(g.randint(1, max_len))] for _ in range(n)]
 
@@ -59,7 +61,7 @@ GAMMAS = [g if g in (1, 3, 8) else pytest.param(g, marks=pytest.mark.slow) for g
 @pytest.mark.parametrize("gamma", GAMMAS)
 def test_eagle_greedy_identity(target, drafter, gamma):
     dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(gamma))
-    for prompt in random_prompts(4, seed=gamma):
+    for prompt in random_prompts_from_one_token(4, seed=gamma):
         ref = target.reference_greedy(prompt, 24)
         out = dec.generate(prompt, 24)
         assert out.tokens == ref
@@ -69,7 +71,7 @@ def test_eagle_greedy_identity(target, drafter, gamma):
 
 @pytest.mark.parametrize("gamma", GAMMAS)
 def test_scripted_drafts_greedy_identity_and_accounting(target, gamma):
-    for k, prompt in enumerate(random_prompts(5, seed=100 + gamma)):
+    for k, prompt in enumerate(random_prompts_from_one_token(5, seed=100 + gamma)):
         ref = target.reference_greedy(prompt, 30)
         cand = ScriptedCandidates(prompt, ref, corrupt=0.25, seed=k)
         out = SpeculativeDecoder(target, cand, StaticPolicy(gamma)).generate(prompt, 30)
@@ -171,7 +173,7 @@ def test_fp32_engine_matches_ar():
     target = make_target(seed=5, dtype=torch.float32)
     drafter = make_drafter(target, dtype=torch.float32)
     dec = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), StaticPolicy(4))
-    for prompt in random_prompts(4, seed=9):
+    for prompt in random_prompts_from_one_token(4, seed=9):
         assert dec.generate(prompt, 20).tokens == target.reference_greedy(prompt, 20)
 
 

@@ -6,30 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, pair_overrides, save_tiny_pair, tiny_llama_config
+from conftest import compose_config, pair_overrides
 from hydra import compose, initialize_config_dir
-from transformers import LlamaForCausalLM
 
 from ldlp.bench.comparisons.evaluate import RESULT_KEYS, evaluate
 
 REPO = Path(__file__).resolve().parent.parent
-VOCAB = 4096
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    """A tiny Llama target, an EAGLE drafter and a standalone draft LM, saved like the embedded ones, and
-    ``noisy_lm``: the target with noise on its LM head, a draft LM the target accepts sometimes."""
-    root = tmp_path_factory.mktemp("models")
-    target = save_tiny_pair(root, VOCAB)
-    torch.manual_seed(2)
-    LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, d=32, layers=1, max_pos=512, eos=2)).save_pretrained(root / "draft_lm")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        w = target.lm_head.weight
-        w.add_(0.6 * w.std() * torch.randn(w.shape, generator=g))
-    target.save_pretrained(root / "noisy_lm")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +29,13 @@ def overrides(models: Path, prompts: Path, draft_lm: bool = False) -> list[str]:
             "generation.max_new_tokens=12", "evaluation.repeats=2", "evaluation.progress=false", "threads=1"]
 
 
-def compose_eval(extra: list[str]):
-    return compose_config("evaluate", extra)
+def evaluate_config(models: Path, prompts: Path, extra: list[str], draft_lm: bool = False):
+    """scripts/evaluate.py's config on the first two prompts of ``prompts`` (:func:`overrides`), ``extra`` last."""
+    return compose_config("evaluate", overrides(models, prompts, draft_lm) + extra)
 
 
 def test_evaluate_writes_every_key_and_is_lossless(tiny_models, prompt_file, tmp_path):
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic"])
+    cfg = evaluate_config(tiny_models, prompt_file, ["policy=heuristic"])
     result = evaluate(cfg, policy_name="heuristic", out_dir=tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert set(RESULT_KEYS) <= set(saved)
@@ -77,8 +60,8 @@ def test_the_lossless_check_reads_the_targets_own_greedy_decoding(tiny_models, p
     token makes the run lossy; the same run against the true reference is lossless."""
     from eagle_backbone.target import TargetModel
 
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=3",
-                                                             f"evaluation.ar_baseline={ar}"])
+    cfg = evaluate_config(tiny_models, prompt_file, ["policy=static", "policy.gamma=3",
+                                                      f"evaluation.ar_baseline={ar}"])
     assert evaluate(cfg, policy_name="static")["lossless"] is True
     if ar == "transformers":
         import ldlp.bench.harness.peer as peer
@@ -110,11 +93,11 @@ def test_the_lossless_check_reads_the_targets_own_greedy_decoding(tiny_models, p
 
 
 def test_sampling_skips_the_lossless_check_and_oracle_refuses_it(tiny_models, prompt_file):
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=2",
-                                                              "generation.temperature=0.8", "evaluation.repeats=1"])
+    cfg = evaluate_config(tiny_models, prompt_file, ["policy=static", "policy.gamma=2",
+                                                      "generation.temperature=0.8", "evaluation.repeats=1"])
     result = evaluate(cfg, policy_name="static")
     assert result["lossless"] is None and result["gamma"] == 2 and result["ar_impl"] == "ours"
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=oracle", "generation.temperature=0.8"])
+    cfg = evaluate_config(tiny_models, prompt_file, ["policy=oracle", "generation.temperature=0.8"])
     with pytest.raises(ValueError, match="greedy"):
         evaluate(cfg, policy_name="oracle")
 
@@ -127,7 +110,7 @@ def test_transformers_peer_rows(tiny_models, prompt_file):
 
     assert not list((REPO / "conf" / "policy").glob("hf_*.yaml"))
     for name in ("hf_heuristic", "hf_confidence"):
-        cfg = compose_eval(overrides(tiny_models, prompt_file, draft_lm=True) + [f"peer={name}", "evaluation.repeats=1"])
+        cfg = evaluate_config(tiny_models, prompt_file, [f"peer={name}", "evaluation.repeats=1"], draft_lm=True)
         result = evaluate(cfg, policy_name=name)
         assert result["engine"] == "transformers" and result["lossless"] is True
         assert result["target_forwards"] >= 2 and result["drafted_tokens"] > 0
@@ -138,7 +121,7 @@ def test_transformers_peer_rows(tiny_models, prompt_file):
     assert peer_alias(["e.py", "policy=heuristic", "policy.max_gamma=4"]) == ["e.py", "policy=heuristic", "policy.max_gamma=4"]
     with pytest.raises(ConfigError, match=r"^policy=hf_heuristic,heuristic: hf_heuristic is a peer \(conf/peer/\)"):
         peer_alias(["e.py", "-m", "policy=hf_heuristic,heuristic"])
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["peer=hf_heuristic"])
+    cfg = evaluate_config(tiny_models, prompt_file, ["peer=hf_heuristic"])
     with pytest.raises(ValueError, match="draft LM"):
         evaluate(cfg, policy_name="hf_heuristic")
 
@@ -283,7 +266,7 @@ def test_a_tuned_file_for_another_model_is_refused_before_loading_or_taken_and_r
     from ldlp.bench.harness.loaders import run_setup
 
     path = tmp_path / "tuning.json"
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=ddd", f"tuned_from={path}"])
+    cfg = evaluate_config(tiny_models, prompt_file, ["policy=ddd", f"tuned_from={path}"])
     made_for = {**run_setup(cfg.model), "model": "vicuna"}
     path.write_text(json.dumps({"made_for": made_for, "results": [
         {"policy": "ddd", "params": {"threshold": -4.0}, "tokens_per_s": 12.0}]}))
@@ -309,9 +292,9 @@ def test_a_tuned_file_for_another_model_is_refused_before_loading_or_taken_and_r
 def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
     from ldlp.bench.comparisons.headtohead import head_to_head
 
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static"])
+    cfg = evaluate_config(tiny_models, prompt_file, ["policy=static"])
     static = cfg.policy
-    sampled = compose_eval(overrides(tiny_models, prompt_file) + ["generation.temperature=0.7"])
+    sampled = evaluate_config(tiny_models, prompt_file, ["generation.temperature=0.7"])
     with pytest.raises(ValueError, match="greedy"):
         head_to_head(sampled, [("static", static), ("heuristic", static)])
     with pytest.raises(ValueError, match="at least 2 contenders"):
@@ -323,8 +306,8 @@ def test_head_to_head_refuses_sampling_and_duplicates(tiny_models, prompt_file):
 def test_head_to_head_tokens_per_s_counts_every_round(tiny_models, prompt_file):
     from ldlp.bench.comparisons.headtohead import head_to_head
 
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "evaluation.progress=false"])
-    two = compose_eval(overrides(tiny_models, prompt_file) + ["policy=static", "policy.gamma=2"]).policy
+    cfg = evaluate_config(tiny_models, prompt_file, ["policy=static", "evaluation.progress=false"])
+    two = evaluate_config(tiny_models, prompt_file, ["policy=static", "policy.gamma=2"]).policy
     result = head_to_head(cfg, [("static", cfg.policy), ("static", two)], rounds=3, bootstrap=50)
     secs, tokens = np.array(result["seconds"]), np.array(result["tokens"])
     for i, row in enumerate(result["rows"]):
@@ -366,8 +349,8 @@ def test_head_to_head_fits_the_costs_of_its_own_generations(tiny_models, prompt_
     monkeypatch.setattr(h2h, "engine_runner", synthetic)
     noisy = [o if not o.startswith("model.drafter=") else f"model.drafter={tiny_models / 'noisy_lm'}"
              for o in overrides(tiny_models, prompt_file, draft_lm=True)]
-    cfg = compose_eval(noisy + ["policy=static", "policy.gamma=1"])
-    four = compose_eval(noisy + ["policy=static"]).policy
+    cfg = compose_config("evaluate", noisy + ["policy=static", "policy.gamma=1"])
+    four = compose_config("evaluate", noisy + ["policy=static"]).policy
     result = h2h.head_to_head(cfg, [("static", cfg.policy), ("static", four)], rounds=2, bootstrap=10)
     assert result["lossless"] is True and all(r["tau"] > 1.0 for r in result["rows"][:2])
     costs = result["costs"]
@@ -570,8 +553,8 @@ def test_the_dropped_note_states_the_share_in_bold_over_5_percent():
 def test_one_policy_twice_is_named_by_the_setting_that_differs(tiny_models, prompt_file):
     from ldlp.bench.comparisons.headtohead import head_to_head
 
-    cfg = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic", "evaluation.progress=false"])
-    other = compose_eval(overrides(tiny_models, prompt_file) + ["policy=heuristic", "policy.initial_gamma=2"]).policy
+    cfg = evaluate_config(tiny_models, prompt_file, ["policy=heuristic", "evaluation.progress=false"])
+    other = evaluate_config(tiny_models, prompt_file, ["policy=heuristic", "policy.initial_gamma=2"]).policy
     result = head_to_head(cfg, [("heuristic", cfg.policy), ("heuristic", other)], rounds=1, bootstrap=20)
     assert [r["contender"] for r in result["rows"]][:2] == ["heuristic", "heuristic (initial_gamma=2)"]
 
@@ -583,8 +566,8 @@ def test_head_to_head_scripted_twins_replay_each_adaptive_contenders_choices(tin
     from ldlp.report.headtohead import head_to_head_markdown
 
     base = overrides(tiny_models, prompt_file) + ["evaluation.progress=false", "+scripted_twins=true"]
-    cfg = compose_eval(base + ["policy=static"])
-    heuristic = compose_eval(base + ["policy=heuristic"]).policy
+    cfg = compose_config("evaluate", base + ["policy=static"])
+    heuristic = compose_config("evaluate", base + ["policy=heuristic"]).policy
     result = head_to_head(cfg, [("static", cfg.policy), ("heuristic", heuristic)], rounds=2, bootstrap=20)
     static, adaptive, twin, ar = result["rows"]
     assert twin["contender"] == f"{adaptive['contender']}: its choices, scripted" and twin["adaptive"] is None

@@ -19,16 +19,10 @@ from ldlp.models.calibration import OnlineLogitCalibration
 from ldlp.policies.in_step import IN_STEP_FILE, InStepPolicy, read_start
 from ldlp.policies.learned import LearnedPolicy, step_seconds_table
 from ldlp.training.in_step import depth_events
-from oracle_helpers import mimic_pair_and_ldlp
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [2, 8, 1]]
 SECONDS = step_seconds_table(CostTable.linear(10.0, 1.5), 8)
 FROZEN = {"prior": [1.0, 0.0], "drafted": [1.0, 0.0, 0.0]}  # the predictor as it is, no weight on the drafter
-
-
-@pytest.fixture(scope="module")
-def pair_and_ldlp():
-    return mimic_pair_and_ldlp()
 
 
 def in_step(ldlp, **kw):

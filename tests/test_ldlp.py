@@ -31,10 +31,11 @@ def synthetic_rule(feature: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(1.5 + 1.5 * feature[..., 0] - 1.0 * feature[..., 1]), 0, K_MAX).astype(np.int64)
 
 
-def write_oracle(out_dir: Path, n_conversations: int, rows_per_conv: int, d: int, store_features: bool,
+def write_rule_oracle(out_dir: Path, n_conversations: int, rows_per_conv: int, d: int, store_features: bool,
                  vocab: int = 64, seed: int = 0, target=None) -> Path:
-    """An oracle directory in the collector's format. With ``target`` the features are the target's own
-    (teacher-forced) so that recomputation reproduces them; otherwise random, with rule labels."""
+    """An oracle directory in the collector's format: ``n_conversations`` sequences (every fifth in validation) whose
+    labels are :func:`synthetic_rule` of their features. With ``target`` the features are the target's own
+    (teacher-forced) so that recomputation reproduces them; otherwise random."""
     import datasets
     import pyarrow as pa
 
@@ -228,7 +229,7 @@ def _trainer(max_epochs):
 
 
 def test_feature_size_mismatch_is_a_clear_error(tmp_path):
-    oracle = write_oracle(tmp_path / "oracle", n_conversations=4, rows_per_conv=5, d=6, store_features=True)
+    oracle = write_rule_oracle(tmp_path / "oracle", n_conversations=4, rows_per_conv=5, d=6, store_features=True)
     dm = OracleDataModule(str(oracle), feature_dim=8, k_max=K_MAX)
     with pytest.raises(ValueError, match="oracle features have size 6 but the LDLP expects 8"):
         dm.setup("fit")
@@ -242,7 +243,7 @@ def test_learns_a_synthetic_rule(tmp_path, head, one_thread):
 
     L.seed_everything(0)
     d, vocab = 8, 64
-    oracle = write_oracle(tmp_path / "oracle", n_conversations=60, rows_per_conv=40, d=d, store_features=True)
+    oracle = write_rule_oracle(tmp_path / "oracle", n_conversations=60, rows_per_conv=40, d=d, store_features=True)
     dm = OracleDataModule(str(oracle), feature_dim=d, k_max=K_MAX, batch_size=64)
     module = LDLPModule(dict(input_dim=2 * d, hidden_dim=64, k_max=K_MAX, head=head),
                         embedding=torch.randn(vocab, d), under_weight=2.0, lr=3e-3)
@@ -261,8 +262,8 @@ def test_recomputed_features_match_stored_ones_and_split_by_conversation(tmp_pat
 
     target = make_target(dtype=torch.float32)
     kw = dict(n_conversations=10, rows_per_conv=6, d=target.hidden_size, target=target)
-    stored = write_oracle(tmp_path / "stored", store_features=True, **kw)
-    bare = write_oracle(tmp_path / "bare", store_features=False, **kw)
+    stored = write_rule_oracle(tmp_path / "stored", store_features=True, **kw)
+    bare = write_rule_oracle(tmp_path / "bare", store_features=False, **kw)
     dms = []
     for path, cache in ((stored, None), (bare, tmp_path / "cache")):
         dm = OracleDataModule(str(path), feature_dim=target.hidden_size, k_max=K_MAX, target=target,
@@ -277,7 +278,7 @@ def test_recomputed_features_match_stored_ones_and_split_by_conversation(tmp_pat
 
 
 def test_censored_rows_are_dropped(tmp_path):
-    oracle = write_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=10, d=4, store_features=True)
+    oracle = write_rule_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=10, d=4, store_features=True)
     rows = list(load_oracle_rows(oracle))
     censored = sum(r["label"] == r["remaining"] < K_MAX for r in rows)
     assert censored > 0
@@ -310,7 +311,7 @@ def script_inputs(tmp_path_factory):
     from eagle_backbone.target import TargetModel
 
     tm = TargetModel.from_pretrained(target)
-    oracle = write_oracle(root / "oracle", n_conversations=10, rows_per_conv=20, d=tm.hidden_size,
+    oracle = write_rule_oracle(root / "oracle", n_conversations=10, rows_per_conv=20, d=tm.hidden_size,
                           store_features=False, target=tm)
     return root, target, oracle
 
@@ -375,7 +376,7 @@ def test_ldlp_training_refuses_an_incomplete_collection_and_records_the_override
     from ldlp.training.predictor import run_ldlp_training
 
     target = tiny_target_folder(tmp_path / "target")
-    oracle = write_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=6, d=32, store_features=True)
+    oracle = write_rule_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=6, d=32, store_features=True)
     for meta in oracle.glob("*/*.json"):
         meta.write_text(json.dumps({"sequences": 4 if meta.parent.name == "train" else 1}))
     manifest = json.loads((oracle / "manifest.json").read_text())
@@ -398,7 +399,7 @@ def test_ldlp_training_refuses_an_incomplete_collection_and_records_the_override
 def test_a_torn_last_checkpoint_with_resume_fails_in_one_line(tmp_path):
     from ldlp.training.predictor import run_ldlp_training
 
-    oracle = write_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=6, d=32, store_features=True)
+    oracle = write_rule_oracle(tmp_path / "oracle", n_conversations=5, rows_per_conv=6, d=32, store_features=True)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     with zipfile.ZipFile(ckpt / "whole.ckpt", "w") as z:  # what torch.save writes: a zip archive
@@ -432,7 +433,7 @@ def test_ldlp_training_resumed_from_last_ckpt_equals_an_uninterrupted_run(tmp_pa
     from ldlp.training import predictor as P
 
     target = tiny_target_folder(tmp_path / "target")
-    oracle = write_oracle(tmp_path / "oracle", n_conversations=10, rows_per_conv=6, d=32, store_features=True)
+    oracle = write_rule_oracle(tmp_path / "oracle", n_conversations=10, rows_per_conv=6, d=32, store_features=True)
 
     def cfg(name, *extra):
         return compose_config("train_ldlp", [

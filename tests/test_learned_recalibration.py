@@ -6,7 +6,6 @@ paths. No clock is read."""
 import numpy as np
 import pytest
 import torch
-from oracle_helpers import mimic_pair_and_ldlp
 
 from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.cost import CostTable
@@ -67,11 +66,6 @@ def test_an_observation_is_paired_with_the_plan_that_decided_it():
 def test_recalibrate_takes_only_a_boolean():
     with pytest.raises(ValueError, match="recalibrate must be true, false or null"):
         LearnedPolicy(predictor=object(), recalibrate="maybe")
-
-
-@pytest.fixture(scope="module")
-def pair_and_ldlp():
-    return mimic_pair_and_ldlp()
 
 
 PROMPTS = [[5, 9, 11, 3], [7, 7, 20], [30, 4, 12, 18, 9], [2, 8, 1]]

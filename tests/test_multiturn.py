@@ -7,10 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, pair_overrides, save_tiny_pair
+from conftest import compose_config, pair_overrides
 
 REPO = Path(__file__).resolve().parent.parent
-VOCAB = 4096
 
 QUESTIONS = [  # MT-bench layout: two user turns, a category; the last is far too long for max_prompt_tokens
     {"question_id": 81, "category": "writing", "turns": ["Write a short poem about lists.", "Now make it rhyme."]},
@@ -22,20 +21,14 @@ QUESTIONS = [  # MT-bench layout: two user turns, a category; the last is far to
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    save_tiny_pair(root, VOCAB)
-    return root
-
-
-@pytest.fixture(scope="module")
 def question_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "question.jsonl"
     path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return path
 
 
-def compose_eval(models: Path, questions: Path, extra=()):
+def two_turn_config(models: Path, questions: Path, extra=()):
+    """scripts/evaluate.py's config for both turns of ``questions`` (static γ = 3), ``extra`` overrides last."""
     return compose_config("evaluate", pair_overrides(models) + [
         "data=mt_bench", f"data.path={questions}", "data.limit=null", "data.turns=all", "data.max_prompt_tokens=200",
         "generation.max_new_tokens=10", "evaluation.repeats=2", "evaluation.progress=false", "threads=1",
@@ -48,7 +41,7 @@ def two_turn_run(tiny_models, question_file, tmp_path_factory):
     from ldlp.report.categories import write_categories
 
     out = tmp_path_factory.mktemp("run")
-    result = evaluate(compose_eval(tiny_models, question_file), policy_name="static", out_dir=out)
+    result = evaluate(two_turn_config(tiny_models, question_file), policy_name="static", out_dir=out)
     write_categories(result, out)  # as scripts/evaluate.py does: the rows from bench, the page from report
     return result, out
 
@@ -62,7 +55,7 @@ def test_second_turn_is_prompted_with_the_models_own_first_answer_and_equals_ar(
     from ldlp.bench.harness.loaders import load_pair_cached
     from ldlp.bench.harness.runners import ar_runner, engine_runner
 
-    cfg = compose_eval(tiny_models, question_file)
+    cfg = two_turn_config(tiny_models, question_file)
     pair = load_pair_cached(cfg.model)
     questions = load_questions(cfg.data, pair.tokenizer)
     assert questions.mode == "own_answers" and [q.id for q in questions] == ["81", "82", "101"]
@@ -182,7 +175,7 @@ def test_sampling_keeps_one_stream_per_conversation(tiny_models, question_file):
     from ldlp.bench.comparisons.evaluate import evaluate
     from ldlp.bench.harness.loaders import load_pair_cached
 
-    cfg = compose_eval(tiny_models, question_file, ["generation.temperature=0.9", "evaluation.repeats=1"])
+    cfg = two_turn_config(tiny_models, question_file, ["generation.temperature=0.9", "evaluation.repeats=1"])
     first = evaluate(cfg, policy_name="static")
     again = evaluate(cfg, policy_name="static")
     assert first["lossless"] is None and first["n_prompts"] == 6
@@ -204,8 +197,8 @@ def test_head_to_head_rows_carry_seconds_and_tokens_per_category(tiny_models, qu
     from ldlp.bench.comparisons.headtohead import head_to_head
     from ldlp.report.headtohead import head_to_head_markdown
 
-    cfg = compose_eval(tiny_models, question_file, ["data.turns=first"])
-    two = compose_eval(tiny_models, question_file, ["policy.gamma=2"]).policy
+    cfg = two_turn_config(tiny_models, question_file, ["data.turns=first"])
+    two = two_turn_config(tiny_models, question_file, ["policy.gamma=2"]).policy
     result = head_to_head(cfg, [("static", cfg.policy), ("static", two)], rounds=2, bootstrap=20)
     assert result["categories"] == ["writing", "writing", "coding"]  # the too-long coding question dropped
     secs, tokens = np.array(result["seconds"]), np.array(result["tokens"])

@@ -32,8 +32,9 @@ def write_results(runs: Path) -> None:
         (out / "results.json").write_text(json.dumps(result))
 
 
-def write_oracle(out_dir: Path, n_rows: int = 60) -> None:
-    """A one-part oracle collection per split, in the collector's layout."""
+def write_random_oracle(out_dir: Path, n_rows: int = 60) -> None:
+    """A one-part oracle collection per split, in the collector's layout: one sequence of ``n_rows`` rows each,
+    labels and features random (what the notebook reads, not what a predictor learns)."""
     from ldlp.labels.store import META_SUFFIX, ROWS_SUFFIX, SEQS_SUFFIX, rows_features, sequences_features, write_arrow
 
     rng = np.random.default_rng(0)
@@ -63,7 +64,7 @@ def test_analysis_notebook_executes(tmp_path, monkeypatch):
     from ldlp.models.predictor import LDLP, LDLPConfig
 
     write_results(tmp_path / "runs")
-    write_oracle(tmp_path / "oracle")
+    write_random_oracle(tmp_path / "oracle")
     torch.manual_seed(0)
     LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, d=D, layers=1)).save_pretrained(tmp_path / "target")
     LDLP(LDLPConfig(input_dim=2 * D, hidden_dim=8, k_max=K_MAX)).save_pretrained(tmp_path / "ldlp")

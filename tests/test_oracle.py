@@ -1,5 +1,6 @@
 """Oracle labels: the vectorised collector equals the naive per-position reference, the labels mean what
-they say in the engine, and the sharded collection is resumable, splittable and reloadable."""
+they say in the engine (EAGLE-1 and EAGLE-3: drafting exactly the label wastes nothing), and the sharded collection
+is resumable, splittable and reloadable. EAGLE-3's vectorised labels and its collector: tests/test_eagle3_oracle.py."""
 
 import json
 import random
@@ -7,11 +8,11 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, compose_config, one_line
+from conftest import REPO, compose_config, make_eagle3, one_line
 from oracle_helpers import CONVS, LabelPolicy, arrow_files, assert_same_rows, greedy_oracle
 
-from eagle_backbone.kinds.eagle import EagleCandidateGenerator
 from eagle_backbone.decoder import SpeculativeDecoder, autoregressive_generate
+from eagle_backbone.drafter_kinds import get_kind
 from eagle_backbone.errors import MissingInput
 from ldlp.labels.oracle import oracle_labels, oracle_labels_sequential, recompute_features
 from ldlp.labels.store import load_oracle_rows, load_oracle_sequences
@@ -74,23 +75,38 @@ def test_target_prob_semantics(mimic):
             assert int(rows["draft_tokens"][r, a]) != s[int(rows["index"][r]) + a + 1]
 
 
-def test_labels_give_zero_waste_in_the_engine(mimic):
+def labelled_pair(request, kind):
+    """A target and a drafter of ``kind`` whose labels reach accepted drafts: EAGLE-1 the float64 mimic pair (drafts
+    agree for a while, then diverge), EAGLE-3 a random head that shares the 8-token float32 target's LM head."""
+    if kind == "eagle":
+        return request.getfixturevalue("mimic")
+    t3 = request.getfixturevalue("t3")
+    return t3, make_eagle3(t3)
+
+
+# per kind: the prompt, the budget, and the features' absolute tolerance (its pair's dtype: float64, float32)
+ZERO_WASTE = [pytest.param("eagle", [5, 9, 11, 3], 40, 1e-9, id="eagle"),
+              pytest.param("eagle3", [1, 5, 3, 6], 24, 1e-5, id="eagle3")]
+
+
+@pytest.mark.parametrize("kind, prompt, budget, atol", ZERO_WASTE)
+def test_labels_give_zero_waste_in_the_engine(request, kind, prompt, budget, atol):
     """Drafting exactly the label at every step keeps the greedy output and wastes no draft, and the
-    stored (last_token, feature) is what the engine's rows hold at that step."""
-    target, drafter = mimic
-    prompt, budget = [5, 9, 11, 3], 40
+    stored (last_token, feature) is what the engine's rows hold at that step (EAGLE-3's feature too is the
+    target's last hidden state, not the drafter's fused layer states)."""
+    target, drafter = labelled_pair(request, kind)
     response, rows = greedy_oracle(target, drafter, prompt, budget, k_max=6)
     policy = LabelPolicy(lambda position: int(rows["label"][position - 1]))
-    out = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), policy).generate(prompt, budget)
+    out = SpeculativeDecoder(target, get_kind(kind)(drafter, target), policy).generate(prompt, budget)
     assert out.tokens == response == autoregressive_generate(target, prompt, budget).tokens
     assert out.stats.wasted_tokens == 0 and out.stats.accepted_tokens > 0
     for ctx in policy.seen:
         r = ctx.position - 1  # row of index i = n + position - 1
         assert ctx.last_token == int(rows["last_token"][r])
-        assert torch.allclose(ctx.feature, rows["feature"][r], atol=1e-9)
+        torch.testing.assert_close(ctx.feature, rows["feature"][r], rtol=1e-5, atol=atol)
     # and one more draft than the label is always one wasted token (when the chain may still go on)
     greedy_plus = LabelPolicy(lambda position: int(rows["label"][position - 1]) + 1)
-    more = SpeculativeDecoder(target, EagleCandidateGenerator(drafter, target), greedy_plus).generate(prompt, budget)
+    more = SpeculativeDecoder(target, get_kind(kind)(drafter, target), greedy_plus).generate(prompt, budget)
     assert more.tokens == response and more.stats.wasted_tokens > 0
 
 

@@ -34,7 +34,9 @@ def cand(t32):
     return DraftModelCandidateGenerator(noisy_copy(t32, 0.3), t32)
 
 
-def random_table(rng: random.Random, monotone: bool) -> CostTable:
+def random_sorted_or_unsorted_table(rng: random.Random, monotone: bool) -> CostTable:
+    """A small random table: every list of cells drawn in a range, sorted (rising) when ``monotone`` and in no order
+    otherwise; a depth overhead half the time."""
     slots, tokens = [1, 2, 4, 8], [1, 2, 3, 5, 9]
 
     def cells(n, lo, hi):
@@ -56,14 +58,14 @@ def test_allocation_is_the_best_of_every_gamma_vector():
     for case in range(600):
         kind = case % 3
         costs = (CostTable.linear(rng.uniform(1, 20), rng.uniform(0, 5), rng.uniform(0, 2)) if kind == 2
-                 else random_table(rng, monotone=kind == 0))
+                 else random_sorted_or_unsorted_table(rng, monotone=kind == 0))
         lengths = [rng.randint(0, 4) for _ in range(rng.randint(1, 5))]
         fed = rng.uniform(1, 5)
         g = allocate_budget(lengths, costs, fed)
         assert all(0 <= a <= b for a, b in zip(g, lengths)), (lengths, g)
         assert budget_rate(g, costs, fed) >= brute_force(lengths, costs, fed) * (1 - 1e-12), (case, lengths, g)
     # memoised answers are the same answers
-    memo, costs = {}, random_table(random.Random(1), monotone=True)
+    memo, costs = {}, random_sorted_or_unsorted_table(random.Random(1), monotone=True)
     for _ in range(50):
         lengths = [rng.randint(0, 3) for _ in range(4)]
         assert allocate_budget(lengths, costs, 2.0, memo) == allocate_budget(lengths, costs, 2.0)

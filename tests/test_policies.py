@@ -1,7 +1,6 @@
 """Draft-length policies: each rule's decisions on synthetic contexts, the oracle's zero waste on tiny
 float64 models, losslessness of every policy inside the engine, and their YAML files."""
 
-import copy
 import math
 import re
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from conftest import step_ldlp
+from conftest import noisy_head_copy, step_ldlp
 from hydra.utils import instantiate
 
 from eagle_backbone.kinds.draft_lm import DraftModelCandidateGenerator
@@ -154,23 +153,13 @@ def test_heuristic_keeps_a_schedule_per_slot():
 # -- the oracle and the engine ----------------------------------------------------------------------------
 
 
-def noisy_copy(target, scale=0.6, seed=0):
-    """A draft LM that is the target plus noise on its LM head: it agrees with the target often, not always."""
-    model = copy.deepcopy(target.model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        w = model.lm_head.weight
-        w.add_(scale * w.std() * torch.randn(w.shape, generator=g, dtype=w.dtype))
-    return model
-
-
 PROMPTS = [[3, 14, 15, 9, 26], [5, 8, 13], [21, 34, 55, 4, 7, 11, 30]]
 
 
 @pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
 def test_oracle_zero_waste_and_lossless(target, drafter, kind):
     cand = (EagleCandidateGenerator(drafter, target) if kind == "eagle"
-            else DraftModelCandidateGenerator(noisy_copy(target), target))
+            else DraftModelCandidateGenerator(noisy_head_copy(target), target))
     oracle = OraclePolicy(k_max=6)
     static = SpeculativeDecoder(target, cand, StaticPolicy(6))
     for prompt in PROMPTS:
@@ -195,7 +184,7 @@ def test_oracle_is_greedy_only(target, drafter):
 
 
 def test_every_policy_is_lossless_in_the_engine(target, ldlp_dir):
-    draft_lm = noisy_copy(target, seed=1)
+    draft_lm = noisy_head_copy(target, seed=1)
     policies = [StaticPolicy(3), LDLPPolicy(ldlp_dir), LDLPDDDPolicy(ldlp_dir, threshold=-1.0),
                 DDDPolicy(-1.0), ConfidencePolicy(0.4), EntropyPolicy(1.0), HeuristicPolicy(5)]
     for policy in policies:

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from conftest import pooled_grid_chi2_pvalue
 
 from eagle_backbone import tree as T
 from eagle_backbone.sampling import (
@@ -387,18 +387,6 @@ def test_exact_distribution_of_first_two_tokens(monkeypatch):
 # ---- sampling verification: chi-square --------------------------------------------------------------
 
 
-def chi2_pvalue(counts, probs, min_expected=5.0):
-    """Chi-square goodness of fit, cells with expected counts under ``min_expected`` pooled into one."""
-    n = counts.sum()
-    exp = probs.flatten() * n
-    obs = counts.flatten().double()
-    small = exp < min_expected
-    if small.any():
-        obs = torch.cat([obs[~small], obs[small].sum()[None]])
-        exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    return chisquare(obs.numpy(), exp.numpy()).pvalue
-
-
 def monte_carlo_first_two(spec, P, Q, V, N, seed0):
     """N rows, one seed each, drafted and verified in one batched call: counts (V, V) of the first two tokens."""
     seeds = torch.arange(N) + seed0
@@ -431,12 +419,12 @@ def test_chi_square_first_two_tokens(temperature, monkeypatch):
     want = P[0][0][:, None] * P[1]
     spec = EXACT_TREES["mixed"]
     counts = monte_carlo_first_two(spec, P, Q, V, N, seed0=int(temperature * 1000))
-    assert chi2_pvalue(counts, want) > 1e-3
+    assert pooled_grid_chi2_pvalue(counts, want) > 1e-3
     # a broken residual (rejected drafts keep their mass) fails the same check
     monkeypatch.setattr(T, "_reject_deterministic", BROKEN["deterministic rejection not zeroed"][1])
     monkeypatch.setattr(T, "_reject_sampled", BROKEN["sampled rejection keeps r"][1])
     counts = monte_carlo_first_two(spec, P, Q, V, N, seed0=int(temperature * 1000))
-    assert chi2_pvalue(counts, want) < 1e-6
+    assert pooled_grid_chi2_pvalue(counts, want) < 1e-6
 
 
 # ---- selection --------------------------------------------------------------------------------------

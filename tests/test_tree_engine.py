@@ -1,13 +1,14 @@
 """Draft trees in the batched engine (eagle_backbone/tree_step.py, eagle_backbone/tree_draft.py):
 greedy identity with the target's own decoding for dynamic (EAGLE-2) and static trees, both candidate kinds,
 one and three slots with prompts admitted mid-run, eager and sdpa attention; early_exit on and off agree; a
-width-1 tree is the chain; partial and empty selections; the capacity edge; lossless sampling (chi-square
-against the exact distribution, and its power against a broken sibling rejection); seeded runs repeat and do
-not depend on the batch.
+width-1 tree is the chain; partial and empty selections; the capacity edge; seeded sampled runs repeat.
 
 Tiny float32 Llamas (tests/conftest.py); no test reads a clock. Per-policy host-read counting lives in
-tests/test_host_reads.py (it globs conf/policy), and EOS inside a tree's accepted path in tests/test_batched.py
-(test_eos_inside_one_slots_draft, beside the chain's), not here."""
+tests/test_host_reads.py (it globs conf/policy); EOS inside a tree's accepted path, a sequence's samples independent
+of the batch, and lossless tree sampling (chi-square against the enumerated distribution, and its power against a
+broken sibling rejection) in tests/test_batched.py (test_eos_inside_one_slots_draft,
+test_a_sequences_samples_do_not_depend_on_the_batch, test_sampled_prefixes_have_the_enumerated_distribution and
+test_chi_square_has_power_against_a_broken_sibling_rejection: trees beside chains), not here."""
 
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ import copy
 
 import pytest
 import torch
-from conftest import SPECS, AnyTree, ar, chi2_pvalue, decode, exact_sequence_distribution, prompts_of
+from conftest import SPECS, AnyTree, ar, counters, decode, prompts_of
 from conftest import TREE_N as N
 from conftest import TREE_PROMPTS as PROMPTS
 
-from eagle_backbone import tree as btree
 from eagle_backbone.batched_engine import BatchedSpeculativeEngine
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.sampling import SamplingConfig
@@ -41,16 +41,6 @@ def top_per_row(n_of_slot):
 
 def nothing(grown, rows):
     return torch.zeros_like(grown.valid)
-
-
-def counters(outputs):
-    return [(o.stats.accept_lengths, o.stats.draft_lengths, o.stats.accepted_tokens, o.stats.drafted_tokens,
-             o.stats.target_forwards, o.stats.new_tokens) for o in outputs]
-
-
-@pytest.fixture(scope="module")
-def drafters(eagle32, draft_lm):
-    return {"eagle": eagle32, "draft_lm": draft_lm}
 
 
 @pytest.fixture(scope="module")
@@ -245,48 +235,6 @@ def test_prompts_near_the_capacity(t32, drafters, kind, spec, early_exit):
 # ---- sampling ---------------------------------------------------------------------------------------
 
 
-TINY_PROMPT, SAMPLES = [1, 3], 1200
-TINY_SPECS = {"dyn2x2": (TreeSpec(2, 2), 2), "dyn2x3": (TreeSpec(2, 3), 3),
-              "static": (TreeSpec.static([[0], [1], [0, 0], [0, 1], [1, 0]]), 2)}
-
-
-def _tree_sample_counts(pair, spec, g, cfg, n=SAMPLES, slots=600):
-    """Counts of the first 3 tokens of ``n`` sequences decoded 5 tokens deep (so that the first verification
-    has a tree of full depth), one random stream (seed) per sequence, ``slots`` sequences an engine."""
-    target, draft = pair
-    counts, accepted = {}, 0
-    for start in range(0, n, slots):
-        m = min(slots, n - start)
-        engine = BatchedSpeculativeEngine(target, draft.model, "draft_lm", slots=m, policy=AnyTree(spec, g),
-                                          sampling=cfg, capacity=16)
-        for o in engine.generate([TINY_PROMPT] * m, 5, seeds=range(start, start + m)):
-            key = tuple(o.tokens[:3])
-            counts[key] = counts.get(key, 0) + 1
-            accepted += o.stats.accepted_tokens
-    return counts, accepted
-
-
-@pytest.mark.parametrize("spec", TINY_SPECS)
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_tree_sampling_is_lossless(tiny_vocab_pair, temperature, spec):
-    cfg = SamplingConfig(temperature=temperature)
-    probs = exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
-    counts, accepted = _tree_sample_counts(tiny_vocab_pair, *TINY_SPECS[spec], cfg)
-    assert accepted > SAMPLES // 2  # the trees' nodes were accepted, not only rejected
-    assert chi2_pvalue(counts, probs, SAMPLES) > 1e-3
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chi_square_has_power_against_a_broken_sibling_rejection(tiny_vocab_pair, monkeypatch, temperature):
-    """Keeping the residual as it was after a sampled sibling's rejection (no r <- norm(max(r - q, 0))) must
-    fail the same test: at T > 0 the engine's siblings are draws from q."""
-    monkeypatch.setattr(btree, "_reject_sampled", lambda r, q: r)
-    cfg = SamplingConfig(temperature=temperature)
-    probs = exact_sequence_distribution(tiny_vocab_pair[0], TINY_PROMPT, 3, cfg)
-    counts, _ = _tree_sample_counts(tiny_vocab_pair, *TINY_SPECS["dyn2x3"], cfg)
-    assert chi2_pvalue(counts, probs, SAMPLES) < 1e-6
-
-
 @pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
 def test_seeded_sampling_repeats(t32, drafters, kind):
     """The same command twice (fresh engines, same seeds): the same tokens and counters."""
@@ -297,18 +245,6 @@ def test_seeded_sampling_repeats(t32, drafters, kind):
     assert [o.tokens for o in runs[0]] == [o.tokens for o in runs[1]]
     assert counters(runs[0]) == counters(runs[1])
     assert len({tuple(o.tokens) for o in runs[0]}) == len(PROMPTS)
-
-
-@pytest.mark.parametrize("kind", ["eagle", "draft_lm"])
-def test_a_sequences_samples_do_not_depend_on_the_batch(t32, drafters, kind):
-    cfg = SamplingConfig(temperature=1.0)
-    policy = lambda: AnyTree(SPECS["static_small"])
-    alone = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=1, policy=policy(), sampling=cfg)
-    ref = alone.generate(PROMPTS[1:2], 16, seeds=[42])[0]
-    both = BatchedSpeculativeEngine(t32, drafters[kind], kind, slots=3, policy=policy(), sampling=cfg)
-    out = both.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], 16, seeds=[1, 2, 42])[2]
-    assert out.tokens == ref.tokens
-    assert counters([out]) == counters([ref])
 
 
 # ---- the drafter's tree forward -----------------------------------------------------------------------

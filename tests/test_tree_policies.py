@@ -20,15 +20,16 @@ torch.set_num_threads(1)
 SLOTS, TOKENS = [1, 2, 4], [1, 2, 3, 5, 9, 17]
 
 
-def table(token_ms: float) -> CostTable:
-    """Verification 5 ms plus ``token_ms`` per scored token a row, a draft depth 0.5 ms."""
+def tree_table(token_ms: float) -> CostTable:
+    """Verification 5 ms plus ``token_ms`` per scored token a row (every one, up to a tree's 17), a draft depth
+    0.5 ms and feeding 0.1 ms (tests/conftest.py's ``table`` prices the tokens past a row's first, up to 9)."""
     return CostTable({"source": "test"}, SLOTS, TOKENS, [[5.0 + token_ms * R * t for t in TOKENS] for R in SLOTS],
                      [0.5] * len(SLOTS), [[0.1] * len(TOKENS) for _ in SLOTS], [0.0] * len(SLOTS))
 
 
 def budget(tmp_path, token_ms: float, **kw) -> TreeBudgetPolicy:
     policy = TreeBudgetPolicy({"cost_dir": str(tmp_path), "model": "tiny"}, **kw)
-    policy.pricing.costs = table(token_ms)  # as bind would load it
+    policy.pricing.costs = tree_table(token_ms)  # as bind would load it
     return policy
 
 
