@@ -270,3 +270,16 @@ def test_the_add_a_policy_recipe_runs_as_written(tmp_path, monkeypatch):
     res = replay(rows, make(), CostTable.linear(10.0, 1.0), embed=target.embed, vocab_size=target.vocab_size)
     assert res.drafted == sum(s.drafted_tokens for s in stats)
     assert res.accepted == sum(s.accepted_tokens for s in stats)
+
+
+def test_a_policy_yaml_that_builds_no_policy_is_refused_in_one_line():
+    """A ``_target_`` that builds something other than a DraftPolicy (or a peer) is named, not run into mid-decode."""
+    from conftest import one_line
+    from omegaconf import OmegaConf
+
+    from ldlp.bench.harness.loaders import build_policy
+
+    with pytest.raises(ValueError, match=r"policy._target_=collections.OrderedDict built a OrderedDict, not a "
+                                         r"DraftPolicy") as e:
+        build_policy(OmegaConf.create({"_target_": "collections.OrderedDict"}))
+    one_line(e)

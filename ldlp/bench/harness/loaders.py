@@ -15,7 +15,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from eagle_backbone.io import file_sha256
+from eagle_backbone.policy import DraftPolicy
 from eagle_backbone.sampling import SamplingConfig
+from ldlp.bench.harness.peer import is_peer
 
 log = logging.getLogger(__name__)
 
@@ -312,9 +314,6 @@ def build_policy(policy_cfg, model_cfg=None):
         if isinstance(e.__cause__, ValueError):
             raise e.__cause__ from None
         raise
-    from eagle_backbone.policy import DraftPolicy
-    from ldlp.bench.harness.peer import is_peer
-
     if not (isinstance(policy, DraftPolicy) or is_peer(policy)):  # a peer (conf/peer/) runs in place of the engine
         raise ValueError(f"policy._target_={policy_cfg['_target_']} built a {type(policy).__name__}, not a DraftPolicy "
                          "(eagle_backbone/policy.py; docs/policies.md#adding-one)")
