@@ -309,6 +309,11 @@ class BatchedEagle3Drafter:
         self.drafter, self.attn, self.capacity = drafter, attn, capacity
         # the layer's projections (q, k, v read the 2d-wide input) and fc as the engine runs linears
         self.layer, self.fc = DecoderLayer(drafter.midlayer, linear), Projection(drafter.fc, linear)
+        # the LM head as the engine runs linears (F.linear on one bfloat16 row cost twice the packed matmul), and
+        # the draft-to-target map read once: a full vocabulary's logits are the head's own
+        self.head = Projection(drafter.lm_head, linear)
+        self.identity_vocab = drafter.draft_vocab_size == drafter.vocab_size and not bool(drafter.d2t.any())
+        self.draft_ids = None if self.identity_vocab else drafter.draft_to_target()
         w = drafter.fc.weight
         self.dtype, self.device = w.dtype, w.device
         self.rope = RotaryTable(drafter.rotary_emb, capacity, self.dtype, self.device)
@@ -326,15 +331,26 @@ class BatchedEagle3Drafter:
 
     def draft(self, tokens, states, batch, cache):
         """Draft pairs: tokens (N,) and the drafter's own states (N, d) -> the next states (N, d)."""
-        from eagle_backbone.llama import attend
+        from eagle_backbone.llama import attend, rms_norm
 
         d, L = self.drafter, self.layer
-        x, residual = d.mix(d.embed_tokens(tokens).to(self.dtype), states.to(self.dtype))
+        # Eagle3Drafter.mix with the engine's fused norms (the same bits as the modules')
+        g = states.to(self.dtype)
+        gn = rms_norm(d.midlayer.hidden_norm, g)
+        x = torch.cat([rms_norm(L.input_layernorm, d.embed_tokens(tokens).to(self.dtype)), gn], -1)
+        residual = gn if d.norm_before_residual else g
         N = x.shape[0]
         q, k, v = L.attention_inputs(x, *self.rope(batch.rope_pos))
         # Eagle3Drafter.finish on the engine's linears: o_proj, the residual, the MLP block
         return L.mlp(residual + L.o(attend(cache, 0, q, k, v, batch, L.scaling, self.attn).reshape(N, -1)))
 
     def logits(self, h):
-        """Logits over the target's vocabulary (draft tokens mapped by d2t)."""
-        return self.drafter.full_logits(h)
+        """Logits over the target's vocabulary (draft tokens mapped by d2t; uncovered tokens at -inf):
+        Eagle3Drafter.full_logits on the engine's linear and norm."""
+        from eagle_backbone.llama import rms_norm
+
+        dl = self.head(rms_norm(self.drafter.norm, h.to(self.dtype)))
+        if self.identity_vocab:
+            return dl
+        out = dl.new_full((*dl.shape[:-1], self.drafter.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, dl)
