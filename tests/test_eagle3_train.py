@@ -5,6 +5,7 @@ model=embedded_eagle3-style configs load."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -100,6 +101,13 @@ def test_kept_answers_serve_fewer_prompts_and_extend_to_more(tmp_path, monkeypat
     assert calls == [2, 1]  # prompts 2..3, then 4: saved between
     cfg.distill.prompts = 3
     assert distilled_records(cfg, t, None, "train") == whole[:3] and calls == [2, 1]
+    cfg.distill.prompts = "all"  # every prompt the split has: the five kept, nothing decoded
+    assert distilled_records(cfg, t, None, "train") == whole and calls == [2, 1]
+    for bad in (-1, "many", 2.5):
+        cfg.distill.prompts = bad
+        with pytest.raises(ValueError, match=r"^drafter_training.distill.prompts: .*give a count >= 0 or 'all'$"):
+            distilled_records(cfg, t, None, "train")
+    cfg.distill.prompts = 3
     cfg.distill.max_new_tokens = 5
     assert [len(r["response_ids"]) <= 5 for r in distilled_records(cfg, t, None, "train")] == [True] * 3
 
@@ -289,3 +297,18 @@ def test_corpus_records_are_first_answers_of_the_data(embedded_corpus):
     assert len(recs) == 3 and recs[0]["source"] == "corpus"
     assert recs[0]["prompt_ids"] + recs[0]["response_ids"] == encode_chat(tok, msgs)
     assert corpus_records(embedded_corpus / "train.json", tok, 0, 128) == []
+
+
+def test_all_corpus_records_are_every_conversations_first_answer(embedded_corpus, tmp_path):
+    """``corpus_text: all`` (a limit of None): every conversation's first answer, the same records as a count of
+    them; a count that is no count is refused in one line naming the key."""
+    from eagle_backbone.loading import load_tokenizer
+    from eagle_backbone.train.eagle3 import corpus_records, count_of
+
+    tok = load_tokenizer(str(REPO_ROOT / "data" / "embedded" / "tokenizer"))
+    four = tmp_path / "four.json"
+    four.write_text(json.dumps(json.loads((embedded_corpus / "train.json").read_text())[:4]))
+    every = corpus_records(four, tok, count_of("all", "corpus_text"), 128)
+    assert len(every) == 4 and every == corpus_records(four, tok, 4, 128) == corpus_records(four, tok, 9, 128)
+    with pytest.raises(ValueError, match=r"^drafter_training.corpus_text: -2: give a count >= 0 or 'all'$"):
+        count_of(-2, "corpus_text")

@@ -243,6 +243,15 @@ def frequent_tokens(ids: torch.Tensor, mask: torch.Tensor, n: int, vocab_size: i
     return kept.tolist(), float(counts[kept].sum() / counts.sum().clamp_min(1))
 
 
+def count_of(value, key: str) -> int | None:
+    """A record count from the config: an integer >= 0, or ``all`` (None: every one the split has)."""
+    if value == "all":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"drafter_training.{key}: {value!r}: give a count >= 0 or 'all'")
+    return value
+
+
 def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[dict]:
     """The distilled records of ``split`` (train | validation): the target's response to every prompt at each
     of ``cfg.distill.temperatures`` (EAGLE-3's self-distillation: greedy and sampled answers), concatenated in
@@ -250,7 +259,7 @@ def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[d
     beside their settings: the answers to the first n prompts, made in that order. A file made with the same
     other settings serves any count up to n, and a larger count extends it (the answers to prompts n.. are what
     one run over all of them gives, :func:`distill`'s ``start``), saved every ``distill.save_every`` prompts so
-    an interrupted run resumes there; other settings make them again."""
+    an interrupted run resumes there; other settings make them again. ``distill.prompts: all``: every prompt."""
     from eagle_backbone.data.conversations import build_prompts, load_conversations
 
     d = cfg.distill
@@ -261,17 +270,18 @@ def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[d
     records = []
     for temperature in temperatures:
         settings = {"split": split, "path": str(cfg.train_path if split == "train" else cfg.validation_path),
-                    "prompts": int(d.prompts if split == "train" else d.validation_prompts),
+                    "prompts": count_of(d.prompts, "distill.prompts") if split == "train"
+                    else count_of(d.validation_prompts, "distill.validation_prompts"),
                     "max_prompt_tokens": int(d.max_prompt_tokens), "max_new_tokens": int(d.max_new_tokens),
                     "temperature": temperature, "seed": int(d.seed)}
         want = settings["prompts"]
         out = Path(d.dir) / f"{split}-T{temperature:g}.jsonl"
         have = _kept_records(out, settings)
-        if len(have) < want:
+        if want is None or len(have) < want:
             if prompts is None:
                 convs = load_conversations(settings["path"], limit=None)
                 prompts = build_prompts(tokenizer, convs, settings["max_prompt_tokens"])
-            want = min(want, len(prompts))  # every prompt the file has: no more to distil
+            want = len(prompts) if want is None else min(want, len(prompts))  # no more than the split has
             every = max(1, int(d.get("save_every") or want))
             while len(have) < want:
                 n = len(have)
@@ -284,14 +294,14 @@ def distilled_records(cfg, target: TargetModel, tokenizer, split: str) -> list[d
     return records
 
 
-def corpus_records(path, tokenizer, limit: int, max_prompt_tokens: int) -> list[dict]:
-    """Off-policy records: the first ``limit`` conversations' first user turn (its chat prompt) and the answer
+def corpus_records(path, tokenizer, limit: int | None, max_prompt_tokens: int) -> list[dict]:
+    """Off-policy records: the first ``limit`` (None: every) conversations' first user turn (its chat prompt) and the answer
     the data gives it (``source: corpus``), in the distilled records' form. Conversations without an answer
     after their first user turn, or with a longer prompt, are left out."""
     from eagle_backbone.data.conversations import encode_chat, load_conversations, to_messages
 
     out = []
-    for conv in load_conversations(str(path), limit=None) if limit > 0 else []:
+    for conv in load_conversations(str(path), limit=None) if limit != 0 else []:
         msgs = to_messages(conv["conversations"])
         i = next((k for k, m in enumerate(msgs) if m["role"] == "user"), None)
         if i is None or i + 1 >= len(msgs) or msgs[i + 1]["role"] != "assistant":
@@ -300,7 +310,7 @@ def corpus_records(path, tokenizer, limit: int, max_prompt_tokens: int) -> list[
         if len(prompt) > max_prompt_tokens or full[: len(prompt)] != prompt:
             continue
         out.append({"id": str(conv.get("id")), "prompt_ids": prompt, "response_ids": full[len(prompt):], "source": "corpus"})
-        if len(out) >= limit:
+        if limit is not None and len(out) >= limit:
             break
     return out
 
@@ -339,7 +349,8 @@ def run_eagle3_training(root_cfg) -> dict:
         return {"kind": "eagle3", "distilled_train_records": len(train), "distilled_val_records": len(val),
                 "distill_dir": str(cfg.distill.dir)}
     distilled = len(train)
-    train = train + corpus_records(cfg.train_path, tokenizer, int(cfg.get("corpus_text") or 0), int(cfg.distill.max_prompt_tokens))
+    corpus = count_of(cfg.get("corpus_text") or 0, "corpus_text")
+    train = train + corpus_records(cfg.train_path, tokenizer, corpus, int(cfg.distill.max_prompt_tokens))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dm = DistilledData(train, val, cfg.block_size, cfg.batch_size, root_cfg.seed, steps, pad)
     coverage = None
