@@ -35,6 +35,16 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
+    def reached_and_kept(self, depth: int) -> tuple[list[int], list[int]]:
+        """Per draft depth k = 1..``depth``: the steps whose k-th draft the target scored with every draft before
+        it kept (reached), and those that kept it too; kept / reached is the chain's acceptance at depth k."""
+        reached, kept = [0] * depth, [0] * depth
+        for drafted, accepted in zip(self.draft_lengths, self.accept_lengths):
+            for k in range(min(drafted, accepted + 1, depth)):
+                reached[k] += 1
+                kept[k] += k < accepted
+        return reached, kept
+
     def record_step(self, drafted: int, accepted: int) -> None:
         """One verification: ``drafted`` drafts scored, ``accepted`` of them kept."""
         self.target_forwards += 1

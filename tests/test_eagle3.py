@@ -355,6 +355,12 @@ def test_the_drafters_bench_compares_each_drafter_with_the_reference_on_the_same
     assert (pair["set"], pair["temperature"]) == ("embedded_test", 0.0)
     assert (row["n_prompts"], row["drafter"]) == (4, "eagle3")  # the rows behind the page's tables
     assert drafters_markdown(result).startswith("### Drafters head to head (")  # the page's render check
+    for name in ("eagle1", "eagle3"):  # each chain's acceptance by depth at tau_gamma: reached, then kept, falling counts
+        depth = cell["acceptance_by_depth"][name]
+        assert [x["depth"] for x in depth] == [1, 2, 3] and depth[0]["reached"] > 0
+        assert all(x["kept"] <= x["reached"] for x in depth)
+        assert all(b["reached"] <= a["kept"] for a, b in zip(depth, depth[1:]))
+    assert "#### acceptance by draft depth at γ = 3, every prompt set" in drafters_markdown(result)
     cell["costs"]["eagle3"] = {"step_ms": 0.0, "draft_ms": 1.0, "c": None}  # one γ alone fits no step cost
     assert "fitted costs of eagle3" not in drafters_markdown(result)
 

@@ -178,3 +178,15 @@ def test_replay_checks_head_sizes_against_the_stored_rows(tmp_path):
                          (LDLPPolicy(str(tmp_path / "ldlp")), f"input_dim={2 * (d + 4)}")):
         with pytest.raises(ValueError, match=what):
             replay(rows, policy, costs, embed=lambda ids: torch.zeros(len(ids), d))
+
+
+def test_a_chains_acceptance_by_depth_counts_the_steps_that_reached_each_draft():
+    """Steps (drafted, kept): (3, 3), (3, 1), (3, 0), (2, 2) a chain cut by the budget, (0, 0) a prefill. Depth 1 is
+    reached by the four drafting steps and kept by three; depth 2 by the three that kept their first draft; depth
+    3 by the one of those that drafted three deep, and never by the budget-cut chain."""
+    st = GenerationStats()
+    for drafted, kept in ((3, 3), (3, 1), (3, 0), (2, 2), (0, 0)):
+        st.record_step(drafted, kept)
+    assert st.reached_and_kept(3) == ([4, 3, 1], [3, 2, 1])
+    assert sum(st.reached_and_kept(3)[1]) == st.accepted_tokens
+    assert st.reached_and_kept(2) == ([4, 3], [3, 2])  # deeper drafts than asked for are left out

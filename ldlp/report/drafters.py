@@ -57,6 +57,17 @@ def drafters_markdown(result: dict) -> str:
                   f"{r['reference_tokens_per_s']:.1f} ({r['reference_speedup_vs_ar']:.2f}) | {_ci(r)} | "
                   f"{r['rounds_faster']}/{r['rounds']} |" for r in result["speed_summary"]]
         lines.append("")
+    if result.get("depth_summary"):
+        g = result["tau_gamma"]
+        lines += [f"#### acceptance by draft depth at γ = {g}, every prompt set", "",
+                  "Of the steps whose chain reached depth k (every draft before it kept), the share that kept the k-th "
+                  "draft too (first round, every prompt).", "",
+                  "| prompt set | T | drafter | " + " | ".join(f"k = {k}" for k in range(1, g + 1)) + " |",
+                  "|---|---:|---|" + "---:|" * g]
+        lines += [f"| {r['set']} | {r['temperature']:g} | {r['drafter']} | "
+                  + " | ".join("–" if x is None else f"{x:.3f}" for x in r["rates"]) + " |"
+                  for r in result["depth_summary"]]
+        lines.append("")
     if result.get("pairs"):
         lines += [f"#### τ of one drafter over another at γ = {result['tau_gamma']}", "",
                   "| prompt set | T | drafter | over | τ | τ | ratio (95% interval) |", "|---|---:|---|---|---:|---:|---|"]

@@ -113,6 +113,9 @@ def bench_drafters(cfg) -> dict:
     result["summary"] = summary_rows(result)
     result["speed_summary"] = speed_rows(result)
     result["pairs"] = pair_rows(result, list(cfg.get("pairs") or []), int(cfg.bootstrap), int(cfg.seed))
+    result["depth_summary"] = [{"set": s, "temperature": float(T), "drafter": name, "rates": [x["rate"] for x in rows]}
+                               for s, cell in result["sets"].items() for T, t_cell in cell["by_temperature"].items()
+                               for name, rows in t_cell["acceptance_by_depth"].items()]
     return result
 
 
@@ -200,6 +203,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
         fwds = np.zeros((len(runners), rounds, len(prompts)))
         outputs = [[None] * len(prompts) for _ in runners]
         stats_of = {name: [] for name in names}
+        depth_of = {name: ([0] * tau_gamma, [0] * tau_gamma) for name in names}  # (reached, kept) at tau_gamma
         bar = progress_bar(rounds * len(prompts), f"drafters {set_name} T={T}", bool(cfg.evaluation.get("progress", True)))
 
         def turn(i, prompt, k, r):
@@ -209,6 +213,9 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
                 outputs[i][k] = out
             if i < len(contenders):
                 stats_of[contenders[i][0]].append(st)
+                if r == 0 and contenders[i][1] == tau_gamma:
+                    for total, part in zip(depth_of[contenders[i][0]], st.reached_and_kept(tau_gamma)):
+                        total[:] = [a + b for a, b in zip(total, part)]
 
         interleaved(range(len(runners)), prompts, rounds, turn, order="rotate", after_item=lambda: bar.update(1))
         bar.close()
@@ -230,6 +237,9 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
                 row["speedup_vs_ar"] = row["tokens_per_s"] / ar
         cell = {"rounds": rounds, "lossless": lossless, "rows": rows, "labels": labels, "seconds": secs.tolist(),
                 "tokens": tokens.tolist(), "target_forwards": fwds.tolist()}
+        # where each drafter's τ goes: its chain's acceptance at every depth (first round, every prompt)
+        cell["acceptance_by_depth"] = {name: [{"depth": k + 1, "reached": a, "kept": b, "rate": b / a if a else None}
+                                              for k, (a, b) in enumerate(zip(*depth_of[name]))] for name in names}
         ref_tau = labels.index(f"{names[0]} γ={tau_gamma}")
         cell["tau_vs_reference"] = {}
         for name in names[1:]:
