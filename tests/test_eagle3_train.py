@@ -240,7 +240,7 @@ def test_a_head_continues_on_distilled_and_corpus_text_with_its_learning_curve(t
     save_tiny_pair(tmp_path, vocab=4096, layers=3)
     over = [o for o in pair_overrides(tmp_path, "float32") if not o.startswith(("model.drafter", "model.name"))]
 
-    def run(head, steps, *extra):
+    def run(head, steps, *extra, ok=True):
         cmd = [sys.executable, "scripts/train_drafter.py", "drafter=eagle3", *over, f"model.drafter={head}",
                f"trainer.max_steps={steps}", "trainer.precision=32-true", "trainer.limit_val_batches=1",
                "trainer.enable_progress_bar=false", "drafter_training.layer_ids=[0,1,2]",
@@ -250,7 +250,7 @@ def test_a_head_continues_on_distilled_and_corpus_text_with_its_learning_curve(t
                f"hydra.run.dir={tmp_path / 'run'}", f"data.path={embedded_corpus / 'train.json'}",
                f"drafter_training.validation_path={embedded_corpus / 'validation.json'}", *extra]
         r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert (r.returncode == 0) == ok, r.stderr[-3000:]
         return r
 
     run(tmp_path / "first", 1, f"drafter_training.ckpt_dir={tmp_path / 'ckpt1'}")
@@ -275,6 +275,11 @@ def test_a_head_continues_on_distilled_and_corpus_text_with_its_learning_curve(t
     run(tmp_path / "second", 4, *curve)  # resumed from step 2: only step 4's points are new
     rows = [json.loads(x) for x in (tmp_path / "ckpt2" / "curve.jsonl").read_text().splitlines()]
     assert [(x["drafter"], x["step"]) for x in rows[6:]] == [("head", 4), ("head", 4)]
+    r = run(tmp_path / "third", 6, *curve, "drafter_training.lr=5e-4", ok=False)  # another recipe, same ckpt_dir
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'ckpt2' / 'last.ckpt'}: made with other settings (lr: 0.001 -> 0.0005); pass "
+        "resume=false to train from the start, or give this run its own ckpt_dir"), r.stderr[-2000:]
+    assert not (tmp_path / "third").exists()
     from ldlp.report.eagle3_curve import write_curve_page
 
     page = write_curve_page(tmp_path / "ckpt2" / "curve.jsonl", tmp_path / "page", "tiny", offset_tokens=1000)

@@ -78,7 +78,7 @@ class DrafterModule(L.LightningModule):
 def run_drafter_training(root_cfg) -> dict:
     """Train a drafter for ``drafter_training.target`` and export it in EAGLE's checkpoint format."""
     from eagle_backbone.loading import load_tokenizer
-    from eagle_backbone.train.lm import LMDataModule, fit_resumable
+    from eagle_backbone.train.lm import LMDataModule, fit_resumable, run_settings
 
     cfg = root_cfg.drafter_training
     L.seed_everything(root_cfg.seed, workers=True)
@@ -92,8 +92,10 @@ def run_drafter_training(root_cfg) -> dict:
                            warmup_steps=cfg.warmup_steps, max_steps=root_cfg.trainer.max_steps,
                            reg_weight=cfg.reg_weight, cls_weight=cfg.cls_weight, noise=cfg.noise,
                            target_dtype=cfg.target_dtype)
+    settings = run_settings({"seed": root_cfg.seed, **cfg},
+                            drop=("out_dir", "ckpt_dir", "export_dtype"))
     trainer, val, seconds = fit_resumable(module, dm, root_cfg.trainer, root_cfg.logger, cfg.ckpt_dir,
-                                          root_cfg.resume)
+                                          root_cfg.resume, settings=settings)
     summary = {"steps": trainer.global_step, "tokens_seen": trainer.global_step * cfg.batch_size * cfg.block_size,
                "val_top1": val["val/top1"], "val_reg": val["val/reg"], "val_cls": val["val/cls"],
                "params": sum(p.numel() for n, p in module.drafter.named_parameters() if not n.startswith("embed")),

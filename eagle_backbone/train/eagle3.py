@@ -332,7 +332,7 @@ def run_eagle3_training(root_cfg) -> dict:
     """Distil (once), train with the TTT loss (resuming from ``ckpt_dir/last.ckpt``), export the head in
     speculators' layout to ``out_dir`` and, when ``eagle_out_dir`` is set, in EAGLE's there too."""
     from eagle_backbone.loading import load_tokenizer
-    from eagle_backbone.train.lm import fit_resumable
+    from eagle_backbone.train.lm import fit_resumable, run_settings
 
     cfg = root_cfg.drafter_training
     L.seed_everything(root_cfg.seed, workers=True)
@@ -360,9 +360,12 @@ def run_eagle3_training(root_cfg) -> dict:
                                          module.drafter.vocab_size)
         module.restrict_vocab(kept)
     curve = learning_curve(cfg, tokenizer, int(cfg.batch_size) * int(cfg.block_size), int(root_cfg.seed))
+    settings = run_settings({"seed": root_cfg.seed, **cfg},  # what decides the weights (more steps: a longer run)
+                            drop=("out_dir", "eagle_out_dir", "ckpt_dir", "checkpoint_every", "curve", "distill_only",
+                                  "export_dtype", "distill.dir", "distill.slots", "distill.save_every"))
     trainer, val_metrics, seconds = fit_resumable(module, dm, root_cfg.trainer, root_cfg.logger, cfg.ckpt_dir,
                                                   root_cfg.resume, every_n_steps=int(cfg.get("checkpoint_every", 50)),
-                                                  callbacks=[curve] if curve else [])
+                                                  callbacks=[curve] if curve else [], settings=settings)
     summary = {"kind": "eagle3", "steps": trainer.global_step, "ttt_steps": cfg.ttt_steps, "layers": list(module.layers),
                "train_records": len(train), "distilled_records": distilled, "corpus_records": len(train) - distilled,
                "init_from": cfg.get("init_from"), "val_records": len(val),

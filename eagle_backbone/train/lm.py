@@ -131,7 +131,11 @@ def run_lm_training(cfg) -> dict:
     module = CausalLMModule(OmegaConf.to_container(cfg.lm.config, resolve=True), lr=cfg.lr,
                             weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
                             max_steps=cfg.trainer.max_steps)
-    trainer, val, seconds = fit_resumable(module, dm, cfg.trainer, cfg.logger, cfg.ckpt_dir, cfg.resume)
+    settings = run_settings({"seed": cfg.seed, "lm": cfg.lm,
+                             **{k: cfg[k] for k in ("train_path", "block_size", "batch_size", "lr", "weight_decay",
+                                                    "warmup_steps", "max_conversations")}})
+    trainer, val, seconds = fit_resumable(module, dm, cfg.trainer, cfg.logger, cfg.ckpt_dir, cfg.resume,
+                                          settings=settings)
     summary = {"name": cfg.lm.name, "params": sum(p.numel() for p in module.model.parameters()),
                "steps": trainer.global_step, "tokens_seen": trainer.global_step * cfg.batch_size * cfg.block_size,
                "val_loss": val["val/loss"], "val_ppl": math.exp(val["val/loss"]),
@@ -143,22 +147,70 @@ def run_lm_training(cfg) -> dict:
     return summary
 
 
+RUN_SETTINGS = "run_settings.json"  # beside last.ckpt: the settings of the run that made it
+
+
+def run_settings(node, drop=()) -> dict:
+    """The settings that decide a run's weights: config ``node`` resolved, without the keys in ``drop`` (dotted:
+    where results go, how often to checkpoint or measure). The step count is not one of them: a rerun with more
+    ``trainer.max_steps`` extends the run."""
+    from omegaconf import OmegaConf
+
+    flat = {}
+
+    def walk(prefix, value):
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        elif prefix[:-1] not in drop and not any(prefix.startswith(d + ".") for d in drop):
+            flat[prefix[:-1]] = value
+
+    walk("", node)
+    return flat
+
+
+def check_run_settings(ckpt_dir: Path, settings: dict, resuming: bool) -> None:
+    """Refuse to resume a ``last.ckpt`` made with other settings (another recipe left in the same ``ckpt_dir``
+    would otherwise go on with its own optimiser, schedule and step), in one line naming what differs; record
+    this run's settings when it starts afresh."""
+    path = ckpt_dir / RUN_SETTINGS
+    if resuming and path.exists():
+        import json
+
+        kept = json.loads(path.read_text())
+        diff = [f"{k}: {kept.get(k, '(unset)')!r} -> {settings.get(k, '(unset)')!r}"
+                for k in sorted(set(kept) | set(settings)) if kept.get(k) != settings.get(k)]
+        if diff:
+            raise ValueError(f"{ckpt_dir / 'last.ckpt'}: made with other settings ({'; '.join(diff[:4])}"
+                             f"{f'; {len(diff) - 4} more' if len(diff) > 4 else ''}); pass resume=false to train from "
+                             "the start, or give this run its own ckpt_dir")
+    elif not resuming:
+        atomic_write_json(path, settings, newline=False)
+
+
 def fit_resumable(module, datamodule, trainer_cfg, logger_cfg, ckpt_dir, resume: bool, every_n_steps: int = 50,
-                  callbacks=()):
+                  callbacks=(), settings: dict | None = None):
     """Fit with a ``last.ckpt`` every ``every_n_steps`` steps in ``ckpt_dir``, resuming from it when asked; then
-    validate. ``callbacks``: more Lightning callbacks. Returns (trainer, validation metrics, seconds this run)."""
+    validate. ``callbacks``: more Lightning callbacks. ``settings`` (:func:`run_settings`): what decides the
+    weights, kept beside the checkpoint; a resume with other settings is refused (:func:`check_run_settings`).
+    Returns (trainer, validation metrics, seconds this run)."""
     import hydra
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     ckpt_dir = Path(ckpt_dir)
+    last = ckpt_dir / "last.ckpt"
+    resuming = bool(resume and last.exists())
+    if resuming:
+        check_checkpoint(last)  # a torn one: one line, not PytorchStreamReader's traceback
+    if settings is not None:  # before the trainer exists: nothing written or started for a refused run
+        check_run_settings(ckpt_dir, settings, resuming)
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=every_n_steps, save_top_k=0)
     trainer = hydra.utils.instantiate(trainer_cfg, logger=hydra.utils.instantiate(logger_cfg),
                                       callbacks=[ckpt, LearningRateMonitor("step"), *callbacks])
-    last = ckpt_dir / "last.ckpt"
-    if resume and last.exists():
-        check_checkpoint(last)  # a torn one: one line, not PytorchStreamReader's traceback
     clock = Clock()
     start = clock()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resume and last.exists() else None)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if resuming else None)
     val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     return trainer, val, clock() - start
