@@ -131,11 +131,13 @@ class Eagle3Drafter(nn.Module):
         return tuple(ids)
 
     # ---- the layer's math, shared by training (eagle_backbone/train/eagle3.py) and the engine -----------------
-    def mix(self, emb: torch.Tensor, g: torch.Tensor):
-        """The attention's input concat(input_layernorm(emb), hidden_norm(g)) (…, 2d) and the residual (…, d)."""
+    def mix(self, emb: torch.Tensor, g: torch.Tensor, norm=None):
+        """The attention's input concat(input_layernorm(emb), hidden_norm(g)) (…, 2d) and the residual (…, d).
+        ``norm(module, x)``: how a norm runs (the engine's fused ``rms_norm``, the same bits); default the module."""
         layer = self.midlayer
-        gn = layer.hidden_norm(g)
-        return torch.cat([layer.input_layernorm(emb), gn], -1), (gn if self.norm_before_residual else g)
+        norm = norm or (lambda module, x: module(x))
+        gn = norm(layer.hidden_norm, g)
+        return torch.cat([norm(layer.input_layernorm, emb), gn], -1), (gn if self.norm_before_residual else g)
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The state after attention's output ``attn_out`` (…, heads·head_dim): o_proj, residual, MLP block."""
@@ -334,11 +336,7 @@ class BatchedEagle3Drafter:
         from eagle_backbone.llama import attend, rms_norm
 
         d, L = self.drafter, self.layer
-        # Eagle3Drafter.mix with the engine's fused norms (the same bits as the modules')
-        g = states.to(self.dtype)
-        gn = rms_norm(d.midlayer.hidden_norm, g)
-        x = torch.cat([rms_norm(L.input_layernorm, d.embed_tokens(tokens).to(self.dtype)), gn], -1)
-        residual = gn if d.norm_before_residual else g
+        x, residual = d.mix(d.embed_tokens(tokens).to(self.dtype), states.to(self.dtype), norm=rms_norm)
         N = x.shape[0]
         q, k, v = L.attention_inputs(x, *self.rope(batch.rope_pos))
         # Eagle3Drafter.finish on the engine's linears: o_proj, the residual, the MLP block
