@@ -213,7 +213,7 @@ def test_the_script_trains_and_exports_both_layouts(tmp_path, embedded_corpus):
            "drafter_training.batch_size=2", "drafter_training.block_size=64", "drafter_training.ttt_steps=2",
            f"hydra.run.dir={tmp_path / 'run'}", f"data.path={embedded_corpus / 'train.json'}",
            f"drafter_training.validation_path={embedded_corpus / 'validation.json'}",
-           "drafter_training.draft_vocab_size=1024"]
+           "drafter_training.draft_vocab_size=1024", "drafter_training.corpus_text=0", "drafter_training.curve.every=null"]
     r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     from eagle_backbone.loading import load_pair
@@ -253,7 +253,8 @@ def test_a_head_continues_on_distilled_and_corpus_text_with_its_learning_curve(t
         assert (r.returncode == 0) == ok, r.stderr[-3000:]
         return r
 
-    run(tmp_path / "first", 1, f"drafter_training.ckpt_dir={tmp_path / 'ckpt1'}")
+    run(tmp_path / "first", 1, f"drafter_training.ckpt_dir={tmp_path / 'ckpt1'}", "drafter_training.corpus_text=0",
+        "drafter_training.curve.every=null")
     curve = [f"drafter_training.ckpt_dir={tmp_path / 'ckpt2'}", f"drafter_training.init_from={tmp_path / 'first'}",
              "drafter_training.checkpoint_every=1",
              "drafter_training.corpus_text=5", "drafter_training.curve.every=2", "drafter_training.curve.prompts=2",
