@@ -34,6 +34,7 @@ import numpy as np
 
 from eagle_backbone.drafter_kinds import make_candidates
 from eagle_backbone.loading import check_drafter_fits, load_drafter, load_target, tie_drafter_embedding
+from eagle_backbone.metrics import GenerationStats
 from eagle_backbone.policy import StaticPolicy
 from eagle_backbone.runtime import int_setting, resolve_dtype
 from eagle_backbone.sampling import SamplingConfig
@@ -203,7 +204,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
         fwds = np.zeros((len(runners), rounds, len(prompts)))
         outputs = [[None] * len(prompts) for _ in runners]
         stats_of = {name: [] for name in names}
-        depth_of = {name: ([0] * tau_gamma, [0] * tau_gamma) for name in names}  # (reached, kept) at tau_gamma
+        first_at_tau = {name: GenerationStats() for name in names}  # each drafter's steps at tau_gamma, first round
         bar = progress_bar(rounds * len(prompts), f"drafters {set_name} T={T}", bool(cfg.evaluation.get("progress", True)))
 
         def turn(i, prompt, k, r):
@@ -214,8 +215,7 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
             if i < len(contenders):
                 stats_of[contenders[i][0]].append(st)
                 if r == 0 and contenders[i][1] == tau_gamma:
-                    for total, part in zip(depth_of[contenders[i][0]], st.reached_and_kept(tau_gamma)):
-                        total[:] = [a + b for a, b in zip(total, part)]
+                    first_at_tau[contenders[i][0]] += st
 
         interleaved(range(len(runners)), prompts, rounds, turn, order="rotate", after_item=lambda: bar.update(1))
         bar.close()
@@ -239,7 +239,8 @@ def bench_one_set(cfg, prompts: list[list[int]], target, gens: dict, set_name: s
                 "tokens": tokens.tolist(), "target_forwards": fwds.tolist()}
         # where each drafter's τ goes: its chain's acceptance at every depth (first round, every prompt)
         cell["acceptance_by_depth"] = {name: [{"depth": k + 1, "reached": a, "kept": b, "rate": b / a if a else None}
-                                              for k, (a, b) in enumerate(zip(*depth_of[name]))] for name in names}
+                                              for k, (a, b) in enumerate(zip(*first_at_tau[name].reached_and_kept(tau_gamma)))]
+                                       for name in names}
         ref_tau = labels.index(f"{names[0]} γ={tau_gamma}")
         cell["tau_vs_reference"] = {}
         for name in names[1:]:
